@@ -1,0 +1,534 @@
+"""Unit tests of the optimizer specs (psclient.optimizers) and update rules (psserver.optimizers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from psclient import optimizers as specs
+from psproto.v1 import ps_pb2
+from psserver import optimizers as server
+
+ALL_VARIANTS: list[specs.Optimizer] = [
+    specs.SGD(),
+    specs.SGD(learning_rate=0.1, momentum=0.9),
+    specs.SGD(learning_rate=0.1, momentum=0.9, nesterov=True),
+    specs.Adagrad(),
+    specs.Adagrad(learning_rate=0.05, initial_accumulator_value=0.5, epsilon=1e-6),
+    specs.Adam(),
+    specs.Adam(learning_rate=0.01, beta_1=0.8, beta_2=0.99, epsilon=1e-6, amsgrad=True),
+    specs.RMSprop(),
+    specs.RMSprop(learning_rate=0.01, momentum=0.5),
+    specs.RMSprop(learning_rate=0.01, rho=0.8, centered=True),
+    specs.RMSprop(learning_rate=0.01, momentum=0.9, centered=True),
+]
+
+
+def _ids(opt: specs.Optimizer) -> str:
+    return repr(opt)
+
+
+# ---------------------------------------------------------------------------
+# Independent reference: the Keras 3 formulas, element by element, in Python floats.
+# ---------------------------------------------------------------------------
+
+
+def _reference_step(opt: specs.Optimizer, w: float, g: float, s: dict[str, float], t: int) -> float:
+    """One step on one element; ``t`` is the 0-based iteration. Updates ``s`` in place."""
+    if isinstance(opt, specs.SGD):
+        if opt.momentum == 0:
+            return w - opt.learning_rate * g
+        s["momentum"] = opt.momentum * s["momentum"] - opt.learning_rate * g
+        if opt.nesterov:
+            return w + opt.momentum * s["momentum"] - opt.learning_rate * g
+        return w + s["momentum"]
+    if isinstance(opt, specs.Adagrad):
+        s["accumulator"] += g * g
+        return w - opt.learning_rate * g / math.sqrt(s["accumulator"] + opt.epsilon)
+    if isinstance(opt, specs.Adam):
+        step = t + 1
+        s["momentum"] = opt.beta_1 * s["momentum"] + (1 - opt.beta_1) * g
+        s["velocity"] = opt.beta_2 * s["velocity"] + (1 - opt.beta_2) * g * g
+        v = s["velocity"]
+        if opt.amsgrad:
+            s["velocity_hat"] = max(s["velocity_hat"], v)
+            v = s["velocity_hat"]
+        alpha = opt.learning_rate * math.sqrt(1 - opt.beta_2**step) / (1 - opt.beta_1**step)
+        return w - s["momentum"] * alpha / (math.sqrt(v) + opt.epsilon)
+    if isinstance(opt, specs.RMSprop):
+        s["velocity"] = opt.rho * s["velocity"] + (1 - opt.rho) * g * g
+        if opt.centered:
+            s["average_gradient"] = opt.rho * s["average_gradient"] + (1 - opt.rho) * g
+            denominator = s["velocity"] - s["average_gradient"] ** 2 + opt.epsilon
+        else:
+            denominator = s["velocity"] + opt.epsilon
+        increment = opt.learning_rate * g / math.sqrt(denominator)
+        if opt.momentum > 0:
+            s["momentum"] = opt.momentum * s["momentum"] + increment
+            return w - s["momentum"]
+        return w - increment
+    raise AssertionError(opt)
+
+
+def _reference_run(opt: specs.Optimizer, w0: np.ndarray, grads: list[np.ndarray]) -> list[np.ndarray]:
+    """Runs the reference over whole arrays; returns the value after each step (float64)."""
+    initial = {name: 0.0 for name in server.from_config(opt).slot_names()}
+    if isinstance(opt, specs.Adagrad):
+        initial["accumulator"] = opt.initial_accumulator_value
+    flat_w = [float(x) for x in w0.reshape(-1)]
+    states = [dict(initial) for _ in flat_w]
+    history = []
+    for t, grad in enumerate(grads):
+        flat_g = [float(x) for x in grad.reshape(-1)]
+        flat_w = [_reference_step(opt, w, g, s, t) for w, g, s in zip(flat_w, flat_g, states, strict=True)]
+        history.append(np.array(flat_w, dtype=np.float64).reshape(w0.shape))
+    return history
+
+
+def _run(opt: specs.Optimizer, w0: np.ndarray, grads: list[np.ndarray], first_iteration: int = 0):
+    impl = server.from_config(opt)
+    slots = impl.init_slots(w0)
+    value = w0
+    history = []
+    for i, grad in enumerate(grads):
+        value = impl.apply(value, grad, slots, first_iteration + i)
+        history.append(value)
+    return history, slots
+
+
+# ---------------------------------------------------------------------------
+# Hand-computed values
+# ---------------------------------------------------------------------------
+
+
+ONES = np.ones(3, dtype=np.float64)
+
+
+@pytest.mark.parametrize(
+    ("opt", "expected"),
+    [
+        (specs.SGD(learning_rate=0.1), [0.9, 0.8, 0.7]),
+        (specs.SGD(learning_rate=0.1, momentum=0.9), [0.9, 0.71, 0.439]),
+        (specs.SGD(learning_rate=0.1, momentum=0.9, nesterov=True), [0.81, 0.539, 0.1951]),
+        (
+            specs.Adagrad(learning_rate=0.1, initial_accumulator_value=0.1, epsilon=0.0),
+            [
+                1 - 0.1 / math.sqrt(1.1),
+                1 - 0.1 / math.sqrt(1.1) - 0.1 / math.sqrt(2.1),
+                1 - 0.1 / math.sqrt(1.1) - 0.1 / math.sqrt(2.1) - 0.1 / math.sqrt(3.1),
+            ],
+        ),
+        # A constant gradient and epsilon 0: bias-corrected Adam moves by exactly lr.
+        (specs.Adam(learning_rate=0.1, epsilon=0.0), [0.9, 0.8, 0.7]),
+        (specs.Adam(learning_rate=0.1, epsilon=0.0, amsgrad=True), [0.9, 0.8, 0.7]),
+        (
+            specs.RMSprop(learning_rate=0.01, rho=0.9, epsilon=0.0),
+            [1 - 0.01 / math.sqrt(0.1), 1 - 0.01 / math.sqrt(0.1) - 0.01 / math.sqrt(0.19)],
+        ),
+        (
+            specs.RMSprop(learning_rate=0.01, rho=0.9, epsilon=0.0, centered=True),
+            # v = 0.1, a = 0.1, d = 0.1 - 0.01 = 0.09; then v = 0.19, a = 0.19, d = 0.19 - 0.0361
+            [1 - 0.01 / 0.3, 1 - 0.01 / 0.3 - 0.01 / math.sqrt(0.19 - 0.0361)],
+        ),
+        (
+            specs.RMSprop(learning_rate=0.01, rho=0.9, epsilon=0.0, momentum=0.5),
+            # m = inc1; then m = 0.5 * inc1 + inc2
+            [
+                1 - 0.01 / math.sqrt(0.1),
+                1 - 0.01 / math.sqrt(0.1) - (0.5 * 0.01 / math.sqrt(0.1) + 0.01 / math.sqrt(0.19)),
+            ],
+        ),
+    ],
+    ids=_ids,
+)
+def test_hand_computed_values(opt: specs.Optimizer, expected: list[float]) -> None:
+    history, _ = _run(opt, ONES, [ONES] * len(expected))
+    for step, (got, want) in enumerate(zip(history, expected, strict=True)):
+        np.testing.assert_allclose(got, np.full(3, want), rtol=1e-12, err_msg=f"step {step + 1}")
+
+
+def test_adam_amsgrad_keeps_the_largest_second_moment() -> None:
+    opt = specs.Adam(learning_rate=0.1, epsilon=0.0, amsgrad=True)
+    grads = [np.array([1.0]), np.array([0.0])]
+    history, slots = _run(opt, np.array([1.0]), grads)
+    # step 2: m = 0.09, v = 0.000999 < vhat = 0.001
+    assert slots["velocity"][0] == pytest.approx(0.000999)
+    assert slots["velocity_hat"][0] == pytest.approx(0.001)
+    alpha = 0.1 * math.sqrt(1 - 0.999**2) / (1 - 0.9**2)
+    assert history[1][0] == pytest.approx(0.9 - 0.09 * alpha / math.sqrt(0.001), rel=1e-12)
+
+
+def test_adam_bias_correction_uses_the_iteration() -> None:
+    opt = specs.Adam(learning_rate=0.1, epsilon=0.0)
+    impl = server.from_config(opt)
+    slots = {"momentum": np.array([0.5]), "velocity": np.array([0.25])}
+    new = impl.apply(np.array([1.0]), np.array([0.5]), slots, iteration=4)
+    alpha = 0.1 * math.sqrt(1 - 0.999**5) / (1 - 0.9**5)
+    assert new[0] == pytest.approx(1 - 0.5 * alpha / 0.5, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Against the independent reference, random data, several steps
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ALL_VARIANTS, ids=_ids)
+def test_matches_reference_float64(opt: specs.Optimizer) -> None:
+    rng = np.random.default_rng(7)
+    w0 = rng.standard_normal((4, 5))
+    grads = [rng.standard_normal((4, 5)) for _ in range(3)]
+    history, _ = _run(opt, w0, grads)
+    for step, (got, want) in enumerate(zip(history, _reference_run(opt, w0, grads), strict=True)):
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"step {step + 1}")
+
+
+@pytest.mark.parametrize("opt", ALL_VARIANTS, ids=_ids)
+def test_float16_is_computed_in_float32_and_rounded_back(opt: specs.Optimizer) -> None:
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(50).astype(np.float16)
+    grads = [rng.standard_normal(50).astype(np.float16) for _ in range(3)]
+    history, slots = _run(opt, w0, grads)
+    reference = _reference_run(opt, w0.astype(np.float64), [g.astype(np.float64) for g in grads])
+    for got, want in zip(history, reference, strict=True):
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-2, atol=1e-2)
+    assert all(s.dtype == np.float16 for s in slots.values())
+
+
+@pytest.mark.parametrize("opt", ALL_VARIANTS, ids=_ids)
+def test_blocks_give_the_same_result_as_one_pass(opt: specs.Optimizer, monkeypatch) -> None:
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal((7, 9)).astype(np.float32)
+    grads = [rng.standard_normal((7, 9)).astype(np.float32) for _ in range(3)]
+    whole, whole_slots = _run(opt, w0, grads)
+    monkeypatch.setattr(server, "BLOCK_ELEMENTS", 5)
+    blocked, blocked_slots = _run(opt, w0, grads)
+    for a, b in zip(whole, blocked, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in whole_slots:
+        np.testing.assert_array_equal(whole_slots[name], blocked_slots[name])
+
+
+# ---------------------------------------------------------------------------
+# apply's contract
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ALL_VARIANTS, ids=_ids)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_apply_returns_a_new_array_and_leaves_the_value_alone(opt: specs.Optimizer, dtype) -> None:
+    rng = np.random.default_rng(5)
+    value = rng.standard_normal((3, 4)).astype(dtype)
+    before = value.copy()
+    value.flags.writeable = False
+    grad = np.frombuffer(rng.standard_normal(12).astype(dtype).tobytes(), dtype=dtype).reshape(3, 4)
+    impl = server.from_config(opt)
+    slots = impl.init_slots(value)
+    new = impl.apply(value, grad, slots, 0)
+    np.testing.assert_array_equal(value, before)
+    assert new.dtype == value.dtype
+    assert new.shape == value.shape
+    assert new.flags.c_contiguous and new.flags.writeable
+    assert not np.shares_memory(new, value)
+    assert not np.array_equal(new, value)
+
+
+def test_gradient_of_another_dtype_is_cast_to_the_variable_dtype() -> None:
+    impl = server.from_config(specs.SGD(learning_rate=0.5))
+    value = np.ones(4, dtype=np.float32)
+    new = impl.apply(value, np.full(4, 2.0, dtype=np.float64), {}, 0)
+    assert new.dtype == np.float32
+    np.testing.assert_array_equal(new, np.zeros(4, dtype=np.float32))
+
+
+def test_scalar_and_empty_variables() -> None:
+    impl = server.from_config(specs.Adam())
+    scalar = np.ones((), dtype=np.float32)
+    new = impl.apply(scalar, np.ones((), dtype=np.float32), impl.init_slots(scalar), 0)
+    assert new.shape == ()
+    assert new < 1.0
+    empty = np.zeros((0, 3), dtype=np.float32)
+    assert impl.apply(empty, empty, impl.init_slots(empty), 0).shape == (0, 3)
+
+
+def test_non_contiguous_slots_are_updated() -> None:
+    impl = server.from_config(specs.SGD(learning_rate=0.1, momentum=0.9))
+    value = np.ones((3, 2))
+    slots = {"momentum": np.zeros((2, 3)).T}
+    assert not slots["momentum"].flags.c_contiguous
+    impl.apply(value, np.ones((3, 2)), slots, 0)
+    np.testing.assert_allclose(slots["momentum"], np.full((3, 2), -0.1))
+
+
+def test_nan_gradients_propagate_without_warnings() -> None:
+    impl = server.from_config(specs.Adam())
+    value = np.ones(2, dtype=np.float32)
+    new = impl.apply(value, np.array([np.nan, 1.0], dtype=np.float32), impl.init_slots(value), 0)
+    assert np.isnan(new[0]) and np.isfinite(new[1])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_])
+def test_non_float_variables_are_not_trainable(dtype) -> None:
+    impl = server.from_config(specs.Adam())
+    value = np.zeros(3, dtype=dtype)
+    assert impl.init_slots(value) == {}
+    with pytest.raises(TypeError, match="not trainable"):
+        impl.apply(value, np.zeros(3, dtype=np.float32), {}, 0)
+
+
+def test_apply_rejects_bad_arguments() -> None:
+    impl = server.from_config(specs.Adam(amsgrad=True))
+    value = np.zeros(3, dtype=np.float32)
+    slots = impl.init_slots(value)
+    with pytest.raises(TypeError, match="gradient dtype"):
+        impl.apply(value, np.zeros(3, dtype=np.int32), slots, 0)
+    with pytest.raises(ValueError, match="shape"):
+        impl.apply(value, np.zeros(4, dtype=np.float32), slots, 0)
+    with pytest.raises(ValueError, match="iteration"):
+        impl.apply(value, value, slots, -1)
+    with pytest.raises(ValueError, match="velocity_hat"):
+        impl.apply(value, value, {"momentum": slots["momentum"], "velocity": slots["velocity"]}, 0)
+    with pytest.raises(ValueError, match="slot 'momentum' has shape"):
+        impl.apply(value, value, {**slots, "momentum": np.zeros(2, dtype=np.float32)}, 0)
+    readonly = slots["velocity"].copy()
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        impl.apply(value, value, {**slots, "velocity": readonly}, 0)
+
+
+@pytest.mark.parametrize(
+    ("opt", "expected"),
+    [
+        (specs.SGD(), {}),
+        (specs.SGD(momentum=0.9), {"momentum": 0.0}),
+        (specs.Adagrad(initial_accumulator_value=0.25), {"accumulator": 0.25}),
+        (specs.Adam(), {"momentum": 0.0, "velocity": 0.0}),
+        (specs.Adam(amsgrad=True), {"momentum": 0.0, "velocity": 0.0, "velocity_hat": 0.0}),
+        (specs.RMSprop(), {"velocity": 0.0}),
+        (
+            specs.RMSprop(momentum=0.9, centered=True),
+            {"velocity": 0.0, "momentum": 0.0, "average_gradient": 0.0},
+        ),
+    ],
+    ids=_ids,
+)
+def test_init_slots(opt: specs.Optimizer, expected: dict[str, float]) -> None:
+    impl = server.from_config(opt)
+    value = np.full((2, 3), 5.0, dtype=np.float16)
+    slots = impl.init_slots(value)
+    assert tuple(slots) == impl.slot_names() == tuple(expected)
+    for name, fill in expected.items():
+        assert slots[name].dtype == np.float16
+        assert slots[name].shape == (2, 3)
+        assert slots[name].flags.c_contiguous
+        np.testing.assert_array_equal(slots[name], np.full((2, 3), fill, dtype=np.float16))
+        assert not np.shares_memory(slots[name], value)
+
+
+# ---------------------------------------------------------------------------
+# Specs: round trip, defaults, validation
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ALL_VARIANTS, ids=_ids)
+def test_spec_round_trip_client_proto_server(opt: specs.Optimizer) -> None:
+    wire = ps_pb2.OptimizerSpec.FromString(opt.to_proto().SerializeToString())
+    assert wire.name == opt.name
+    assert specs.optimizer_from_proto(wire) == opt
+    assert type(opt).from_proto(wire) == opt
+    assert specs.Optimizer.from_proto(wire) == opt
+    impl = server.from_spec(wire)
+    assert impl.name == opt.name
+    assert impl.config == opt
+    assert impl.spec == opt.to_proto()
+
+
+def test_booleans_travel_as_zero_or_one() -> None:
+    params = specs.Adam(amsgrad=True).to_proto().params
+    assert params["amsgrad"] == 1.0
+    assert specs.SGD().to_proto().params["nesterov"] == 0.0
+    assert specs.RMSprop(centered=True).to_proto().params["centered"] == 1.0
+
+
+def test_defaults_are_keras_3_defaults() -> None:
+    assert specs.SGD() == specs.SGD(learning_rate=0.01, momentum=0.0, nesterov=False)
+    assert specs.Adagrad() == specs.Adagrad(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7)
+    assert specs.Adam() == specs.Adam(
+        learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, amsgrad=False
+    )
+    assert specs.RMSprop() == specs.RMSprop(
+        learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-7, centered=False
+    )
+
+
+def test_missing_params_take_defaults() -> None:
+    assert specs.optimizer_from_proto(ps_pb2.OptimizerSpec(name="adam")) == specs.Adam()
+    spec = ps_pb2.OptimizerSpec(name="SGD", params={"momentum": 0.5})
+    assert server.from_spec(spec).config == specs.SGD(momentum=0.5)
+
+
+def test_specs_are_frozen_hashable_and_canonical() -> None:
+    opt = specs.SGD(learning_rate=1)
+    assert isinstance(opt.learning_rate, float)
+    assert opt == specs.SGD(learning_rate=1.0)
+    assert hash(opt) == hash(specs.SGD(learning_rate=1.0))
+    assert opt != specs.Adam(learning_rate=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opt.learning_rate = 2.0  # type: ignore[misc]
+    assert not hasattr(opt, "__dict__")
+    assert specs.SGD(learning_rate=np.float32(0.5)).learning_rate == 0.5
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: specs.SGD(learning_rate=0.0), "learning_rate must be > 0"),
+        (lambda: specs.SGD(learning_rate=-1.0), "learning_rate must be > 0"),
+        (lambda: specs.SGD(learning_rate=math.nan), "learning_rate must be finite"),
+        (lambda: specs.Adam(learning_rate=math.inf), "learning_rate must be finite"),
+        (lambda: specs.SGD(learning_rate="0.1"), "learning_rate must be a number"),
+        (lambda: specs.SGD(learning_rate=True), "learning_rate must be a number"),
+        (lambda: specs.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
+        (lambda: specs.SGD(momentum=-0.1), r"momentum must be in \[0, 1\)"),
+        (lambda: specs.SGD(nesterov=1), "nesterov must be a bool"),
+        (lambda: specs.Adagrad(initial_accumulator_value=-1.0), "initial_accumulator_value must be >= 0"),
+        (lambda: specs.Adagrad(epsilon=-1e-7), "epsilon must be >= 0"),
+        (lambda: specs.Adagrad(initial_accumulator_value=0.0, epsilon=0.0), "cannot both be 0"),
+        (lambda: specs.Adam(beta_1=1.0), r"beta_1 must be in \[0, 1\)"),
+        (lambda: specs.Adam(beta_2=-0.5), r"beta_2 must be in \[0, 1\)"),
+        (lambda: specs.Adam(amsgrad="yes"), "amsgrad must be a bool"),
+        (lambda: specs.RMSprop(rho=1.5), r"rho must be in \[0, 1\)"),
+        (lambda: specs.RMSprop(momentum=1.0), r"momentum must be in \[0, 1\)"),
+        (lambda: specs.RMSprop(centered=None), "centered must be a bool"),
+    ],
+)
+def test_spec_validation(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (ps_pb2.OptimizerSpec(name="nadam"), "unknown optimizer 'nadam'"),
+        (ps_pb2.OptimizerSpec(name=""), "unknown optimizer"),
+        (ps_pb2.OptimizerSpec(name="sgd", params={"beta_1": 0.9}), "no parameter 'beta_1'"),
+        (ps_pb2.OptimizerSpec(name="adam", params={"amsgrad": 0.5}), "amsgrad must be 0 or 1"),
+        (ps_pb2.OptimizerSpec(name="rmsprop", params={"rho": 2.0}), r"rho must be in \[0, 1\)"),
+        (ps_pb2.OptimizerSpec(name="adagrad", params={"learning_rate": -1.0}), "learning_rate must be > 0"),
+    ],
+)
+def test_bad_wire_specs(spec: ps_pb2.OptimizerSpec, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        specs.optimizer_from_proto(spec)
+    with pytest.raises(ValueError, match=match):
+        server.from_spec(spec)
+
+
+def test_from_proto_on_a_subclass_checks_the_name() -> None:
+    with pytest.raises(ValueError, match="expected 'sgd'"):
+        specs.SGD.from_proto(specs.Adam().to_proto())
+
+
+# ---------------------------------------------------------------------------
+# optimizer_from_config: Keras 3 get_config() dictionaries (as Keras 3.15 prints them)
+# ---------------------------------------------------------------------------
+
+_KERAS_BASE = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "global_clipnorm": None,
+    "clipvalue": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "expected"),
+    [
+        (
+            "SGD",
+            {
+                "name": "sgd",
+                "learning_rate": 0.009999999776482582,
+                **_KERAS_BASE,
+                "momentum": 0.0,
+                "nesterov": False,
+            },
+            specs.SGD(),
+        ),
+        (
+            "Adam",
+            {
+                "name": "adam",
+                "learning_rate": 0.0010000000474974513,
+                **_KERAS_BASE,
+                "beta_1": 0.9,
+                "beta_2": 0.999,
+                "epsilon": 1e-07,
+                "amsgrad": True,
+            },
+            specs.Adam(amsgrad=True),
+        ),
+        (
+            "keras.optimizers.RMSprop",
+            {
+                "name": "rm_sprop",
+                "learning_rate": 0.0010000000474974513,
+                **_KERAS_BASE,
+                "rho": 0.9,
+                "momentum": 0.0,
+                "epsilon": 1e-07,
+                "centered": True,
+            },
+            specs.RMSprop(centered=True),
+        ),
+        ("adagrad", {"learning_rate": 0.25, "initial_accumulator_value": 0.5}, specs.Adagrad(0.25, 0.5)),
+        # A float64 learning rate that is not a float32 is kept as is.
+        ("sgd", {"learning_rate": 0.1}, specs.SGD(learning_rate=0.1)),
+        ("sgd", {"learning_rate": 3, "weight_decay": 0.0}, specs.SGD(learning_rate=3.0)),
+    ],
+)
+def test_optimizer_from_keras_config(name: str, config: dict, expected: specs.Optimizer) -> None:
+    assert specs.optimizer_from_config(name, config) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "match"),
+    [
+        ("Nadam", {}, "unknown optimizer 'nadam'"),
+        (
+            "Adam",
+            {
+                "learning_rate": {
+                    "module": "keras.optimizers.schedules",
+                    "class_name": "ExponentialDecay",
+                    "config": {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.9},
+                    "registered_name": None,
+                }
+            },
+            "ExponentialDecay.*learning-rate schedules",
+        ),
+        ("Adam", {"weight_decay": 0.004}, "weight_decay=0.004 is not supported"),
+        ("SGD", {"clipnorm": 1.0}, "clipnorm=1.0 is not supported"),
+        ("SGD", {"global_clipnorm": 1.0}, "global_clipnorm"),
+        ("SGD", {"clipvalue": 0.5}, "clipvalue"),
+        ("SGD", {"use_ema": True}, "use_ema=True is not supported"),
+        ("SGD", {"loss_scale_factor": 128.0}, "loss_scale_factor"),
+        ("SGD", {"gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+        ("SGD", {"beta_1": 0.9}, "unknown config key 'beta_1'"),
+        ("SGD", {"learning_rate": "fast"}, "learning_rate must be a number"),
+        ("SGD", {"momentum": 1.5}, r"momentum must be in \[0, 1\)"),
+    ],
+)
+def test_optimizer_from_config_rejects_unsupported(name: str, config: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        specs.optimizer_from_config(name, config)
