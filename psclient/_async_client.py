@@ -1,0 +1,436 @@
+"""AsyncPSClient: the parameter-server client on grpc.aio (one channel per shard, concurrent fan-out)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from psclient import _requests as rq
+from psclient import codec
+from psclient.config import ClientConfig
+from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
+from psclient.optimizers import SGD, Optimizer
+from psclient.placement import plan
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Tensors = Mapping[str, Any]  # name -> array-like
+
+
+async def gather(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """Runs awaitables concurrently; on failure cancels the rest and raises the first error itself."""
+    tasks: list[asyncio.Task[T]] = []
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_as_coro(c)) for c in coros]
+    except BaseExceptionGroup as group:
+        first = group.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]
+
+
+async def _as_coro(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class AsyncPSClient:
+    """Async client of a sharded parameter server.
+
+    Example:
+        async with psclient.AsyncPSClient(["127.0.0.1:50051"], worker_id="w0") as c:
+            await c.create("w", np.zeros((4, 4), np.float32), optimizer=psclient.SGD(0.1))
+            await c.push({"w": np.ones((4, 4), np.float32)})
+            values = await c.pull()
+
+    Concurrency: methods may be called concurrently from tasks of the event loop
+    the client was first used on; use one AsyncPSClient per event loop.
+
+    Args:
+        addresses: ``HOST:PORT`` of every shard, in shard order.
+        worker_id: identifies this worker (makes retried pushes idempotent).
+        auth_token: sent as ``authorization: Bearer <token>`` on every call.
+        timeout: deadline of each call, seconds.
+        tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
+        **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] | str,
+        worker_id: str | None = None,
+        auth_token: str | None = None,
+        timeout: float = 30.0,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [a for a in addresses.split(",") if a]
+        kwargs = dict(options)
+        if worker_id is not None:
+            kwargs["worker_id"] = worker_id
+        self.config = ClientConfig(
+            addresses=tuple(addresses),
+            auth_token=auth_token,
+            timeout=timeout,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            **kwargs,
+        )
+        self.registry = rq.Registry()
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._seq = itertools.count(1)
+        self._closed = False
+
+    # -- plumbing -----------------------------------------------------------
+
+    @property
+    def worker_id(self) -> str:
+        return self.config.worker_id
+
+    @property
+    def num_shards(self) -> int:
+        return self.config.num_shards
+
+    def _stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if not self._stubs:
+            cfg = self.config
+            options = _channel_options(cfg)
+            if cfg.tls_ca or cfg.tls_cert:
+                creds = grpc.ssl_channel_credentials(
+                    root_certificates=_read(cfg.tls_ca),
+                    private_key=_read(cfg.tls_key),
+                    certificate_chain=_read(cfg.tls_cert),
+                )
+                self._channels = [grpc.aio.secure_channel(a, creds, options=options) for a in cfg.addresses]
+            else:
+                self._channels = [grpc.aio.insecure_channel(a, options=options) for a in cfg.addresses]
+            self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
+        return self._stubs[shard]
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self.config.auth_token
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    async def _call(self, shard: int, method: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Runs one RPC to ``shard``, converting gRPC errors to PSError."""
+        try:
+            return await fn()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, method=method, address=self.config.addresses[shard]) from err
+
+    def _kw(self) -> dict[str, Any]:
+        return {"timeout": self.config.timeout, "metadata": self._metadata(), "wait_for_ready": True}
+
+    async def close(self) -> None:
+        """Closes the channels. Idempotent."""
+        self._closed = True
+        channels, self._channels, self._stubs = self._channels, [], []
+        await gather(ch.close() for ch in channels)
+
+    async def __aenter__(self) -> AsyncPSClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- discovery ----------------------------------------------------------
+
+    async def list_variables(self, names: Iterable[str] = ()) -> dict[str, list[ps_pb2.VariableInfo]]:
+        """Lists the stored tensors on every shard (all, or those of ``names``), per variable name.
+
+        Raises:
+            PSError: a shard failed.
+        """
+        request = ps_pb2.ListVariablesRequest(names=list(names))
+
+        async def one(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
+            stub = self._stub(shard)
+            resp = await self._call(shard, "ListVariables", lambda: stub.ListVariables(request, **self._kw()))
+            return shard, resp
+
+        found: dict[str, list[ps_pb2.VariableInfo]] = {}
+        for shard, resp in await gather(one(s) for s in range(self.num_shards)):
+            if resp.num_shards and resp.num_shards != self.num_shards:
+                raise InvalidArgumentError(
+                    f"shard {shard} at {self.config.addresses[shard]} says the cluster has {resp.num_shards} "
+                    f"shards; this client was given {self.num_shards} addresses"
+                )
+            pieces = []
+            for info in resp.variables:
+                piece = rq.piece_from_spec(info.spec, shard)
+                pieces.append(piece)
+                found.setdefault(piece.variable, []).append(info)
+            self.registry.add(pieces)
+        return found
+
+    async def _known(self, names: Iterable[str] | None) -> dict[str, list[rq.Piece]]:
+        if names is None:
+            if not self.registry.pieces:
+                await self.list_variables()
+            return {n: g for n, g in self.registry.pieces.items() if self.registry.complete(n)}
+        names = list(names)
+        missing = [n for n in names if not self.registry.complete(n)]
+        if missing:
+            await self.list_variables(missing)
+        return self.registry.resolve(names)
+
+    # -- create -------------------------------------------------------------
+
+    async def create(self, name: str, value: Any, optimizer: Optimizer | None = None) -> bool:
+        """Creates one variable (see ``create_many``); returns True if this call created it."""
+        return (await self.create_many({name: value}, optimizer=optimizer))[name]
+
+    async def create_many(
+        self,
+        values: Tensors,
+        optimizer: Optimizer | None = None,
+        optimizers: Mapping[str, Optimizer] | None = None,
+    ) -> dict[str, bool]:
+        """Creates variables with initial values; placement is balanced over the batch.
+
+        Idempotent: a variable that already exists with an equal spec (dtype,
+        shape, optimizer) is left as it is (its current value wins) and
+        reported False.
+
+        Args:
+            values: name -> initial value.
+            optimizer: the server-side optimizer (default ``SGD()``).
+            optimizers: per-variable optimizers, overriding ``optimizer``.
+
+        Raises:
+            AlreadyExistsError: a name exists with a different spec.
+            InvalidArgumentError: an unsupported dtype, or a malformed value.
+        """
+        optimizer = optimizer or SGD()
+        arrays: dict[str, np.ndarray] = {}
+        for name, raw in values.items():
+            if not name or "\x00" in name:
+                raise InvalidArgumentError(f"invalid variable name {name!r}")
+            try:
+                arrays[name] = codec.as_wire_array(raw)
+                codec.wire_dtype(arrays[name].dtype)
+            except (codec.CodecError, TypeError, ValueError) as err:
+                raise InvalidArgumentError(f"initial value of {name!r}: {err}") from None
+        opts = {n: (optimizers or {}).get(n, optimizer) for n in arrays}
+        existing = await self.list_variables(list(arrays))
+        created = {n: False for n in arrays if n in existing}
+        for n in created:
+            self._check_existing(n, arrays[n], opts[n], existing[n])
+        new = {n: (a.shape, a.dtype) for n, a in arrays.items() if n not in existing}
+        placement = plan(new, self.num_shards, self.config.partition_bytes)
+        per_shard: dict[int, list[tuple[ps_pb2.VariableSpec, np.ndarray]]] = {}
+        for name, pieces in placement.items():
+            for piece in pieces:
+                per_shard.setdefault(piece.shard, []).append(
+                    (rq.spec_of(piece, opts[name]), rq.piece_view(piece, arrays[name]))
+                )
+
+        async def one(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
+            def messages() -> Iterable[ps_pb2.CreateVariablesRequest]:
+                yield ps_pb2.CreateVariablesRequest(variables=[spec for spec, _ in items])
+                tensors = [(spec.name, value) for spec, value in items]
+                for batch in rq.chunked_messages(tensors, self.config.chunk_bytes):
+                    yield ps_pb2.CreateVariablesRequest(values=batch)
+
+            stub = self._stub(shard)
+            resp = await self._call(
+                shard, "CreateVariables", lambda: stub.CreateVariables(_aiter(messages()), **self._kw())
+            )
+            return list(resp.created)
+
+        shards = sorted(per_shard)
+        results = await gather(one(s, per_shard[s]) for s in shards)
+        for shard, flags in zip(shards, results, strict=True):
+            for (spec, _), flag in zip(per_shard[shard], flags, strict=True):
+                name = spec.partition.variable if spec.HasField("partition") else spec.name
+                created[name] = created.get(name, True) and flag
+        for pieces in placement.values():
+            self.registry.add(pieces)
+        return {n: created[n] for n in arrays}
+
+    def _check_existing(
+        self, name: str, value: np.ndarray, optimizer: Optimizer, infos: list[ps_pb2.VariableInfo]
+    ) -> None:
+        group = self.registry.pieces.get(name, [])
+        mismatch = []
+        if group and group[0].full_shape != value.shape:
+            mismatch.append(f"it has shape {group[0].full_shape}, asked for {value.shape}")
+        if group and group[0].dtype != value.dtype:
+            mismatch.append(f"it has dtype {group[0].dtype.name}, asked for {value.dtype.name}")
+        wanted = optimizer.to_proto()
+        if infos and infos[0].spec.optimizer != wanted:
+            have = infos[0].spec.optimizer
+            mismatch.append(
+                f"it has optimizer {have.name}{dict(have.params)}, asked for {wanted.name}{dict(wanted.params)}"
+            )
+        if mismatch:
+            raise AlreadyExistsError(
+                f"variable {name!r} already exists with a different spec: {'; '.join(mismatch)}"
+            )
+
+    # -- pull ---------------------------------------------------------------
+
+    async def pull(self, names: Iterable[str] | None = None, *, step: int = 0) -> dict[str, np.ndarray]:
+        """Reads current values: all variables, or ``names``. Returned arrays are read-only.
+
+        Raises:
+            NotFoundError: an unknown variable.
+            PSError: a shard failed (UnavailableError, DeadlineExceededError, ...).
+        """
+        values, _ = await self.pull_with_versions(names, step=step)
+        return values
+
+    async def pull_with_versions(
+        self, names: Iterable[str] | None = None, *, step: int = 0
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Like ``pull``, also returning each stored tensor's version (update count)."""
+        pieces = await self._known(names)
+        per_shard: dict[int, list[rq.Piece]] = {}
+        for group in pieces.values():
+            for piece in group:
+                per_shard.setdefault(piece.shard, []).append(piece)
+        stitcher = rq.Stitcher(pieces)
+
+        async def one(shard: int, wanted: list[rq.Piece]) -> None:
+            request = ps_pb2.PullRequest(
+                names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
+                max_chunk_bytes=self.config.chunk_bytes,
+            )  # fmt: skip
+            stub = self._stub(shard)
+            if sum(p.nbytes for p in wanted) <= self.config.unary_max_bytes:
+                resp = await self._call(shard, "Pull", lambda: stub.Pull(request, **self._kw()))
+                stitcher.add(
+                    {c.name: codec.decode(c) for c in resp.values}, rq.versions_of(resp.values, resp.versions)
+                )
+                return
+            assembler = codec.Assembler()
+            versions: dict[str, int] = {}
+
+            async def stream() -> None:
+                async for resp in stub.PullStream(request, **self._kw()):
+                    for c in resp.values:
+                        assembler.add(c)
+                    versions.update(rq.versions_of(resp.values, resp.versions))
+
+            await self._call(shard, "PullStream", stream)
+            stitcher.add(assembler.result(), versions)
+
+        await gather(one(s, w) for s, w in per_shard.items())
+        return stitcher.result(), stitcher.versions
+
+    # -- push ---------------------------------------------------------------
+
+    async def push(self, grads: Tensors, *, step: int = 0) -> bool:
+        """Applies gradients with each variable's server-side optimizer.
+
+        Each shard applies its part all-or-nothing. The push carries this
+        worker's id and a fresh sequence number, so a retry is applied once.
+
+        Args:
+            grads: name -> gradient (same shape and dtype as the variable).
+            step: the worker's step (sync and ssp modes).
+
+        Returns:
+            True if every shard applied it (False: a duplicate or a dropped stale step).
+
+        Raises:
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: shape or dtype mismatch, or non-finite values.
+            PSError: a shard failed.
+        """
+        applied, _ = await self._push(grads, step=step, return_values=False)
+        return applied
+
+    async def push_pull(self, grads: Tensors, *, step: int = 0) -> dict[str, np.ndarray]:
+        """Pushes gradients and returns the updated values of those variables, in one round trip per shard."""
+        _, values = await self._push(grads, step=step, return_values=True)
+        return values
+
+    async def _push(
+        self, grads: Tensors, *, step: int, return_values: bool
+    ) -> tuple[bool, dict[str, np.ndarray]]:
+        pieces = await self._known(list(grads))
+        per_shard = rq.split_by_shard(pieces, grads, "gradient")
+        seq = next(self._seq)
+        stitcher = rq.Stitcher(pieces)
+
+        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
+            stub = self._stub(shard)
+            header = {"worker_id": self.worker_id, "seq": seq, "step": step, "return_values": return_values}
+            if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
+                request = ps_pb2.PushRequest(grads=rq.whole_chunks(tensors), **header)
+                resp = await self._call(shard, "Push", lambda: stub.Push(request, **self._kw()))
+                if return_values:
+                    stitcher.add({c.name: codec.decode(c) for c in resp.values})
+                return resp.applied
+
+            def messages() -> Iterable[ps_pb2.PushRequest]:
+                first = True
+                for batch in rq.chunked_messages(tensors, self.config.chunk_bytes):
+                    yield (
+                        ps_pb2.PushRequest(grads=batch, **header)
+                        if first
+                        else ps_pb2.PushRequest(grads=batch)
+                    )
+                    first = False
+
+            assembler = codec.Assembler()
+            applied = True
+
+            async def stream() -> None:
+                nonlocal applied
+                async for resp in stub.PushStream(_aiter(messages()), **self._kw()):
+                    applied = applied and resp.applied
+                    for c in resp.values:
+                        assembler.add(c)
+
+            await self._call(shard, "PushStream", stream)
+            if return_values:
+                stitcher.add(assembler.result())
+            return applied
+
+        results = await gather(one(s, t) for s, t in per_shard.items())
+        return all(results), (stitcher.result() if return_values else {})
+
+
+async def _aiter(items: Iterable[T]) -> Any:
+    for item in items:
+        yield item
+
+
+__all__ = ["AsyncPSClient", "PSError", "gather"]

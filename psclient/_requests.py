@@ -1,0 +1,178 @@
+"""Pure request building and response merging, shared by both clients (no I/O).
+
+A user-visible variable maps to one or more pieces (stored tensors) on shards
+(see ``psclient.placement``). Outgoing tensors are cut per piece and grouped per
+shard; incoming pieces are stitched back into whole arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+
+import numpy as np
+
+from psclient import codec
+from psclient.errors import InvalidArgumentError, NotFoundError
+from psclient.optimizers import Optimizer
+from psclient.placement import Piece
+from psproto.v1 import ps_pb2
+
+
+class Registry:
+    """Where each variable's pieces live (learned from creates and from ListVariables)."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[str, list[Piece]] = {}
+        self.by_stored: dict[str, Piece] = {}
+
+    def add(self, pieces: Iterable[Piece]) -> None:
+        for piece in pieces:
+            self.by_stored[piece.stored_name] = piece
+            group = [p for p in self.pieces.get(piece.variable, []) if p.index != piece.index]
+            group.append(piece)
+            group.sort(key=lambda p: p.index)
+            self.pieces[piece.variable] = group
+
+    def complete(self, name: str) -> bool:
+        group = self.pieces.get(name)
+        return bool(group) and len(group) == group[0].count
+
+    def resolve(self, names: Iterable[str]) -> dict[str, list[Piece]]:
+        """The pieces of each name. Raises: NotFoundError for a name with no (or missing) pieces."""
+        out = {}
+        for name in names:
+            if not self.complete(name):
+                raise NotFoundError(f"variable {name!r} does not exist on any shard")
+            out[name] = self.pieces[name]
+        return out
+
+
+def piece_from_spec(spec: ps_pb2.VariableSpec, shard: int) -> Piece:
+    dtype = codec.numpy_dtype(spec.dtype)
+    if spec.HasField("partition"):
+        p = spec.partition
+        return Piece(
+            p.variable, spec.name, shard, tuple(p.full_shape), dtype,
+            p.index, p.count, p.offset, math.prod(spec.shape),
+        )  # fmt: skip
+    shape = tuple(spec.shape)
+    return Piece(spec.name, spec.name, shard, shape, dtype, 0, 1, 0, math.prod(shape))
+
+
+def spec_of(piece: Piece, optimizer: Optimizer) -> ps_pb2.VariableSpec:
+    spec = ps_pb2.VariableSpec(
+        name=piece.stored_name,
+        dtype=codec.wire_dtype(piece.dtype),
+        shape=piece.stored_shape,
+        optimizer=optimizer.to_proto(),
+    )
+    if piece.partitioned:
+        spec.partition.CopyFrom(
+            ps_pb2.Partition(
+                variable=piece.variable,
+                full_shape=piece.full_shape,
+                index=piece.index,
+                count=piece.count,
+                offset=piece.offset,
+            )
+        )
+    return spec
+
+
+def piece_view(piece: Piece, value: np.ndarray) -> np.ndarray:
+    """The part of a whole-variable array that ``piece`` stores (a view, no copy)."""
+    if not piece.partitioned:
+        return value
+    return value.reshape(-1)[piece.offset : piece.offset + piece.size]
+
+
+def split_by_shard(
+    pieces: Mapping[str, list[Piece]], tensors: Mapping[str, np.ndarray], what: str
+) -> dict[int, list[tuple[str, np.ndarray]]]:
+    """Cuts each tensor into its pieces and groups them per shard.
+
+    Raises:
+        InvalidArgumentError: a tensor's shape or dtype differs from its variable's.
+    """
+    out: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for name, raw in tensors.items():
+        group = pieces[name]
+        full_shape, dtype = group[0].full_shape, group[0].dtype
+        try:
+            arr = codec.as_wire_array(raw)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(f"{what} for {name!r} is not an array: {err}") from None
+        if arr.shape != full_shape:
+            raise InvalidArgumentError(
+                f"{what} for {name!r} has shape {arr.shape}; variable has shape {full_shape}"
+            )
+        if arr.dtype != dtype:
+            raise InvalidArgumentError(
+                f"{what} for {name!r} has dtype {arr.dtype.name}; variable has dtype {dtype.name}"
+            )
+        for piece in group:
+            out.setdefault(piece.shard, []).append((piece.stored_name, piece_view(piece, arr)))
+    return out
+
+
+def payload_bytes(tensors: list[tuple[str, np.ndarray]]) -> int:
+    return sum(t.nbytes for _, t in tensors)
+
+
+def whole_chunks(tensors: list[tuple[str, np.ndarray]]) -> list[ps_pb2.TensorChunk]:
+    return [codec.encode(name, t) for name, t in tensors]
+
+
+def chunked_messages(
+    tensors: list[tuple[str, np.ndarray]], chunk_bytes: int
+) -> Iterator[list[ps_pb2.TensorChunk]]:
+    """Packs tensors into lists of chunks of about ``chunk_bytes`` of data each."""
+    batch: list[ps_pb2.TensorChunk] = []
+    size = 0
+    for name, t in tensors:
+        for chunk in codec.iter_chunks(name, t, chunk_bytes):
+            batch.append(chunk)
+            size += len(chunk.data)
+            if size >= chunk_bytes:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class Stitcher:
+    """Rebuilds whole variables from the stored tensors pulled from the shards."""
+
+    def __init__(self, pieces: Mapping[str, list[Piece]]) -> None:
+        self._pieces = pieces
+        self._stored: dict[str, np.ndarray] = {}
+        self.versions: dict[str, int] = {}
+
+    def add(self, stored: Mapping[str, np.ndarray], versions: Mapping[str, int] | None = None) -> None:
+        self._stored.update(stored)
+        if versions:
+            self.versions.update(versions)
+
+    def result(self) -> dict[str, np.ndarray]:
+        """Raises: NotFoundError if a piece did not arrive."""
+        out = {}
+        for name, group in self._pieces.items():
+            missing = [p.stored_name for p in group if p.stored_name not in self._stored]
+            if missing:
+                raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
+            if len(group) == 1 and not group[0].partitioned:
+                out[name] = self._stored[group[0].stored_name]
+                continue
+            whole = np.empty(group[0].full_shape, dtype=group[0].dtype)
+            flat = whole.reshape(-1)
+            for p in group:
+                flat[p.offset : p.offset + p.size] = self._stored[p.stored_name]
+            out[name] = whole
+        return out
+
+
+def versions_of(chunks: Iterable[ps_pb2.TensorChunk], versions: Iterable[int]) -> dict[str, int]:
+    """Pairs each tensor that starts in this message (its chunk at offset 0) with its version."""
+    names = [c.name for c in chunks if c.offset == 0]
+    return dict(zip(names, versions, strict=False))

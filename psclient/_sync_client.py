@@ -1,0 +1,124 @@
+"""PSClient: the blocking parameter-server client that TensorFlow workers call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from psclient._async_client import AsyncPSClient, Tensors
+from psclient._loop import BackgroundLoop
+from psclient.config import ClientConfig
+from psclient.optimizers import Optimizer
+from psproto.v1 import ps_pb2
+
+
+class PSClient:
+    """Blocking client of a sharded parameter server.
+
+    Example:
+        with psclient.PSClient(["127.0.0.1:50051", "127.0.0.1:50052"], worker_id="w0") as c:
+            c.create("dense/kernel", np.zeros((784, 10), np.float32), optimizer=psclient.Adam(1e-3))
+            c.push({"dense/kernel": grad})
+            params = c.pull()
+
+    It drives an ``AsyncPSClient`` on a private event loop in a daemon thread,
+    so requests to different shards still go out concurrently. Thread-safe:
+    methods may be called from several threads at once. Never call it from
+    inside a ``tf.function`` graph.
+
+    Args: as ``AsyncPSClient``.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] | str,
+        worker_id: str | None = None,
+        auth_token: str | None = None,
+        timeout: float = 30.0,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        **options: Any,
+    ) -> None:
+        self._async = AsyncPSClient(
+            addresses, worker_id, auth_token, timeout, tls_ca, tls_cert, tls_key, **options
+        )
+        self._loop = BackgroundLoop("psclient")
+        self._closed = False
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._async.config
+
+    @property
+    def worker_id(self) -> str:
+        return self._async.worker_id
+
+    @property
+    def num_shards(self) -> int:
+        return self._async.num_shards
+
+    def _run(self, coro: Any) -> Any:
+        # The per-call gRPC deadlines bound the work; this outer bound only guards
+        # against a bug that would otherwise hang the caller forever.
+        return self._loop.run(coro, timeout=self.config.timeout * 4 + 60)
+
+    def create(self, name: str, value: Any, optimizer: Optimizer | None = None) -> bool:
+        """Creates one variable; see ``AsyncPSClient.create_many``."""
+        return bool(self._run(self._async.create(name, value, optimizer)))
+
+    def create_many(
+        self,
+        values: Tensors,
+        optimizer: Optimizer | None = None,
+        optimizers: Mapping[str, Optimizer] | None = None,
+    ) -> dict[str, bool]:
+        """Creates variables, placement balanced over the batch; see ``AsyncPSClient.create_many``."""
+        return dict(self._run(self._async.create_many(values, optimizer, optimizers)))
+
+    def list_variables(self, names: Iterable[str] = ()) -> dict[str, list[ps_pb2.VariableInfo]]:
+        """See ``AsyncPSClient.list_variables``."""
+        return dict(self._run(self._async.list_variables(list(names))))
+
+    def pull(self, names: Iterable[str] | None = None, *, step: int = 0) -> dict[str, np.ndarray]:
+        """Reads current values; see ``AsyncPSClient.pull``."""
+        return dict(self._run(self._async.pull(None if names is None else list(names), step=step)))
+
+    def pull_with_versions(
+        self, names: Iterable[str] | None = None, *, step: int = 0
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """See ``AsyncPSClient.pull_with_versions``."""
+        values, versions = self._run(
+            self._async.pull_with_versions(None if names is None else list(names), step=step)
+        )
+        return dict(values), dict(versions)
+
+    def push(self, grads: Tensors, *, step: int = 0) -> bool:
+        """Applies gradients; see ``AsyncPSClient.push``."""
+        return bool(self._run(self._async.push(grads, step=step)))
+
+    def push_pull(self, grads: Tensors, *, step: int = 0) -> dict[str, np.ndarray]:
+        """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
+        return dict(self._run(self._async.push_pull(grads, step=step)))
+
+    def close(self) -> None:
+        """Closes the channels and the private loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._run(self._async.close())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # best effort: do not leak the loop thread
+        if not getattr(self, "_closed", True):
+            self._loop.close()

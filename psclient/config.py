@@ -1,0 +1,81 @@
+"""ClientConfig: how a worker reaches the shards (addresses, deadlines, chunking, security)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from psclient.placement import DEFAULT_PARTITION_BYTES
+
+DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is still starting
+DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message
+DEFAULT_UNARY_MAX_BYTES = 4 << 20  # payloads up to this go in one unary call (the fast path)
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # matches psserver's default --max-message-mib
+
+
+def default_worker_id() -> str:
+    """A worker id unique to this process: ``host-pid-random``."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientConfig:
+    """Settings of a PSClient / AsyncPSClient."""
+
+    addresses: tuple[str, ...]
+    worker_id: str = field(default_factory=default_worker_id)
+    auth_token: str | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    unary_max_bytes: int = DEFAULT_UNARY_MAX_BYTES
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("need at least one shard address")
+        for a in self.addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"shard address {a!r} is not HOST:PORT")
+        if len(set(self.addresses)) != len(self.addresses):
+            raise ValueError(f"shard addresses repeat: {list(self.addresses)}")
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if not 1024 <= self.chunk_bytes <= self.max_message_bytes // 2:
+            raise ValueError(f"chunk_bytes must be in [1 KiB, max_message_bytes/2], got {self.chunk_bytes}")
+        if self.unary_max_bytes > self.max_message_bytes // 2:
+            raise ValueError("unary_max_bytes must be at most max_message_bytes/2")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+
+def ps_addresses_from_tf_config(environ: Mapping[str, str] = os.environ) -> Sequence[str]:
+    """The ``ps`` task addresses of ``TF_CONFIG``.
+
+    Raises:
+        ValueError: TF_CONFIG is unset, malformed, or has no ps tasks.
+    """
+    raw = environ.get("TF_CONFIG")
+    if not raw:
+        raise ValueError("TF_CONFIG is not set")
+    try:
+        ps = json.loads(raw)["cluster"]["ps"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"TF_CONFIG has no cluster.ps list: {err!r}") from err
+    if not ps:
+        raise ValueError("TF_CONFIG's cluster.ps list is empty")
+    return list(ps)

@@ -1,0 +1,164 @@
+"""Typed exceptions for every gRPC status a shard or peer can return.
+
+The tree (names as in ``tf.errors``; every class carries ``.code``)::
+
+    PSError
+    ├── CancelledError                 CANCELLED
+    ├── UnknownError                   UNKNOWN
+    ├── InvalidArgumentError           INVALID_ARGUMENT   bad shape, dtype, bytes, NaN gradient
+    ├── DeadlineExceededError          DEADLINE_EXCEEDED  call deadline, barrier or ring timeout
+    ├── NotFoundError                  NOT_FOUND          unknown variable
+    ├── AlreadyExistsError             ALREADY_EXISTS     create with a conflicting spec
+    ├── PermissionDeniedError          PERMISSION_DENIED
+    ├── ResourceExhaustedError         RESOURCE_EXHAUSTED message too large, overloaded
+    ├── FailedPreconditionError        FAILED_PRECONDITION
+    ├── AbortedError                   ABORTED            e.g. a stale step dropped in sync mode
+    ├── OutOfRangeError                OUT_OF_RANGE
+    ├── UnimplementedError             UNIMPLEMENTED
+    ├── InternalError                  INTERNAL
+    ├── UnavailableError               UNAVAILABLE        shard down or restarting
+    ├── DataLossError                  DATA_LOSS
+    └── UnauthenticatedError           UNAUTHENTICATED    missing or wrong auth token
+
+``PSError.retryable`` says whether retrying the same call can succeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import ClassVar
+
+import grpc
+
+
+class PSError(Exception):
+    """Base class of every psclient error.
+
+    Attributes:
+        code: the ``grpc.StatusCode``.
+        details: the server's message (names the variable, worker or rank).
+        method: the RPC that failed, when known.
+        address: the shard or peer address, when known.
+    """
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, details: str, *, method: str | None = None, address: str | None = None) -> None:
+        self.details = details
+        self.method = method
+        self.address = address
+        where = " ".join(p for p in (method and f"{method}", address and f"on {address}") if p)
+        super().__init__(f"{details} ({where})" if where else details)
+
+
+class CancelledError(PSError):
+    code = grpc.StatusCode.CANCELLED
+
+
+class UnknownError(PSError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(PSError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceededError(PSError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    retryable = True
+
+
+class NotFoundError(PSError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(PSError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDeniedError(PSError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhaustedError(PSError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class FailedPreconditionError(PSError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AbortedError(PSError):
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRangeError(PSError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class UnimplementedError(PSError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class InternalError(PSError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class UnavailableError(PSError):
+    code = grpc.StatusCode.UNAVAILABLE
+    retryable = True
+
+
+class DataLossError(PSError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class UnauthenticatedError(PSError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_STATUS_TO_ERROR: dict[grpc.StatusCode, type[PSError]] = {
+    cls.code: cls
+    for cls in (
+        CancelledError,
+        UnknownError,
+        InvalidArgumentError,
+        DeadlineExceededError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        AbortedError,
+        OutOfRangeError,
+        UnimplementedError,
+        InternalError,
+        UnavailableError,
+        DataLossError,
+        UnauthenticatedError,
+    )
+}
+
+
+def error_class(code: grpc.StatusCode) -> type[PSError]:
+    """The exception class for a status code (``UnknownError`` for any code without one)."""
+    return _STATUS_TO_ERROR.get(code, UnknownError)
+
+
+def from_rpc_error(err: grpc.RpcError, *, method: str | None = None, address: str | None = None) -> PSError:
+    """Converts a ``grpc.RpcError`` (sync or aio) into the matching ``PSError``."""
+    code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = err.details() if callable(getattr(err, "details", None)) else str(err)
+    return error_class(code)(details or code.name, method=method, address=address)
+
+
+@contextlib.contextmanager
+def map_rpc_errors(*, method: str | None = None, address: str | None = None) -> Iterator[None]:
+    """Re-raises any ``grpc.RpcError`` in the block as the matching ``PSError``."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise from_rpc_error(err, method=method, address=address) from err

@@ -1,0 +1,1 @@
+"""psserver: one parameter-server shard (asyncio gRPC on uvloop). Never imports TensorFlow."""

@@ -1,0 +1,132 @@
+"""``psserver``: run one parameter-server shard."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from psserver.config import MODES, ConfigError, ServerConfig, ps_task_from_tf_config
+
+_EPILOG = """\
+examples:
+  psserver --shard 0 --num-shards 2 --port 50051
+  psserver --shard 1 --num-shards 2 --port 0 --ready-file /tmp/ps1.addr
+  TF_CONFIG='{"cluster": {"ps": ["ps0:2222", "ps1:2222"]}, "task": {"type": "ps", "index": 0}}' psserver
+
+Without --shard, the shard index, shard count and port come from TF_CONFIG.
+SIGTERM: stop taking new work, finish in-flight requests, exit 0.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psserver",
+        description="Run one parameter-server shard: holds its share of the model's variables and applies "
+        "pushed gradients with server-side optimizers.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ.get
+    p.add_argument("--shard", type=int, default=None, help="this shard's index, 0-based (default: TF_CONFIG)")
+    p.add_argument(
+        "--num-shards", type=int, default=None, help="number of shards in the cluster (default: 1)"
+    )
+    p.add_argument(
+        "--host", default=env("PS_HOST", "127.0.0.1"), help="address to bind (default: %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=None, help="port to bind; 0 picks a free one (default: 0 or TF_CONFIG's)"
+    )
+    p.add_argument("--ready-file", help="once serving, write HOST:PORT to this file (atomically)")
+    p.add_argument("--mode", choices=MODES, default="async", help="update discipline (default: %(default)s)")
+    p.add_argument("--replicas-to-aggregate", type=int, help="sync mode: gradients averaged per step (N)")
+    p.add_argument("--total-replicas", type=int, help="sync/ssp modes: number of workers (M)")
+    p.add_argument("--staleness", type=int, default=0, help="ssp mode: max steps a worker may run ahead")
+    p.add_argument(
+        "--barrier-timeout", type=float, default=60.0, help="sync/ssp: seconds a step may wait (default: 60)"
+    )
+    p.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="apply gradients containing NaN/Inf instead of rejecting",
+    )
+    p.add_argument(
+        "--max-message-mib", type=int, default=64, help="largest gRPC message accepted, MiB (default: 64)"
+    )
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
+    p.add_argument("--checkpoint-dir", help="directory for checkpoints (restored on start)")
+    p.add_argument("--checkpoint-every", type=float, help="seconds between periodic checkpoints")
+    p.add_argument("--auth-token-file", help="file holding the shared auth token clients must send")
+    p.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    p.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mTLS)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--log-level", default=env("PS_LOG_LEVEL", "INFO"), help="logging level (default: INFO)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Builds the ServerConfig from parsed flags (and TF_CONFIG when --shard is absent).
+
+    Raises:
+        ConfigError: inconsistent flags.
+    """
+    shard, num_shards, host, port = args.shard, args.num_shards, args.host, args.port
+    if shard is None:
+        task = ps_task_from_tf_config()
+        shard = task.shard
+        num_shards = num_shards or task.num_shards
+        port = task.port if port is None else port
+        if args.host == "127.0.0.1" and "PS_HOST" not in os.environ:
+            host = "0.0.0.0"  # a TF_CONFIG address is reached from other machines
+    return ServerConfig(
+        shard=shard,
+        num_shards=num_shards or 1,
+        host=host,
+        port=0 if port is None else port,
+        ready_file=args.ready_file,
+        mode=args.mode,
+        replicas_to_aggregate=args.replicas_to_aggregate,
+        total_replicas=args.total_replicas,
+        staleness=args.staleness,
+        barrier_timeout_s=args.barrier_timeout,
+        allow_non_finite=args.allow_non_finite,
+        max_message_bytes=args.max_message_mib << 20,
+        grace_s=args.grace,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_s=args.checkpoint_every,
+        auth_token_file=args.auth_token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        metrics_port=args.metrics_port,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s psserver[%(process)d] %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        build_parser().error(str(err))
+    from psserver.server import serve  # after arg parsing: --help stays instant
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        import asyncio
+
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""ServerConfig: everything one psserver shard needs, from flags, environment and TF_CONFIG."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+MODES = ("async", "sync", "ssp")
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this
+
+
+class ConfigError(ValueError):
+    """The shard's configuration is invalid; the message says which setting and why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """Configuration of one parameter-server shard (one process)."""
+
+    shard: int
+    num_shards: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    ready_file: str | None = None
+    mode: str = "async"
+    replicas_to_aggregate: int | None = None
+    total_replicas: int | None = None
+    staleness: int = 0
+    barrier_timeout_s: float = 60.0
+    allow_non_finite: bool = False
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    inline_apply_bytes: int = 1 << 20  # larger updates run in a worker thread, off the event loop
+    grace_s: float = 10.0
+    checkpoint_dir: str | None = None
+    checkpoint_every_s: float | None = None
+    auth_token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ConfigError(f"--num-shards must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard < self.num_shards:
+            raise ConfigError(f"--shard must be in [0, {self.num_shards}), got {self.shard}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.staleness < 0:
+            raise ConfigError(f"--staleness must be >= 0, got {self.staleness}")
+        if self.mode == "sync":
+            n, m = self.replicas_to_aggregate, self.total_replicas
+            if n is None or m is None:
+                raise ConfigError("--mode sync needs --replicas-to-aggregate N and --total-replicas M")
+            if not 1 <= n <= m:
+                raise ConfigError(f"need 1 <= --replicas-to-aggregate ({n}) <= --total-replicas ({m})")
+        if self.mode == "ssp" and self.total_replicas is None:
+            raise ConfigError("--mode ssp needs --total-replicas M (the number of workers)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.max_message_bytes < 1 << 20:
+            raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+
+
+@dataclass(frozen=True, slots=True)
+class TFConfigTask:
+    """This process's place in a TF_CONFIG cluster."""
+
+    shard: int
+    num_shards: int
+    host: str
+    port: int
+
+
+def ps_task_from_tf_config(environ: Mapping[str, str] = os.environ) -> TFConfigTask:
+    """Reads the shard index and address of a ``ps`` task from ``TF_CONFIG``.
+
+    Raises:
+        ConfigError: TF_CONFIG is missing, malformed, or not a ``ps`` task.
+    """
+    raw = environ.get("TF_CONFIG")
+    if not raw:
+        raise ConfigError("no --shard given and TF_CONFIG is not set")
+    try:
+        tf_config = json.loads(raw)
+        cluster, task = tf_config["cluster"], tf_config["task"]
+        if task["type"] != "ps":
+            raise ConfigError(f"TF_CONFIG task type is {task['type']!r}; psserver runs 'ps' tasks")
+        ps = list(cluster["ps"])
+        index = int(task["index"])
+        address = ps[index]
+    except ConfigError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise ConfigError(f"TF_CONFIG is malformed: {err!r}") from err
+    host, _, port = address.rpartition(":")
+    return TFConfigTask(shard=index, num_shards=len(ps), host=host or "0.0.0.0", port=int(port))

@@ -1,0 +1,128 @@
+"""Runs one shard: the grpc.aio server with health checking and reflection, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psserver.config import ServerConfig
+from psserver.modes import Mode, make_mode
+from psserver.servicer import ParameterServerServicer
+from psserver.store import Store
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options shared by the shard's server and the clients' channels."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def write_ready_file(path: str, address: str) -> None:
+    """Writes ``HOST:PORT`` to ``path`` atomically (temp file, fsync, rename)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".ready-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(address + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class Shard:
+    """A running shard: its server, store and mode (what tests and hooks reach into)."""
+
+    config: ServerConfig
+    server: grpc.aio.Server
+    store: Store
+    mode: Mode
+    health: health.aio.HealthServicer
+    address: str
+    port: int
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        for hook in self.on_shutdown:
+            await hook()
+
+
+async def start(config: ServerConfig) -> Shard:
+    """Builds and starts a shard on the running event loop."""
+    store = Store(allow_non_finite=config.allow_non_finite, inline_apply_bytes=config.inline_apply_bytes)
+    mode = make_mode(
+        config.mode,
+        store,
+        replicas_to_aggregate=config.replicas_to_aggregate,
+        total_replicas=config.total_replicas,
+        staleness=config.staleness,
+        barrier_timeout_s=config.barrier_timeout_s,
+    )
+    server = grpc.aio.server(options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(
+        ParameterServerServicer(store, mode, shard=config.shard, num_shards=config.num_shards), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bind = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"could not bind {bind}")
+    await server.start()
+    host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
+    address = f"{host}:{port}"
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    return Shard(config, server, store, mode, health_servicer, address, port)
+
+
+async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Runs a shard until SIGTERM/SIGINT (or ``stop`` is set), then shuts down gracefully."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    shard = await start(config)
+    log.info(
+        "shard %d/%d (%s mode) listening on %s", config.shard, config.num_shards, config.mode, shard.address
+    )
+    if config.ready_file:
+        write_ready_file(config.ready_file, shard.address)
+    try:
+        await stop.wait()
+        log.info("shard %d: shutting down (grace %.1fs)", config.shard, config.grace_s)
+    finally:
+        await shard.stop()
+    log.info("shard %d: stopped", config.shard)

@@ -1,0 +1,238 @@
+"""The ParameterServer gRPC servicer: translates protos to store and mode calls, and errors to statuses.
+
+Handlers stay thin. A ``ServerError`` becomes its status code; a malformed
+tensor (``CodecError``) becomes INVALID_ARGUMENT; anything else propagates and
+gRPC reports UNKNOWN (and logs it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+
+import grpc
+import numpy as np
+
+from psclient import codec
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psserver.errors import InvalidArgument, ServerError
+from psserver.modes import Mode
+from psserver.store import Store, Variable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amortise per-message cost
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _statuses() -> Iterator[None]:
+    try:
+        yield
+    except ServerError as err:
+        raise _Abort(err.code, str(err)) from err
+    except codec.CodecError as err:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+
+
+def _chunk_of(
+    var_name: str, value: np.ndarray, start: int = 0, stop: int | None = None
+) -> ps_pb2.TensorChunk:
+    flat = value.reshape(-1)
+    return ps_pb2.TensorChunk(
+        name=var_name,
+        dtype=codec.wire_dtype(value.dtype),
+        shape=value.shape,
+        offset=start,
+        data=flat[start:stop].tobytes(),
+    )
+
+
+def _snapshot(variables: Iterable[Variable]) -> list[tuple[str, np.ndarray, int]]:
+    return [(v.name, *v.state) for v in variables]
+
+
+def _stream_values(
+    snapshot: list[tuple[str, np.ndarray, int]], chunk_bytes: int
+) -> Iterator[tuple[list[ps_pb2.TensorChunk], list[int]]]:
+    """Packs a snapshot into messages of about ``chunk_bytes`` of tensor data each."""
+    chunks: list[ps_pb2.TensorChunk] = []
+    versions: list[int] = []
+    budget = chunk_bytes
+    for name, value, version in snapshot:
+        versions.append(version)
+        step = max(1, chunk_bytes // max(1, value.itemsize))
+        size = value.size
+        start = 0
+        while True:
+            n = min(step, size - start, max(1, budget // max(1, value.itemsize)))
+            chunks.append(_chunk_of(name, value, start, start + n))
+            budget -= n * value.itemsize
+            start += n
+            if budget <= 0:
+                yield chunks, versions
+                chunks, versions, budget = [], [], chunk_bytes
+            if start >= size:
+                break
+    if chunks or versions:
+        yield chunks, versions
+
+
+def _header_ok(worker_id: str) -> None:
+    if not worker_id:
+        raise InvalidArgument("push needs a worker_id (it makes retried pushes idempotent)")
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    """Serves one shard's store."""
+
+    def __init__(self, store: Store, mode: Mode, *, shard: int, num_shards: int) -> None:
+        self.store = store
+        self.mode = mode
+        self.shard = shard
+        self.num_shards = num_shards
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: _Abort) -> None:
+        await context.abort(err.code, f"shard {self.shard}: {err}")
+
+    async def CreateVariables(
+        self,
+        request_iterator: AsyncIterator[ps_pb2.CreateVariablesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> ps_pb2.CreateVariablesResponse:
+        try:
+            with _statuses():
+                specs: list[ps_pb2.VariableSpec] = []
+                values = codec.Assembler()
+                async for req in request_iterator:
+                    specs.extend(req.variables)
+                    for chunk in req.values:
+                        values.add(chunk)
+                created = self.store.create(specs, values.result())
+                return ps_pb2.CreateVariablesResponse(created=created)
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
+    async def ListVariables(
+        self, request: ps_pb2.ListVariablesRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.ListVariablesResponse:
+        wanted = set(request.names)
+        infos = [
+            ps_pb2.VariableInfo(spec=v.spec, version=v.version)
+            for v in self.store.variables()
+            if not wanted
+            or v.name in wanted
+            or (v.spec.HasField("partition") and v.spec.partition.variable in wanted)
+        ]
+        return ps_pb2.ListVariablesResponse(variables=infos, shard=self.shard, num_shards=self.num_shards)
+
+    async def Pull(
+        self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.PullResponse:
+        try:
+            with _statuses():
+                await self.mode.before_pull(request.worker_id, request.step)
+                snapshot = _snapshot(self.store.lookup(request.names))
+                self.store.pulls += 1
+                return ps_pb2.PullResponse(
+                    values=[_chunk_of(name, value) for name, value, _ in snapshot],
+                    versions=[version for _, _, version in snapshot],
+                )
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
+    async def PullStream(
+        self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ps_pb2.PullResponse]:
+        try:
+            with _statuses():
+                await self.mode.before_pull(request.worker_id, request.step)
+                snapshot = _snapshot(self.store.lookup(request.names))
+                self.store.pulls += 1
+        except _Abort as err:
+            await self._abort(context, err)
+            return
+        chunk_bytes = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        for chunks, versions in _stream_values(snapshot, chunk_bytes):
+            yield ps_pb2.PullResponse(values=chunks, versions=versions)
+
+    async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
+        _header_ok(header.worker_id)
+        outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads)
+        return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
+
+    async def Push(
+        self, request: ps_pb2.PushRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.PushResponse:
+        try:
+            with _statuses():
+                grads = codec.Assembler()
+                for chunk in request.grads:
+                    grads.add(chunk)
+                tensors = grads.result()
+                response = await self._push(request, tensors)
+                if request.return_values:
+                    snapshot = _snapshot(self.store.lookup(list(tensors)))
+                    response.values.extend(_chunk_of(name, value) for name, value, _ in snapshot)
+                    response.versions.extend(version for _, _, version in snapshot)
+                return response
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
+    async def PushStream(
+        self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ps_pb2.PushResponse]:
+        header: ps_pb2.PushRequest | None = None
+        try:
+            with _statuses():
+                grads = codec.Assembler()
+                async for req in request_iterator:
+                    if header is None:
+                        header = ps_pb2.PushRequest(
+                            worker_id=req.worker_id,
+                            seq=req.seq,
+                            step=req.step,
+                            return_values=req.return_values,
+                        )
+                    for chunk in req.grads:
+                        grads.add(chunk)
+                if header is None:
+                    raise InvalidArgument("push stream carried no messages")
+                tensors = grads.result()
+                response = await self._push(header, tensors)
+                snapshot = _snapshot(self.store.lookup(list(tensors))) if header.return_values else []
+        except _Abort as err:
+            await self._abort(context, err)
+            return
+        if not snapshot:
+            yield response
+            return
+        for chunks, versions in _stream_values(snapshot, DEFAULT_CHUNK_BYTES):
+            response.values.extend(chunks)
+            response.versions.extend(versions)
+            yield response
+            response = ps_pb2.PushResponse(applied=response.applied, reason=response.reason)
+
+    async def GetStatus(
+        self, request: ps_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.GetStatusResponse:
+        return ps_pb2.GetStatusResponse(
+            shard=self.shard,
+            num_shards=self.num_shards,
+            mode=self.mode.name,
+            num_variables=len(self.store),
+            total_bytes=self.store.total_bytes,
+            pushes=self.store.pushes,
+            pulls=self.store.pulls,
+            uptime_s=time.monotonic() - self.store.started,
+        )
