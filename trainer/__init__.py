@@ -1,0 +1,1 @@
+"""trainer: runnable training entry points (``pstrain``), data pipelines and the local cluster launcher."""

@@ -1,0 +1,151 @@
+"""LocalCluster: starts psserver shards as real processes on loopback and stops them cleanly.
+
+Used by ``pstrain demo``, the tests, the benchmarks and the load tool. Imports
+no TensorFlow.
+
+Example:
+    with LocalCluster(num_shards=2) as cluster:
+        client = psclient.PSClient(cluster.addresses)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 30.0  # a shard starts in well under a second; this covers a loaded CI machine
+_STOP_TIMEOUT_S = 15.0
+
+
+class ClusterError(RuntimeError):
+    """A shard failed to start or exited unexpectedly; the message carries its log tail."""
+
+
+class LocalCluster:
+    """``num_shards`` psserver processes on 127.0.0.1 with ephemeral ports.
+
+    Args:
+        num_shards: shard count.
+        server_args: extra ``psserver`` flags for every shard (e.g. ``["--mode", "sync", ...]``).
+        shard_args: extra flags per shard index.
+        workdir: where ready files and logs go (default: a temporary directory).
+        env: extra environment variables for the shard processes.
+    """
+
+    def __init__(
+        self,
+        num_shards: int = 2,
+        server_args: Sequence[str] = (),
+        *,
+        shard_args: dict[int, Sequence[str]] | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.num_shards = num_shards
+        self.server_args = list(server_args)
+        self.shard_args = shard_args or {}
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="pscluster-")
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.env = env or {}
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * num_shards
+        self.addresses: list[str] = [""] * num_shards
+
+    def log_path(self, shard: int) -> Path:
+        return self.workdir / f"ps{shard}.log"
+
+    def log_tail(self, shard: int, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path(shard).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def command(self, shard: int, port: int = 0) -> list[str]:
+        ready = self.workdir / f"ps{shard}.addr"
+        return [
+            sys.executable, "-m", "psserver", "--shard", str(shard), "--num-shards", str(self.num_shards),
+            "--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready),
+            *self.server_args, *self.shard_args.get(shard, ()),
+        ]  # fmt: skip
+
+    def start_shard(self, shard: int, port: int = 0, timeout: float = _START_TIMEOUT_S) -> str:
+        """Starts (or restarts) one shard and waits for its ready file; returns ``HOST:PORT``.
+
+        Raises:
+            ClusterError: the shard exited or did not become ready in time.
+        """
+        ready = self.workdir / f"ps{shard}.addr"
+        with contextlib.suppress(FileNotFoundError):
+            ready.unlink()
+        logf = open(self.log_path(shard), "ab")  # noqa: SIM115 - owned by the child
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        proc = subprocess.Popen(self.command(shard, port), stdout=logf, stderr=subprocess.STDOUT, env=env)
+        logf.close()
+        self.procs[shard] = proc
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready.exists():
+                self.addresses[shard] = ready.read_text().strip()
+                return self.addresses[shard]
+            if proc.poll() is not None:
+                raise ClusterError(f"shard {shard} exited with {proc.returncode}:\n{self.log_tail(shard)}")
+            time.sleep(0.02)
+        proc.kill()
+        raise ClusterError(f"shard {shard} not ready after {timeout:.0f}s:\n{self.log_tail(shard)}")
+
+    def start(self) -> LocalCluster:
+        """Starts every shard (in parallel) and waits until all serve."""
+        try:
+            for shard in range(self.num_shards):
+                self.start_shard(shard)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local cluster up: %s", ", ".join(self.addresses))
+        return self
+
+    def kill_shard(self, shard: int) -> None:
+        """SIGKILLs one shard (fault-injection)."""
+        proc = self.procs[shard]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=_STOP_TIMEOUT_S)
+
+    def stop_shard(self, shard: int, timeout: float = _STOP_TIMEOUT_S) -> int | None:
+        """SIGTERMs one shard and waits; SIGKILL after ``timeout``. Returns its exit code."""
+        proc = self.procs[shard]
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("shard %d ignored SIGTERM for %.0fs; killing it", shard, timeout)
+                proc.kill()
+                proc.wait(timeout=timeout)
+        return proc.returncode
+
+    def stop(self) -> list[int | None]:
+        """Stops every shard (SIGTERM, then SIGKILL after a timeout); returns their exit codes."""
+        codes = [self.stop_shard(s) for s in range(self.num_shards)]
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return codes
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
