@@ -1,0 +1,70 @@
+"""Configuration of one rank of a ring (validated once, immutable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from psclient.collective._frame import HEADER_BYTES
+
+DEFAULT_CHUNK_BYTES: Final[int] = 1 << 20
+DEFAULT_FUSION_THRESHOLD_BYTES: Final[int] = 64 << 20
+DEFAULT_MAX_MESSAGE_BYTES: Final[int] = 64 << 20
+COMPRESSIONS: Final[tuple[str, ...]] = ("none", "fp16")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RingConfig:
+    """Settings of one rank (see :class:`psclient.collective.Ring` for their meaning).
+
+    Raises:
+        ValueError: an inconsistent or out-of-range setting.
+    """
+
+    addresses: tuple[str, ...]
+    rank: int
+    timeout: float = 60.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
+    compression: str = "none"
+    auth_token: str | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.addresses:
+            raise ValueError("a ring needs at least one address")
+        for a in self.addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) == 0:
+                raise ValueError(f"address {a!r} is not HOST:PORT with a fixed non-zero port")
+        if len(set(self.addresses)) != len(self.addresses):
+            raise ValueError(f"addresses must be distinct: {list(self.addresses)}")
+        if not 0 <= self.rank < len(self.addresses):
+            raise ValueError(f"rank {self.rank} is not in [0, {len(self.addresses)})")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if self.fusion_threshold_bytes < 0:
+            raise ValueError("fusion_threshold_bytes must be >= 0")
+        if self.max_message_bytes < HEADER_BYTES + 1024:
+            raise ValueError(f"max_message_bytes must be at least {HEADER_BYTES + 1024}")
+        if not 1024 <= self.chunk_bytes <= self.max_message_bytes - HEADER_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be in [1024, max_message_bytes - {HEADER_BYTES}], got {self.chunk_bytes}"
+            )
+
+    @property
+    def world(self) -> int:
+        """Number of ranks."""
+        return len(self.addresses)
+
+    @property
+    def next_rank(self) -> int:
+        """The rank this rank sends to."""
+        return (self.rank + 1) % self.world
+
+    @property
+    def prev_rank(self) -> int:
+        """The rank this rank receives from."""
+        return (self.rank - 1) % self.world

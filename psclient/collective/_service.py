@@ -1,0 +1,116 @@
+"""The Collective gRPC service of one rank: frames from the previous rank into per-operation mailboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Final
+
+import grpc
+
+from psclient.collective._frame import FrameError, FrameHeader, decode
+from psclient.errors import PSError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: Final[str] = "psproto.v1.Collective"
+EXCHANGE_METHOD: Final[str] = f"/{SERVICE_NAME}/Exchange"
+
+Delivery = tuple[FrameHeader, bytes] | PSError
+
+
+class Mailboxes:
+    """Frames per operation sequence number; frames of finished operations are dropped.
+
+    Not thread-safe: used from the ring's event loop only.
+    """
+
+    def __init__(self) -> None:
+        self._boxes: dict[int, asyncio.Queue[Delivery]] = {}
+        self._floor = 0  # every seq below this one is finished
+
+    def open(self, seq: int) -> asyncio.Queue[Delivery]:
+        """The mailbox of operation ``seq`` (frames may have arrived before the operation started)."""
+        return self._boxes.setdefault(seq, asyncio.Queue())
+
+    def close(self, seq: int) -> None:
+        """Forgets operation ``seq`` and every earlier one; their late frames are dropped."""
+        self._floor = max(self._floor, seq + 1)
+        for s in [s for s in self._boxes if s < self._floor]:
+            del self._boxes[s]
+
+    def put(self, seq: int, item: Delivery) -> None:
+        """Delivers a frame or an error to operation ``seq``."""
+        if seq >= self._floor:
+            self.open(seq).put_nowait(item)
+
+    def fail_open(self, error: PSError) -> None:
+        """Delivers ``error`` to every operation that is waiting now."""
+        for box in self._boxes.values():
+            box.put_nowait(error)
+
+
+class CollectiveService:
+    """Serves ``Exchange``: the previous rank's frames, one stream per operation.
+
+    Args:
+        mailboxes: where frames go.
+        rank: this rank.
+        prev_rank: the rank that streams to this one.
+        prev_address: its address (for messages).
+        auth_token: the bearer token every stream must carry, or None.
+    """
+
+    def __init__(
+        self, mailboxes: Mailboxes, *, rank: int, prev_rank: int, prev_address: str, auth_token: str | None
+    ) -> None:
+        self._boxes = mailboxes
+        self._rank = rank
+        self._prev = prev_rank
+        self._prev_address = prev_address
+        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token is not None else None
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler to register on a ``grpc.aio`` server (raw bytes in and out)."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME, {"Exchange": grpc.stream_unary_rpc_method_handler(self.exchange)}
+        )
+
+    async def exchange(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> bytes:
+        """Receives one operation's frames into its mailbox.
+
+        Raises:
+            asyncio.CancelledError: the sender went away (its operation gets an ``UnavailableError``).
+        """
+        if self._expected_auth is not None:
+            got = dict(context.invocation_metadata() or ()).get("authorization", "")
+            if not hmac.compare_digest(str(got).encode(), self._expected_auth):
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED, f"rank {self._rank}: missing or wrong ring auth token"
+                )
+        seq: int | None = None
+        completed = False
+        try:
+            async for msg in request_iterator:
+                try:
+                    header, _ = decode(msg)
+                except FrameError as err:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {self._rank}: {err}")
+                seq = header.seq
+                self._boxes.put(seq, (header, msg))
+            completed = True
+        finally:
+            if not completed and seq is not None:
+                self._boxes.put(
+                    seq,
+                    UnavailableError(
+                        f"rank {self._rank}: the stream from rank {self._prev} broke during operation #{seq} "
+                        "(peer died, closed or aborted)",
+                        address=self._prev_address,
+                    ),
+                )
+        return b""
