@@ -55,11 +55,11 @@ def plan_buckets(arrays: Sequence[np.ndarray], threshold_bytes: int) -> list[Buc
     for i, arr in enumerate(arrays):
         dt = arr.dtype
         nbytes = arr.size * dt.itemsize
-        if dt in open_ and (open_[dt][3] * dt.itemsize + nbytes > threshold_bytes):
-            close(dt)
         if nbytes >= threshold_bytes:
             done.append(Bucket(dt, (i,), (0,), (arr.size,), arr.size))
             continue
+        if dt in open_ and (open_[dt][3] * dt.itemsize + nbytes > threshold_bytes):
+            close(dt)
         members, offsets, sizes, total = open_.setdefault(dt, ([], [], [], 0))
         members.append(i)
         offsets.append(total)
