@@ -2,17 +2,39 @@
 
 A mode sits between the servicer and the store: it decides when a validated
 push is applied and when a pull may proceed.
+
+- ``async``: every push is applied on arrival.
+- ``sync`` (SyncReplicasOptimizer semantics): the update of step ``k`` is the
+  mean of the first ``N`` gradients pushed for ``k`` by distinct workers,
+  applied once; a push returns when its step's update is applied (the push is
+  the barrier); pushes for past steps are dropped (``reason="stale"``). With
+  ``M > N`` workers, the ``M - N`` extra ones are backups absorbing stragglers.
+  Each shard runs its own barrier over the variables it owns; the shard's step
+  is the number of updates applied so far (equal to each variable's version
+  when every push carries every variable).
+- ``ssp`` (stale synchronous parallel): pushes are applied on arrival; a worker
+  whose clock (steps pushed so far) is more than ``S`` ahead of the slowest of
+  the ``M`` workers waits in its pull.
+
+Every wait is bounded by the barrier timeout; a timeout is DEADLINE_EXCEEDED
+naming the step and the workers waited for.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from psserver.store import Store
+from psserver.errors import DeadlineExceeded, InvalidArgument
+from psserver.store import Store, Variable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +80,285 @@ class AsyncMode(Mode):
         return PushOutcome(applied=True)
 
 
+def _names(workers: list[str]) -> str:
+    return ", ".join(workers) if workers else "none"
+
+
+@dataclass(slots=True)
+class _Round:
+    """The gradients gathered so far for one sync step."""
+
+    done: asyncio.Future[None]
+    # worker_id -> (seq, validated pairs); insertion order is arrival order.
+    contributions: dict[str, tuple[int, list[tuple[Variable, np.ndarray]]]] = field(default_factory=dict)
+    closed: bool = False  # N gradients are in: later pushes for this step are stale
+
+
+class SyncMode(Mode):
+    """N-of-M synchronous updates; the push is the barrier.
+
+    Args:
+        store: the shard's variables.
+        replicas_to_aggregate: N, gradients averaged into one update.
+        total_replicas: M, the number of workers (``M - N`` are backups).
+        barrier_timeout_s: how long a push waits for its step's update.
+    """
+
+    name = "sync"
+
+    def __init__(
+        self, store: Store, *, replicas_to_aggregate: int, total_replicas: int, barrier_timeout_s: float
+    ) -> None:
+        super().__init__(store)
+        if not 1 <= replicas_to_aggregate <= total_replicas:
+            raise ValueError(
+                f"need 1 <= replicas_to_aggregate ({replicas_to_aggregate}) "
+                f"<= total_replicas ({total_replicas})"
+            )
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.total_replicas = total_replicas
+        self.barrier_timeout_s = barrier_timeout_s
+        self.step = 0  # the step whose update is being gathered (= updates applied so far)
+        self._rounds: dict[int, _Round] = {}
+        self._workers: dict[str, int] = {}  # every worker seen -> the last step it pushed (-1: none)
+        self.dropped = 0
+
+    def _seen(self, worker_id: str, step: int = -1) -> None:
+        if worker_id:
+            self._workers[worker_id] = max(self._workers.get(worker_id, -1), step)
+
+    async def before_pull(self, worker_id: str, step: int) -> None:
+        self._seen(worker_id)
+
+    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+        pairs = self.store.validate_grads(grads)
+        self._seen(worker_id)
+        if step < 0:
+            raise InvalidArgument(f"sync mode: step must be >= 0, got {step}")
+        if not self.store.claim(worker_id, seq):
+            # A retry: join the original's round if it is still gathering.
+            for k, rnd in self._rounds.items():
+                if rnd.contributions.get(worker_id, (None,))[0] == seq:
+                    await self._wait(k, rnd, worker_id, seq)
+                    return PushOutcome(applied=True)
+            return PushOutcome(applied=False, reason="duplicate")
+        self._seen(worker_id, step)
+        rnd = self._rounds.get(step)
+        if step < self.step or (rnd is not None and rnd.closed):
+            self.dropped += 1
+            log.debug(
+                "sync: dropped stale gradient of %s for step %d (at step %d)", worker_id, step, self.step
+            )
+            return PushOutcome(applied=False, reason="stale")
+        if rnd is None:
+            rnd = self._rounds[step] = _Round(done=asyncio.get_running_loop().create_future())
+        if worker_id in rnd.contributions:
+            return PushOutcome(applied=False, reason="duplicate")
+        rnd.contributions[worker_id] = (seq, pairs)
+        await self._advance()
+        await self._wait(step, rnd, worker_id, seq)
+        return PushOutcome(applied=True)
+
+    async def _wait(self, step: int, rnd: _Round, worker_id: str, seq: int) -> None:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.barrier_timeout_s):
+                await asyncio.shield(rnd.done)
+        except TimeoutError:
+            if rnd.done.done():  # completed in the same tick as the timeout
+                rnd.done.result()
+                return
+            raise DeadlineExceeded(self._timeout_message(step, rnd, time.monotonic() - started)) from None
+        finally:
+            if not rnd.done.done() and rnd.contributions.get(worker_id, (None,))[0] == seq:
+                # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
+                del rnd.contributions[worker_id]
+                self.store.unclaim(worker_id, seq)
+                if not rnd.contributions and self._rounds.get(step) is rnd:
+                    del self._rounds[step]
+
+    def _timeout_message(self, step: int, rnd: _Round, waited: float) -> str:
+        n, m = self.replicas_to_aggregate, self.total_replicas
+        got = sorted(rnd.contributions)
+        if step > self.step:
+            return (
+                f"sync barrier timed out after {waited:.1f}s: a push for step {step} waits for step "
+                f"{self.step} to complete first; step {self.step} has "
+                f"{len(self._rounds[self.step].contributions) if self.step in self._rounds else 0} of {n} "
+                f"gradients (workers seen: {_names(sorted(self._workers))})"
+            )
+        missing = sorted(w for w in self._workers if w not in rnd.contributions)
+        unseen = max(0, m - len(self._workers))
+        text = (
+            f"sync barrier for step {step} timed out after {waited:.1f}s: has {len(got)} of "
+            f"{n} gradients needed (from {_names(got)}); "
+            f"no gradient for step {step} from worker(s) {_names(missing)}"
+        )
+        if unseen:
+            text += f" and {unseen} of {m} worker(s) never seen"
+        return text
+
+    async def _advance(self) -> None:
+        """Applies every complete round, in step order."""
+        n = self.replicas_to_aggregate
+        while (rnd := self._rounds.get(self.step)) is not None and not rnd.closed:
+            if len(rnd.contributions) < n:
+                return
+            rnd.closed = True
+            step = self.step
+            chosen = list(rnd.contributions.values())[:n]
+            try:
+                await self.store.apply(await self._mean(chosen))
+            except BaseException as err:
+                for worker, (seq, _) in rnd.contributions.items():
+                    self.store.unclaim(worker, seq)
+                del self._rounds[step]
+                if not rnd.done.done():
+                    rnd.done.set_exception(err)
+                    rnd.done.exception()  # retrieved: waiters re-raise it
+                raise
+            del self._rounds[step]
+            self.step = step + 1
+            rnd.done.set_result(None)
+
+    async def _mean(
+        self, chosen: list[tuple[int, list[tuple[Variable, np.ndarray]]]]
+    ) -> list[tuple[Variable, np.ndarray]]:
+        by_var: dict[str, tuple[Variable, list[np.ndarray]]] = {}
+        for _, pairs in chosen:
+            for var, grad in pairs:
+                by_var.setdefault(var.name, (var, []))[1].append(grad)
+
+        def mean(grads: list[np.ndarray]) -> np.ndarray:
+            if len(grads) == 1:
+                return grads[0]
+            acc = grads[0].copy()
+            for g in grads[1:]:
+                acc += g
+            acc /= len(grads)
+            return acc
+
+        out = []
+        for var, grads in by_var.values():
+            if var.nbytes * len(grads) > self.store.inline_apply_bytes:
+                out.append((var, await asyncio.to_thread(mean, grads)))
+            else:
+                out.append((var, mean(grads)))
+        return out
+
+
+class SSPMode(Mode):
+    """Stale synchronous parallel: async updates, but no worker runs more than S steps ahead.
+
+    A worker's clock is the number of steps it has pushed (its last pushed step
+    plus one). A pull at step ``s`` waits while ``s - min(clock) > S``, the
+    minimum taken over the M workers (a worker not seen yet has clock 0). With
+    S = 0 this is bulk-synchronous: step ``s`` starts once every worker has
+    pushed step ``s - 1``.
+
+    Args:
+        store: the shard's variables.
+        total_replicas: M, the number of workers.
+        staleness: S, how many steps a worker may run ahead of the slowest.
+        barrier_timeout_s: how long a pull waits.
+    """
+
+    name = "ssp"
+
+    def __init__(
+        self, store: Store, *, total_replicas: int, staleness: int, barrier_timeout_s: float
+    ) -> None:
+        super().__init__(store)
+        if total_replicas < 1 or staleness < 0:
+            raise ValueError(
+                f"need total_replicas >= 1 and staleness >= 0, got {total_replicas}, {staleness}"
+            )
+        self.total_replicas = total_replicas
+        self.staleness = staleness
+        self.barrier_timeout_s = barrier_timeout_s
+        self.clocks: dict[str, int] = {}  # pushing worker -> steps pushed
+        self._tick = asyncio.Event()
+
+    def min_clock(self) -> int:
+        """The slowest clock over the M most advanced workers (0 while fewer than M have pushed)."""
+        if len(self.clocks) < self.total_replicas:
+            return 0
+        return sorted(self.clocks.values(), reverse=True)[self.total_replicas - 1]
+
+    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+        pairs = self.store.validate_grads(grads)
+        if step < 0:
+            raise InvalidArgument(f"ssp mode: step must be >= 0, got {step}")
+        if not self.store.claim(worker_id, seq):
+            return PushOutcome(applied=False, reason="duplicate")
+        try:
+            await self.store.apply(pairs)
+        except BaseException:
+            self.store.unclaim(worker_id, seq)
+            raise
+        if step + 1 > self.clocks.get(worker_id, 0):
+            self.clocks[worker_id] = step + 1
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+        return PushOutcome(applied=True)
+
+    async def before_pull(self, worker_id: str, step: int) -> None:
+        if step - self.min_clock() <= self.staleness:
+            return
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.barrier_timeout_s):
+                while step - self.min_clock() > self.staleness:
+                    await self._tick.wait()
+        except TimeoutError:
+            raise DeadlineExceeded(
+                self._timeout_message(worker_id, step, time.monotonic() - started)
+            ) from None
+
+    def _timeout_message(self, worker_id: str, step: int, waited: float) -> str:
+        floor = self.min_clock()
+        slow = sorted(w for w, c in self.clocks.items() if c <= floor)
+        unseen = max(0, self.total_replicas - len(self.clocks))
+        text = (
+            f"ssp wait timed out after {waited:.1f}s: worker {worker_id or '(anonymous)'} at step {step} "
+            f"may run at most {self.staleness} step(s) ahead of the slowest worker, which has pushed "
+            f"{floor} step(s); slowest: {_names(slow)}"
+        )
+        if unseen:
+            text += f"; {unseen} of {self.total_replicas} worker(s) have not pushed yet"
+        return text
+
+
 def make_mode(name: str, store: Store, **options: object) -> Mode:
     """Builds the mode called ``name``.
 
+    Options: ``replicas_to_aggregate``, ``total_replicas`` (sync), ``total_replicas``,
+    ``staleness`` (ssp), ``barrier_timeout_s`` (both); others are ignored.
+
     Raises:
-        ValueError: unknown mode.
+        ValueError: unknown mode, or missing or inconsistent options.
     """
+    timeout = float(options.get("barrier_timeout_s") or 60.0)  # type: ignore[arg-type]
     if name == "async":
         return AsyncMode(store)
+    if name == "sync":
+        n, m = options.get("replicas_to_aggregate"), options.get("total_replicas")
+        if n is None or m is None:
+            raise ValueError("sync mode needs replicas_to_aggregate and total_replicas")
+        return SyncMode(
+            store,
+            replicas_to_aggregate=int(n),
+            total_replicas=int(m),
+            barrier_timeout_s=timeout,  # type: ignore[call-overload]
+        )
+    if name == "ssp":
+        m = options.get("total_replicas")
+        if m is None:
+            raise ValueError("ssp mode needs total_replicas")
+        return SSPMode(
+            store,
+            total_replicas=int(m),  # type: ignore[call-overload]
+            staleness=int(options.get("staleness") or 0),  # type: ignore[call-overload]
+            barrier_timeout_s=timeout,
+        )
     raise ValueError(f"mode {name!r} is not available")

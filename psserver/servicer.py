@@ -168,6 +168,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
         outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads)
+        if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
+            await self.mode.before_pull(header.worker_id, header.step + 1)
         return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
 
     async def Push(

@@ -1,0 +1,131 @@
+"""Sync mode (N-of-M barrier) on real shards: mean update, barrier, stale drops, backups, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import psclient
+from trainer.cluster import LocalCluster
+
+CALL_TIMEOUT_S = 20.0
+
+
+def _sync_args(n: int, m: int, timeout_s: float = 20.0) -> list[str]:
+    return ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(m),
+            "--barrier-timeout", str(timeout_s)]  # fmt: skip
+
+
+def _clients(cluster: LocalCluster, count: int) -> list[psclient.AsyncPSClient]:
+    return [
+        psclient.AsyncPSClient(cluster.addresses, worker_id=f"w{i}", timeout=CALL_TIMEOUT_S)
+        for i in range(count)
+    ]
+
+
+async def _close(clients: list[psclient.AsyncPSClient]) -> None:
+    for c in clients:
+        await c.close()
+
+
+async def test_update_is_mean_of_workers_gradients(make_cluster) -> None:
+    cluster = make_cluster(num_shards=2, server_args=_sync_args(2, 2))
+    w0, w1 = clients = _clients(cluster, 2)
+    try:
+        init = {"a": np.zeros((3, 4), np.float32), "b": np.ones(5, np.float32)}
+        await w0.create_many(init, optimizer=psclient.SGD(learning_rate=1.0))
+        rng = np.random.default_rng(0)
+        g0 = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in init.items()}
+        g1 = {k: rng.normal(size=v.shape).astype(np.float32) for k, v in init.items()}
+        applied = await asyncio.gather(w0.push(g0, step=0), w1.push(g1, step=0))
+        assert applied == [True, True]
+        values, versions = await w0.pull_with_versions()
+        for k in init:
+            np.testing.assert_allclose(values[k], init[k] - (g0[k] + g1[k]) / 2, rtol=1e-6)
+        assert set(versions.values()) == {1}  # one update per step, not one per push
+    finally:
+        await _close(clients)
+
+
+async def test_push_is_the_barrier(make_cluster) -> None:
+    cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 2))
+    w0, w1 = clients = _clients(cluster, 2)
+    try:
+        await w0.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        first = asyncio.create_task(w0.push({"v": np.ones(4, np.float32)}, step=0))
+        await asyncio.sleep(0.5)
+        assert not first.done()  # waits for the second gradient of step 0
+        np.testing.assert_array_equal((await w1.pull())["v"], np.zeros(4, np.float32))
+        assert await w1.push({"v": 3 * np.ones(4, np.float32)}, step=0)
+        assert await asyncio.wait_for(first, CALL_TIMEOUT_S)
+        np.testing.assert_allclose((await w1.pull())["v"], -2 * np.ones(4, np.float32))
+        # step 1 gathers afresh; push_pull returns the values after the step's update
+        both = await asyncio.gather(
+            w0.push_pull({"v": np.ones(4, np.float32)}, step=1),
+            w1.push_pull({"v": np.ones(4, np.float32)}, step=1),
+        )
+        for values in both:
+            np.testing.assert_allclose(values["v"], -3 * np.ones(4, np.float32))
+    finally:
+        await _close(clients)
+
+
+async def test_backups_let_n_of_m_proceed_and_late_gradients_are_dropped(make_cluster) -> None:
+    cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 3))
+    w0, w1, w2 = clients = _clients(cluster, 3)
+    try:
+        await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        # the straggler w2 is not needed: 2 of 3 complete step 0
+        assert await asyncio.gather(
+            w0.push({"v": np.full(2, 2.0, np.float32)}, step=0),
+            w1.push({"v": np.full(2, 4.0, np.float32)}, step=0),
+        ) == [True, True]
+        # its late gradient for step 0 is dropped, and it is told so
+        assert await w2.push({"v": np.full(2, 100.0, np.float32)}, step=0) is False
+        values, versions = await w2.pull_with_versions()
+        np.testing.assert_allclose(values["v"], [-3.0, -3.0])
+        assert versions == {"v": 1}  # the current step, for the straggler to resync
+        # it rejoins at the current step; any 2 of 3 complete it
+        assert await asyncio.gather(
+            w2.push({"v": np.full(2, 1.0, np.float32)}, step=1),
+            w0.push({"v": np.full(2, 1.0, np.float32)}, step=1),
+        ) == [True, True]
+        np.testing.assert_allclose((await w1.pull())["v"], [-4.0, -4.0])
+    finally:
+        await _close(clients)
+
+
+async def test_barrier_timeout_names_missing_workers_and_step(make_cluster) -> None:
+    cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 3, timeout_s=1.0))
+    w0, w1 = clients = _clients(cluster, 2)
+    try:
+        await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        await w1.pull()  # w1 is known to the shard, but never pushes
+        with pytest.raises(psclient.DeadlineExceededError) as info:
+            await w0.push({"v": np.ones(2, np.float32)}, step=0)
+        message = str(info.value)
+        assert "step 0" in message
+        assert "w1" in message
+        assert "1 of 3 worker(s) never seen" in message
+        # nothing half-applied: the value is unchanged, and the shard still serves step 0
+        np.testing.assert_array_equal((await w1.pull())["v"], np.zeros(2, np.float32))
+        assert await asyncio.gather(
+            w0.push({"v": np.ones(2, np.float32)}, step=0), w1.push({"v": np.ones(2, np.float32)}, step=0)
+        ) == [True, True]
+    finally:
+        await _close(clients)
+
+
+async def test_bad_gradient_is_rejected_without_joining_the_barrier(make_cluster) -> None:
+    cluster = make_cluster(num_shards=1, server_args=_sync_args(1, 1))
+    (w0,) = clients = _clients(cluster, 1)
+    try:
+        await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        with pytest.raises(psclient.InvalidArgumentError):
+            await w0.push({"v": np.ones(3, np.float32)}, step=0)
+        assert await w0.push({"v": np.ones(2, np.float32)}, step=0)
+        np.testing.assert_allclose((await w0.pull())["v"], [-1.0, -1.0])
+    finally:
+        await _close(clients)
