@@ -12,6 +12,7 @@ array([[0., 1., 2.],
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Final
 
@@ -71,7 +72,8 @@ def as_wire_array(x: object, dtype: np.dtype | None = None) -> np.ndarray:
     arr = np.asarray(x, dtype=dtype)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(arr)
+    # NOTE: not np.ascontiguousarray, which turns a 0-d scalar into shape (1,).
+    return np.asarray(arr, order="C")
 
 
 def encode(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
@@ -132,7 +134,7 @@ def chunk_elements(chunk: ps_pb2.TensorChunk, data: bytes | None = None) -> np.n
             f"tensor {chunk.name!r}: {len(raw)} bytes is not a whole number of {dtype.name} elements"
         )
     shape = chunk_shape(chunk)
-    total = int(np.prod(shape, dtype=np.int64))
+    total = math.prod(shape)  # Python ints: a hostile shape cannot overflow
     count = len(raw) // dtype.itemsize
     if chunk.offset < 0 or chunk.offset + count > total:
         raise CodecError(
@@ -151,7 +153,7 @@ def decode(chunk: ps_pb2.TensorChunk) -> np.ndarray:
     data = chunk.data
     flat = chunk_elements(chunk, data)
     shape = chunk_shape(chunk)
-    if chunk.offset != 0 or flat.size != int(np.prod(shape, dtype=np.int64)):
+    if chunk.offset != 0 or flat.size != math.prod(shape):
         raise CodecError(f"tensor {chunk.name!r}: chunk does not carry the whole tensor of shape {shape}")
     return flat.reshape(shape)
 
@@ -165,7 +167,8 @@ class Assembler:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
-        self._filled: dict[str, int] = {}
+        # Element ranges [start, stop) received per tensor: catches gaps and overlaps.
+        self._ranges: dict[str, list[tuple[int, int]]] = {}
         self._specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
 
     def add(self, chunk: ps_pb2.TensorChunk) -> None:
@@ -179,16 +182,20 @@ class Assembler:
         shape = chunk_shape(chunk)
         dtype = elems.dtype
         name = chunk.name
-        total = int(np.prod(shape, dtype=np.int64))
+        total = math.prod(shape)
         known = self._specs.get(name)
         if known is None:
-            self._specs[name] = (dtype, shape)
-            self._filled[name] = 0
             if chunk.offset == 0 and elems.size == total:
-                self._arrays[name] = elems.reshape(shape)
-                self._filled[name] = total
+                self._arrays[name] = elems.reshape(shape)  # zero-copy (read-only) view
+                self._specs[name], self._ranges[name] = (dtype, shape), [(0, total)]
                 return
-            self._arrays[name] = np.empty(shape, dtype=dtype)
+            try:
+                self._arrays[name] = np.empty(shape, dtype=dtype)
+            except (MemoryError, ValueError) as err:
+                raise CodecError(
+                    f"tensor {name!r}: cannot hold shape {shape} of {dtype.name} ({total} elements): {err}"
+                ) from None
+            self._specs[name], self._ranges[name] = (dtype, shape), []
         elif known != (dtype, shape):
             raise CodecError(
                 f"tensor {name!r}: chunk says {dtype.name}{list(shape)}, earlier chunks said "
@@ -198,7 +205,7 @@ class Assembler:
         if not arr.flags.writeable:
             raise CodecError(f"tensor {name!r}: received more elements than its shape {shape} holds")
         arr.reshape(-1)[chunk.offset : chunk.offset + elems.size] = elems
-        self._filled[name] += elems.size
+        self._ranges[name].append((chunk.offset, chunk.offset + elems.size))
 
     def result(self) -> dict[str, np.ndarray]:
         """Returns the whole tensors, in arrival order.
@@ -207,6 +214,16 @@ class Assembler:
             CodecError: a tensor is missing elements, or got some twice.
         """
         for name, arr in self._arrays.items():
-            if self._filled[name] != arr.size:
-                raise CodecError(f"tensor {name!r}: received {self._filled[name]} of {arr.size} elements")
+            ranges = sorted(self._ranges[name])
+            received = sum(stop - start for start, stop in ranges)
+            if received != arr.size:
+                raise CodecError(f"tensor {name!r}: received {received} of {arr.size} elements")
+            end = 0
+            for start, stop in ranges:
+                if start != end:
+                    raise CodecError(
+                        f"tensor {name!r}: elements [{min(start, end)}, {max(start, end)}) were "
+                        f"{'received twice' if start < end else 'never received'}"
+                    )
+                end = stop
         return dict(self._arrays)

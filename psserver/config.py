@@ -99,5 +99,7 @@ def ps_task_from_tf_config(environ: Mapping[str, str] = os.environ) -> TFConfigT
         raise
     except (ValueError, KeyError, IndexError, TypeError) as err:
         raise ConfigError(f"TF_CONFIG is malformed: {err!r}") from err
-    host, _, port = address.rpartition(":")
+    host, _, port = str(address).rpartition(":")
+    if not port.isdigit():
+        raise ConfigError(f"TF_CONFIG ps address {address!r} (task {index}) is not HOST:PORT")
     return TFConfigTask(shard=index, num_shards=len(ps), host=host or "0.0.0.0", port=int(port))
