@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from psclient import _requests as rq
-from psclient import codec
+from psclient import _retry, codec
 from psclient.config import ClientConfig
 from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
 from psclient.optimizers import SGD, Optimizer
@@ -51,7 +51,11 @@ def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.enable_retries", 0),
+        ("grpc.enable_retries", 0),  # psclient retries itself (_retry), with one deadline for all attempts
+        # Reconnect to a restarted shard quickly (gRPC's default backoff grows to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
 
@@ -147,14 +151,26 @@ class AsyncPSClient:
         return (("authorization", f"Bearer {token}"),) if token else ()
 
     async def _call(self, shard: int, method: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Runs one RPC to ``shard``, converting gRPC errors to PSError."""
+        """Runs one RPC to ``shard``, converting gRPC errors to PSError.
+
+        ``fn`` starts a fresh RPC each time it is called: UNAVAILABLE (shard
+        down or restarting, connection broken) is retried with backoff until
+        ``config.timeout`` has passed (see ``psclient._retry``).
+        """
+        address = self.config.addresses[shard]
         try:
-            return await fn()
+            return await _retry.call_with_retry(
+                fn, timeout=self.config.timeout, policy=self.config.retry, what=f"{method} on {address}"
+            )
         except grpc.RpcError as err:
-            raise from_rpc_error(err, method=method, address=self.config.addresses[shard]) from err
+            raise from_rpc_error(err, method=method, address=address) from err
 
     def _kw(self) -> dict[str, Any]:
-        return {"timeout": self.config.timeout, "metadata": self._metadata(), "wait_for_ready": True}
+        return {
+            "timeout": _retry.attempt_timeout(self.config.timeout),
+            "metadata": self._metadata(),
+            "wait_for_ready": True,
+        }
 
     async def close(self) -> None:
         """Closes the channels. Idempotent."""
@@ -342,6 +358,9 @@ class AsyncPSClient:
             versions: dict[str, int] = {}
 
             async def stream() -> None:
+                nonlocal assembler
+                assembler = codec.Assembler()  # a retried attempt starts over
+                versions.clear()
                 async for resp in stub.PullStream(request, **self._kw()):
                     for c in resp.values:
                         assembler.add(c)
@@ -413,7 +432,8 @@ class AsyncPSClient:
             applied = True
 
             async def stream() -> None:
-                nonlocal applied
+                nonlocal applied, assembler
+                applied, assembler = True, codec.Assembler()  # a retried attempt starts over
                 async for resp in stub.PushStream(_aiter(messages()), **self._kw()):
                     applied = applied and resp.applied
                     for c in resp.values:

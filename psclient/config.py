@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from psclient._retry import RetryPolicy
 from psclient.placement import DEFAULT_PARTITION_BYTES
 
 DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is still starting
@@ -37,6 +38,8 @@ class ClientConfig:
     unary_max_bytes: int = DEFAULT_UNARY_MAX_BYTES
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # UNAVAILABLE is retried with backoff until `timeout` (RetryPolicy(enabled=False): never).
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         if not self.addresses:

@@ -1,0 +1,124 @@
+"""Retries of idempotent RPCs: exponential backoff with full jitter, bounded by one overall deadline.
+
+Every psclient RPC is safe to repeat: pulls and listings read, creates are
+idempotent for an equal spec, and a push carries ``(worker_id, seq)`` chosen
+once before the first attempt, so a shard applies a retried push once. A call
+that fails with ``UNAVAILABLE`` (the shard is down, restarting or shutting
+down, or the connection broke mid-call) is therefore retried until its
+deadline: a worker rides through a shard restart with no code of its own.
+
+The deadline covers all attempts together: each attempt gets the time that is
+left (``attempt_timeout``), and the sleep between attempts never runs past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+# Seconds left for the attempt in progress; read by the client when it builds the call's kwargs.
+_attempt_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "psclient_attempt_timeout", default=None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How failed calls are retried.
+
+    Attributes:
+        initial_backoff_s: upper bound of the first sleep.
+        max_backoff_s: upper bound of any sleep.
+        multiplier: growth of the bound per attempt.
+        enabled: False turns retries off (every error surfaces at once).
+    """
+
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial_backoff_s <= self.max_backoff_s:
+            raise ValueError(
+                f"need 0 < initial_backoff_s ({self.initial_backoff_s}) "
+                f"<= max_backoff_s ({self.max_backoff_s})"
+            )
+        if self.multiplier < 1:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier}")
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """The sleep before retry number ``attempt`` (0-based): uniform in [0, bound] ("full jitter").
+
+        >>> RetryPolicy(0.1, 1.0).backoff(10, random.Random(0)) <= 1.0
+        True
+        """
+        bound = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** min(attempt, 64))
+        return (rng or random).uniform(0.0, bound)
+
+
+def attempt_timeout(default: float) -> float:
+    """The deadline (seconds) to give the RPC being started: what is left of the retried call's deadline."""
+    left = _attempt_timeout.get()
+    return default if left is None else left
+
+
+def is_retryable(err: grpc.RpcError) -> bool:
+    """True for errors a repeat of the same (idempotent) call may fix."""
+    code = err.code() if callable(getattr(err, "code", None)) else None
+    return code in RETRYABLE_CODES
+
+
+async def call_with_retry(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    timeout: float,
+    policy: RetryPolicy,
+    what: str = "call",
+) -> T:
+    """Runs ``fn()`` (which must start a fresh RPC each time) until it succeeds or the deadline passes.
+
+    Args:
+        fn: starts one attempt; it reads its deadline from ``attempt_timeout``.
+        timeout: the deadline of all attempts together, seconds.
+        policy: backoff settings.
+        what: names the call in log messages.
+
+    Raises:
+        grpc.RpcError: a non-retryable error, or the last retryable one once the
+            deadline leaves no time for another attempt.
+    """
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while True:
+        left = deadline - time.monotonic()
+        token = _attempt_timeout.set(max(left, 0.001))
+        try:
+            return await fn()
+        except grpc.RpcError as err:
+            if not policy.enabled or not is_retryable(err):
+                raise
+            sleep = policy.backoff(attempt)
+            left = deadline - time.monotonic()
+            if left <= sleep + 0.01:
+                raise
+            code = err.code().name
+            log.info("%s failed (%s: %s); retry %d in %.2fs", what, code, err.details(), attempt + 1, sleep)
+            attempt += 1
+        finally:
+            _attempt_timeout.reset(token)
+        await asyncio.sleep(sleep)
