@@ -127,7 +127,10 @@ def chunk_elements(chunk: ps_pb2.TensorChunk, data: bytes | None = None) -> np.n
         CodecError: unknown dtype, a byte count that is not a whole number of
             elements, or elements that fall outside the tensor.
     """
-    dtype = numpy_dtype(chunk.dtype)
+    try:
+        dtype = numpy_dtype(chunk.dtype)
+    except CodecError as err:
+        raise CodecError(f"tensor {chunk.name!r}: {err}") from None
     raw = chunk.data if data is None else data
     if len(raw) % dtype.itemsize:
         raise CodecError(
