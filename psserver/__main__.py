@@ -107,14 +107,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s psserver[%(process)d] %(name)s: %(message)s",
-    )
     try:
         config = config_from_args(args)
     except ConfigError as err:
         build_parser().error(str(err))
+    logging.basicConfig(  # every line names the shard: logs of a whole cluster can be merged
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s psserver[shard={config.shard} pid=%(process)d] "
+        "%(name)s: %(message)s",
+    )
     from psserver.server import serve  # after arg parsing: --help stays instant
 
     try:

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ServerConfig
+from psserver.metrics import MeteredMode, ShardMetrics
 from psserver.modes import Mode, make_mode
 from psserver.servicer import ParameterServerServicer
 from psserver.store import Store
@@ -66,6 +67,7 @@ class Shard:
     address: str
     port: int
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    metrics: ShardMetrics | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks."""
@@ -86,9 +88,16 @@ async def start(config: ServerConfig) -> Shard:
         staleness=config.staleness,
         barrier_timeout_s=config.barrier_timeout_s,
     )
-    server = grpc.aio.server(options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)])
+    metrics = ShardMetrics(config.shard, store, mode.name)
+    server = grpc.aio.server(
+        interceptors=[metrics.interceptor()],
+        options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
+    )
     ps_pb2_grpc.add_ParameterServerServicer_to_server(
-        ParameterServerServicer(store, mode, shard=config.shard, num_shards=config.num_shards), server
+        ParameterServerServicer(
+            store, MeteredMode(mode, metrics), shard=config.shard, num_shards=config.num_shards
+        ),  # type: ignore[arg-type]
+        server,
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -103,8 +112,17 @@ async def start(config: ServerConfig) -> Shard:
     await server.start()
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     address = f"{host}:{port}"
+    shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
+    if config.metrics_port is not None:
+        try:
+            metrics_port = metrics.serve(config.host, config.metrics_port)
+        except OSError:
+            await server.stop(0)
+            raise
+        shard.on_shutdown.append(metrics.aclose)
+        log.info("shard %d: metrics on http://%s:%d/metrics", config.shard, host, metrics_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    return Shard(config, server, store, mode, health_servicer, address, port)
+    return shard
 
 
 async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> None:
@@ -119,10 +137,17 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
         "shard %d/%d (%s mode) listening on %s", config.shard, config.num_shards, config.mode, shard.address
     )
     if config.ready_file:
+        if shard.metrics is not None and shard.metrics.port is not None:  # for tools: before the ready file
+            write_ready_file(
+                config.ready_file + ".metrics", f"{shard.address.rpartition(':')[0]}:{shard.metrics.port}"
+            )
         write_ready_file(config.ready_file, shard.address)
+    watcher = asyncio.create_task(shard.metrics.watch_stalls()) if shard.metrics is not None else None
     try:
         await stop.wait()
         log.info("shard %d: shutting down (grace %.1fs)", config.shard, config.grace_s)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await shard.stop()
     log.info("shard %d: stopped", config.shard)

@@ -1,0 +1,504 @@
+"""Prometheus metrics of one shard: RPC counts, bytes, latency, staleness, barrier waits, versions.
+
+Everything a shard exports lives in its own ``CollectorRegistry`` (never the
+process-global one), so several shards can run in one process (tests) and each
+serves only its own numbers. Three pieces feed it, none of which needs the
+servicer's handlers to know about metrics:
+
+- ``ShardMetrics.interceptor()``: a grpc.aio server interceptor that times every
+  ``ParameterServer`` RPC, counts errors by status code, counts tensor bytes in
+  and out, counts pushes by outcome (applied, duplicate, stale) and pulls, and
+  measures each push's staleness.
+- ``MeteredMode``: wraps the shard's mode and times how long pushes and pulls
+  wait inside it (the sync barrier, the SSP wait), remembering who is waiting
+  so ``stall_report`` can name who they wait for.
+- a collector that reads the store at scrape time: variables, stored bytes,
+  each variable's version, checkpoint age.
+
+Staleness of a push: the number of updates the shard applied between the
+pushing worker's last read (a pull, or a push that returned values) and this
+push; 0 means the gradient was computed on the newest values.
+
+The metrics HTTP endpoint (``serve``) runs prometheus-client's WSGI server in a
+daemon thread; the event loop only increments counters (prometheus-client makes
+that safe across threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from psproto.v1 import ps_pb2
+from psserver.modes import Mode, PushOutcome
+from psserver.store import Store
+
+log = logging.getLogger(__name__)
+
+_SERVICE_PREFIX = f"/{ps_pb2.DESCRIPTOR.services_by_name['ParameterServer'].full_name}/"
+_PULLS = frozenset({"Pull", "PullStream"})
+_PUSHES = frozenset({"Push", "PushStream"})
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+_STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+_MAX_TRACKED_WORKERS = 10_000  # bounds the per-worker tables against endless fresh worker ids
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """A push or pull currently waiting inside the mode."""
+
+    op: str  # "push" or "pull"
+    worker_id: str
+    step: int
+    since: float  # time.monotonic()
+
+
+class ShardMetrics:
+    """The metrics of one shard, in a private registry.
+
+    Args:
+        shard: the shard index (every sample carries it as the ``shard`` label).
+        store: the shard's variables (read at scrape time).
+        mode_name: the shard's update mode (barrier waits are recorded in sync and ssp modes).
+    """
+
+    def __init__(self, shard: int, store: Store, mode_name: str = "async") -> None:
+        self.shard = shard
+        self.store = store
+        self.mode_name = mode_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = {"shard": str(shard)}
+        reg = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, ("shard", *labels), registry=reg)
+
+        self._pushes = counter("psserver_pushes", "Push RPCs completed, by outcome", ("outcome",))
+        for outcome in ("applied", "duplicate", "stale"):  # present (at 0) before the first push
+            self._pushes.labels(outcome=outcome, **label)
+        self.pulls = counter("psserver_pulls", "Pull RPCs completed").labels(**label)
+        self.push_bytes = counter("psserver_push_bytes", "Gradient bytes received").labels(**label)
+        self.pull_bytes = counter("psserver_pull_bytes", "Value bytes sent").labels(**label)
+        self._errors = counter("psserver_rpc_errors", "RPCs that ended with an error status", ("rpc", "code"))
+        self.dropped_stale = counter(
+            "psserver_dropped_stale_gradients", "Gradients dropped because their step had passed (sync)"
+        ).labels(**label)
+        self.checkpoints = counter("psserver_checkpoints", "Checkpoints written").labels(**label)
+        self._latency = Histogram(
+            "psserver_rpc_latency_seconds",
+            "Time to serve a ParameterServer RPC, by method",
+            ("shard", "rpc"),
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.staleness = Histogram(
+            "psserver_push_staleness",
+            "Updates applied between the pushing worker's last read and its push",
+            ("shard",),
+            buckets=_STALENESS_BUCKETS,
+            registry=reg,
+        ).labels(**label)
+        self._barrier = Histogram(
+            "psserver_barrier_wait_seconds",
+            "Time a push (sync barrier) or pull (ssp bound) waited in the mode",
+            ("shard", "op"),
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.last_checkpoint: float | None = None  # time.time() of the last checkpoint written
+        self.waits: dict[int, Wait] = {}
+        self._wait_ids = itertools.count()
+        self._last_read: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.workers_seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        reg.register(_StoreCollector(self))
+        self._http: Any = None
+        self.port: int | None = None
+
+    # -- recording ----------------------------------------------------------
+
+    def pushed(self, outcome: str) -> None:
+        self._pushes.labels(shard=str(self.shard), outcome=outcome).inc()
+        if outcome == "stale":
+            self.dropped_stale.inc()
+
+    def rpc_done(self, rpc: str, seconds: float, code: grpc.StatusCode) -> None:
+        self._latency.labels(shard=str(self.shard), rpc=rpc).observe(seconds)
+        if code != grpc.StatusCode.OK:
+            self._errors.labels(shard=str(self.shard), rpc=rpc, code=code.name).inc()
+
+    def barrier_wait(self, op: str, seconds: float) -> None:
+        self._barrier.labels(shard=str(self.shard), op=op).observe(seconds)
+
+    def checkpoint_saved(self, when: float | None = None) -> None:
+        """Records a checkpoint written at ``when`` (``time.time()``; default now)."""
+        self.last_checkpoint = time.time() if when is None else when
+        self.checkpoints.inc()
+
+    def _updates(self) -> int:
+        return self.store.pushes
+
+    def saw_worker(self, worker_id: str) -> None:
+        if not worker_id:
+            return
+        self.workers_seen[worker_id] = time.monotonic()
+        self.workers_seen.move_to_end(worker_id)
+        if len(self.workers_seen) > _MAX_TRACKED_WORKERS:
+            self.workers_seen.popitem(last=False)
+
+    def read_by(self, worker_id: str) -> None:
+        """``worker_id`` has just read the shard's current values."""
+        if not worker_id:
+            return
+        self._last_read[worker_id] = self._updates()
+        self._last_read.move_to_end(worker_id)
+        if len(self._last_read) > _MAX_TRACKED_WORKERS:
+            self._last_read.popitem(last=False)
+
+    def push_arrived(self, worker_id: str) -> None:
+        """Observes the staleness of a push from ``worker_id`` (when the worker has read before)."""
+        last = self._last_read.get(worker_id)
+        if last is not None:
+            self.staleness.observe(max(0, self._updates() - last))
+
+    def wait_begin(self, op: str, worker_id: str, step: int) -> int:
+        token = next(self._wait_ids)
+        self.waits[token] = Wait(op, worker_id, step, time.monotonic())
+        return token
+
+    def wait_end(self, token: int) -> None:
+        wait = self.waits.pop(token, None)
+        if wait is not None and self.mode_name != "async":
+            self.barrier_wait(wait.op, time.monotonic() - wait.since)
+
+    # -- stall report -------------------------------------------------------
+
+    def stall_report(self, older_than_s: float, now: float | None = None) -> str | None:
+        """Describes pushes/pulls waiting in the mode for longer than ``older_than_s``, or None.
+
+        Names the waiting workers and steps, and the awaited ones: workers seen
+        by this shard that are not waiting (they have not pushed the step yet).
+        """
+        now = time.monotonic() if now is None else now
+        stalled = sorted(
+            (w for w in self.waits.values() if now - w.since > older_than_s), key=lambda w: w.since
+        )
+        if not stalled:
+            return None
+        waiting = {w.worker_id for w in self.waits.values()}
+        awaited = sorted(w for w in self.workers_seen if w not in waiting)
+        parts = [
+            f"{w.op} of {w.worker_id or '(anonymous)'} for step {w.step} waiting {now - w.since:.1f}s"
+            for w in stalled[:8]
+        ]
+        if len(stalled) > 8:
+            parts.append(f"and {len(stalled) - 8} more")
+        text = f"shard {self.shard} ({self.mode_name} mode) stalled: {'; '.join(parts)}; awaiting "
+        text += ", ".join(awaited) if awaited else "workers not seen yet"
+        return text
+
+    async def watch_stalls(self, *, interval_s: float = 5.0, older_than_s: float = 10.0) -> None:
+        """Logs a warning every ``interval_s`` while a wait exceeds ``older_than_s``; runs until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            report = self.stall_report(older_than_s)
+            if report:
+                log.warning("%s", report)
+
+    # -- interceptor --------------------------------------------------------
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        """A server interceptor recording this shard's RPC metrics."""
+        return _MetricsInterceptor(self)
+
+    # -- HTTP endpoint ------------------------------------------------------
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves ``/metrics`` on ``host:port`` (0: an ephemeral port) in a daemon thread; returns the port.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        self.port = int(server.server_port)
+        return self.port
+
+    def close(self) -> None:
+        """Stops the HTTP endpoint (if serving). Idempotent."""
+        server, self._http = self._http, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    async def aclose(self) -> None:
+        """``close`` off the event loop (shutdown waits for the serving thread)."""
+        if self._http is not None:
+            await asyncio.to_thread(self.close)
+
+
+class _StoreCollector(Collector):
+    """Reads the store at scrape time (from the HTTP thread: only atomic reads of immutable state)."""
+
+    def __init__(self, metrics: ShardMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        shard = str(self.m.shard)
+        variables = list(self.m.store.variables())
+        states = [(v.name, v.state) for v in variables]
+        count = GaugeMetricFamily("psserver_variables", "Stored tensors on this shard", labels=["shard"])
+        count.add_metric([shard], len(states))
+        size = GaugeMetricFamily("psserver_stored_bytes", "Bytes of stored values", labels=["shard"])
+        size.add_metric([shard], sum(value.nbytes for _, (value, _) in states))
+        version = GaugeMetricFamily(
+            "psserver_variable_version", "Updates applied to each stored tensor", labels=["shard", "variable"]
+        )
+        nbytes = GaugeMetricFamily(
+            "psserver_variable_bytes", "Bytes of each stored tensor", labels=["shard", "variable"]
+        )
+        for name, (value, ver) in states:
+            version.add_metric([shard, name], ver)
+            nbytes.add_metric([shard, name], value.nbytes)
+        uptime = GaugeMetricFamily(
+            "psserver_uptime_seconds", "Seconds since the shard started", labels=["shard"]
+        )
+        uptime.add_metric([shard], time.monotonic() - self.m.store.started)
+        waiting = GaugeMetricFamily(
+            "psserver_waiting_requests", "Pushes and pulls waiting in the mode now", labels=["shard"]
+        )
+        waiting.add_metric([shard], len(self.m.waits))
+        age = GaugeMetricFamily(
+            "psserver_checkpoint_age_seconds",
+            "Seconds since the last checkpoint was written (NaN: none yet)",
+            labels=["shard"],
+        )
+        last = self.m.last_checkpoint
+        age.add_metric([shard], math.nan if last is None else max(0.0, time.time() - last))
+        yield from (count, size, version, nbytes, uptime, waiting, age)
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+
+def _chunk_bytes(chunks: Iterable[ps_pb2.TensorChunk]) -> int:
+    return sum(len(c.data) for c in chunks)
+
+
+class _MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps each ParameterServer handler to time it and count what goes through it."""
+
+    def __init__(self, metrics: ShardMetrics) -> None:
+        self.m = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method or ""
+        if handler is None or not method.startswith(_SERVICE_PREFIX):
+            return handler
+        rpc = method[len(_SERVICE_PREFIX) :]
+        m = self.m
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+
+        def on_request(req: Any) -> None:
+            if rpc in _PUSHES:
+                if req.worker_id:
+                    m.saw_worker(req.worker_id)
+                    m.push_arrived(req.worker_id)
+                m.push_bytes.inc(_chunk_bytes(req.grads))
+            elif rpc in _PULLS:
+                m.saw_worker(req.worker_id)
+
+        def on_response(resp: Any, req: Any) -> None:
+            if rpc in _PULLS or rpc in _PUSHES:  # pulled values, or a push_pull's returned values
+                m.pull_bytes.inc(_chunk_bytes(resp.values))
+
+        def on_done(req: Any, first_resp: Any, code: grpc.StatusCode, started: float) -> None:
+            m.rpc_done(rpc, time.perf_counter() - started, code)
+            if code != grpc.StatusCode.OK or req is None:
+                return
+            if rpc in _PULLS:
+                m.pulls.inc()
+                m.read_by(req.worker_id)
+            elif rpc in _PUSHES and first_resp is not None:
+                m.pushed("applied" if first_resp.applied else (first_resp.reason or "not_applied"))
+                if req.return_values:
+                    m.read_by(req.worker_id)
+
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                code = grpc.StatusCode.UNKNOWN
+                response = None
+                try:
+                    on_request(request)
+                    response = await inner_uu(request, context)
+                    on_response(response, request)
+                    code = _code_of(context, grpc.StatusCode.OK)
+                    return response
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except BaseException:
+                    code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                    raise
+                finally:
+                    on_done(request, response, code, started)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
+
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                started = time.perf_counter()
+                code = grpc.StatusCode.UNKNOWN
+                first = None
+                try:
+                    on_request(request)
+                    async for response in inner_us(request, context):
+                        first = response if first is None else first
+                        on_response(response, request)
+                        yield response
+                    code = _code_of(context, grpc.StatusCode.OK)
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except BaseException:
+                    code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                    raise
+                finally:
+                    on_done(request, first, code, started)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
+
+        inner_su, inner_ss = handler.stream_unary, handler.stream_stream
+
+        async def _requests(iterator: AsyncIterator[Any], seen: list[Any]) -> AsyncIterator[Any]:
+            async for request in iterator:
+                if not seen:
+                    seen.append(request)
+                    on_request(request)
+                elif rpc in _PUSHES:
+                    m.push_bytes.inc(_chunk_bytes(request.grads))
+                yield request
+
+        if inner_su is not None:
+
+            async def stream_unary(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                code = grpc.StatusCode.UNKNOWN
+                seen: list[Any] = []
+                response = None
+                try:
+                    response = await inner_su(_requests(iterator, seen), context)
+                    code = _code_of(context, grpc.StatusCode.OK)
+                    return response
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except BaseException:
+                    code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                    raise
+                finally:
+                    on_done(seen[0] if seen else None, response, code, started)
+
+            return grpc.stream_unary_rpc_method_handler(stream_unary, **kw)
+
+        async def stream_stream(
+            iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            started = time.perf_counter()
+            code = grpc.StatusCode.UNKNOWN
+            seen: list[Any] = []
+            first = None
+            try:
+                async for response in inner_ss(_requests(iterator, seen), context):
+                    first = response if first is None else first
+                    on_response(response, seen[0] if seen else None)
+                    yield response
+                code = _code_of(context, grpc.StatusCode.OK)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException:
+                code = _code_of(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                on_done(seen[0] if seen else None, first, code, started)
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+
+
+def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+    try:
+        code = context.code()
+    except Exception:  # pragma: no cover - older grpc without ServicerContext.code()
+        return default
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if isinstance(code, int):
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status
+    return default
+
+
+class MeteredMode:
+    """Wraps a shard's ``Mode``: records how long pushes and pulls wait in it, and who is waiting.
+
+    Behaves as the wrapped mode for everything else (attribute access is forwarded).
+    """
+
+    def __init__(self, mode: Mode, metrics: ShardMetrics) -> None:
+        self._mode = mode
+        self._metrics = metrics
+
+    @property
+    def name(self) -> str:
+        return self._mode.name
+
+    @property
+    def wrapped(self) -> Mode:
+        return self._mode
+
+    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+        token = self._metrics.wait_begin("push", worker_id, step)
+        try:
+            return await self._mode.push(worker_id, seq, step, grads)
+        finally:
+            self._metrics.wait_end(token)
+
+    async def before_pull(self, worker_id: str, step: int) -> None:
+        token = self._metrics.wait_begin("pull", worker_id, step)
+        try:
+            await self._mode.before_pull(worker_id, step)
+        finally:
+            self._metrics.wait_end(token)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mode, name)

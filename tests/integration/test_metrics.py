@@ -1,0 +1,144 @@
+"""Prometheus metrics of a shard: the endpoint is scraped and its counters move after pushes and pulls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import psclient
+from psserver.config import ServerConfig
+from psserver.server import start
+from trainer.cluster import LocalCluster
+
+TIMEOUT_S = 20.0
+
+
+def scrape(host_port: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``{(sample name, sorted labels): value}`` of one scrape."""
+    with urllib.request.urlopen(f"http://{host_port}/metrics", timeout=TIMEOUT_S) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    hits = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls)]
+    assert hits, f"no sample {name}{labels}"
+    return sum(hits)
+
+
+async def test_counters_move_after_pushes_and_pulls() -> None:
+    shard = await start(ServerConfig(shard=0, port=0, metrics_port=0))
+    try:
+        assert shard.metrics is not None and shard.metrics.port
+        endpoint = f"127.0.0.1:{shard.metrics.port}"
+        before = await asyncio.to_thread(scrape, endpoint)
+        assert value(before, "psserver_variables", shard="0") == 0
+        assert value(before, "psserver_pulls_total", shard="0") == 0
+        async with psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as c:
+            await c.create("w", np.zeros((16, 8), np.float32), optimizer=psclient.SGD(0.1))
+            await c.pull()
+            for _ in range(3):
+                await c.push({"w": np.ones((16, 8), np.float32)})
+            await c.push_pull({"w": np.ones((16, 8), np.float32)})
+        after = await asyncio.to_thread(scrape, endpoint)
+    finally:
+        await shard.stop(0)
+    assert value(after, "psserver_pushes_total", shard="0", outcome="applied") == 4
+    assert value(after, "psserver_pulls_total", shard="0") == 1
+    assert value(after, "psserver_push_bytes_total") == 4 * 16 * 8 * 4
+    assert value(after, "psserver_pull_bytes_total") == 2 * 16 * 8 * 4  # one pull + one push_pull
+    assert value(after, "psserver_variable_version", variable="w") == 4
+    assert value(after, "psserver_variable_bytes", variable="w") == 16 * 8 * 4
+    assert value(after, "psserver_stored_bytes") == 16 * 8 * 4
+    assert value(after, "psserver_rpc_latency_seconds_count", rpc="Push") == 4
+    assert value(after, "psserver_rpc_latency_seconds_count", rpc="Pull") == 1
+    # w0 pulled, then pushed three times without reading: staleness 0, 1, 2, then push_pull at 3.
+    assert value(after, "psserver_push_staleness_count") == 4
+    assert value(after, "psserver_push_staleness_sum") == 0 + 1 + 2 + 3
+    assert math.isnan(value(after, "psserver_checkpoint_age_seconds"))
+    assert value(after, "psserver_dropped_stale_gradients_total") == 0
+
+
+async def test_errors_are_counted_by_code_and_checkpoint_age_reported() -> None:
+    shard = await start(ServerConfig(shard=0, port=0, metrics_port=0))
+    try:
+        async with psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as c:
+            await c.create("v", np.zeros(4, np.float32))
+            with pytest.raises(psclient.InvalidArgumentError):
+                await c.push({"v": np.full(4, np.nan, np.float32)})
+        shard.metrics.checkpoint_saved()
+        samples = await asyncio.to_thread(scrape, f"127.0.0.1:{shard.metrics.port}")
+    finally:
+        await shard.stop(0)
+    assert value(samples, "psserver_rpc_errors_total", rpc="Push", code="INVALID_ARGUMENT") == 1
+    assert value(samples, "psserver_pushes_total") == 0
+    assert 0 <= value(samples, "psserver_checkpoint_age_seconds") < 3600
+    assert value(samples, "psserver_checkpoints_total") == 1
+
+
+async def test_sync_barrier_wait_recorded_and_stall_names_awaited_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ServerConfig(
+        shard=0, port=0, mode="sync", replicas_to_aggregate=2, total_replicas=2, barrier_timeout_s=20.0
+    )
+    shard = await start(config)
+    try:
+        async with (
+            psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as w0,
+            psclient.AsyncPSClient([shard.address], worker_id="w1", timeout=TIMEOUT_S) as w1,
+        ):
+            await w0.create("v", np.zeros(4, np.float32))
+            await w1.pull()  # the shard has now seen w1
+            g = np.ones(4, np.float32)
+            pending = asyncio.create_task(w0.push({"v": g}, step=0))
+            for _ in range(200):  # bounded: until w0's push waits in the barrier
+                if shard.metrics.waits:
+                    break
+                await asyncio.sleep(0.01)
+            assert shard.metrics.waits
+            report = shard.metrics.stall_report(older_than_s=-1.0)
+            assert report is not None
+            assert "push of w0 for step 0" in report and "awaiting w1" in report
+            with caplog.at_level(logging.WARNING, logger="psserver.metrics"):
+                watcher = asyncio.create_task(shard.metrics.watch_stalls(interval_s=0.05, older_than_s=0.0))
+                for _ in range(200):
+                    if any("awaiting w1" in r.getMessage() for r in caplog.records):
+                        break
+                    await asyncio.sleep(0.01)
+                watcher.cancel()
+            assert any("awaiting w1" in r.getMessage() for r in caplog.records)
+            await w1.push({"v": g}, step=0)
+            await asyncio.wait_for(pending, TIMEOUT_S)
+        assert shard.metrics.stall_report(older_than_s=-1.0) is None
+        samples = shard.metrics.registry
+        count = samples.get_sample_value("psserver_barrier_wait_seconds_count", {"shard": "0", "op": "push"})
+        assert count == 2
+    finally:
+        await shard.stop(0)
+
+
+def test_metrics_port_flag_on_a_process_shard(tmp_path: Path) -> None:
+    with LocalCluster(num_shards=1, server_args=["--metrics-port", "0"], workdir=tmp_path) as cluster:
+        metrics_file = tmp_path / "ps0.addr.metrics"
+        assert metrics_file.exists(), "the shard writes HOST:PORT of its metrics next to the ready file"
+        with psclient.PSClient(cluster.addresses, worker_id="w9", timeout=TIMEOUT_S) as c:
+            c.create("x", np.zeros(3, np.float32))
+            c.push({"x": np.ones(3, np.float32)})
+        samples = scrape(metrics_file.read_text().strip())
+        assert value(samples, "psserver_pushes_total", shard="0", outcome="applied") == 1
+        log_text = cluster.log_tail(0, lines=50)
+    assert "metrics on http://127.0.0.1:" in log_text
+    assert "psserver[shard=0 " in log_text
