@@ -1,0 +1,211 @@
+"""Shared helpers of the benchmarks: bounded timing loops, percentiles, child processes, free ports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_PREFIX = "BENCH-RESULT "  # children print one line "BENCH-RESULT <json>" on stdout
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """One measured case: ``iters`` operations of ``nbytes`` payload bytes each."""
+
+    system: str
+    op: str
+    nbytes: int
+    concurrency: int
+    iters: int
+    seconds: float
+    ops_s: float
+    gb_s: float
+    p50_ms: float
+    p99_ms: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 100]) of a non-empty sequence."""
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[k]
+
+
+def summarize(
+    system: str, op: str, nbytes: int, concurrency: int, latencies: list[float], elapsed: float
+) -> Stat:
+    n = len(latencies)
+    ops = n / elapsed if elapsed > 0 else 0.0
+    return Stat(
+        system=system,
+        op=op,
+        nbytes=nbytes,
+        concurrency=concurrency,
+        iters=n,
+        seconds=round(elapsed, 4),
+        ops_s=round(ops, 2),
+        gb_s=round(ops * nbytes / 1e9, 4),
+        p50_ms=round(percentile(latencies, 50) * 1e3, 4) if n else float("nan"),
+        p99_ms=round(percentile(latencies, 99) * 1e3, 4) if n else float("nan"),
+    )
+
+
+async def measure_async(
+    op: Callable[[int], Awaitable[Any]],
+    *,
+    concurrency: int,
+    max_iters: int,
+    max_seconds: float,
+    warmup: int,
+) -> tuple[list[float], float]:
+    """Runs ``op(worker)`` from ``concurrency`` tasks until ``max_iters`` ops or ``max_seconds`` pass.
+
+    Returns the per-op latencies (seconds) and the wall time of the timed part.
+    """
+    for w in range(warmup):
+        await op(w % concurrency)
+    latencies: list[float] = []
+    started = 0
+    t0 = time.perf_counter()
+    deadline = t0 + max_seconds
+
+    async def worker(i: int) -> None:
+        nonlocal started
+        while started < max_iters and time.perf_counter() < deadline:
+            started += 1
+            t = time.perf_counter()
+            await op(i)
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return latencies, time.perf_counter() - t0
+
+
+def measure_threads(
+    op: Callable[[int], Any], *, concurrency: int, max_iters: int, max_seconds: float, warmup: int
+) -> tuple[list[float], float]:
+    """``measure_async`` for blocking ops: ``concurrency`` threads."""
+    for w in range(warmup):
+        op(w % concurrency)
+    latencies: list[float] = []
+    lock = threading.Lock()
+    started = 0
+    t0 = time.perf_counter()
+    deadline = t0 + max_seconds
+
+    def worker(i: int) -> None:
+        nonlocal started
+        while True:
+            with lock:
+                if started >= max_iters or time.perf_counter() >= deadline:
+                    return
+                started += 1
+            t = time.perf_counter()
+            op(i)
+            dt = time.perf_counter() - t
+            with lock:
+                latencies.append(dt)
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(max_seconds * 4 + 120)
+    return latencies, time.perf_counter() - t0
+
+
+def emit(stats: list[Stat]) -> None:
+    """Prints the child's results as the one line the parent reads."""
+    print(RESULT_PREFIX + json.dumps([asdict(s) for s in stats]), flush=True)
+
+
+def run_child(argv: list[str], *, timeout: float, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Runs a child benchmark process and returns its results.
+
+    Raises:
+        RuntimeError: the child failed or printed no result line.
+    """
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+        check=False,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(
+        f"child {argv} exited {proc.returncode} without results:\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1 (for peers that need a fixed port up front, e.g. TF)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> str:
+    """Waits (bounded) until ``path`` exists; returns its stripped content.
+
+    Raises:
+        RuntimeError: the process exited or the file did not appear in time.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args} exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
+
+
+def machine_note() -> dict[str, Any]:
+    """What the machine is and how loaded it was."""
+    load = os.getloadavg()
+    mem_kb = 0
+    model = platform.processor()
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        mem_kb = int(next(line.split()[1] for line in meminfo if line.startswith("MemTotal")))
+    with contextlib.suppress(OSError, StopIteration):
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "mem_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1_5_15": [round(x, 2) for x in load],
+    }
+
+
+def top_processes(limit: int = 8) -> list[str]:
+    """The busiest processes right now (what else ran on the machine)."""
+    try:
+        out = subprocess.run(
+            ["ps", "-eo", "pcpu,etimes,args", "--sort=-pcpu"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip()[:160] for line in out.splitlines()[1 : limit + 1]]
