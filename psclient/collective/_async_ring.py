@@ -53,6 +53,9 @@ _KIND_NAMES: Final[dict[int, str]] = {
     _pb.COLLECTIVE_KIND_BARRIER: "barrier",
 }
 _ABORT_WRITE_S: Final[float] = 0.2
+_LINK_LOST: Final[frozenset[grpc.StatusCode]] = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+)
 
 Process = Callable[[int, int, bytes], "np.ndarray | None"]
 
@@ -554,28 +557,39 @@ class AsyncRing:
             op.receiving = None
             sendq.put_nowait(None)
 
-        async def sender() -> None:
-            loop = asyncio.get_running_loop()
-            call = self._exchange(
-                timeout=max(0.001, op.deadline - loop.time()), wait_for_ready=True, metadata=self._metadata
-            )
-            call_holder.append(call)
+        async def sender(call: Any) -> None:
             header = FrameHeader(
                 op.seq, op.total, op.kind, op.dtype, op.op, 0, 0, op.chunks, self.rank, self.world
             )
             while (item := await sendq.get()) is not None:
                 step, chunk, view = item
                 op.sending = (step, chunk)
-                await call.write(encode(header._replace(step=step, chunk=chunk), view))
+                try:
+                    await call.write(encode(header._replace(step=step, chunk=chunk), view))
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+                    # A failed write reports INTERNAL; the call's own status says why.
+                    await self._raise_call_status(op, call, f"sending {self._where(op.sending)}")
+                    raise self._translate(op, err, sender=True) from err
                 op.sent += 1
             op.sending = "the end of the stream"
             await call.done_writing()
             await call
             op.sending = None
 
+        async def watcher(call: Any) -> None:
+            # The next rank may end the stream early (auth, abort, shutdown) while this
+            # rank waits for its own input: fail now rather than at the deadline.
+            await self._raise_call_status(op, call, "the stream")
+
         tasks = [asyncio.create_task(receiver(), name=f"{op.name} receive")]
         if sends:
-            tasks.append(asyncio.create_task(sender(), name=f"{op.name} send"))
+            loop = asyncio.get_running_loop()
+            call = self._exchange(
+                timeout=max(0.001, op.deadline - loop.time()), wait_for_ready=True, metadata=self._metadata
+            )
+            call_holder.append(call)
+            tasks.append(asyncio.create_task(sender(call), name=f"{op.name} send"))
+            tasks.append(asyncio.create_task(watcher(call), name=f"{op.name} watch"))
         try:
             async with asyncio.timeout_at(op.deadline):
                 pending: set[asyncio.Task[None]] = set(tasks)
@@ -596,6 +610,21 @@ class AsyncRing:
             raise
         finally:
             self._boxes.close(op.seq)
+
+    async def _raise_call_status(self, op: _Op, call: Any, what: str) -> None:
+        """Waits for the call to end; raises its status as a PSError unless it is OK."""
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            nxt = self._cfg.next_rank
+            # A peer that dies mid-stream surfaces as INTERNAL ("Internal error from Core") or
+            # CANCELLED on this side: both mean the link is gone.
+            cls = UnavailableError if code in _LINK_LOST else error_class(code)
+            raise cls(
+                f"{op.name} on rank {self.rank}: rank {nxt} ended {what}: "
+                f"{code.name}: {await call.details()}",
+                method=op.method,
+                address=self._cfg.addresses[nxt],
+            )
 
     def _check(self, op: _Op, item: Delivery, step: int, chunk: int, nbytes: int) -> bytes:
         """Validates a received frame against what this rank expects; returns the message bytes.
