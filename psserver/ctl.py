@@ -1,0 +1,227 @@
+"""``psctl``: operate a running cluster from the command line (``psctl status ADDR...``).
+
+A client tool: it talks to the shards through ``psclient`` and the generated
+stubs only, never imports the server. Subcommands are registered in
+``build_parser`` (one ``_cmd_<name>`` function each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from psclient.admin import ShardStatus, cluster_status
+from psclient.config import ps_addresses_from_tf_config
+
+_EPILOG = """\
+examples:
+  psctl status 127.0.0.1:50051 127.0.0.1:50052
+  psctl status --json ps0:2222 ps1:2222
+  TF_CONFIG=... psctl status            # the ps addresses of TF_CONFIG
+
+exit status: 0 when every shard is SERVING, 1 otherwise, 2 on bad arguments.
+"""
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain left-aligned text table."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def _rates(first: ShardStatus, second: ShardStatus | None) -> tuple[float | None, float | None]:
+    if second is None or not (first.ok and second.ok) or second.sampled_at <= first.sampled_at:
+        return None, None
+    dt = second.sampled_at - first.sampled_at
+    return (second.pushes - first.pushes) / dt, (second.pulls - first.pulls) / dt
+
+
+def status_report(statuses: list[ShardStatus], later: list[ShardStatus] | None) -> dict[str, Any]:
+    """The JSON-able summary ``psctl status --json`` prints."""
+    shards = []
+    variables: dict[str, dict[str, Any]] = {}
+    for i, s in enumerate(statuses):
+        push_rate, pull_rate = _rates(s, later[i] if later else None)
+        last = later[i] if later and later[i].ok else s
+        row = {k: v for k, v in asdict(last).items() if k not in ("tensors", "sampled_at")}
+        row["push_rate"], row["pull_rate"] = push_rate, pull_rate
+        shards.append(row)
+        for t in s.tensors:
+            v = variables.setdefault(
+                t.variable,
+                {"name": t.variable, "dtype": t.dtype, "shape": list(t.full_shape), "bytes": 0, "shards": [],
+                 "version_min": t.version, "version_max": t.version, "optimizer": t.optimizer,
+                 "partitions": 0},
+            )  # fmt: skip
+            v["bytes"] += t.nbytes
+            v["shards"] = sorted({*v["shards"], s.index})
+            v["version_min"] = min(v["version_min"], t.version)
+            v["version_max"] = max(v["version_max"], t.version)
+            v["partitions"] += 1 if t.partition else 0
+    healthy = sum(1 for s in statuses if s.ok and (not later or later[s.index].ok))
+    modes = sorted({s.mode for s in statuses if s.mode})
+    return {
+        "shards": shards,
+        "variables": sorted(variables.values(), key=lambda v: v["name"]),
+        "healthy": healthy,
+        "num_shards": len(statuses),
+        "modes": modes,
+        "total_bytes": sum(s.total_bytes for s in statuses),
+    }
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """The text tables of ``psctl status``."""
+    n = report["num_shards"]
+    lines = [
+        f"cluster: {n} shard(s), {report['healthy']}/{n} healthy, mode {'/'.join(report['modes']) or '?'}, "
+        f"{len(report['variables'])} variable(s), {_human_bytes(report['total_bytes'])}"
+    ]
+
+    def rate(r: float | None) -> str:
+        return "-" if r is None else f"{r:.1f}"
+
+    headers = ["SHARD", "ADDRESS", "HEALTH", "MODE", "VARS", "BYTES", "PUSHES", "PUSH/S", "PULLS", "PULL/S"]
+    rows = [
+        [s["index"], s["address"], s["health"], s["mode"] or "-", s["num_variables"],
+         _human_bytes(s["total_bytes"]), s["pushes"], rate(s["push_rate"]), s["pulls"], rate(s["pull_rate"]),
+         _duration(s["uptime_s"]) if s["error"] is None else "-"]
+        for s in report["shards"]
+    ]  # fmt: skip
+    lines += ["", table([*headers, "UPTIME"], rows)]
+    lines += [f"shard {s['index']} ({s['address']}): {s['error']}" for s in report["shards"] if s["error"]]
+    if report["variables"]:
+        vrows = []
+        for v in report["variables"]:
+            version = (
+                str(v["version_max"])
+                if v["version_min"] == v["version_max"]
+                else f"{v['version_min']}..{v['version_max']}"
+            )
+            shape = "x".join(map(str, v["shape"])) or "scalar"
+            if v["partitions"]:
+                shape += f" ({v['partitions']} parts)"
+            vrows.append(
+                [v["name"], v["dtype"], shape, _human_bytes(v["bytes"]),
+                 ",".join(map(str, v["shards"])), version, v["optimizer"]]
+            )  # fmt: skip
+        lines.append("")
+        lines.append(table(["VARIABLE", "DTYPE", "SHAPE", "SIZE", "SHARDS", "VERSION", "OPTIMIZER"], vrows))
+    return "\n".join(lines)
+
+
+def _addresses(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    addresses = [a for item in args.addresses for a in item.split(",") if a]
+    if not addresses:
+        try:
+            addresses = list(ps_addresses_from_tf_config(os.environ))
+        except ValueError as err:
+            parser.error(f"no shard addresses given and {err}")
+    return addresses
+
+
+def _security(args: argparse.Namespace) -> dict[str, Any]:
+    token = None
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
+    return {"auth_token": token, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
+
+
+async def _status(args: argparse.Namespace, addresses: list[str]) -> dict[str, Any]:
+    kw = {"timeout": args.timeout, **_security(args)}
+    first = await cluster_status(addresses, variables=not args.no_variables, **kw)
+    later = None
+    if args.interval > 0:
+        await asyncio.sleep(args.interval)
+        later = await cluster_status(addresses, variables=False, **kw)
+    return status_report(first, later)
+
+
+def _cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    addresses = _addresses(args, parser)
+    try:
+        report = asyncio.run(_status(args, addresses))
+    except ValueError as err:  # malformed addresses or TLS settings
+        parser.error(str(err))
+    report["time"] = time.time()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_status(report))
+    return 0 if report["healthy"] == report["num_shards"] else 1
+
+
+def _add_connection_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
+    p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
+    p.add_argument("--tls-ca", help="PEM CA bundle that signed the shards' certificates (enables TLS)")
+    p.add_argument("--tls-cert", help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="psctl",
+        description="Inspect and operate a running paramserver cluster.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    status = sub.add_parser(
+        "status",
+        help="table of shards (health, mode, sizes, push/pull rates) and variables (sizes, versions)",
+        description="Show every shard's health, mode, variables, bytes, push/pull counts and rates, and "
+        "every variable's dtype, shape, size, shards and version.",
+    )
+    status.add_argument(
+        "addresses", nargs="*", help="HOST:PORT of every shard (default: TF_CONFIG's ps tasks)"
+    )
+    status.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between the two samples rates come from (0: none)",
+    )
+    status.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    status.add_argument("--no-variables", action="store_true", help="skip the variables table")
+    _add_connection_flags(status)
+    status.set_defaults(func=_cmd_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "interval", 0) < 0:
+        parser.error("--interval must be >= 0")
+    return int(args.func(args, parser))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
