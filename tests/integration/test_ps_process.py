@@ -1,0 +1,125 @@
+"""Integration: the psserver process itself (CLI, imports, TF_CONFIG start, SIGTERM and health)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+from trainer.cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(60)
+
+SERVICE = "psproto.v1.ParameterServer"
+
+
+def _psserver() -> list[str]:
+    script = Path(sys.executable).with_name("psserver")
+    exe = str(script) if script.exists() else shutil.which("psserver")
+    return [exe] if exe else [sys.executable, "-m", "psserver"]
+
+
+def test_ps_process_help_is_fast_and_documents_the_contract() -> None:
+    start = time.monotonic()
+    out = subprocess.run([*_psserver(), "--help"], capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stderr
+    for flag in (
+        "--shard",
+        "--num-shards",
+        "--port",
+        "--ready-file",
+        "--mode",
+        "--allow-non-finite",
+        "TF_CONFIG",
+    ):
+        assert flag in out.stdout
+    assert elapsed < 2.0, f"psserver --help took {elapsed:.2f}s"  # ~0.1 s; generous for loaded CI
+
+
+def test_ps_process_server_and_client_never_import_tensorflow() -> None:
+    code = (
+        "import psserver.server, psserver.__main__, psclient; import sys; "
+        "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'; "
+        "assert 'keras' not in sys.modules, 'keras was imported'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+
+
+def test_ps_process_bad_flags_exit_2_with_a_message() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "psserver", "--shard", "3", "--num-shards", "2"],
+        capture_output=True, text=True, timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+    )  # fmt: skip
+    assert out.returncode == 2 and "--shard" in out.stderr
+
+
+def test_ps_process_sigterm_exits_0_and_health_goes_not_serving(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(num_shards=1, server_args=["--grace", "2"])
+    proc = cluster.procs[0]
+    assert proc is not None
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=20)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+    assert proc.wait(timeout=20) == 0
+    assert "listening on" in cluster.log_path(0).read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ps_process_shard_starts_from_tf_config_without_shard_flag(tmp_path: Path) -> None:
+    port = _free_port()
+    tf_config = {
+        "cluster": {"ps": ["127.0.0.1:1", f"127.0.0.1:{port}"], "worker": ["127.0.0.1:2"]},
+        "task": {"type": "ps", "index": 1},
+    }
+    ready = tmp_path / "ready"
+    env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "PS_HOST": "127.0.0.1"}
+    log = open(tmp_path / "log", "wb")  # noqa: SIM115 - closed below, owned by the child meanwhile
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psserver", "--ready-file", str(ready)], env=env, stdout=log, stderr=log
+    )
+    log.close()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            assert time.monotonic() < deadline, "no ready file"
+            time.sleep(0.02)
+        assert ready.read_text().strip() == f"127.0.0.1:{port}"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            status = ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=10)
+        assert (status.shard, status.num_shards, status.mode) == (1, 2, "async")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

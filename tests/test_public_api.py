@@ -1,0 +1,55 @@
+"""The public surface of psclient: ``__all__`` lists exactly the public names; contract names exist."""
+
+from __future__ import annotations
+
+import inspect
+
+import grpc
+
+import psclient
+
+CONTRACT = {
+    "PSClient", "AsyncPSClient", "SGD", "Adagrad", "Adam", "RMSprop", "PSError",
+    "NotFoundError", "InvalidArgumentError", "AlreadyExistsError", "UnauthenticatedError",
+    "PermissionDeniedError", "UnavailableError", "DeadlineExceededError", "AbortedError",
+    "ResourceExhaustedError", "FailedPreconditionError", "InternalError",
+}  # fmt: skip
+
+CLIENT_METHODS = ("create", "create_many", "pull", "pull_with_versions", "push", "push_pull", "close")
+
+
+def test_public_api_all_matches_the_public_names() -> None:
+    public = {
+        name
+        for name, value in vars(psclient).items()
+        if not name.startswith("_") and not inspect.ismodule(value) and name != "annotations"
+    }
+    assert set(psclient.__all__) == public
+    assert len(psclient.__all__) == len(set(psclient.__all__))
+
+
+def test_public_api_has_the_contract_names() -> None:
+    assert set(psclient.__all__) >= CONTRACT
+
+
+def test_public_api_errors_are_ps_errors_with_a_status_code() -> None:
+    for name in psclient.__all__:
+        obj = getattr(psclient, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, psclient.PSError)
+            assert isinstance(obj.code, grpc.StatusCode)
+
+
+def test_public_api_sync_and_async_clients_have_the_same_methods_and_signatures() -> None:
+    for method in CLIENT_METHODS:
+        sync, aio = getattr(psclient.PSClient, method), getattr(psclient.AsyncPSClient, method)
+        assert inspect.iscoroutinefunction(aio), method
+        assert list(inspect.signature(sync).parameters) == list(inspect.signature(aio).parameters), method
+    assert hasattr(psclient.PSClient, "__enter__") and hasattr(psclient.PSClient, "__exit__")
+    assert hasattr(psclient.AsyncPSClient, "__aenter__") and hasattr(psclient.AsyncPSClient, "__aexit__")
+
+
+def test_public_api_client_constructor_matches_the_contract() -> None:
+    params = list(inspect.signature(psclient.PSClient).parameters)
+    expected = ["addresses", "worker_id", "auth_token", "timeout", "tls_ca", "tls_cert", "tls_key"]
+    assert params[: len(expected)] == expected
