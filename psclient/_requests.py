@@ -147,12 +147,22 @@ class Stitcher:
     def __init__(self, pieces: Mapping[str, list[Piece]]) -> None:
         self._pieces = pieces
         self._stored: dict[str, np.ndarray] = {}
-        self.versions: dict[str, int] = {}
+        self._versions: dict[str, int] = {}  # per stored name
 
     def add(self, stored: Mapping[str, np.ndarray], versions: Mapping[str, int] | None = None) -> None:
         self._stored.update(stored)
         if versions:
-            self.versions.update(versions)
+            self._versions.update(versions)
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Each variable's version, keyed like ``result()``; a partitioned one has its oldest piece's."""
+        out = {}
+        for name, group in self._pieces.items():
+            got = [self._versions[p.stored_name] for p in group if p.stored_name in self._versions]
+            if got:
+                out[name] = min(got)
+        return out
 
     def result(self) -> dict[str, np.ndarray]:
         """Raises: NotFoundError if a piece did not arrive."""

@@ -53,6 +53,18 @@ def test_ps_pull_with_versions_increments(client: psclient.PSClient, var_name: s
         assert versions == {var_name: i}
 
 
+def test_ps_pull_with_versions_of_a_partitioned_variable_is_keyed_by_its_name(
+    cluster: LocalCluster, var_name: str
+) -> None:
+    with psclient.PSClient(cluster.addresses, partition_bytes=1024) as c:
+        c.create(var_name, np.zeros((32, 16), np.float32), optimizer=psclient.SGD(1.0))
+        assert len(c._async.registry.pieces[var_name]) == 2  # 2 KiB over 1 KiB partitions, one per shard
+        c.push({var_name: np.ones((32, 16), np.float32)})
+        values, versions = c.pull_with_versions([var_name])
+    np.testing.assert_array_equal(values[var_name], -1)
+    assert versions == {var_name: 1}
+
+
 def test_ps_create_is_idempotent_for_an_equal_spec(client: psclient.PSClient, var_name: str) -> None:
     opt = psclient.Adam(learning_rate=1e-3)
     assert client.create(var_name, np.zeros((2, 3), np.float32), optimizer=opt) is True
