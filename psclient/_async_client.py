@@ -215,10 +215,9 @@ class AsyncPSClient:
         return found
 
     async def _known(self, names: Iterable[str] | None) -> dict[str, list[rq.Piece]]:
-        if names is None:
-            if not self.registry.pieces:
-                await self.list_variables()
-            return {n: g for n, g in self.registry.pieces.items() if self.registry.complete(n)}
+        if names is None:  # every variable on the shards, including those other workers created since
+            listed = await self.list_variables()
+            return {n: self.registry.pieces[n] for n in listed if self.registry.complete(n)}
         names = list(names)
         missing = [n for n in names if not self.registry.complete(n)]
         if missing:

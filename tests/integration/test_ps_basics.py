@@ -121,6 +121,20 @@ def test_ps_discovery_pulls_variables_created_by_someone_else(cluster: LocalClus
     assert set(info) == set(names)
 
 
+def test_ps_pull_without_names_returns_every_variable_on_the_shards(
+    cluster: LocalCluster, var_name: str
+) -> None:
+    mine, theirs = f"{var_name}/mine", f"{var_name}/theirs"
+    with psclient.PSClient(cluster.addresses) as a, psclient.PSClient(cluster.addresses) as b:
+        a.create(mine, np.zeros(2, np.float32))
+        assert mine in a.pull()
+        b.create(theirs, np.ones(2, np.float32))  # after a's first pull(): a must still see it
+        for c in (a, b):
+            everything = c.pull()
+            assert {mine, theirs} <= set(everything)
+            np.testing.assert_array_equal(everything[theirs], 1)
+
+
 def test_ps_variables_spread_over_both_shards(client: psclient.PSClient, var_name: str) -> None:
     names = [f"{var_name}/{i}" for i in range(8)]
     client.create_many({n: np.zeros(64, np.float32) for n in names})
