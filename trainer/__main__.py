@@ -1,0 +1,202 @@
+"""``pstrain``: train the seed articles' models on the parameter server (demo, one worker, or locally)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from psclient.errors import PSError
+
+_EPILOG = """\
+examples:
+  pstrain demo                          # 2 ps shards + 2 workers on this machine, async mode, digits
+  pstrain demo --mode sync --epochs 10 --result-json result.json
+  pstrain worker --ps 10.0.0.1:50051,10.0.0.2:50051 --worker-index 0 --num-workers 2
+  TF_CONFIG='{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222", "w1:2222"]},
+              "task": {"type": "worker", "index": 1}}' pstrain worker
+  pstrain local --model resnet
+"""
+
+DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("cnn", "resnet", "mlp"), default="cnn", help="(default: %(default)s)")
+    p.add_argument(
+        "--data",
+        choices=("digits", "synthetic", "mnist"),
+        default="digits",
+        help="digits: scikit-learn's 8x8 digits (shipped); synthetic: random images; "
+        "mnist: a local keras mnist.npz given by --data-path (default: %(default)s)",
+    )
+    p.add_argument("--data-path", help="the .npz file for --data mnist (nothing is downloaded)")
+    p.add_argument("--synthetic-size", type=int, default=4096, help="training examples of --data synthetic")
+    p.add_argument("--image-size", type=int, default=28, help="side of --data synthetic images")
+    p.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: %(default)s)")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", help="write the results to this JSON file")
+    p.add_argument("--log-level", default=os.environ.get("PS_LOG_LEVEL", "WARNING"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pstrain",
+        description="Train Keras 3 models on the parameter server.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="start a local cluster (ps shards and workers as processes) and train")
+    demo.add_argument("--mode", choices=DEMO_MODES, default="async", help="(default: %(default)s)")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    demo.add_argument("--shards", type=int, default=2, help="ps shard processes (default: %(default)s)")
+    demo.add_argument("--replicas-to-aggregate", type=int, help="sync: N (default: all workers)")
+    demo.add_argument("--staleness", type=int, default=2, help="ssp: S (default: %(default)s)")
+    demo.add_argument("--barrier-timeout", type=float, default=60.0, help="sync/ssp wait bound, seconds")
+    demo.add_argument(
+        "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
+    )
+    _add_train_flags(demo)
+
+    worker = sub.add_parser("worker", help="run one worker (from TF_CONFIG or flags)")
+    worker.add_argument("--ps", help="comma-separated HOST:PORT of the shards (default: TF_CONFIG)")
+    worker.add_argument("--worker-index", type=int, help="this worker's index (default: TF_CONFIG)")
+    worker.add_argument("--num-workers", type=int, help="number of workers (default: TF_CONFIG)")
+    worker.add_argument("--mode", choices=("async", "sync", "ssp"), default="async")
+    worker.add_argument("--no-overlap", action="store_true")
+    worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
+    _add_train_flags(worker)
+
+    local = sub.add_parser("local", help="the single-process baseline (no parameter server)")
+    _add_train_flags(local)
+    return p
+
+
+def worker_from_tf_config(
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> tuple[list[str], int, int]:
+    """``(ps addresses, worker index, number of workers)`` of a ``worker`` task in ``TF_CONFIG``.
+
+    Raises:
+        ValueError: TF_CONFIG is unset, malformed, or not a worker task.
+    """
+    raw = environ.get("TF_CONFIG")
+    if not raw:
+        raise ValueError("give --ps, --worker-index and --num-workers, or set TF_CONFIG")
+    try:
+        tf_config = json.loads(raw)
+        cluster, task = tf_config["cluster"], tf_config["task"]
+        if task["type"] not in ("worker", "chief"):
+            raise ValueError(f"TF_CONFIG task type is {task['type']!r}; pstrain worker runs 'worker' tasks")
+        workers = list(cluster.get("chief", [])) + list(cluster.get("worker", []))
+        index = int(task["index"]) + (len(cluster.get("chief", [])) if task["type"] == "worker" else 0)
+        return list(cluster["ps"]), index, len(workers)
+    except (KeyError, TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"TF_CONFIG is malformed: {err!r}") from err
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from trainer.train import TrainConfig
+
+    return TrainConfig(
+        model=args.model,
+        data=args.data,
+        data_path=args.data_path,
+        synthetic_size=args.synthetic_size,
+        image_size=args.image_size,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+    )
+
+
+def _write_json(path: str | None, payload: dict[str, Any]) -> None:
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+def _quiet_tf() -> None:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    if args.ps is not None and args.worker_index is not None and args.num_workers is not None:
+        ps, index, count = [a for a in args.ps.split(",") if a], args.worker_index, args.num_workers
+    else:
+        ps, index, count = worker_from_tf_config()
+        ps = [a for a in args.ps.split(",") if a] if args.ps else ps
+        index = index if args.worker_index is None else args.worker_index
+        count = count if args.num_workers is None else args.num_workers
+    from trainer.train import train_worker
+
+    result = train_worker(
+        _train_config(args),
+        ps,
+        worker_index=index,
+        num_workers=count,
+        mode=args.mode,
+        overlap=not args.no_overlap,
+        timeout=args.timeout,
+    )
+    print(
+        f"[worker {index}] done: {result.steps} steps, {result.steps_per_second:.1f} steps/s"
+        + (f", {result.stale_steps} stale" if result.stale_steps else ""),
+        flush=True,
+    )
+    _write_json(args.result_json, {"mode": args.mode, **result.to_dict()})
+    return 0
+
+
+def run_local(args: argparse.Namespace) -> int:
+    from trainer.train import train_local
+
+    result, accuracy = train_local(_train_config(args))
+    print(f"[local] test accuracy {accuracy:.4f}, {result.steps_per_second:.1f} steps/s", flush=True)
+    _write_json(
+        args.result_json,
+        {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_rates(result.to_dict())},
+    )
+    return 0
+
+
+def _rates(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result[k] for k in ("steps", "steps_per_second", "train_seconds")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s pstrain[%(process)d] %(name)s: %(message)s",
+    )
+    _quiet_tf()
+    try:
+        if args.command == "worker":
+            return run_worker(args)
+        if args.command == "local":
+            return run_local(args)
+        from trainer.demo import run_demo
+
+        return run_demo(args)
+    except ValueError as err:
+        print(f"pstrain: error: {err}", file=sys.stderr)
+        return 2
+    except PSError as err:
+        print(f"pstrain: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""``pstrain demo``: a whole job on this machine: ps shards and workers as processes, then evaluation.
+
+The workers' progress lines are relayed as they come; once every worker has
+finished, this process loads the shards' final values into the model and
+prints its test accuracy and the training throughput (the sum of the workers'
+steps per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.cluster import LocalCluster
+
+_WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
+
+
+def server_args(args: argparse.Namespace) -> list[str]:
+    """The psserver flags of the demo's mode."""
+    mode = args.mode
+    if mode == "sync":
+        n = args.replicas_to_aggregate or args.workers
+        return ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(args.workers),
+                "--barrier-timeout", str(args.barrier_timeout)]  # fmt: skip
+    if mode == "ssp":
+        return ["--mode", "ssp", "--total-replicas", str(args.workers), "--staleness", str(args.staleness),
+                "--barrier-timeout", str(args.barrier_timeout)]  # fmt: skip
+    return []
+
+
+def _train_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs),
+             "--batch-size", str(args.batch_size), "--learning-rate", str(args.learning_rate),
+             "--seed", str(args.seed), "--synthetic-size", str(args.synthetic_size),
+             "--image-size", str(args.image_size), "--log-level", args.log_level]  # fmt: skip
+    if args.data_path:
+        flags += ["--data-path", args.data_path]
+    return flags
+
+
+def _relay(proc: subprocess.Popen[str], tail: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+        del tail[:-40]
+        if line.startswith("[worker"):
+            print(line, end="", flush=True)
+
+
+def _print_result(result: dict[str, Any], path: str | None) -> None:
+    print(
+        f"test accuracy {result['test_accuracy']:.4f} after {result['epochs']} epochs "
+        f"({result['mode']} mode): {result['steps_per_second']:.1f} steps/s",
+        flush=True,
+    )
+    if path:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+        print(f"results written to {path}", flush=True)
+
+
+def allreduce_available() -> bool:
+    """Whether the ring all-reduce training loop (``trainer.allreduce_loop``) is installed."""
+    return importlib.util.find_spec("trainer.allreduce_loop") is not None
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Runs the demo; returns the exit code.
+
+    Raises:
+        ValueError: bad flags.
+    """
+    if args.workers < 1 or args.shards < 1 or args.epochs < 1:
+        raise ValueError("--workers, --shards and --epochs must be >= 1")
+    started = time.perf_counter()
+    if args.mode == "local":
+        from trainer.__main__ import _train_config
+        from trainer.train import train_local
+
+        local, accuracy = train_local(_train_config(args))
+        _print_result(
+            {
+                "mode": "local",
+                "test_accuracy": accuracy,
+                "epochs": args.epochs,
+                "workers": 1,
+                "steps_per_second": local.steps_per_second,
+                "steps": local.steps,
+                "wall_seconds": time.perf_counter() - started,
+            },
+            args.result_json,
+        )
+        return 0
+    if args.mode == "allreduce":
+        if not allreduce_available():
+            print(
+                "pstrain: error: --mode allreduce is not available yet (psclient.collective)", file=sys.stderr
+            )
+            return 2
+        from trainer.allreduce_loop import run_allreduce_demo  # type: ignore[import-not-found]
+
+        return int(run_allreduce_demo(args))
+    print(
+        f"starting {args.shards} ps shards ({args.mode} mode) and {args.workers} workers; "
+        f"{args.model} on {args.data}, {args.epochs} epochs",
+        flush=True,
+    )
+    with LocalCluster(args.shards, server_args=server_args(args)) as cluster:
+        workdir = Path(cluster.workdir)
+        procs: list[subprocess.Popen[str]] = []
+        tails: list[list[str]] = []
+        threads = []
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env.pop("TF_CONFIG", None)
+        try:
+            for i in range(args.workers):
+                cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(cluster.addresses),
+                       "--worker-index", str(i), "--num-workers", str(args.workers), "--mode", args.mode,
+                       "--result-json", str(workdir / f"worker{i}.json"), *_train_flags(args)]  # fmt: skip
+                if args.no_overlap:
+                    cmd.append("--no-overlap")
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+                )
+                procs.append(proc)
+                tails.append([])
+                t = threading.Thread(target=_relay, args=(proc, tails[-1]), daemon=True)
+                t.start()
+                threads.append(t)
+            deadline = time.monotonic() + _WORKER_TIMEOUT_S
+            failed = []
+            for i, proc in enumerate(procs):
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                threads[i].join(timeout=5)
+                if code != 0:
+                    failed.append(i)
+                    if len(failed) == 1:
+                        for other in procs:  # a failed worker stalls the others in sync/ssp modes
+                            if other.poll() is None:
+                                other.terminate()
+            if failed:
+                for i in failed:
+                    print(f"--- worker {i} failed; last lines ---\n{''.join(tails[i])}", file=sys.stderr)
+                return 1
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
+        from trainer.__main__ import _train_config
+        from trainer.train import evaluate_from_ps
+
+        accuracy = evaluate_from_ps(_train_config(args), cluster.addresses)
+    _print_result(
+        {
+            "mode": args.mode,
+            "test_accuracy": accuracy,
+            "epochs": args.epochs,
+            "workers": args.workers,
+            "shards": args.shards,
+            "steps_per_second": sum(w["steps_per_second"] for w in workers),
+            "steps": sum(w["steps"] for w in workers),
+            "stale_steps": sum(w.get("stale_steps", 0) for w in workers),
+            "per_worker": workers,
+            "wall_seconds": time.perf_counter() - started,
+        },
+        args.result_json,
+    )
+    return 0

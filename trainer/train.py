@@ -1,0 +1,195 @@
+"""Training runs: one parameter-server worker, the single-process baseline, and evaluation from the shards.
+
+Imports TensorFlow (through Keras); the CLI imports this module only once it
+has parsed its flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+import keras
+
+import psclient
+import psclient.keras as psk
+from trainer import data, models
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """What to train and how (shared by every worker of a job)."""
+
+    model: str = "cnn"
+    data: str = "digits"
+    data_path: str | None = None
+    synthetic_size: int = 4096
+    image_size: int = 28
+    epochs: int = 10
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    seed: int = 0
+
+    def load(self) -> data.Split:
+        return data.load(
+            self.data, path=self.data_path, num_train=self.synthetic_size, image_size=self.image_size
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerResult:
+    """One worker's (or the local run's) training outcome."""
+
+    worker_index: int
+    steps: int
+    train_seconds: float
+    steps_per_second: float
+    final_loss: float
+    final_accuracy: float
+    stale_steps: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class EpochPrinter(keras.callbacks.Callback):
+    """Prints one progress line per epoch (loss, accuracy, steps/s) and times the steps after the first."""
+
+    def __init__(self, epochs: int, prefix: str = "", out: TextIO = sys.stdout) -> None:
+        super().__init__()
+        self.epochs, self.prefix, self.out = epochs, prefix, out
+        self.steps = 0
+        self.train_seconds = 0.0
+        self._t0: float | None = None
+        self._epoch_t0 = 0.0
+        self._epoch_steps = 0
+        self.last_logs: dict[str, float] = {}
+
+    @property
+    def steps_per_second(self) -> float:
+        return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch_t0, self._epoch_steps = time.perf_counter(), 0
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.steps += 1
+        self._epoch_steps += 1
+        if self.steps == 1:
+            self._t0 = time.perf_counter()  # the first step traces the graph: not timed
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.last_logs = {k: float(v) for k, v in (logs or {}).items()}
+        elapsed = time.perf_counter() - self._epoch_t0
+        rate = self._epoch_steps / elapsed if elapsed > 0 else 0.0
+        loss, acc = self.last_logs.get("loss", float("nan")), self.last_logs.get("accuracy", float("nan"))
+        print(
+            f"{self.prefix}epoch {epoch + 1}/{self.epochs}: loss {loss:.4f} accuracy {acc:.4f} "
+            f"({rate:.0f} steps/s)",
+            file=self.out,
+            flush=True,
+        )
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._t0 is not None:
+            self.train_seconds = time.perf_counter() - self._t0
+
+
+def build_model(config: TrainConfig, split: data.Split, optimizer: Any) -> keras.Model:
+    """The named model for ``split``'s input, compiled (no XLA: the PS exchange runs on the host)."""
+    keras.utils.set_random_seed(config.seed)
+    model = models.build(config.model, split.input_shape, split.num_classes)
+    model.compile(
+        optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False
+    )
+    return model
+
+
+def train_worker(
+    config: TrainConfig,
+    ps_addresses: list[str],
+    *,
+    worker_index: int,
+    num_workers: int,
+    mode: str = "async",
+    overlap: bool = True,
+    timeout: float = 120.0,
+) -> WorkerResult:
+    """Trains one worker of a parameter-server job with Keras ``fit`` on its shard of the data.
+
+    Raises:
+        psclient.PSError: a shard failed, or a barrier timed out.
+    """
+    split = config.load()
+    prefix = f"[worker {worker_index}] "
+    with psk.PSWorker(
+        ps_addresses,
+        worker_index=worker_index,
+        num_workers=num_workers,
+        mode=mode,
+        overlap=overlap,
+        timeout=timeout,
+    ) as worker:
+        optimizer = psk.DistributedOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
+        model = build_model(config, split, optimizer)
+        ds = data.make_dataset(
+            split.x_train,
+            split.y_train,
+            batch_size=config.batch_size,
+            num_workers=num_workers,
+            worker_index=worker_index,
+            seed=config.seed,
+        )
+        printer = EpochPrinter(config.epochs, prefix)
+        model.fit(ds, epochs=config.epochs, callbacks=[worker.callback(), printer], verbose=0)
+        return WorkerResult(
+            worker_index=worker_index,
+            steps=printer.steps,
+            train_seconds=printer.train_seconds,
+            steps_per_second=printer.steps_per_second,
+            final_loss=printer.last_logs.get("loss", float("nan")),
+            final_accuracy=printer.last_logs.get("accuracy", float("nan")),
+            stale_steps=worker.stale_steps,
+        )
+
+
+def train_local(config: TrainConfig) -> tuple[WorkerResult, float]:
+    """The single-process baseline (OneDeviceStrategy's place); returns the result and the test accuracy."""
+    split = config.load()
+    model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
+    ds = data.make_dataset(split.x_train, split.y_train, batch_size=config.batch_size, seed=config.seed)
+    printer = EpochPrinter(config.epochs, "[local] ")
+    model.fit(ds, epochs=config.epochs, callbacks=[printer], verbose=0)
+    result = WorkerResult(
+        worker_index=0,
+        steps=printer.steps,
+        train_seconds=printer.train_seconds,
+        steps_per_second=printer.steps_per_second,
+        final_loss=printer.last_logs.get("loss", float("nan")),
+        final_accuracy=printer.last_logs.get("accuracy", float("nan")),
+    )
+    return result, _test_accuracy(model, split)
+
+
+def evaluate_from_ps(config: TrainConfig, ps_addresses: list[str], timeout: float = 60.0) -> float:
+    """Builds the model, loads the shards' current values into it, and returns its test accuracy.
+
+    Raises:
+        psclient.PSError: a shard failed, or the model's variables are not on the shards.
+    """
+    split = config.load()
+    model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
+    with psclient.PSClient(ps_addresses, worker_id="evaluator", timeout=timeout) as client:
+        psk.load_from_ps(model, client)
+    return _test_accuracy(model, split)
+
+
+def _test_accuracy(model: keras.Model, split: data.Split) -> float:
+    ds = data.make_dataset(split.x_test, split.y_test, batch_size=256, shuffle=False)
+    _, accuracy = model.evaluate(ds, verbose=0)
+    return float(accuracy)
