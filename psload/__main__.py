@@ -1,0 +1,103 @@
+"""``psload``: load-test a paramserver cluster (a running one, or a local one it starts)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from psload import report
+from psload.runner import MODES, OPS, LoadConfig, LoadError, run_load
+from psload.spec import ModelSpec, parse_size
+
+_EPILOG = """\
+examples:
+  psload --workers 4 --model 8x1MiB --duration 10                 # starts a local 2-shard cluster
+  psload --workers 4 --mode sync --json out.json --plot out.png
+  psload --workers 8 --model 16x4MiB,1x64MiB 10.0.0.5:2222 10.0.0.6:2222
+
+Model spec: COUNTxSIZE[,COUNTxSIZE...] of float32 variables (sizes: 4096, 64KiB, 1MiB, 2.5MB).
+Each step a worker pushes a gradient for every variable and reads them back
+(--op push_pull; or push / pull only). Throughput counts bytes sent plus bytes
+received. Live progress goes to stderr once a second; the summary to stdout.
+exit status: 0 when the run had no errors, 1 when some step failed, 2 on bad arguments.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psload",
+        description="Drive a paramserver cluster with simulated worker processes and report throughput, "
+        "latency, errors and per-shard balance.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("addresses", nargs="*", help="HOST:PORT of every shard (default: start a local cluster)")
+    p.add_argument("-w", "--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    p.add_argument("-m", "--model", default="8x1MiB", help="variables, COUNTxSIZE,... (default: %(default)s)")
+    p.add_argument("-d", "--duration", type=float, default=10.0, help="seconds to run (default: %(default)s)")
+    p.add_argument(
+        "--mode", choices=MODES, help="local cluster's mode (default async); checked on a running one"
+    )
+    p.add_argument(
+        "--staleness", type=int, default=1, help="ssp: the local cluster's S (default: %(default)s)"
+    )
+    p.add_argument("--shards", type=int, default=2, help="local cluster's shard count (default: %(default)s)")
+    p.add_argument("--op", choices=OPS, default="push_pull", help="what one step does (default: %(default)s)")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, help="per-call deadline, seconds (default: %(default)s)"
+    )
+    p.add_argument("--prefix", default="psload", help="variable name prefix (default: %(default)s)")
+    p.add_argument("--chunk-size", help="client streaming chunk size, e.g. 4MiB")
+    p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
+    p.add_argument(
+        "--server-arg", action="append", default=[], help="extra psserver flag for the local cluster"
+    )
+    p.add_argument("--json", metavar="FILE", help="write the result as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG plot of throughput and latency over time")
+    p.add_argument("-q", "--quiet", action="store_true", help="no live progress lines")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("PSLOAD_LOG_LEVEL", "WARNING"),
+        format="%(asctime)s %(levelname)s psload: %(message)s",
+    )
+    addresses = tuple(a for item in args.addresses for a in item.split(",") if a)
+    token = None
+    if args.auth_token_file:
+        with open(args.auth_token_file) as f:
+            token = f.read().strip()
+    try:
+        options = {}
+        if args.chunk_size:
+            options["chunk_bytes"] = parse_size(args.chunk_size)
+        config = LoadConfig(
+            workers=args.workers, model=ModelSpec.parse(args.model), duration_s=args.duration,
+            addresses=addresses, local_shards=args.shards, mode=args.mode, staleness=args.staleness,
+            op=args.op, timeout_s=args.timeout, prefix=args.prefix, auth_token=token,
+            server_args=tuple(args.server_arg), client_options=options,
+        )  # fmt: skip
+    except ValueError as err:
+        parser.error(str(err))
+    try:
+        result = run_load(config, progress=None if args.quiet else sys.stderr)
+    except LoadError as err:
+        print(f"psload: {err}", file=sys.stderr)
+        return 1
+    print(report.format_summary(result))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"  json        {args.json}")
+    if args.plot:
+        why = report.plot(args.plot, result)
+        print(f"  plot        {args.plot}" if why is None else f"  plot        skipped: {why}")
+    return 0 if result["summary"]["errors"] == 0 and not result["summary"]["failed_workers"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""psload: short load runs (a local cluster it starts, and a running sync cluster) whose JSON is checked."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from psload import LoadConfig, ModelSpec, run_load
+from psload.runner import LoadError
+from trainer.cluster import LocalCluster
+
+
+def check_result(result: dict, *, workers: int, shards: int, mode: str) -> None:
+    cfg, s = result["config"], result["summary"]
+    assert cfg["workers"] == workers and cfg["num_shards"] == shards and cfg["mode"] == mode
+    assert s["steps"] > 0 and s["errors"] == 0 and s["failed_workers"] == {}
+    assert s["steps_per_s"] > 0 and s["gb_per_s"] > 0
+    assert s["bytes"] == s["steps"] * 2 * cfg["model_bytes"]  # push_pull: gradients out, values back
+    lat = s["latency"]
+    assert 0 < lat["p50_ms"] <= lat["p95_ms"] <= lat["p99_ms"] <= lat["max_ms"]
+    assert sum(int(v) for v in s["steps_per_worker"].values()) == s["steps"]
+    assert len(result["shards"]) == shards
+    assert sum(sh["share"] for sh in result["shards"]) == pytest.approx(1.0)
+    assert all(sh["pushes"] > 0 and sh["health"] == "SERVING" for sh in result["shards"])
+    assert result["balance"]["max_over_mean"] >= 1.0
+    assert result["timeline"] and sum(row["steps_per_s"] for row in result["timeline"]) == s["steps"]
+
+
+def test_cli_local_cluster_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "psload", "--workers", "2", "--model", "4x64KiB", "--duration", "2",
+         "--json", str(out), "--plot", str(png)],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    check_result(result, workers=2, shards=2, mode="async")
+    assert result["config"]["local_cluster"] is True
+    assert "steps/s" in proc.stderr and "GB/s" in proc.stderr  # live progress
+    assert "throughput" in proc.stdout and "p99" in proc.stdout
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sync_run_against_a_running_cluster() -> None:
+    server_args = ["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2"]
+    with LocalCluster(num_shards=2, server_args=server_args) as cluster:
+        live = io.StringIO()
+        config = LoadConfig(
+            workers=2, model=ModelSpec.parse("3x16KiB"), duration_s=1.5, addresses=tuple(cluster.addresses),
+            timeout_s=30.0,
+        )  # fmt: skip
+        result = run_load(config, progress=live)
+        check_result(result, workers=2, shards=2, mode="sync")
+        # sync: both workers stop at the same step, and every step is one update on every shard
+        per_worker = set(result["summary"]["steps_per_worker"].values())
+        assert len(per_worker) == 1
+        assert all(sh["pushes"] == per_worker.pop() for sh in result["shards"][:1])
+        assert "2 workers" in live.getvalue()
+        with pytest.raises(LoadError, match="async"):
+            run_load(LoadConfig(workers=1, duration_s=1, addresses=tuple(cluster.addresses), mode="async"))
+
+
+def test_unreachable_cluster_is_a_clear_error() -> None:
+    with LocalCluster(num_shards=1) as other:
+        dead = other.addresses[0]
+    with pytest.raises(LoadError, match="unreachable"):
+        run_load(LoadConfig(workers=1, duration_s=1, addresses=(dead,), timeout_s=2.0), progress=None)
