@@ -16,6 +16,7 @@ from psclient.codec import CodecError, as_wire_array, wire_dtype
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
 from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode
+from psclient.collective._malloc import tune_malloc
 from psclient.collective._schedule import (
     chunk_range,
     even_segments,
@@ -53,6 +54,7 @@ _KIND_NAMES: Final[dict[int, str]] = {
     _pb.COLLECTIVE_KIND_BARRIER: "barrier",
 }
 _ABORT_WRITE_S: Final[float] = 0.2
+_CLOSE_GRACE_S: Final[float] = 1.0
 _LINK_LOST: Final[frozenset[grpc.StatusCode]] = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
 )
@@ -126,6 +128,7 @@ class AsyncRing:
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
         self._exchange: Any = None
+        self._drains: set[asyncio.Task[None]] = set()
         self._closed = False
         token = self._cfg.auth_token
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
@@ -153,9 +156,12 @@ class AsyncRing:
         """
         cfg = self._cfg
         self._lock = asyncio.Lock()
+        if cfg.tune_malloc:
+            tune_malloc()
         limits = [
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            *(tuple(o) for o in cfg.grpc_options),
         ]
         server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0)])
         service = CollectiveService(
@@ -188,10 +194,16 @@ class AsyncRing:
         if self._closed:
             return
         self._closed = True
+        if self._drains:
+            # Let the last streams deliver their tail before the channel cancels them.
+            await asyncio.wait(list(self._drains), timeout=_CLOSE_GRACE_S)
+        for t in list(self._drains):
+            t.cancel()
         if self._channel is not None:
             await self._channel.close()
         if self._server is not None:
-            await self._server.stop(None)
+            # A grace period lets the previous rank finish the stream of the last operation.
+            await self._server.stop(_CLOSE_GRACE_S)
         self._boxes.fail_open(UnavailableError(f"rank {self.rank}: the ring is closed"))
 
     async def __aenter__(self) -> AsyncRing:
@@ -572,8 +584,12 @@ class AsyncRing:
                     raise self._translate(op, err, sender=True) from err
                 op.sent += 1
             op.sending = "the end of the stream"
-            await call.done_writing()
-            await call
+            try:
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # Every frame was written; the next rank may already have finished and closed.
+                # This rank's result depends only on what it received.
+                logger.debug("%s: the next rank ended the stream before our half-close", op.name)
             op.sending = None
 
         async def watcher(call: Any) -> None:
@@ -590,10 +606,11 @@ class AsyncRing:
             call_holder.append(call)
             tasks.append(asyncio.create_task(sender(call), name=f"{op.name} send"))
             tasks.append(asyncio.create_task(watcher(call), name=f"{op.name} watch"))
+        required = set(tasks[:2])  # receive and send; the watcher only reports early failures
         try:
             async with asyncio.timeout_at(op.deadline):
                 pending: set[asyncio.Task[None]] = set(tasks)
-                while pending:
+                while required & pending:
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:
                         if (exc := t.exception()) is not None:
@@ -610,6 +627,14 @@ class AsyncRing:
             raise
         finally:
             self._boxes.close(op.seq)
+        for t in pending:  # the watcher: the stream's final status arrives after the op completed
+            self._drains.add(t)
+            t.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task[None]) -> None:
+        self._drains.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.debug("stream ended after its operation completed: %s", exc)
 
     async def _raise_call_status(self, op: _Op, call: Any, what: str) -> None:
         """Waits for the call to end; raises its status as a PSError unless it is OK."""

@@ -17,6 +17,10 @@ COMPRESSIONS: Final[tuple[str, ...]] = ("none", "fp16")
 class RingConfig:
     """Settings of one rank (see :class:`psclient.collective.Ring` for their meaning).
 
+    ``grpc_options`` are extra gRPC channel and server arguments (for tuning, e.g.
+    ``(("grpc.http2.lookahead_bytes", 1 << 24),)``). ``tune_malloc`` raises glibc's
+    trim and mmap thresholds for the whole process (see ``_malloc``).
+
     Raises:
         ValueError: an inconsistent or out-of-range setting.
     """
@@ -29,6 +33,8 @@ class RingConfig:
     compression: str = "none"
     auth_token: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    grpc_options: tuple[tuple[str, int | str], ...] = ()
+    tune_malloc: bool = True
 
     def __post_init__(self) -> None:
         if not self.addresses:
