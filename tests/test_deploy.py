@@ -1,0 +1,142 @@
+"""deploy/: the compose file validates and describes the cluster; k8s, Kubeflow and Docker files are sane.
+
+``docker-compose config`` runs when the binary is installed (CI installs
+Debian's ``docker-compose``); everything else parses the files with PyYAML.
+The compose services' commands are run as local processes in
+``tests/test_deploy_compose.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+
+
+def load_compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def tf_config(service: dict) -> dict:
+    return json.loads(service["environment"]["TF_CONFIG"])
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose is not installed")
+def test_docker_compose_config_validates() -> None:
+    proc = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE), "--profile", "observe", "config", "--services"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == {"ps0", "ps1", "worker0", "worker1", "prometheus"}
+
+
+def test_compose_describes_two_shards_and_two_workers() -> None:
+    services = load_compose()["services"]
+    ps = {n: s for n, s in services.items() if s["command"][0] == "psserver"}
+    workers = {n: s for n, s in services.items() if s["command"][:2] == ["pstrain", "worker"]}
+    assert sorted(ps) == ["ps0", "ps1"] and sorted(workers) == ["worker0", "worker1"]
+    clusters = {
+        json.dumps(tf_config(s)["cluster"], sort_keys=True) for s in [*ps.values(), *workers.values()]
+    }
+    assert len(clusters) == 1, "every service must see the same cluster"
+    cluster = json.loads(clusters.pop())
+    assert cluster["ps"] == ["ps0:2222", "ps1:2222"]
+    assert cluster["worker"] == ["worker0:2222", "worker1:2222"]
+    for kind, group in (("ps", ps), ("worker", workers)):
+        for name, service in group.items():
+            task = tf_config(service)["task"]
+            assert task["type"] == kind
+            assert cluster[kind][task["index"]].split(":")[0] == name == service["hostname"]
+    for name, service in ps.items():
+        test = service["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "psclient.probe"], f"{name}: gRPC health check"
+        assert "checkpoints:/checkpoints" in service["volumes"]
+        cmd = service["command"]
+        assert cmd[cmd.index("--checkpoint-dir") + 1] == "/checkpoints"
+        assert "--metrics-port" in cmd
+    for name, service in workers.items():
+        deps = service["depends_on"]
+        assert {d: deps[d]["condition"] for d in deps} == {"ps0": "service_healthy", "ps1": "service_healthy"}
+        assert service["healthcheck"] == {"disable": True}, name
+    assert "checkpoints" in load_compose()["volumes"]
+
+
+def test_prometheus_is_optional_and_scrapes_every_shard() -> None:
+    services = load_compose()["services"]
+    prom = services["prometheus"]
+    assert prom["profiles"] == ["observe"]
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = config["scrape_configs"][0]["static_configs"][0]["targets"]
+    expected = []
+    for name in ("ps0", "ps1"):
+        cmd = services[name]["command"]
+        expected.append(f"{name}:{cmd[cmd.index('--metrics-port') + 1]}")
+    assert targets == expected
+
+
+def test_kubernetes_manifests() -> None:
+    docs = [d for f in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())]
+    by_kind = {(d["kind"], d["metadata"]["name"]): d for d in docs if d["kind"] != "Kustomization"}
+    assert set(by_kind) == {
+        ("ConfigMap", "paramserver-cluster"), ("Service", "ps"), ("StatefulSet", "ps"),
+        ("Service", "workers"), ("Job", "worker"),
+    }  # fmt: skip
+    config = by_kind["ConfigMap", "paramserver-cluster"]["data"]
+    ps_hosts = json.loads(f"[{config['PS_HOSTS']}]")
+    worker_hosts = json.loads(f"[{config['WORKER_HOSTS']}]")
+    sts = by_kind["StatefulSet", "ps"]
+    assert sts["spec"]["serviceName"] == "ps" and by_kind["Service", "ps"]["spec"]["clusterIP"] == "None"
+    assert ps_hosts == [f"ps-{i}.ps:2222" for i in range(sts["spec"]["replicas"])]  # stable names
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    script = container["args"][0]
+    assert "TF_CONFIG" in script and "${HOSTNAME##*-}" in script and "exec psserver" in script
+    assert container["readinessProbe"]["grpc"] == {"port": 2222, "service": "psproto.v1.ParameterServer"}
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "checkpoints"
+    job = by_kind["Job", "worker"]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert job["spec"]["completions"] == len(worker_hosts)
+    assert worker_hosts == [f"worker-{i}.workers:2222" for i in range(len(worker_hosts))]
+    assert job["spec"]["template"]["spec"]["subdomain"] == "workers"
+    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "$JOB_COMPLETION_INDEX" in script and "exec pstrain worker" in script
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(f.name for f in (DEPLOY / "k8s").glob("*.yaml")
+                                                        if f.name != "kustomization.yaml")  # fmt: skip
+
+
+def test_kubeflow_tfjob() -> None:
+    job = yaml.safe_load((DEPLOY / "kubeflow" / "tfjob.yaml").read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "TFJob"
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert specs["PS"]["replicas"] == 2 and specs["Worker"]["replicas"] == 2
+    ps = specs["PS"]["template"]["spec"]["containers"][0]
+    worker = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert ps["name"] == worker["name"] == "tensorflow"
+    assert ps["command"][0] == "psserver" and "--shard" not in ps["command"]  # TF_CONFIG from the operator
+    assert worker["command"][:2] == ["pstrain", "worker"]
+
+
+def test_dockerfile() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    assert any(line.startswith("RUN pip install") and ".[tf]" in line for line in lines)
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    health = text[text.index("HEALTHCHECK") :]
+    assert "python -m psclient.probe" in health
+    for package in ("psserver", "psclient", "trainer", "psload", "protos"):
+        assert f"COPY {package} " in text
