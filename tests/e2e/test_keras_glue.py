@@ -1,0 +1,95 @@
+"""psclient.keras on real shards: attach (chief creates, others attach), optimizer mapping, GradientTape."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.tf, pytest.mark.e2e]
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+import psclient  # noqa: E402
+import psclient.keras as psk  # noqa: E402
+
+
+def _model(name: str) -> keras.Model:
+    return keras.Sequential(
+        [keras.Input(shape=(4,)), keras.layers.Dense(3, name="d1"), keras.layers.Dense(2, name="d2")],
+        name=name,
+    )
+
+
+def test_server_optimizer_comes_from_keras_config() -> None:
+    assert psk.server_optimizer(keras.optimizers.Adam(learning_rate=0.005, beta_1=0.8)) == psclient.Adam(
+        learning_rate=0.005, beta_1=0.8
+    )
+    assert psk.server_optimizer(keras.optimizers.SGD()) == psclient.SGD(learning_rate=0.01)
+    with pytest.raises(ValueError, match="clipnorm"):
+        psk.server_optimizer(keras.optimizers.SGD(clipnorm=1.0))
+
+
+def test_chief_creates_others_attach_and_start_from_the_same_values(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=2)
+    chief_model, other_model = _model(var_name), _model(var_name)
+    other_model.set_weights([w + 1.0 for w in chief_model.get_weights()])
+    errors: list[BaseException] = []
+    with (
+        psk.PSWorker(cluster.addresses, worker_index=0, num_workers=2) as chief,
+        psk.PSWorker(cluster.addresses, worker_index=1, num_workers=2, attach_timeout=30) as other,
+    ):
+
+        def attach_other() -> None:
+            try:
+                other.attach(other_model, keras.optimizers.SGD(0.1))
+            except BaseException as err:
+                errors.append(err)
+
+        t = threading.Thread(target=attach_other)
+        t.start()  # waits for the chief
+        chief.attach(chief_model, keras.optimizers.SGD(0.1))
+        t.join(timeout=60)
+        assert not t.is_alive() and not errors
+        for a, b in zip(chief_model.get_weights(), other_model.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+        # attaching again is idempotent; a different optimizer is refused
+        chief.attach(chief_model, keras.optimizers.SGD(0.1))
+        with pytest.raises(psclient.AlreadyExistsError):
+            chief.attach(chief_model, keras.optimizers.Adam(0.1))
+
+
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_gradient_tape_helper_applies_server_side_sgd(make_cluster, var_name, in_graph: bool) -> None:
+    cluster = make_cluster(num_shards=2)
+    model = _model(var_name)
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32))
+    with psk.PSWorker(cluster.addresses, overlap=False) as worker:
+        worker.attach(model, keras.optimizers.SGD(learning_rate=0.5))
+        before = [v.numpy().copy() for v in model.trainable_variables]
+
+        def step() -> list[tf.Tensor]:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            worker.apply_gradients(grads, model.trainable_variables)
+            return grads
+
+        grads = tf.function(step)() if in_graph else step()
+        for b, g, v in zip(before, grads, model.trainable_variables, strict=True):
+            np.testing.assert_allclose(v.numpy(), b - 0.5 * g.numpy(), rtol=1e-5, atol=1e-6)
+        with psclient.PSClient(cluster.addresses) as client:
+            stored = client.pull([psk.variable_name(v) for v in model.trainable_variables])
+        for v in model.trainable_variables:
+            np.testing.assert_allclose(stored[psk.variable_name(v)], v.numpy(), rtol=1e-6)
+
+
+def test_fit_without_the_callback_says_what_to_do(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=1)
+    model = _model(var_name)
+    with psk.PSWorker(cluster.addresses) as worker:
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(), worker), loss="mse")
+        with pytest.raises(Exception, match=r"worker\.callback\(\)"):
+            model.fit(np.zeros((4, 4), np.float32), np.zeros((4, 2), np.float32), verbose=0)
