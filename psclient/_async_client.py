@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -143,7 +144,7 @@ class AsyncPSClient:
                 self._channels = [grpc.aio.secure_channel(a, creds, options=options) for a in cfg.addresses]
             else:
                 self._channels = [grpc.aio.insecure_channel(a, options=options) for a in cfg.addresses]
-            self._stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in self._channels]
+            self._stubs = [_WireStub(ch) for ch in self._channels]
         return self._stubs[shard]
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -339,7 +340,7 @@ class AsyncPSClient:
         for group in pieces.values():
             for piece in group:
                 per_shard.setdefault(piece.shard, []).append(piece)
-        stitcher = rq.Stitcher(pieces)
+        into = rq.Gather(pieces)
 
         async def one(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
@@ -349,27 +350,22 @@ class AsyncPSClient:
             stub = self._stub(shard)
             if sum(p.nbytes for p in wanted) <= self.config.unary_max_bytes:
                 resp = await self._call(shard, "Pull", lambda: stub.Pull(request, **self._kw()))
-                stitcher.add(
-                    {c.name: codec.decode(c) for c in resp.values}, rq.versions_of(resp.values, resp.versions)
-                )
+                for c in resp.values:
+                    into.add(c)
+                into.add_versions(rq.versions_of(resp.values, resp.versions))
                 return
-            assembler = codec.Assembler()
-            versions: dict[str, int] = {}
 
             async def stream() -> None:
-                nonlocal assembler
-                assembler = codec.Assembler()  # a retried attempt starts over
-                versions.clear()
+                into.restart(wanted)  # a retried attempt starts over
                 async for resp in stub.PullStream(request, **self._kw()):
                     for c in resp.values:
-                        assembler.add(c)
-                    versions.update(rq.versions_of(resp.values, resp.versions))
+                        into.add(c)
+                    into.add_versions(rq.versions_of(resp.values, resp.versions))
 
             await self._call(shard, "PullStream", stream)
-            stitcher.add(assembler.result(), versions)
 
         await gather(one(s, w) for s, w in per_shard.items())
-        return stitcher.result(), stitcher.versions
+        return into.result(), into.versions
 
     # -- push ---------------------------------------------------------------
 
@@ -405,46 +401,67 @@ class AsyncPSClient:
         pieces = await self._known(list(grads))
         per_shard = rq.split_by_shard(pieces, grads, "gradient")
         seq = next(self._seq)
-        stitcher = rq.Stitcher(pieces)
+        into = rq.Gather(pieces) if return_values else None
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             stub = self._stub(shard)
-            header = {"worker_id": self.worker_id, "seq": seq, "step": step, "return_values": return_values}
+            header = ps_pb2.PushRequest(
+                worker_id=self.worker_id, seq=seq, step=step, return_values=return_values
+            )
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
-                request = ps_pb2.PushRequest(grads=rq.whole_chunks(tensors), **header)
+                request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
                 resp = await self._call(shard, "Push", lambda: stub.Push(request, **self._kw()))
-                if return_values:
-                    stitcher.add({c.name: codec.decode(c) for c in resp.values})
+                if into is not None:
+                    for c in resp.values:
+                        into.add(c)
                 return resp.applied
 
-            def messages() -> Iterable[ps_pb2.PushRequest]:
-                first = True
-                for batch in rq.chunked_messages(tensors, self.config.chunk_bytes):
-                    yield (
-                        ps_pb2.PushRequest(grads=batch, **header)
-                        if first
-                        else ps_pb2.PushRequest(grads=batch)
-                    )
-                    first = False
+            def messages() -> Iterable[codec.WireMessage]:
+                first = header
+                for batch in rq.wire_batches(tensors, self.config.chunk_bytes):
+                    yield codec.WireMessage(first, "grads", batch)
+                    first = _EMPTY_PUSH  # the header fields travel in the first message only
 
-            assembler = codec.Assembler()
             applied = True
 
             async def stream() -> None:
-                nonlocal applied, assembler
-                applied, assembler = True, codec.Assembler()  # a retried attempt starts over
+                nonlocal applied
+                applied = True  # a retried attempt starts over
+                if into is not None:
+                    into.restart(p for group in pieces.values() for p in group if p.shard == shard)
                 async for resp in stub.PushStream(_aiter(messages()), **self._kw()):
                     applied = applied and resp.applied
-                    for c in resp.values:
-                        assembler.add(c)
+                    if into is not None:
+                        for c in resp.values:
+                            into.add(c)
 
             await self._call(shard, "PushStream", stream)
-            if return_values:
-                stitcher.add(assembler.result())
             return applied
 
         results = await gather(one(s, t) for s, t in per_shard.items())
-        return all(results), (stitcher.result() if return_values else {})
+        return all(results), (into.result() if into is not None else {})
+
+
+_EMPTY_PUSH = ps_pb2.PushRequest()
+
+
+class _WireStub(ps_pb2_grpc.ParameterServerStub):
+    """The generated stub, with tensor-carrying calls framed by ``psclient.codec`` (no protobuf copies)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        super().__init__(channel)
+        prefix = "/psproto.v1.ParameterServer/"
+        pull = functools.partial(codec.parse, ps_pb2.PullResponse, field="values")
+        push = functools.partial(codec.parse, ps_pb2.PushResponse, field="values")
+        ser = codec.serialize
+        self.Pull = channel.unary_unary(prefix + "Pull", request_serializer=ser, response_deserializer=pull)
+        self.PullStream = channel.unary_stream(
+            prefix + "PullStream", request_serializer=ser, response_deserializer=pull
+        )
+        self.Push = channel.unary_unary(prefix + "Push", request_serializer=ser, response_deserializer=push)
+        self.PushStream = channel.stream_stream(
+            prefix + "PushStream", request_serializer=ser, response_deserializer=push
+        )
 
 
 async def _aiter(items: Iterable[T]) -> Any:

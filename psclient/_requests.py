@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -186,3 +187,113 @@ def versions_of(chunks: Iterable[ps_pb2.TensorChunk], versions: Iterable[int]) -
     """Pairs each tensor that starts in this message (its chunk at offset 0) with its version."""
     names = [c.name for c in chunks if c.offset == 0]
     return dict(zip(names, versions, strict=False))
+
+
+def wire_batches(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int) -> Iterator[list[codec.WireChunk]]:
+    """Cuts tensors into zero-copy chunks, batched into lists of about ``chunk_bytes`` of data each."""
+    batch: list[codec.WireChunk] = []
+    budget = chunk_bytes
+    for name, t in tensors:
+        size, itemsize = t.size, max(1, t.itemsize)
+        if size == 0:
+            batch.append(codec.WireChunk.of(name, t))
+            continue
+        start = 0
+        while start < size:
+            n = min(size - start, max(1, budget // itemsize))
+            batch.append(codec.WireChunk.of(name, t, start, start + n))
+            budget -= n * itemsize
+            start += n
+            if budget <= 0:
+                yield batch
+                batch, budget = [], chunk_bytes
+    if batch:
+        yield batch
+
+
+class Gather:
+    """Writes pulled chunks straight into the whole arrays the caller gets: one copy per byte.
+
+    Replaces Assembler + Stitcher on the pull path: a partitioned variable's
+    pieces, from any shard and in any number of chunks, land in one array
+    allocated once. A variable that arrives whole in one chunk stays a
+    zero-copy view of the received message. Returned arrays are read-only.
+    """
+
+    def __init__(self, pieces: Mapping[str, list[Piece]]) -> None:
+        self._pieces = pieces
+        self._by_stored = {p.stored_name: p for group in pieces.values() for p in group}
+        self._flat: dict[str, np.ndarray] = {}  # variable -> its whole array, flat
+        self._filled: dict[str, int] = {}  # stored name -> elements received
+        self._versions: dict[str, int] = {}  # per stored name
+
+    def add_versions(self, versions: Mapping[str, int]) -> None:
+        """Records stored tensors' versions (see ``versions_of``)."""
+        self._versions.update(versions)
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """Each variable's version, keyed like ``result()``; a partitioned one has its oldest piece's."""
+        out = {}
+        for name, group in self._pieces.items():
+            got = [self._versions[p.stored_name] for p in group if p.stored_name in self._versions]
+            if got:
+                out[name] = min(got)
+        return out
+
+    def restart(self, pieces: Iterable[Piece]) -> None:
+        """Forgets what arrived for ``pieces`` (a retried stream sends them again)."""
+        for p in pieces:
+            self._filled.pop(p.stored_name, None)
+            flat = self._flat.get(p.variable)
+            if flat is not None and not flat.flags.writeable:  # a zero-copy view: drop it
+                del self._flat[p.variable]
+
+    def add(self, chunk: Any) -> None:
+        """Adds one received chunk (``ps_pb2.TensorChunk`` or ``codec.WireChunk``).
+
+        Raises:
+            CodecError: a malformed chunk, or one that does not match the requested piece.
+        """
+        piece = self._by_stored.get(chunk.name)
+        if piece is None:
+            raise codec.CodecError(f"a shard sent tensor {chunk.name!r}, which was not requested")
+        elems = codec.chunk_elements(chunk, chunk.data)
+        if elems.dtype != piece.dtype or codec.chunk_shape(chunk) != piece.stored_shape:
+            raise codec.CodecError(
+                f"tensor {chunk.name!r}: got {elems.dtype.name}{list(codec.chunk_shape(chunk))}, "
+                f"expected {piece.dtype.name}{list(piece.stored_shape)}"
+            )
+        name, var = piece.stored_name, piece.variable
+        flat = self._flat.get(var)
+        if flat is None and piece.count == 1 and chunk.offset == 0 and elems.size == piece.size:
+            self._flat[var] = elems  # whole in one chunk: keep the view, no copy
+            self._filled[name] = elems.size
+            return
+        if flat is None or not flat.flags.writeable:
+            flat = np.empty(math.prod(piece.full_shape), dtype=piece.dtype)
+            self._flat[var] = flat
+        start = piece.offset + chunk.offset
+        flat[start : start + elems.size] = elems
+        self._filled[name] = self._filled.get(name, 0) + elems.size
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The whole variables, read-only.
+
+        Raises:
+            NotFoundError: a piece did not arrive.
+            CodecError: a piece arrived incomplete, or with elements twice.
+        """
+        out = {}
+        for name, group in self._pieces.items():
+            missing = [p.stored_name for p in group if p.stored_name not in self._filled]
+            if missing:
+                raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
+            for p in group:
+                got = self._filled[p.stored_name]
+                if got != p.size:
+                    raise codec.CodecError(f"tensor {p.stored_name!r}: received {got} of {p.size} elements")
+            flat = self._flat[name]
+            flat.flags.writeable = False
+            out[name] = flat.reshape(group[0].full_shape)
+        return out

@@ -12,9 +12,10 @@ array([[0., 1., 2.],
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -230,3 +231,191 @@ class Assembler:
                     )
                 end = stop
         return dict(self._arrays)
+
+
+# -- zero-copy wire framing ------------------------------------------------------
+#
+# Big pulls and pushes skip protobuf's copies of tensor bytes. A message is
+# sent as the bytes protobuf itself would produce: the header fields serialized
+# by protobuf, then each TensorChunk as a length-delimited field whose ``data``
+# comes straight from the array (one copy, into the outgoing message). Parsing
+# splits a received message the other way: the header fields go through
+# protobuf, each chunk's ``data`` stays a zero-copy view of the received bytes.
+# The wire format is exactly ``ps.proto``'s, so either side may use plain
+# protobuf instead.
+
+_LEN = 2
+_SMALL_MESSAGE = 32 << 10  # below this, protobuf's C parser beats scanning fields in Python
+
+
+def _varint(value: int) -> bytes:
+    if value < 0:
+        value += 1 << 64
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise CodecError("malformed message: varint longer than 10 bytes")
+
+
+_DATA_KEY = _varint(5 << 3 | _LEN)  # TensorChunk.data
+
+
+class WireChunk:
+    """A ``TensorChunk`` whose ``data`` is a zero-copy byte view (of an array, or of a received message).
+
+    Reads like ``ps_pb2.TensorChunk`` (``name``, ``dtype``, ``shape``,
+    ``offset``, ``data``), so ``chunk_elements``, ``decode`` and ``Assembler``
+    take either.
+    """
+
+    __slots__ = ("data", "dtype", "name", "offset", "shape")
+
+    def __init__(self, name: str, dtype: int, shape: tuple[int, ...], offset: int, data: memoryview) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.data = data
+
+    @classmethod
+    def of(cls, name: str, value: np.ndarray, start: int = 0, stop: int | None = None) -> WireChunk:
+        """Elements ``[start, stop)`` (flat, C order) of a C-contiguous little-endian array, not copied."""
+        flat = value.reshape(-1)[start:stop]
+        return cls(name, wire_dtype(value.dtype), value.shape, start, memoryview(flat).cast("B"))
+
+    def __repr__(self) -> str:
+        return f"WireChunk({self.name!r}, shape={list(self.shape)}, offset={self.offset}, {len(self.data)} B)"
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_head(name: str, dtype: int, shape: tuple[int, ...], offset: int, nbytes: int) -> bytes:
+    head = ps_pb2.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
+    return head + _DATA_KEY + _varint(nbytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _field_key(message: type, field: str) -> tuple[bytes, int]:
+    number = message.DESCRIPTOR.fields_by_name[field].number
+    return _varint(number << 3 | _LEN), number
+
+
+class WireMessage:
+    """A psproto message (``header``) plus its repeated ``TensorChunk`` field as ``WireChunk`` s.
+
+    Attribute reads fall through to ``header`` (``msg.worker_id``), except the
+    chunk field, which is the list of chunks (``msg.grads``). Made by
+    ``parse`` on receipt, or by a sender; ``serialize`` makes the wire bytes.
+    """
+
+    def __init__(self, header: Any, field: str, chunks: list[Any]) -> None:
+        self.header = header
+        self.field = field
+        self.chunks = chunks
+        setattr(self, field, chunks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["header"], name)
+
+    def serialize(self) -> bytes:
+        """The message's protobuf wire bytes (copies each chunk's data once)."""
+        key, _ = _field_key(type(self.header), self.field)
+        parts: list[Any] = [self.header.SerializeToString()]
+        for c in self.chunks:
+            data = c.data
+            nbytes = data.nbytes if isinstance(data, memoryview) else len(data)
+            head = _chunk_head(c.name, int(c.dtype), tuple(c.shape), int(c.offset), nbytes)
+            parts += (key, _varint(len(head) + nbytes), head, data)
+        return b"".join(parts)
+
+    def __repr__(self) -> str:
+        return f"WireMessage({type(self.header).__name__}, {self.field}={self.chunks!r})"
+
+
+def serialize(message: Any) -> bytes:
+    """gRPC serializer for psproto messages and ``WireMessage`` s (also passes ``bytes`` through)."""
+    if isinstance(message, WireMessage):
+        return message.serialize()
+    if isinstance(message, bytes):
+        return message
+    return message.SerializeToString()
+
+
+def parse(message: type, buf: bytes, field: str) -> Any:
+    """Parses ``message`` from wire bytes, keeping ``field`` (repeated TensorChunk) as zero-copy views.
+
+    Small messages go through protobuf and come back as the plain message;
+    bigger ones as a ``WireMessage``. Either reads the same.
+
+    Raises:
+        CodecError: the bytes are not a well-formed message.
+    """
+    if len(buf) < _SMALL_MESSAGE:
+        try:
+            return message.FromString(buf)
+        except Exception as err:  # protobuf's DecodeError
+            raise CodecError(f"malformed {message.__name__}: {err}") from None
+    view = memoryview(buf)
+    _, number = _field_key(message, field)
+    try:
+        rest: list[memoryview] = []
+        chunks = [_parse_chunk(view[start:end]) for start, end in _split_fields(view, number, rest)]
+        header = message.FromString(b"".join(rest))
+    except CodecError:
+        raise
+    except Exception as err:  # IndexError on truncation, protobuf's DecodeError, bad UTF-8
+        raise CodecError(f"malformed {message.__name__}: {err}") from None
+    return WireMessage(header, field, chunks)
+
+
+def _split_fields(view: memoryview, number: int, rest: list[memoryview]) -> Iterator[tuple[int, int]]:
+    """Yields the payload spans of length-delimited field ``number``; other fields go to ``rest``."""
+    pos, end = 0, len(view)
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(view, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == _LEN:
+            length, pos = _read_varint(view, pos)
+            if field == number:
+                if pos + length > end:
+                    raise CodecError("malformed message: truncated field")
+                yield pos, pos + length
+                pos += length
+                continue
+            pos += length
+        else:
+            raise CodecError(f"malformed message: wire type {wire_type}")
+        if pos > end:
+            raise CodecError("malformed message: truncated field")
+        rest.append(view[start:pos])
+
+
+def _parse_chunk(view: memoryview) -> WireChunk:
+    data_spans: list[tuple[int, int]] = []
+    rest: list[memoryview] = []
+    data_spans.extend(_split_fields(view, 5, rest))
+    head = ps_pb2.TensorChunk.FromString(b"".join(rest))
+    data = view[data_spans[-1][0] : data_spans[-1][1]] if data_spans else memoryview(b"")
+    return WireChunk(head.name, head.dtype, tuple(head.shape), head.offset, data)

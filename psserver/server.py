@@ -15,11 +15,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psproto.v1 import ps_pb2
 from psserver.config import ServerConfig
 from psserver.metrics import MeteredMode, ShardMetrics
 from psserver.modes import Mode, make_mode
-from psserver.servicer import ParameterServerServicer
+from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ async def start(config: ServerConfig) -> Shard:
         interceptors=[metrics.interceptor()],
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(
+    add_to_server(  # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
         ParameterServerServicer(
             store, MeteredMode(mode, metrics), shard=config.shard, num_shards=config.num_shards
         ),  # type: ignore[arg-type]

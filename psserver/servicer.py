@@ -8,9 +8,11 @@ gRPC reports UNKNOWN (and logs it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -42,17 +44,10 @@ def _statuses() -> Iterator[None]:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
 
-def _chunk_of(
-    var_name: str, value: np.ndarray, start: int = 0, stop: int | None = None
-) -> ps_pb2.TensorChunk:
-    flat = value.reshape(-1)
-    return ps_pb2.TensorChunk(
-        name=var_name,
-        dtype=codec.wire_dtype(value.dtype),
-        shape=value.shape,
-        offset=start,
-        data=flat[start:stop].tobytes(),
-    )
+def _chunk_of(var_name: str, value: np.ndarray, start: int = 0, stop: int | None = None) -> codec.WireChunk:
+    # A zero-copy view of the (immutable, copy-on-write) stored value: its bytes
+    # are copied once, into the outgoing message, when gRPC serializes it.
+    return codec.WireChunk.of(var_name, value, start, stop)
 
 
 def _snapshot(variables: Iterable[Variable]) -> list[tuple[str, np.ndarray, int]]:
@@ -61,9 +56,9 @@ def _snapshot(variables: Iterable[Variable]) -> list[tuple[str, np.ndarray, int]
 
 def _stream_values(
     snapshot: list[tuple[str, np.ndarray, int]], chunk_bytes: int
-) -> Iterator[tuple[list[ps_pb2.TensorChunk], list[int]]]:
+) -> Iterator[tuple[list[codec.WireChunk], list[int]]]:
     """Packs a snapshot into messages of about ``chunk_bytes`` of tensor data each."""
-    chunks: list[ps_pb2.TensorChunk] = []
+    chunks: list[codec.WireChunk] = []
     versions: list[int] = []
     budget = chunk_bytes
     for name, value, version in snapshot:
@@ -142,9 +137,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 await self.mode.before_pull(request.worker_id, request.step)
                 snapshot = _snapshot(self.store.lookup(request.names))
                 self.store.pulls += 1
-                return ps_pb2.PullResponse(
-                    values=[_chunk_of(name, value) for name, value, _ in snapshot],
-                    versions=[version for _, _, version in snapshot],
+                return codec.WireMessage(
+                    ps_pb2.PullResponse(versions=[version for _, _, version in snapshot]),
+                    "values",
+                    [_chunk_of(name, value) for name, value, _ in snapshot],
                 )
         except _Abort as err:
             await self._abort(context, err)
@@ -163,7 +159,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return
         chunk_bytes = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
         for chunks, versions in _stream_values(snapshot, chunk_bytes):
-            yield ps_pb2.PullResponse(values=chunks, versions=versions)
+            yield codec.WireMessage(ps_pb2.PullResponse(versions=versions), "values", chunks)
 
     async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
@@ -184,8 +180,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 response = await self._push(request, tensors)
                 if request.return_values:
                     snapshot = _snapshot(self.store.lookup(list(tensors)))
-                    response.values.extend(_chunk_of(name, value) for name, value, _ in snapshot)
                     response.versions.extend(version for _, _, version in snapshot)
+                    return codec.WireMessage(
+                        response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
+                    )
                 return response
         except _Abort as err:
             await self._abort(context, err)
@@ -220,9 +218,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             yield response
             return
         for chunks, versions in _stream_values(snapshot, DEFAULT_CHUNK_BYTES):
-            response.values.extend(chunks)
             response.versions.extend(versions)
-            yield response
+            yield codec.WireMessage(response, "values", chunks)
             response = ps_pb2.PushResponse(applied=response.applied, reason=response.reason)
 
     async def GetStatus(
@@ -238,3 +235,44 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pulls=self.store.pulls,
             uptime_s=time.monotonic() - self.store.started,
         )
+
+
+# Tensor-carrying messages are (de)serialized by ``psclient.codec``: the same
+# wire bytes as ps.proto, with tensor data kept out of protobuf's copies.
+_WIRE_REQUESTS = {
+    "CreateVariables": (ps_pb2.CreateVariablesRequest, "values"),
+    "Push": (ps_pb2.PushRequest, "grads"),
+    "PushStream": (ps_pb2.PushRequest, "grads"),
+}
+
+
+def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
+    """Registers ``servicer`` like ``ps_pb2_grpc.add_ParameterServerServicer_to_server``, with codec framing.
+
+    Responses may be ``codec.WireMessage`` s (pulled values are sent without
+    protobuf copies); pushes and creates are parsed with ``codec.parse``.
+    """
+
+    class _Capture:
+        def __init__(self) -> None:
+            self.service = ""
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, generic: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+            self.service = service
+            self.handlers = handlers
+
+    capture = _Capture()
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, capture)
+    handlers = {}
+    for name, h in capture.handlers.items():
+        deserializer = h.request_deserializer
+        if name in _WIRE_REQUESTS:
+            message, field = _WIRE_REQUESTS[name]
+            deserializer = functools.partial(codec.parse, message, field=field)
+        handlers[name] = h._replace(request_deserializer=deserializer, response_serializer=codec.serialize)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
+    server.add_registered_method_handlers(capture.service, handlers)
