@@ -441,6 +441,25 @@ class AsyncPSClient:
         results = await gather(one(s, t) for s, t in per_shard.items())
         return all(results), (into.result() if into is not None else {})
 
+    # -- checkpoints --------------------------------------------------------
+
+    async def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
+        """Makes every shard write a checkpoint now; returns when all are durable (one reply per shard).
+
+        Raises:
+            FailedPreconditionError: a shard runs without ``--checkpoint-dir``.
+            PSError: a shard failed.
+        """
+        request = ps_pb2.SaveCheckpointRequest()
+
+        async def one(shard: int) -> ps_pb2.SaveCheckpointResponse:
+            stub = self._stub(shard)
+            return await self._call(
+                shard, "SaveCheckpoint", lambda: stub.SaveCheckpoint(request, **self._kw())
+            )
+
+        return await gather(one(s) for s in range(self.num_shards))
+
 
 _EMPTY_PUSH = ps_pb2.PushRequest()
 

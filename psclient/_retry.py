@@ -4,8 +4,10 @@ Every psclient RPC is safe to repeat: pulls and listings read, creates are
 idempotent for an equal spec, and a push carries ``(worker_id, seq)`` chosen
 once before the first attempt, so a shard applies a retried push once. A call
 that fails with ``UNAVAILABLE`` (the shard is down, restarting or shutting
-down, or the connection broke mid-call) is therefore retried until its
-deadline: a worker rides through a shard restart with no code of its own.
+down, or the connection broke mid-call; a broken stream may also surface as
+INTERNAL/UNKNOWN with a transport message from gRPC core, see
+``BROKEN_CONNECTION_MESSAGES``) is therefore retried until its deadline: a
+worker rides through a shard restart with no code of its own.
 
 The deadline covers all attempts together: each attempt gets the time that is
 left (``attempt_timeout``), and the sleep between attempts never runs past it.
@@ -29,6 +31,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
+# A connection that breaks under a streaming call can surface as INTERNAL or UNKNOWN with one of
+# these messages from gRPC core (not from our server): retried like UNAVAILABLE.
+BROKEN_CONNECTION_CODES: frozenset[grpc.StatusCode] = frozenset(
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+)
+BROKEN_CONNECTION_MESSAGES: tuple[str, ...] = (
+    "Internal error from Core",
+    "Stream removed",
+    "Socket closed",
+    "Connection reset",
+    "Broken pipe",
+    "RST_STREAM",
+)
 
 # Seconds left for the attempt in progress; read by the client when it builds the call's kwargs.
 _attempt_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
@@ -78,9 +93,14 @@ def attempt_timeout(default: float) -> float:
 
 
 def is_retryable(err: grpc.RpcError) -> bool:
-    """True for errors a repeat of the same (idempotent) call may fix."""
+    """True for errors a repeat of the same (idempotent) call may fix: UNAVAILABLE, a broken connection."""
     code = err.code() if callable(getattr(err, "code", None)) else None
-    return code in RETRYABLE_CODES
+    if code in RETRYABLE_CODES:
+        return True
+    if code in BROKEN_CONNECTION_CODES:
+        details = (err.details() if callable(getattr(err, "details", None)) else "") or ""
+        return any(m in details for m in BROKEN_CONNECTION_MESSAGES)
+    return False
 
 
 async def call_with_retry(

@@ -103,6 +103,10 @@ class PSClient:
         """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
         return dict(self._run(self._async.push_pull(grads, step=step)))
 
+    def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
+        """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""
+        return list(self._run(self._async.save_checkpoint()))
+
     def close(self) -> None:
         """Closes the channels and the private loop. Idempotent."""
         if self._closed:

@@ -64,6 +64,10 @@ class ServerConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if self.checkpoint_every_s is not None and not self.checkpoint_dir:
+            raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+        if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+            raise ConfigError(f"--checkpoint-every must be > 0 seconds, got {self.checkpoint_every_s}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 

@@ -25,6 +25,7 @@ examples:
   psctl status 127.0.0.1:50051 127.0.0.1:50052
   psctl status --json ps0:2222 ps1:2222
   TF_CONFIG=... psctl status            # the ps addresses of TF_CONFIG
+  psctl save 127.0.0.1:50051 127.0.0.1:50052   # every shard writes a checkpoint now
 
 exit status: 0 when every shard is SERVING, 1 otherwise, 2 on bad arguments.
 """
@@ -177,6 +178,38 @@ def _cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0 if report["healthy"] == report["num_shards"] else 1
 
 
+async def _save(args: argparse.Namespace, addresses: list[str]) -> list[Any]:
+    from psclient import AsyncPSClient
+
+    async with AsyncPSClient(addresses, worker_id="psctl", timeout=args.timeout, **_security(args)) as c:
+        return await c.save_checkpoint()
+
+
+def _cmd_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from psclient.errors import PSError
+
+    addresses = _addresses(args, parser)
+    try:
+        replies = asyncio.run(_save(args, addresses))
+    except ValueError as err:  # malformed addresses or TLS settings
+        parser.error(str(err))
+    except PSError as err:
+        print(f"psctl save: {err}", file=sys.stderr)
+        return 1
+    rows = [
+        {"shard": i, "address": a, "id": r.id, "path": r.path, "variables": r.num_variables,
+         "bytes": r.bytes, "seconds": round(r.seconds, 3)}
+        for i, (a, r) in enumerate(zip(addresses, replies, strict=True))
+    ]  # fmt: skip
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        headers = ["SHARD", "ADDRESS", "ID", "VARS", "BYTES", "SECONDS", "PATH"]
+        print(table(headers, [[r["shard"], r["address"], r["id"], r["variables"], _human_bytes(r["bytes"]),
+                               r["seconds"], r["path"]] for r in rows]))  # fmt: skip
+    return 0
+
+
 def _add_connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
     p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
@@ -212,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--no-variables", action="store_true", help="skip the variables table")
     _add_connection_flags(status)
     status.set_defaults(func=_cmd_status)
+    save = sub.add_parser(
+        "save",
+        help="make every shard write a checkpoint now (into its --checkpoint-dir)",
+        description="Make every shard write a checkpoint now; prints each file written. Exit status 1 if a "
+        "shard failed (e.g. it runs without --checkpoint-dir).",
+    )
+    save.add_argument("addresses", nargs="*", help="HOST:PORT of every shard (default: TF_CONFIG's ps tasks)")
+    save.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_connection_flags(save)
+    save.set_defaults(func=_cmd_save, timeout=60.0)
     return parser
 
 

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,19 @@ class Mode(abc.ABC):
 
     async def before_pull(self, worker_id: str, step: int) -> None:  # noqa: B027 - optional hook
         """Waits until ``worker_id`` at ``step`` may read (bounded-staleness mode)."""
+
+    # -- checkpoints (psserver.checkpoint) --------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mode's state to checkpoint: JSON-serialisable (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Restores what ``state_dict`` returned (from a checkpoint)."""
+
+    def pending_claims(self) -> list[tuple[str, int]]:
+        """Pushes ``(worker_id, seq)`` claimed in the store, not applied yet (a checkpoint forgets them)."""
+        return []
 
 
 class AsyncMode(Mode):
@@ -122,6 +136,16 @@ class SyncMode(Mode):
         self._rounds: dict[int, _Round] = {}
         self._workers: dict[str, int] = {}  # every worker seen -> the last step it pushed (-1: none)
         self.dropped = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "dropped": self.dropped}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state.get("step", 0))
+        self.dropped = int(state.get("dropped", 0))
+
+    def pending_claims(self) -> list[tuple[str, int]]:
+        return [(w, seq) for rnd in self._rounds.values() for w, (seq, _) in rnd.contributions.items()]
 
     def _seen(self, worker_id: str, step: int = -1) -> None:
         if worker_id:
@@ -278,6 +302,12 @@ class SSPMode(Mode):
         self.barrier_timeout_s = barrier_timeout_s
         self.clocks: dict[str, int] = {}  # pushing worker -> steps pushed
         self._tick = asyncio.Event()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clocks": dict(self.clocks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.clocks = {str(w): int(c) for w, c in dict(state.get("clocks", {})).items()}
 
     def min_clock(self) -> int:
         """The slowest clock over the M most advanced workers (0 while fewer than M have pushed)."""

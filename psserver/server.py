@@ -15,7 +15,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from psclient import _security
 from psproto.v1 import ps_pb2
+from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.metrics import MeteredMode, ShardMetrics
 from psserver.modes import Mode, make_mode
@@ -68,6 +70,7 @@ class Shard:
     port: int
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     metrics: ShardMetrics | None = None
+    checkpointer: Checkpointer | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks."""
@@ -88,15 +91,36 @@ async def start(config: ServerConfig) -> Shard:
         staleness=config.staleness,
         barrier_timeout_s=config.barrier_timeout_s,
     )
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, store, mode, shard=config.shard, num_shards=config.num_shards
+        )
+        await checkpointer.restore()  # before serving: no request sees a half-restored shard
     metrics = ShardMetrics(config.shard, store, mode.name)
+    if checkpointer is not None:
+        checkpointer.on_saved = metrics.checkpoint_saved
+    interceptors: list[grpc.aio.ServerInterceptor] = [metrics.interceptor()]
+    if config.auth_token_file:  # first: an unauthenticated call reaches nothing else
+        token = _security.read_token_file(config.auth_token_file)
+        interceptors.insert(0, _security.TokenAuthInterceptor(token))
+    credentials = (
+        _security.server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        if config.tls_cert and config.tls_key
+        else None
+    )
     server = grpc.aio.server(
-        interceptors=[metrics.interceptor()],
+        interceptors=interceptors,
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
     add_to_server(  # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
         ParameterServerServicer(
-            store, MeteredMode(mode, metrics), shard=config.shard, num_shards=config.num_shards
-        ),  # type: ignore[arg-type]
+            store,
+            MeteredMode(mode, metrics),  # type: ignore[arg-type]
+            shard=config.shard,
+            num_shards=config.num_shards,
+            checkpointer=checkpointer,
+        ),
         server,
     )
     health_servicer = health.aio.HealthServicer()
@@ -105,14 +129,14 @@ async def start(config: ServerConfig) -> Shard:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bind = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(bind)
-    if port == 0:
-        raise OSError(f"could not bind {bind}")
+    port = _security.add_port(server, f"{config.host}:{config.port}", credentials)
     await server.start()
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     address = f"{host}:{port}"
     shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
+    shard.checkpointer = checkpointer
+    if checkpointer is not None:
+        shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer))
     if config.metrics_port is not None:
         try:
             metrics_port = metrics.serve(config.host, config.metrics_port)
@@ -123,6 +147,21 @@ async def start(config: ServerConfig) -> Shard:
         log.info("shard %d: metrics on http://%s:%d/metrics", config.shard, host, metrics_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return shard
+
+
+def _checkpoint_hooks(shard: Shard, checkpointer: Checkpointer) -> Callable[[], Awaitable[None]]:
+    """Starts periodic checkpoints (``--checkpoint-every``); returns the shutdown hook (stop them, save)."""
+    every = shard.config.checkpoint_every_s
+    periodic = asyncio.create_task(checkpointer.run_periodic(every)) if every else None
+
+    async def on_shutdown() -> None:
+        if periodic is not None:
+            periodic.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await periodic
+        await checkpointer.save()  # after the server stopped: nothing changes any more
+
+    return on_shutdown
 
 
 async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> None:

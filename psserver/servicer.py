@@ -19,6 +19,7 @@ import numpy as np
 
 from psclient import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psserver.checkpoint import Checkpointer, CheckpointError
 from psserver.errors import InvalidArgument, ServerError
 from psserver.modes import Mode
 from psserver.store import Store, Variable
@@ -88,11 +89,20 @@ def _header_ok(worker_id: str) -> None:
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     """Serves one shard's store."""
 
-    def __init__(self, store: Store, mode: Mode, *, shard: int, num_shards: int) -> None:
+    def __init__(
+        self,
+        store: Store,
+        mode: Mode,
+        *,
+        shard: int,
+        num_shards: int,
+        checkpointer: Checkpointer | None = None,
+    ) -> None:
         self.store = store
         self.mode = mode
         self.shard = shard
         self.num_shards = num_shards
+        self.checkpointer = checkpointer
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: _Abort) -> None:
         await context.abort(err.code, f"shard {self.shard}: {err}")
@@ -234,6 +244,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pushes=self.store.pushes,
             pulls=self.store.pulls,
             uptime_s=time.monotonic() - self.store.started,
+        )
+
+    async def SaveCheckpoint(
+        self, request: ps_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.SaveCheckpointResponse:
+        if self.checkpointer is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"shard {self.shard}: no checkpoint directory (start it with --checkpoint-dir)",
+            )
+        try:
+            result = await self.checkpointer.save()  # type: ignore[union-attr]
+        except (CheckpointError, TimeoutError) as err:
+            await context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard}: checkpoint failed: {err}")
+        return ps_pb2.SaveCheckpointResponse(
+            path=str(result.path),
+            id=result.id,
+            num_variables=result.num_variables,
+            bytes=result.nbytes,
+            seconds=result.seconds,
         )
 
 

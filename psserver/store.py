@@ -10,10 +10,11 @@ of a large tensor runs in a worker thread without blocking readers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +105,13 @@ class Store:
         self.pushes = 0
         self.pulls = 0
         self.started = time.monotonic()
+        # Checkpoint gate (see ``quiesced``): updates in progress, and whether new ones may start.
+        self._updating = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._open = asyncio.Event()
+        self._open.set()
+        self._held_claims: set[tuple[str, int]] = set()  # claimed while the gate was closed
 
     # -- inspection ---------------------------------------------------------
 
@@ -250,6 +258,8 @@ class Store:
         if seq in window:
             return False
         window.add(seq)
+        if not self._open.is_set():
+            self._held_claims.add((worker_id, seq))  # its apply waits at the gate: not in a snapshot
         return True
 
     def unclaim(self, worker_id: str, seq: int) -> None:
@@ -257,21 +267,58 @@ class Store:
         window = self._seqs.get(worker_id)
         if window is not None:
             window.discard(seq)
+        self._held_claims.discard((worker_id, seq))
 
     async def apply(self, pairs: list[tuple[Variable, np.ndarray]]) -> list[int]:
-        """Applies validated gradients, one variable at a time under its lock; returns new versions."""
-        versions = []
-        for var, grad in pairs:
-            async with var.lock:
-                value, version = var.state
-                if value.nbytes > self.inline_apply_bytes:
-                    new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, version)
-                else:
-                    new = var.optimizer.apply(value, grad, var.slots, version)
-                var.state = (_freeze(new), version + 1)
-                versions.append(version + 1)
-        self.pushes += 1
-        return versions
+        """Applies validated gradients, one variable at a time under its lock; returns new versions.
+
+        Waits while a checkpoint snapshot is being taken (``quiesced``), so a
+        snapshot never holds half of one update.
+        """
+        while not self._open.is_set():
+            await self._open.wait()
+        self._updating += 1
+        self._idle.clear()
+        try:
+            versions = []
+            for var, grad in pairs:
+                async with var.lock:
+                    value, version = var.state
+                    if value.nbytes > self.inline_apply_bytes:
+                        new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, version)
+                    else:
+                        new = var.optimizer.apply(value, grad, var.slots, version)
+                    var.state = (_freeze(new), version + 1)
+                    versions.append(version + 1)
+            self.pushes += 1
+            return versions
+        finally:
+            self._updating -= 1
+            if not self._updating:
+                self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[tuple[str, int]]]:
+        """Holds new updates back and waits for those in progress (checkpoint snapshots).
+
+        Inside the block no ``apply`` runs, so values, slots, versions and the
+        dedup table agree. Pulls and creates go on. Yields the pushes claimed
+        while the gate was closed (their updates are not applied yet, so a
+        snapshot must not count them as seen). Not reentrant.
+
+        Raises:
+            TimeoutError: updates in progress did not finish within ``timeout_s``.
+        """
+        if not self._open.is_set():
+            raise RuntimeError("Store.quiesced is not reentrant")
+        self._open.clear()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            yield self._held_claims
+        finally:
+            self._held_claims = set()
+            self._open.set()
 
     def assign(self, name: str, value: np.ndarray, version: int) -> None:
         """Replaces a value (checkpoint restore, aggregated sync updates)."""

@@ -11,14 +11,15 @@ from psclient import _retry
 
 
 class _Err(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
         self._code = code
+        self._details = details or code.name
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return self._code.name
+        return self._details
 
 
 FAST = _retry.RetryPolicy(initial_backoff_s=0.001, max_backoff_s=0.01)
@@ -96,3 +97,10 @@ async def test_disabled_policy_raises_at_once() -> None:
     with pytest.raises(_Err):
         await _retry.call_with_retry(fn, timeout=5.0, policy=_retry.RetryPolicy(enabled=False))
     assert calls == 1
+
+
+def test_broken_connection_errors_are_retryable_but_server_internal_errors_are_not() -> None:
+    assert _retry.is_retryable(_Err(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert _retry.is_retryable(_Err(grpc.StatusCode.UNKNOWN, "Stream removed"))
+    assert not _retry.is_retryable(_Err(grpc.StatusCode.INTERNAL, "shard 0: checkpoint failed: disk full"))
+    assert not _retry.is_retryable(_Err(grpc.StatusCode.UNKNOWN, "Exception calling application"))

@@ -1,0 +1,179 @@
+"""Transport security shared by every service (psserver and the collective ring): TLS and token auth.
+
+Server side::
+
+    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(read_token_file(path))])
+    port = add_port(server, "127.0.0.1:0", server_credentials(cert, key, client_ca))
+
+Client side: ``channel_credentials(ca, cert, key)`` for ``grpc.aio.secure_channel``
+and ``auth_metadata(token)`` on every call.
+
+Token auth: every RPC must carry the metadata ``authorization: Bearer <token>``;
+the comparison is constant-time (``hmac.compare_digest``). A missing or wrong
+token is ``UNAUTHENTICATED`` before the request is even deserialised. Only the
+standard health checks (``grpc.health.v1.Health``) stay open, so that probes
+(Kubernetes, load balancers) need no secret; they reveal nothing but
+SERVING/NOT_SERVING. Reflection needs the token like everything else.
+
+TLS: ``--tls-cert``/``--tls-key`` (PEM) serve TLS; ``--tls-client-ca`` also
+requires client certificates signed by that CA (mutual TLS).
+
+This module imports only grpc, so psclient, psserver and the ring all use it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+
+AUTH_HEADER = "authorization"
+OPEN_METHODS: frozenset[str] = frozenset(
+    {"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/grpc.health.v1.Health/List"}
+)
+_MAX_TOKEN_BYTES = 4096
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """Reads a shared auth token: the file's content without surrounding whitespace.
+
+    Raises:
+        ValueError: the file cannot be read, is empty, too long, or not printable ASCII.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_MAX_TOKEN_BYTES + 1)
+    except OSError as err:
+        raise ValueError(f"cannot read auth token file {path}: {err.strerror or err}") from err
+    token = raw.strip()
+    if not token:
+        raise ValueError(f"auth token file {path} is empty")
+    if len(token) > _MAX_TOKEN_BYTES:
+        raise ValueError(f"auth token in {path} is longer than {_MAX_TOKEN_BYTES} bytes")
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise ValueError(f"auth token in {path} must be printable ASCII without spaces")
+    return token.decode("ascii")
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``token`` (empty without one)."""
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def _read(path: str | os.PathLike[str] | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"cannot read {what} {path}: {err.strerror or err}") from err
+
+
+def server_credentials(
+    cert: str | os.PathLike[str], key: str | os.PathLike[str], client_ca: str | os.PathLike[str] | None = None
+) -> grpc.ServerCredentials:
+    """TLS credentials of a server; with ``client_ca``, clients must present a certificate it signed.
+
+    Raises:
+        ValueError: a file cannot be read.
+    """
+    pair = (_read(key, "TLS key"), _read(cert, "TLS certificate"))
+    ca = _read(client_ca, "TLS client CA")
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(
+    ca: str | os.PathLike[str] | None = None,
+    cert: str | os.PathLike[str] | None = None,
+    key: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS credentials of a client: trust ``ca`` (default: system roots); ``cert``/``key`` for mutual TLS.
+
+    Raises:
+        ValueError: a file cannot be read, or only one of ``cert``/``key`` is given.
+    """
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate and its key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca, "TLS CA"),
+        private_key=_read(key, "TLS key"),
+        certificate_chain=_read(cert, "TLS certificate"),
+    )
+
+
+def add_port(server: grpc.aio.Server, bind: str, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds ``bind`` (TLS when ``credentials`` are given); returns the port.
+
+    Raises:
+        OSError: the address could not be bound.
+    """
+    if credentials is None:
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, credentials)
+    if port == 0:
+        raise OSError(f"could not bind {bind}")
+    return port
+
+
+def _denied(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that rejects the call without reading its request."""
+
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is None:  # unknown method: do not tell an unauthenticated caller what exists
+        return grpc.unary_unary_rpc_method_handler(deny)
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    # No request_deserializer: the rejected payload stays raw bytes, never parsed.
+    return make(deny, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call without ``authorization: Bearer <token>`` (UNAUTHENTICATED).
+
+    Args:
+        token: the shared secret.
+        open_methods: full method names that need no token (default: health checks).
+    """
+
+    def __init__(self, token: str, *, open_methods: Iterable[str] = OPEN_METHODS) -> None:
+        if not token:
+            raise ValueError("the auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+        self._open = frozenset(open_methods)
+
+    def authorized(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        """True if ``metadata`` carries the right token (constant-time comparison)."""
+        ok = False
+        for key, value in metadata or ():
+            if key.lower() == AUTH_HEADER:
+                got = value if isinstance(value, bytes) else value.encode("utf-8", "replace")
+                ok |= hmac.compare_digest(got, self._expected)
+        return ok
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if method in self._open or self.authorized(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        has = any(k.lower() == AUTH_HEADER for k, _ in handler_call_details.invocation_metadata or ())
+        reason = (
+            "wrong auth token" if has else "missing auth token (metadata 'authorization: Bearer <token>')"
+        )
+        return _denied(handler, f"{reason} for {method}")

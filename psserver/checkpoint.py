@@ -1,0 +1,631 @@
+"""Shard checkpoints: atomic, self-describing files that restore into any shard count.
+
+Each save of shard ``i`` of ``n`` writes one file in the checkpoint directory::
+
+    ckpt-<id:010d>-shard<i:05d>-of-<n:05d>.npz
+
+an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
+``allow_pickle=False``) holding:
+
+- ``manifest``: UTF-8 JSON as a ``uint8`` array (see ``FORMAT_VERSION``)::
+
+      {"format": "psserver-checkpoint", "format_version": 1, "id": 7,
+       "created_unix": 1700000000.0, "shard": 0, "num_shards": 2, "mode": "async",
+       "mode_state": {...}, "dedup": {"<worker_id>": [floor, [seq, ...]]},
+       "variables": [{"spec": <VariableSpec as protobuf JSON>, "version": 42,
+                      "value": "a0", "slots": {"momentum": "a1"},
+                      "crc32": {"a0": 123, "a1": 456}}, ...]}
+
+- ``a0``, ``a1``, ...: the stored tensors (values and optimizer slots, shaped as
+  stored: partitions are 1-D) named by the manifest.
+
+A save writes a temporary file in the same directory, fsyncs it, renames it
+into place and fsyncs the directory, so a reader only ever sees whole files: a
+``kill -9`` at any moment, during a save too, leaves at worst a stale
+``.ckpt-tmp-*`` file (removed at the next start). The last ``keep`` files of
+each shard are kept.
+
+Restore (at start): shard ``i`` of ``M`` loads its own newest file (shard ``i``
+of ``M``) when that is the newest state there is; a file that fails validation
+(a CRC, a shape, a truncated zip) is skipped for the next older one. When the
+newest complete set of files was written by a different shard count ``n``
+(every shard ``0..n-1`` has a file), shard ``i`` re-places every variable of
+that set: it runs ``psclient.placement.plan`` over all variables with ``M``
+shards and keeps the pieces placed on it, cut from the reassembled full values
+and slots (versions: the largest of the variable's old pieces; dedup tables:
+merged). Clients learn the new placement from ``ListVariables``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+
+from psclient import codec
+from psclient.placement import DEFAULT_PARTITION_BYTES, plan
+from psproto.v1 import ps_pb2
+from psserver.modes import Mode
+from psserver.store import Store
+
+log = logging.getLogger(__name__)
+
+FORMAT = "psserver-checkpoint"
+FORMAT_VERSION = 1
+DEFAULT_KEEP = 3
+_NAME = re.compile(r"^ckpt-(\d{10})-shard(\d{5})-of-(\d{5})\.npz$")
+_TMP_PREFIX = ".ckpt-tmp-"
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written, or no valid one could be read; the message says which file."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointFile:
+    """A checkpoint file found in the directory (by name; not yet validated)."""
+
+    path: Path
+    id: int
+    shard: int
+    num_shards: int
+
+
+@dataclasses.dataclass(slots=True)
+class StoredTensor:
+    """One stored tensor of a checkpoint, with its optimizer slots."""
+
+    spec: ps_pb2.VariableSpec
+    value: np.ndarray
+    version: int
+    slots: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(slots=True)
+class Snapshot:
+    """The state of one shard at one instant (what a checkpoint file holds)."""
+
+    shard: int
+    num_shards: int
+    mode: str
+    tensors: list[StoredTensor]
+    dedup: dict[str, tuple[int, list[int]]]
+    mode_state: dict[str, Any]
+    id: int = 0
+    created_unix: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.value.nbytes + sum(s.nbytes for s in t.slots.values()) for t in self.tensors)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveResult:
+    path: Path
+    id: int
+    num_variables: int
+    nbytes: int
+    seconds: float
+
+
+def file_name(ckpt_id: int, shard: int, num_shards: int) -> str:
+    """The file name of checkpoint ``ckpt_id`` of shard ``shard`` of ``num_shards``."""
+    return f"ckpt-{ckpt_id:010d}-shard{shard:05d}-of-{num_shards:05d}.npz"
+
+
+def list_files(directory: str | os.PathLike[str]) -> list[CheckpointFile]:
+    """Every checkpoint file in ``directory`` (newest id first); an absent directory has none."""
+    found = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = _NAME.match(name)
+        if m:
+            ckpt_id, shard, n = (int(g) for g in m.groups())
+            if 0 <= shard < n:
+                found.append(CheckpointFile(Path(directory) / name, ckpt_id, shard, n))
+    return sorted(found, key=lambda f: (-f.id, f.shard))
+
+
+# -- writing --------------------------------------------------------------------
+
+
+def write(snapshot: Snapshot, directory: str | os.PathLike[str], ckpt_id: int) -> Path:
+    """Writes ``snapshot`` as checkpoint ``ckpt_id`` atomically (temp file, fsync, rename, fsync dir).
+
+    Raises:
+        CheckpointError: the file could not be written (disk full, permissions).
+    """
+    directory = Path(directory)
+    arrays: dict[str, np.ndarray] = {}
+    entries = []
+    for t in snapshot.tensors:
+        key = f"a{len(arrays)}"
+        arrays[key] = np.ascontiguousarray(t.value)
+        slots = {}
+        for slot, arr in sorted(t.slots.items()):
+            slots[slot] = f"a{len(arrays)}"
+            arrays[slots[slot]] = np.ascontiguousarray(arr)
+        keys = [key, *slots.values()]
+        entries.append(
+            {
+                "spec": json_format.MessageToDict(t.spec, preserving_proto_field_name=True),
+                "version": int(t.version),
+                "value": key,
+                "slots": slots,
+                "crc32": {k: _crc(arrays[k]) for k in keys},
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "id": ckpt_id,
+        "created_unix": snapshot.created_unix or time.time(),
+        "shard": snapshot.shard,
+        "num_shards": snapshot.num_shards,
+        "mode": snapshot.mode,
+        "mode_state": snapshot.mode_state,
+        "dedup": {w: [int(floor), [int(s) for s in seen]] for w, (floor, seen) in snapshot.dedup.items()},
+        "variables": entries,
+    }
+    arrays["manifest"] = np.frombuffer(json.dumps(manifest, sort_keys=True).encode(), dtype=np.uint8)
+    final = directory / file_name(ckpt_id, snapshot.shard, snapshot.num_shards)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}shard{snapshot.shard:05d}-", dir=directory)
+    except OSError as err:
+        raise CheckpointError(f"cannot write a checkpoint in {directory}: {err}") from err
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise CheckpointError(f"cannot write checkpoint {final}: {err}") from err
+        raise
+    return final
+
+
+def _crc(arr: np.ndarray) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(arr)).cast("B"))
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading --------------------------------------------------------------------
+
+
+def _parse_manifest(z: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
+    manifest = json.loads(bytes(z["manifest"]).decode())
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a {FORMAT} file")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {manifest.get('format_version')}; "
+            f"this psserver reads version {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads only the manifest of a checkpoint file.
+
+    Raises:
+        CheckpointError: not a readable checkpoint file.
+    """
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            return _parse_manifest(z, path)
+    except CheckpointError:
+        raise
+    except Exception as err:  # OS, zipfile, numpy, json, unicode errors: all mean "not a valid file"
+        raise CheckpointError(f"checkpoint {path} is unreadable: {err!r}") from err
+
+
+def read(path: str | os.PathLike[str]) -> Snapshot:
+    """Reads and validates a whole checkpoint file (CRCs, dtypes, shapes, slot names).
+
+    Raises:
+        CheckpointError: the file is unreadable, truncated or inconsistent.
+    """
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            manifest = _parse_manifest(z, path)
+            tensors = [_read_tensor(z, entry) for entry in manifest["variables"]]
+        dedup = {str(w): (int(fl), [int(s) for s in seen]) for w, (fl, seen) in manifest["dedup"].items()}
+        snap = Snapshot(
+            shard=int(manifest["shard"]),
+            num_shards=int(manifest["num_shards"]),
+            mode=str(manifest["mode"]),
+            tensors=tensors,
+            dedup=dedup,
+            mode_state=dict(manifest.get("mode_state") or {}),
+            id=int(manifest["id"]),
+            created_unix=float(manifest["created_unix"]),
+        )
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {err!r}") from err
+    names = [t.spec.name for t in snap.tensors]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"checkpoint {path} lists a variable twice")
+    return snap
+
+
+def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
+    spec = json_format.ParseDict(entry["spec"], ps_pb2.VariableSpec())
+    crcs = entry["crc32"]
+
+    def load(key: str) -> np.ndarray:
+        arr = z[key]
+        if _crc(arr) != int(crcs[key]):
+            raise CheckpointError(f"variable {spec.name!r}: array {key} fails its CRC check")
+        return arr
+
+    dtype = codec.numpy_dtype(spec.dtype)
+    shape = tuple(int(d) for d in spec.shape)
+    value = load(entry["value"])
+    if value.dtype != dtype or value.shape != shape:
+        raise CheckpointError(
+            f"variable {spec.name!r}: stored as {value.dtype}{list(value.shape)}, "
+            f"spec says {dtype}{list(shape)}"
+        )
+    slots = {str(name): load(key) for name, key in entry["slots"].items()}
+    for name, arr in slots.items():
+        if arr.shape != shape:
+            raise CheckpointError(f"variable {spec.name!r}: slot {name!r} has shape {arr.shape}, not {shape}")
+    return StoredTensor(spec=spec, value=value, version=int(entry["version"]), slots=slots)
+
+
+# -- resharding -------------------------------------------------------------------
+
+
+def _variable_of(spec: ps_pb2.VariableSpec) -> str:
+    return spec.partition.variable if spec.HasField("partition") else spec.name
+
+
+def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
+    """The part of a whole model (every old shard's snapshot) that shard ``shard`` of ``num_shards`` owns.
+
+    Placement is ``psclient.placement.plan`` over all variables with the default
+    partition size; partitions are re-cut from the reassembled full arrays.
+
+    Raises:
+        CheckpointError: the snapshots disagree (a variable with two specs, missing pieces).
+    """
+    groups: dict[str, list[StoredTensor]] = {}
+    for snap in snapshots:
+        for t in snap.tensors:
+            groups.setdefault(_variable_of(t.spec), []).append(t)
+    shapes = {}
+    for name, pieces in groups.items():
+        first = pieces[0].spec
+        full = tuple(first.partition.full_shape) if first.HasField("partition") else tuple(first.shape)
+        covered = sum(p.value.size for p in pieces)
+        if covered != math.prod(full):
+            raise CheckpointError(
+                f"variable {name!r}: the checkpoint holds {covered} of its {math.prod(full)} elements"
+            )
+        shapes[name] = (full, codec.numpy_dtype(first.dtype))
+    placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES)
+    tensors = []
+    for name, new_pieces in sorted(placement.items()):
+        mine = [p for p in new_pieces if p.shard == shard]
+        if not mine:
+            continue
+        old = sorted(
+            groups[name], key=lambda t: t.spec.partition.offset if t.spec.HasField("partition") else 0
+        )
+        full_shape, dtype = shapes[name]
+        slot_names = sorted(old[0].slots)
+        value = (
+            np.concatenate([t.value.reshape(-1) for t in old]) if len(old) > 1 else old[0].value.reshape(-1)
+        )
+        slots = {
+            s: np.concatenate([t.slots[s].reshape(-1) for t in old])
+            if len(old) > 1
+            else old[0].slots[s].reshape(-1)
+            for s in slot_names
+        }
+        version = max(t.version for t in old)
+        for piece in mine:
+            spec = ps_pb2.VariableSpec(
+                name=piece.stored_name, dtype=old[0].spec.dtype, shape=piece.stored_shape
+            )
+            spec.optimizer.CopyFrom(old[0].spec.optimizer)
+            if piece.partitioned:
+                spec.partition.CopyFrom(
+                    ps_pb2.Partition(
+                        variable=name,
+                        full_shape=full_shape,
+                        index=piece.index,
+                        count=piece.count,
+                        offset=piece.offset,
+                    )
+                )
+            sl = slice(piece.offset, piece.offset + piece.size)
+            tensors.append(
+                StoredTensor(
+                    spec=spec,
+                    value=value[sl].reshape(piece.stored_shape).astype(dtype, copy=True),
+                    version=version,
+                    slots={s: a[sl].reshape(piece.stored_shape).copy() for s, a in slots.items()},
+                )
+            )
+    dedup: dict[str, tuple[int, set[int]]] = {}
+    for snap in snapshots:
+        for worker, (floor, seen) in snap.dedup.items():
+            f0, s0 = dedup.get(worker, (-1, set()))
+            dedup[worker] = (max(f0, floor), s0 | set(seen))
+    by_index = {s.shard: s for s in snapshots}
+    source = by_index.get(shard, snapshots[0])
+    return Snapshot(
+        shard=shard,
+        num_shards=num_shards,
+        mode=source.mode,
+        tensors=tensors,
+        dedup={w: (f, sorted(s for s in seen if s > f)) for w, (f, seen) in dedup.items()},
+        mode_state=source.mode_state,
+    )
+
+
+# -- the shard's checkpointer -----------------------------------------------------
+
+
+class Checkpointer:
+    """Saves and restores one shard's state in a checkpoint directory.
+
+    Args:
+        directory: the checkpoint directory (shared by the shards of a cluster).
+        store: the shard's variables.
+        mode: the shard's mode (its state is saved too).
+        shard: this shard's index.
+        num_shards: the shard count.
+        keep: how many of this shard's files to keep.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        store: Store,
+        mode: Mode,
+        *,
+        shard: int,
+        num_shards: int,
+        keep: int = DEFAULT_KEEP,
+    ) -> None:
+        self.directory = Path(directory)
+        self.store = store
+        self.mode = mode
+        self.shard = shard
+        self.num_shards = num_shards
+        self.keep = max(1, keep)
+        self._lock = asyncio.Lock()
+        self._saved_at: tuple[int, int] | None = None  # (pushes, variables) at the last save
+        self._pending_marker: tuple[int, int] | None = None
+        self.on_saved: Callable[[float], None] | None = None  # called with time.time() after each save
+        self._next_id = 1 + max((f.id for f in list_files(self.directory)), default=0)
+        self.saves = 0
+
+    # -- save -------------------------------------------------------------------
+
+    async def snapshot(self) -> Snapshot:
+        """Takes a consistent snapshot: no update runs while values, slots and dedup table are read."""
+        async with self.store.quiesced() as held:
+            variables = self.store.variables()
+            states = [(v.spec, *v.state) for v in variables]
+            exclude = set(held) | set(self.mode.pending_claims())
+            dedup = {}
+            for worker, (floor, seen) in self.store.dedup_state().items():
+                dedup[worker] = (floor, [s for s in seen if (worker, s) not in exclude])
+            mode_state = self.mode.state_dict()
+            marker = (self.store.pushes, len(self.store))
+            # Slots change in place under apply, which cannot run now: copy them off the event loop.
+            slots = await asyncio.to_thread(
+                lambda: [{k: a.copy() for k, a in v.slots.items()} for v in variables]
+            )
+        self._pending_marker = marker
+        return Snapshot(
+            shard=self.shard,
+            num_shards=self.num_shards,
+            mode=self.mode.name,
+            tensors=[
+                StoredTensor(spec=spec, value=value, version=version, slots=s)
+                for (spec, value, version), s in zip(states, slots, strict=True)
+            ],
+            dedup=dedup,
+            mode_state=mode_state,
+            created_unix=time.time(),
+        )
+
+    @property
+    def dirty(self) -> bool:
+        """True when variables were created or updated since the last save."""
+        return self._saved_at != (self.store.pushes, len(self.store))
+
+    async def save(self) -> SaveResult:
+        """Writes a checkpoint now; returns once it is durable. Saves run one at a time.
+
+        Raises:
+            CheckpointError: the file could not be written.
+        """
+        async with self._lock:
+            started = time.monotonic()
+            snap = await self.snapshot()
+            ckpt_id = self._next_id
+            self._next_id += 1
+            path = await asyncio.to_thread(write, snap, self.directory, ckpt_id)
+            self._saved_at = self._pending_marker
+            self.saves += 1
+            if self.on_saved is not None:
+                self.on_saved(time.time())
+            await asyncio.to_thread(self.prune)
+            result = SaveResult(path, ckpt_id, len(snap.tensors), snap.nbytes, time.monotonic() - started)
+            log.info(
+                "shard %d: checkpoint %d written: %s (%d tensors, %.1f MiB, %.2fs)",
+                self.shard, ckpt_id, path.name, result.num_variables, result.nbytes / 2**20, result.seconds,
+            )  # fmt: skip
+            return result
+
+    def prune(self) -> None:
+        """Deletes this shard's files beyond the newest ``keep``."""
+        mine = [
+            f for f in list_files(self.directory) if (f.shard, f.num_shards) == (self.shard, self.num_shards)
+        ]
+        for f in mine[self.keep :]:
+            with contextlib.suppress(OSError):
+                f.path.unlink()
+
+    async def run_periodic(self, every_s: float) -> None:
+        """Saves every ``every_s`` seconds while something changed; runs until cancelled."""
+        while True:
+            await asyncio.sleep(every_s)
+            if not self.dirty:
+                continue
+            try:
+                await self.save()
+            except (CheckpointError, TimeoutError) as err:
+                log.error("shard %d: periodic checkpoint failed: %s", self.shard, err)
+
+    # -- restore ----------------------------------------------------------------
+
+    def _remove_stale_temps(self) -> None:
+        prefix = f"{_TMP_PREFIX}shard{self.shard:05d}-"
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.directory):
+                if name.startswith(prefix):
+                    log.info("shard %d: removing %s (a save that was interrupted)", self.shard, name)
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.directory / name)
+
+    def choose(self) -> Snapshot | None:
+        """Reads the snapshot this shard should start from (None: start empty).
+
+        Raises:
+            CheckpointError: this shard has checkpoint files but none is valid,
+                or a different-count set has no valid file for some shard.
+        """
+        files = list_files(self.directory)
+        own = [f for f in files if (f.shard, f.num_shards) == (self.shard, self.num_shards)]
+        others: dict[int, dict[int, list[CheckpointFile]]] = {}
+        for f in files:
+            if f.num_shards != self.num_shards:
+                others.setdefault(f.num_shards, {}).setdefault(f.shard, []).append(f)
+        # The newest complete set written by another shard count, by creation time.
+        best_other: tuple[float, int] | None = None
+        for n, by_shard in others.items():
+            if len(by_shard) != n:
+                continue
+            created = max(_created(fs[0]) for fs in by_shard.values())
+            if best_other is None or created > best_other[0]:
+                best_other = (created, n)
+        own_created = _created(own[0]) if own else None
+        if own and (best_other is None or own_created >= best_other[0]):
+            return _first_valid(own, f"shard {self.shard} of {self.num_shards}")
+        if best_other is not None:
+            n = best_other[1]
+            snaps = [_first_valid(others[n][i], f"shard {i} of {n}") for i in range(n)]
+            log.info(
+                "shard %d: re-placing the %d-shard checkpoint (ids %s) onto %d shards",
+                self.shard, n, [s.id for s in snaps], self.num_shards,
+            )  # fmt: skip
+            return reshard(snaps, self.shard, self.num_shards)
+        return None
+
+    async def restore(self) -> bool:
+        """Loads the newest valid checkpoint into the (empty) store and mode; False if there is none.
+
+        Raises:
+            CheckpointError: checkpoint files exist but none valid (see ``choose``),
+                or the file disagrees with this shard's configuration.
+        """
+        self._remove_stale_temps()
+        snap = await asyncio.to_thread(self.choose)
+        if snap is None:
+            log.info("shard %d: no checkpoint in %s; starting empty", self.shard, self.directory)
+            return False
+        load_into(snap, self.store, self.mode)
+        self._saved_at = (self.store.pushes, len(self.store))
+        resharded = snap.id == 0  # re-placed from another shard count's files
+        log.info(
+            "shard %d: restored %d tensors (%.1f MiB) from %s",
+            self.shard, len(snap.tensors), snap.nbytes / 2**20,
+            "a checkpoint of another shard count" if resharded else f"checkpoint {snap.id}",
+        )  # fmt: skip
+        if resharded:  # start this shard count's own files at once
+            self._saved_at = None
+            await self.save()
+        return True
+
+
+def _created(f: CheckpointFile) -> float:
+    try:
+        return float(read_manifest(f.path)["created_unix"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return float("-inf")
+
+
+def _first_valid(files: list[CheckpointFile], what: str) -> Snapshot:
+    errors = []
+    for f in files:
+        try:
+            return read(f.path)
+        except CheckpointError as err:
+            log.warning("skipping checkpoint %s: %s", f.path.name, err)
+            errors.append(str(err))
+    raise CheckpointError(f"no valid checkpoint for {what}: " + "; ".join(errors))
+
+
+def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
+    """Puts a snapshot's tensors, versions, slots, dedup table and mode state into an empty store.
+
+    Raises:
+        CheckpointError: a tensor the store rejects, or slots that do not match its optimizer.
+    """
+    if len(store):
+        raise CheckpointError("restore needs an empty store")
+    try:
+        store.create([t.spec for t in snap.tensors], {t.spec.name: t.value for t in snap.tensors})
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {snap.id} does not load: {err}") from err
+    for t in snap.tensors:
+        var = store.get(t.spec.name)
+        if set(var.slots) != set(t.slots):
+            raise CheckpointError(
+                f"variable {t.spec.name!r}: checkpoint has slots {sorted(t.slots)}, "
+                f"its optimizer {var.optimizer.name} uses {sorted(var.slots)}"
+            )
+        store.assign(t.spec.name, t.value, t.version)
+        var.slots = {
+            k: np.array(a, dtype=var.slots[k].dtype, copy=True).reshape(var.shape) for k, a in t.slots.items()
+        }
+    store.load_dedup_state(snap.dedup)
+    mode.load_state_dict(snap.mode_state)
