@@ -16,6 +16,7 @@ from psclient.codec import CodecError, as_wire_array, wire_dtype
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
 from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode
+from psclient.collective._link import Link
 from psclient.collective._malloc import tune_malloc
 from psclient.collective._schedule import (
     chunk_range,
@@ -56,8 +57,9 @@ _KIND_NAMES: Final[dict[int, str]] = {
 _ABORT_WRITE_S: Final[float] = 0.2
 _CLOSE_GRACE_S: Final[float] = 1.0
 _LINK_LOST: Final[frozenset[grpc.StatusCode]] = frozenset(
-    {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
 )
+_LINK_LIFETIME_S: Final[float] = 3600.0
 
 Process = Callable[[int, int, bytes], "np.ndarray | None"]
 
@@ -77,6 +79,7 @@ class _Op:
     receiving: tuple[int, int] | None = None
     sending: tuple[int, int] | str | None = None
     sent: int = 0
+    writing: bool = False
 
     @property
     def name(self) -> str:
@@ -109,6 +112,8 @@ class AsyncRing:
         compression: ``"fp16"`` sends float32 all-reduce data as float16.
         auth_token: a shared secret every stream must carry (``authorization: Bearer``), or None.
         max_message_bytes: gRPC message size limit of the server and channel.
+        grpc_options: extra gRPC channel and server arguments.
+        tune_malloc: raise glibc's trim and mmap thresholds once per process (default True).
 
     Raises:
         ValueError: invalid settings.
@@ -127,8 +132,7 @@ class AsyncRing:
         self._lock: asyncio.Lock | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._exchange: Any = None
-        self._drains: set[asyncio.Task[None]] = set()
+        self._link: Link | None = None
         self._closed = False
         token = self._cfg.auth_token
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
@@ -185,7 +189,13 @@ class AsyncRing:
         self._server = server
         if cfg.world > 1:
             self._channel = grpc.aio.insecure_channel(cfg.addresses[cfg.next_rank], options=limits)
-            self._exchange = self._channel.stream_unary(EXCHANGE_METHOD)
+            close = FrameHeader(0, 0, _pb.COLLECTIVE_KIND_CLOSE, 0, 0, 0, 0, 0, cfg.rank, cfg.world)
+            self._link = Link(
+                self._channel.stream_unary(EXCHANGE_METHOD),
+                self._metadata,
+                max(_LINK_LIFETIME_S, 2 * cfg.timeout + 10.0),
+                encode(close, b""),
+            )
         logger.info("ring rank %d/%d serving Collective on %s", cfg.rank, cfg.world, address)
         return self
 
@@ -194,11 +204,9 @@ class AsyncRing:
         if self._closed:
             return
         self._closed = True
-        if self._drains:
-            # Let the last streams deliver their tail before the channel cancels them.
-            await asyncio.wait(list(self._drains), timeout=_CLOSE_GRACE_S)
-        for t in list(self._drains):
-            t.cancel()
+        if self._link is not None:
+            # Let the last frames reach the next rank before the channel cancels the stream.
+            await self._link.close(_CLOSE_GRACE_S)
         if self._channel is not None:
             await self._channel.close()
         if self._server is not None:
@@ -431,7 +439,8 @@ class AsyncRing:
             dst = buf[a:b]
             src = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
             if step < n - 1:
-                ufunc(dst, src, out=dst)
+                with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as numpy gives them
+                    ufunc(dst, src, out=dst)
                 if mean and step == n - 2:  # this rank now owns the full sum of this segment
                     np.divide(dst, n, out=dst, casting="unsafe" if integer else "same_kind")
             else:
@@ -557,7 +566,6 @@ class AsyncRing:
         sendq: asyncio.Queue[tuple[int, int, np.ndarray] | None] = asyncio.Queue()
         for item in initial:
             sendq.put_nowait(item)
-        call_holder: list[Any] = []
 
         async def receiver() -> None:
             for step, chunk, nbytes in plan:
@@ -569,87 +577,68 @@ class AsyncRing:
             op.receiving = None
             sendq.put_nowait(None)
 
-        async def sender(call: Any) -> None:
+        async def sender() -> None:
             header = FrameHeader(
                 op.seq, op.total, op.kind, op.dtype, op.op, 0, 0, op.chunks, self.rank, self.world
             )
             while (item := await sendq.get()) is not None:
                 step, chunk, view = item
                 op.sending = (step, chunk)
+                op.writing = True
                 try:
-                    await call.write(encode(header._replace(step=step, chunk=chunk), view))
+                    await link.write(encode(header._replace(step=step, chunk=chunk), view))
+                    op.writing = False
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
-                    # A failed write reports INTERNAL; the call's own status says why.
-                    await self._raise_call_status(op, call, f"sending {self._where(op.sending)}")
-                    raise self._translate(op, err, sender=True) from err
+                    # A failed write reports INTERNAL; the stream's own status says why.
+                    raise self._link_error(
+                        op, *(await link.status()), f"sending {self._where(op.sending)}"
+                    ) from err
                 op.sent += 1
-            op.sending = "the end of the stream"
-            try:
-                await call.done_writing()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                # Every frame was written; the next rank may already have finished and closed.
-                # This rank's result depends only on what it received.
-                logger.debug("%s: the next rank ended the stream before our half-close", op.name)
             op.sending = None
 
-        async def watcher(call: Any) -> None:
-            # The next rank may end the stream early (auth, abort, shutdown) while this
-            # rank waits for its own input: fail now rather than at the deadline.
-            await self._raise_call_status(op, call, "the stream")
-
         tasks = [asyncio.create_task(receiver(), name=f"{op.name} receive")]
+        ended: asyncio.Future[tuple[grpc.StatusCode, str]] | None = None
         if sends:
-            loop = asyncio.get_running_loop()
-            call = self._exchange(
-                timeout=max(0.001, op.deadline - loop.time()), wait_for_ready=True, metadata=self._metadata
-            )
-            call_holder.append(call)
-            tasks.append(asyncio.create_task(sender(call), name=f"{op.name} send"))
-            tasks.append(asyncio.create_task(watcher(call), name=f"{op.name} watch"))
-        required = set(tasks[:2])  # receive and send; the watcher only reports early failures
+            link = self._link
+            assert link is not None
+            ended = link.ensure(op.deadline)
+            tasks.append(asyncio.create_task(sender(), name=f"{op.name} send"))
         try:
             async with asyncio.timeout_at(op.deadline):
-                pending: set[asyncio.Task[None]] = set(tasks)
-                while required & pending:
+                pending: set[asyncio.Future[Any]] = {*tasks, ended} if ended is not None else set(tasks)
+                while any(t in pending for t in tasks):
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for t in done:
+                        if t is ended:
+                            # The next rank ended the stream mid-operation (auth, abort, shutdown,
+                            # death): fail now rather than at the deadline.
+                            raise self._link_error(op, *t.result(), "the stream")
                         if (exc := t.exception()) is not None:
                             raise self._translate(op, exc, sender=t is not tasks[0]) from exc
         except TimeoutError:
             error: PSError = self._deadline_error(op)
-            await self._abort(op, tasks, call_holder, error)
+            await self._abort(op, tasks, error)
             raise error from None
         except PSError as error:
-            await self._abort(op, tasks, call_holder, error)
+            await self._abort(op, tasks, error)
             raise
         except BaseException:
-            await self._abort(op, tasks, call_holder, None)
+            await self._abort(op, tasks, None)
             raise
         finally:
             self._boxes.close(op.seq)
-        for t in pending:  # the watcher: the stream's final status arrives after the op completed
-            self._drains.add(t)
-            t.add_done_callback(self._drained)
 
-    def _drained(self, task: asyncio.Task[None]) -> None:
-        self._drains.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            logger.debug("stream ended after its operation completed: %s", exc)
-
-    async def _raise_call_status(self, op: _Op, call: Any, what: str) -> None:
-        """Waits for the call to end; raises its status as a PSError unless it is OK."""
-        code = await call.code()
-        if code != grpc.StatusCode.OK:
-            nxt = self._cfg.next_rank
-            # A peer that dies mid-stream surfaces as INTERNAL ("Internal error from Core") or
-            # CANCELLED on this side: both mean the link is gone.
-            cls = UnavailableError if code in _LINK_LOST else error_class(code)
-            raise cls(
-                f"{op.name} on rank {self.rank}: rank {nxt} ended {what}: "
-                f"{code.name}: {await call.details()}",
-                method=op.method,
-                address=self._cfg.addresses[nxt],
-            )
+    def _link_error(self, op: _Op, code: grpc.StatusCode, details: str, what: str) -> PSError:
+        """The error for a stream to the next rank that ended with ``code``."""
+        nxt = self._cfg.next_rank
+        # A peer that dies mid-stream surfaces as INTERNAL ("Internal error from Core") or CANCELLED
+        # on this side, and one that closes as OK: all mean the link is gone.
+        cls = UnavailableError if code in _LINK_LOST else error_class(code)
+        return cls(
+            f"{op.name} on rank {self.rank}: rank {nxt} ended {what}: {code.name}: {details}",
+            method=op.method,
+            address=self._cfg.addresses[nxt],
+        )
 
     def _check(self, op: _Op, item: Delivery, step: int, chunk: int, nbytes: int) -> bytes:
         """Validates a received frame against what this rank expects; returns the message bytes.
@@ -659,7 +648,11 @@ class AsyncRing:
             InvalidArgumentError: the previous rank runs a different operation or shape.
         """
         if isinstance(item, PSError):
-            raise item
+            raise type(item)(
+                f"{op.name} on rank {self.rank}: waiting for {self._where((step, chunk))}: {item.details}",
+                method=op.method,
+                address=item.address,
+            )
         h, msg = item
         prev = self._cfg.prev_rank
         if h.kind == _pb.COLLECTIVE_KIND_ABORT:
@@ -740,23 +733,23 @@ class AsyncRing:
             address=cfg.addresses[peer],
         )
 
-    async def _abort(
-        self, op: _Op, tasks: list[asyncio.Task[None]], calls: list[Any], error: PSError | None
-    ) -> None:
+    async def _abort(self, op: _Op, tasks: list[asyncio.Task[None]], error: PSError | None) -> None:
         """Stops both directions; tells the next rank why (best effort) so the whole ring fails fast."""
+        writing = op.writing  # a cancelled write leaves the stream unusable for the abort frame
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if not calls:
+        link = self._link
+        if link is None or len(tasks) < 2:
             return
-        call = calls[0]
-        if error is not None and not call.done():
+        if error is not None and not writing:
             h = FrameHeader(
                 op.seq, op.total, _pb.COLLECTIVE_KIND_ABORT, op.dtype, error.code.value[0], 0, 0, op.chunks,
                 self.rank, self.world,
             )  # fmt: skip
             try:
-                await asyncio.wait_for(call.write(encode(h, str(error).encode())), _ABORT_WRITE_S)
+                await asyncio.wait_for(link.write(encode(h, str(error).encode())), _ABORT_WRITE_S)
             except Exception:  # best effort only: the stream may already be broken
                 logger.debug("%s: could not send the abort frame", op.name)
-        call.cancel()
+        # Frames of the failed operation may be in flight: start the next one on a fresh stream.
+        link.reset()

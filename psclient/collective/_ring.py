@@ -47,9 +47,12 @@ class Ring:
         rank: this worker's index into ``addresses``.
         timeout: deadline of each operation in seconds; a dead or stuck peer raises within it.
         **options: keyword-only settings of :class:`RingConfig`: ``chunk_bytes`` (pipelining
-            granularity, default 1 MiB), ``fusion_threshold_bytes`` (default 64 MiB),
+            granularity, default 2 MiB), ``fusion_threshold_bytes`` (default 64 MiB),
             ``compression`` (``"none"`` or ``"fp16"``: float32 all-reduce data travels as float16),
-            ``auth_token`` (shared secret, or None) and ``max_message_bytes`` (default 64 MiB).
+            ``auth_token`` (shared secret, or None), ``max_message_bytes`` (default 64 MiB),
+            ``grpc_options`` (extra channel/server arguments) and ``tune_malloc`` (default True:
+            raise glibc's trim/mmap thresholds once per process so message buffers are reused
+            instead of page-faulted in; see ``psclient.collective._malloc``).
 
     Raises:
         ValueError: invalid settings.

@@ -12,6 +12,7 @@ import grpc
 
 from psclient.collective._frame import FrameError, FrameHeader, decode
 from psclient.errors import PSError, UnavailableError
+from psproto.v1 import collective_pb2 as _pb
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +47,18 @@ class Mailboxes:
         if seq >= self._floor:
             self.open(seq).put_nowait(item)
 
-    def fail_open(self, error: PSError) -> None:
-        """Delivers ``error`` to every operation that is waiting now."""
-        for box in self._boxes.values():
-            box.put_nowait(error)
+    def fail_open(self, error: PSError, upto: int | None = None) -> None:
+        """Delivers ``error`` to every open operation (with ``seq <= upto`` when given).
+
+        Operations that started after the break (their frames come on a new stream) are left alone.
+        """
+        for seq, box in self._boxes.items():
+            if upto is None or seq <= upto:
+                box.put_nowait(error)
 
 
 class CollectiveService:
-    """Serves ``Exchange``: the previous rank's frames, one stream per operation.
+    """Serves ``Exchange``: the previous rank's frames, on one long-lived stream.
 
     Args:
         mailboxes: where frames go.
@@ -64,7 +69,13 @@ class CollectiveService:
     """
 
     def __init__(
-        self, mailboxes: Mailboxes, *, rank: int, prev_rank: int, prev_address: str, auth_token: str | None
+        self,
+        mailboxes: Mailboxes,
+        *,
+        rank: int,
+        prev_rank: int,
+        prev_address: str,
+        auth_token: str | None,
     ) -> None:
         self._boxes = mailboxes
         self._rank = rank
@@ -81,10 +92,10 @@ class CollectiveService:
     async def exchange(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> bytes:
-        """Receives one operation's frames into its mailbox.
+        """Receives frames into the mailboxes of their operations until the previous rank half-closes.
 
         Raises:
-            asyncio.CancelledError: the sender went away (its operation gets an ``UnavailableError``).
+            asyncio.CancelledError: the server is stopping.
         """
         if self._expected_auth is not None:
             got = dict(context.invocation_metadata() or ()).get("authorization", "")
@@ -93,24 +104,32 @@ class CollectiveService:
                     grpc.StatusCode.UNAUTHENTICATED, f"rank {self._rank}: missing or wrong ring auth token"
                 )
         seq: int | None = None
-        completed = False
+        completed = closing = False
         try:
             async for msg in request_iterator:
                 try:
                     header, _ = decode(msg)
                 except FrameError as err:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {self._rank}: {err}")
+                if header.kind == _pb.COLLECTIVE_KIND_CLOSE:
+                    closing = True
+                    continue
                 seq = header.seq
                 self._boxes.put(seq, (header, msg))
-            completed = True
+            # NOTE: a cancelled or broken stream also just ends the iteration here (grpc aio),
+            # so only the CLOSE frame tells a deliberate end from a break.
+            completed = closing
         finally:
-            if not completed and seq is not None:
-                self._boxes.put(
-                    seq,
-                    UnavailableError(
-                        f"rank {self._rank}: the stream from rank {self._prev} broke during operation #{seq} "
-                        "(peer died, closed or aborted)",
-                        address=self._prev_address,
-                    ),
-                )
+            if not completed:
+                # Only operations this stream fed: after a failed operation the sender starts
+                # a fresh stream, and what this rank runs next comes on that one.
+                upto = -1 if seq is None else seq
+                if upto >= 0:
+                    self._boxes.fail_open(
+                        UnavailableError(
+                            f"the stream from rank {self._prev} broke (peer died, closed or aborted)",
+                            address=self._prev_address,
+                        ),
+                        upto=upto,
+                    )
         return b""
