@@ -1,0 +1,311 @@
+"""Training throughput: Keras 3 ``fit`` on psserver (async, sync) vs local vs TensorFlow's PS strategy.
+
+All systems train the same Keras 3 model (``trainer.models``: the MNIST CNN, and
+the 784-256-256-10 MLP for scale) with Adam on synthetic 28x28 images, batch 64
+per worker, in the same run:
+
+* ``local``: ``pstrain local`` (one process, ``fit``; OneDeviceStrategy's place).
+* ``ps-async`` / ``ps-async-nooverlap`` / ``ps-sync``: ``pstrain worker`` x 2 processes
+  (``fit`` with ``psclient.keras``) on a 2-shard psserver cluster; ``ps-sync`` is
+  N = M = 2. Throughput is the sum of the workers' steps/s (steps after the first).
+* ``tf-ps``: TensorFlow's ParameterServerStrategy with a custom training loop
+  (``ClusterCoordinator.schedule`` of a ``tf.function`` step, per-worker
+  datasets): 2 ps + 2 worker ``tf.distribute.Server`` processes and this
+  coordinator. Keras 3 ``fit`` itself cannot run on that strategy (it fails with
+  a ValueError about ``create_per_worker_dataset``), and tf_keras is not
+  installed, so the custom loop is the path measured. Throughput: steps
+  completed by both workers per second, after a warm-up.
+
+Usage:
+    python bench/bench_training.py --out bench/results/training       # writes training.md / training.json
+    python bench/bench_training.py --models mlp --systems local,ps-async --steps 100   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as cm
+
+SYSTEMS = ("local", "ps-async", "ps-async-nooverlap", "ps-sync", "tf-ps")
+_RUN_TIMEOUT_S = 600
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+
+
+def _data_flags(args: argparse.Namespace, workers: int) -> list[str]:
+    # epochs=2 over steps/2 batches per worker per epoch: a few seconds of data, constant step count
+    per_epoch = max(1, args.steps // 2)
+    size = per_epoch * args.batch_size * workers
+    return ["--data", "synthetic", "--image-size", "28", "--synthetic-size", str(size),
+            "--batch-size", str(args.batch_size), "--epochs", "2"]  # fmt: skip
+
+
+def run_local(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "local.json"
+        cmd = [sys.executable, "-m", "trainer", "local", "--model", model, *_data_flags(args, 1),
+               "--result-json", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=_RUN_TIMEOUT_S, env=_env(), cwd=cm.REPO)
+        r = json.loads(out.read_text())
+    return {"steps_per_second": r["steps_per_second"], "steps": r["steps"]}
+
+
+def run_ps(args: argparse.Namespace, model: str, mode: str, overlap: bool) -> dict[str, Any]:
+    from trainer.cluster import LocalCluster
+
+    server_args = (
+        ["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2"] if mode == "sync" else []
+    )
+    with LocalCluster(2, server_args=server_args) as cluster:
+        procs, outs = [], []
+        for i in range(2):
+            out = Path(cluster.workdir) / f"w{i}.json"
+            outs.append(out)
+            cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(cluster.addresses),
+                   "--worker-index", str(i), "--num-workers", "2", "--mode", mode, "--model", model,
+                   *_data_flags(args, 2), "--result-json", str(out)]  # fmt: skip
+            if not overlap:
+                cmd.append("--no-overlap")
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=cm.REPO
+                )
+            )
+        for p in procs:
+            stdout, _ = p.communicate(timeout=_RUN_TIMEOUT_S)
+            if p.returncode != 0:
+                raise RuntimeError(f"worker failed:\n{stdout.decode(errors='replace')[-3000:]}")
+        results = [json.loads(o.read_text()) for o in outs]
+    return {
+        "steps_per_second": sum(r["steps_per_second"] for r in results),
+        "steps": sum(r["steps"] for r in results),
+        "per_worker": [round(r["steps_per_second"], 1) for r in results],
+    }
+
+
+# -- TensorFlow's ParameterServerStrategy --------------------------------------------
+
+
+def _tf_task_main(args: argparse.Namespace) -> None:
+    import tensorflow as tf
+
+    job, index = args.tf_task.split(":")
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(json.loads(args.cluster)), job_name=job, task_index=int(index), protocol="grpc"
+    )
+    Path(args.ready).write_text(server.target + "\n")
+    server.join()
+
+
+def _tf_coordinator_main(args: argparse.Namespace) -> None:
+    import keras
+    import tensorflow as tf
+
+    from trainer import models
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(args.cluster)), rpc_layer="grpc"
+    )
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = models.build(args.model, (28, 28, 1))
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy()
+    batch = args.batch_size
+
+    def dataset_fn() -> tf.data.Dataset:
+        x = tf.random.uniform([batch * 16, 28, 28, 1])
+        y = tf.random.uniform([batch * 16], maxval=10, dtype=tf.int64)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch).prefetch(2)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def step(it: Any) -> Any:
+        def replica_fn(x: Any, y: Any) -> Any:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+            return loss
+
+        x, y = next(it)
+        return strategy.run(replica_fn, args=(x, y))
+
+    for _ in range(20):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    steps = args.steps * 2  # same total steps as two workers of ours
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    elapsed = time.perf_counter() - t0
+    print(cm.RESULT_PREFIX + json.dumps([{"steps_per_second": steps / elapsed, "steps": steps}]), flush=True)
+
+
+def run_tf_ps(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    cluster = {"ps": [f"127.0.0.1:{cm.free_port()}" for _ in range(2)],
+               "worker": [f"127.0.0.1:{cm.free_port()}" for _ in range(2)]}  # fmt: skip
+    spec = json.dumps(cluster)
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for job in ("ps", "worker"):
+                for i in range(2):
+                    ready = Path(tmp) / f"{job}{i}.ready"
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--tf-task",
+                        f"{job}:{i}",
+                        "--cluster",
+                        spec,
+                        "--ready",
+                        str(ready),
+                    ]
+                    p = subprocess.Popen(
+                        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env()
+                    )
+                    procs.append((p, ready))
+            for p, ready in procs:
+                cm.wait_for_file(ready, 120, p)  # type: ignore[arg-type]
+            result = cm.run_child(
+                [__file__, "--tf-coordinator", "--cluster", spec, "--model", model,
+                 "--steps", str(args.steps), "--batch-size", str(args.batch_size)],
+                timeout=_RUN_TIMEOUT_S, env=_env(),
+            )  # fmt: skip
+        finally:
+            for p, _ in procs:
+                p.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=10)
+    return result[0]
+
+
+def _param_count(model: str) -> int:
+    from trainer import models
+
+    return int(models.build(model, (28, 28, 1)).count_params())
+
+
+def render(results: dict[str, Any]) -> str:
+    lines = [
+        "# Training throughput: Keras 3 on psserver vs local vs TensorFlow's ParameterServerStrategy",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Machine: {results['machine']['cpus']} CPUs ({results['machine']['cpu_model']}), "
+        f"load average before the run {results['machine']['loadavg_1_5_15']}; TensorFlow "
+        f"{results['tf_version']}, Keras {results['keras_version']}. Synthetic 28x28x1 images, Adam, "
+        f"batch {results['batch_size']} per worker, {results['steps']} steps per worker; 2 ps shards and "
+        "2 workers as processes on this one machine (they share its CPUs).",
+        "",
+        "| model | params | system | steps/s | vs tf-ps | notes |",
+        "| --- | ---: | --- | ---: | ---: | --- |",
+    ]
+    for model, rows in results["models"].items():
+        tf_rate = rows.get("tf-ps", {}).get("steps_per_second")
+        for system, r in rows.items():
+            if "error" in r:
+                lines.append(
+                    f"| {model} | {results['params'][model]:,} | {system} | - | - | failed: {r['error']} |"
+                )
+                continue
+            rate = r["steps_per_second"]
+            ratio = f"{rate / tf_rate:.2f}x" if tf_rate else "-"
+            note = f"per worker {r['per_worker']}" if "per_worker" in r else ""
+            lines.append(
+                f"| {model} | {results['params'][model]:,} | {system} | {rate:.1f} | {ratio} | {note} |"
+            )
+    lines += [
+        "",
+        "Systems: `local` = one process, Keras `fit` (no PS); `ps-async` = 2 `pstrain worker` processes, "
+        "Keras `fit` with `psclient.keras` (fused push_pull of step k overlapped with step k+1's compute); "
+        "`ps-async-nooverlap` = the same without the overlap; `ps-sync` = N = M = 2 barrier; `tf-ps` = "
+        "TensorFlow ParameterServerStrategy + ClusterCoordinator custom loop (Keras 3 model and optimizer "
+        "under the strategy's scope; Keras 3 `fit` does not run on this strategy; no tf_keras installed).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="cnn,mlp")
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--steps", type=int, default=200, help="training steps per worker")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--out", help="write OUT.md and OUT.json")
+    p.add_argument("--tf-task", help=argparse.SUPPRESS)
+    p.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cluster", help=argparse.SUPPRESS)
+    p.add_argument("--ready", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.tf_task:
+        _tf_task_main(args)
+        return 0
+    if args.tf_coordinator:
+        _tf_coordinator_main(args)
+        return 0
+    os.environ.update({"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""})
+    import keras
+    import tensorflow as tf
+
+    results: dict[str, Any] = {
+        "command": "python bench/bench_training.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": cm.machine_note(),
+        "tf_version": tf.__version__,
+        "keras_version": keras.__version__,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "models": {},
+        "params": {},
+    }
+    for model in args.models.split(","):
+        results["params"][model] = _param_count(model)
+        rows: dict[str, Any] = {}
+        for system in args.systems.split(","):
+            runner = {
+                "local": lambda m=model: run_local(args, m),
+                "ps-async": lambda m=model: run_ps(args, m, "async", True),
+                "ps-async-nooverlap": lambda m=model: run_ps(args, m, "async", False),
+                "ps-sync": lambda m=model: run_ps(args, m, "sync", False),
+                "tf-ps": lambda m=model: run_tf_ps(args, m),
+            }[system]
+            try:
+                rows[system] = runner()
+            except Exception as err:  # a failed system is reported, the others still run
+                rows[system] = {"error": f"{type(err).__name__}: {str(err)[-300:]}"}
+            print(model, system, rows[system], flush=True)
+        results["models"][model] = rows
+    results["top_processes_after"] = cm.top_processes()
+    text = render(results)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{args.out}.md").write_text(text)
+        Path(f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
