@@ -1,0 +1,268 @@
+"""Token auth, TLS and mutual TLS against real shard processes: who is accepted and who is refused.
+
+Certificates are generated at run time (``cryptography``); no key is committed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import psclient
+from psclient import _security, codec
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+from trainer.cluster import LocalCluster
+
+x509 = pytest.importorskip("cryptography.x509")
+from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.x509.oid import NameOID  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "s3cret-token_0123456789"
+TIMEOUT_S = 20.0
+REFUSED_TIMEOUT_S = 2.0  # a refused TLS handshake is retried (UNAVAILABLE) until this deadline
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    rogue_ca: Path
+    rogue_client_cert: Path
+    rogue_client_key: Path
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _cert(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
+    *,
+    ca: bool = False,
+    server: bool = False,
+) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, issuer_key = issuer or (subject, key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if server:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def _write(path: Path, *objs: object) -> Path:
+    data = b""
+    for obj in objs:
+        if isinstance(obj, x509.Certificate):
+            data += obj.public_bytes(serialization.Encoding.PEM)
+        else:
+            data += obj.private_bytes(  # type: ignore[attr-defined]
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, rogue_key = _key(), _key()
+    ca = _cert("test-ca", ca_key, None, ca=True)
+    rogue = _cert("rogue-ca", rogue_key, None, ca=True)
+    s_key, c_key, r_key = _key(), _key(), _key()
+    return Pki(
+        ca=_write(d / "ca.pem", ca),
+        server_cert=_write(d / "server.pem", _cert("psserver", s_key, ("test-ca", ca_key), server=True)),
+        server_key=_write(d / "server.key", s_key),
+        client_cert=_write(d / "client.pem", _cert("worker", c_key, ("test-ca", ca_key))),
+        client_key=_write(d / "client.key", c_key),
+        rogue_ca=_write(d / "rogue-ca.pem", rogue),
+        rogue_client_cert=_write(d / "rogue.pem", _cert("intruder", r_key, ("rogue-ca", rogue_key))),
+        rogue_client_key=_write(d / "rogue.key", r_key),
+    )
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("auth") / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def auth_cluster(token_file: Path) -> LocalCluster:
+    with LocalCluster(2, ["--auth-token-file", str(token_file)]) as cluster:
+        yield cluster
+
+
+# -- token auth -----------------------------------------------------------------
+
+
+def test_right_token_is_accepted(auth_cluster: LocalCluster) -> None:
+    with psclient.PSClient(auth_cluster.addresses, "w0", auth_token=TOKEN, timeout=TIMEOUT_S) as c:
+        c.create("auth/ok", np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+        assert c.push({"auth/ok": np.ones(3, np.float32)})
+        np.testing.assert_array_equal(c.pull(["auth/ok"])["auth/ok"], -1)
+        assert "auth/ok" in c.list_variables()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", TOKEN[:-1], " " + TOKEN])
+def test_missing_or_wrong_token_is_unauthenticated(auth_cluster: LocalCluster, token: str | None) -> None:
+    with psclient.PSClient(auth_cluster.addresses, "w1", auth_token=token, timeout=TIMEOUT_S) as c:
+        with pytest.raises(psclient.UnauthenticatedError, match="auth token"):
+            c.list_variables()
+        with pytest.raises(psclient.UnauthenticatedError):
+            c.create("auth/never", np.zeros(3, np.float32))
+
+
+def _stubs(address: str, metadata: tuple[tuple[str, str], ...]) -> dict[str, object]:
+    """One call of every RPC kind (unary, client stream, server stream, bidi) with the given metadata."""
+    ch = grpc.insecure_channel(address)
+    stub = ps_pb2_grpc.ParameterServerStub(ch)
+    push = ps_pb2.PushRequest(
+        worker_id="intruder", seq=1, grads=[codec.encode("auth/ok", np.ones(3, np.float32))]
+    )
+    kw = {"metadata": metadata, "timeout": TIMEOUT_S}
+    calls = {
+        "Pull": lambda: stub.Pull(ps_pb2.PullRequest(), **kw),
+        "Push": lambda: stub.Push(push, **kw),
+        "GetStatus": lambda: stub.GetStatus(ps_pb2.GetStatusRequest(), **kw),
+        "SaveCheckpoint": lambda: stub.SaveCheckpoint(ps_pb2.SaveCheckpointRequest(), **kw),
+        "ListVariables": lambda: stub.ListVariables(ps_pb2.ListVariablesRequest(), **kw),
+        "CreateVariables": lambda: stub.CreateVariables(iter([ps_pb2.CreateVariablesRequest()]), **kw),
+        "PullStream": lambda: list(stub.PullStream(ps_pb2.PullRequest(), **kw)),
+        "PushStream": lambda: list(stub.PushStream(iter([push]), **kw)),
+        "Unknown": lambda: ch.unary_unary("/psproto.v1.ParameterServer/Nope")(b"", **kw),
+        "_channel": ch,
+    }
+    return calls
+
+
+def test_every_rpc_kind_refuses_a_missing_token_and_changes_nothing(auth_cluster: LocalCluster) -> None:
+    with psclient.PSClient(auth_cluster.addresses, "w2", auth_token=TOKEN, timeout=TIMEOUT_S) as c:
+        c.create("auth/ok", np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+        before = c.pull_with_versions()
+        for address in auth_cluster.addresses:
+            calls = _stubs(address, (("authorization", "Bearer nope"),))
+            ch = calls.pop("_channel")
+            try:
+                for name, call in calls.items():
+                    with pytest.raises(grpc.RpcError) as err:
+                        call()  # type: ignore[operator]
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+                    assert TOKEN not in (err.value.details() or "")
+            finally:
+                ch.close()  # type: ignore[attr-defined]
+        after = c.pull_with_versions()
+    assert before[1] == after[1]
+    for n in before[0]:
+        np.testing.assert_array_equal(before[0][n], after[0][n])
+
+
+def test_health_checks_need_no_token(auth_cluster: LocalCluster) -> None:
+    with grpc.insecure_channel(auth_cluster.addresses[0]) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="psproto.v1.ParameterServer"), timeout=TIMEOUT_S
+        )
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_interceptor_compares_the_whole_header() -> None:
+    icp = _security.TokenAuthInterceptor("abc")
+    assert icp.authorized([("authorization", "Bearer abc")])
+    assert icp.authorized([("x-other", "1"), ("Authorization", b"Bearer abc")])
+    for bad in ([], [("authorization", "Bearer ab")], [("authorization", "abc")], [("x", "Bearer abc")]):
+        assert not icp.authorized(bad)
+    with pytest.raises(ValueError):
+        _security.TokenAuthInterceptor("")
+
+
+@pytest.mark.parametrize("content", [b"", b"  \n", b"two words", b"\xff\xfe"])
+def test_bad_token_files_are_refused(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="auth token"):
+        _security.read_token_file(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        _security.read_token_file(tmp_path / "absent")
+
+
+def test_a_shard_with_an_empty_token_file_does_not_start(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("\n")
+    from trainer.cluster import ClusterError
+
+    with pytest.raises(ClusterError, match="empty"):
+        LocalCluster(1, ["--auth-token-file", str(tmp_path / "token")]).start()
+
+
+# -- TLS ------------------------------------------------------------------------
+
+
+def _tls_args(pki: Pki, *, mutual: bool = False) -> list[str]:
+    args = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key)]
+    return [*args, "--tls-client-ca", str(pki.ca)] if mutual else args
+
+
+def _roundtrip(addresses: list[str], **kw: object) -> None:
+    with psclient.PSClient(addresses, "tls", timeout=kw.pop("timeout", TIMEOUT_S), **kw) as c:  # type: ignore[arg-type]
+        c.create("tls/v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+        c.push({"tls/v": np.ones(4, np.float32)})
+        assert c.pull(["tls/v"])["tls/v"].shape == (4,)
+
+
+def test_tls_accepts_a_client_that_trusts_the_ca_and_refuses_others(pki: Pki) -> None:
+    with LocalCluster(1, _tls_args(pki)) as cluster:
+        _roundtrip(cluster.addresses, tls_ca=str(pki.ca))
+        with pytest.raises((psclient.UnavailableError, psclient.DeadlineExceededError)):
+            _roundtrip(cluster.addresses, timeout=REFUSED_TIMEOUT_S)  # plaintext client
+        with pytest.raises((psclient.UnavailableError, psclient.DeadlineExceededError)):
+            _roundtrip(cluster.addresses, tls_ca=str(pki.rogue_ca), timeout=REFUSED_TIMEOUT_S)
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(pki: Pki) -> None:
+    with LocalCluster(1, _tls_args(pki, mutual=True)) as cluster:
+        _roundtrip(
+            cluster.addresses, tls_ca=str(pki.ca), tls_cert=str(pki.client_cert), tls_key=str(pki.client_key)
+        )
+        with pytest.raises((psclient.UnavailableError, psclient.DeadlineExceededError)):
+            _roundtrip(cluster.addresses, tls_ca=str(pki.ca), timeout=REFUSED_TIMEOUT_S)  # no client cert
+        with pytest.raises((psclient.UnavailableError, psclient.DeadlineExceededError)):
+            _roundtrip(
+                cluster.addresses, tls_ca=str(pki.ca), tls_cert=str(pki.rogue_client_cert),
+                tls_key=str(pki.rogue_client_key), timeout=REFUSED_TIMEOUT_S,
+            )  # fmt: skip
+
+
+def test_tls_and_token_together(pki: Pki, token_file: Path) -> None:
+    with LocalCluster(1, [*_tls_args(pki), "--auth-token-file", str(token_file)]) as cluster:
+        _roundtrip(cluster.addresses, tls_ca=str(pki.ca), auth_token=TOKEN)
+        with pytest.raises(psclient.UnauthenticatedError):
+            _roundtrip(cluster.addresses, tls_ca=str(pki.ca), auth_token="wrong")
