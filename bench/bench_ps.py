@@ -18,6 +18,10 @@ process, one system after the other:
   at least 8 MiB are split in two halves on ps:0 and ps:1 (as psserver does), and
   the halves move concurrently inside one ``tf.function``.
 
+Every process of the run (servers and clients of all three systems) gets the
+same glibc malloc tuning (``psclient.memory.tune_malloc``: big buffers stay in
+the heap instead of being page-faulted in anew), unless ``--malloc default``.
+
 Every case runs until ``--max-iters`` ops or ``--seconds`` seconds (after a short
 warm-up), serially (1 client) and, for 1 KiB, with ``--concurrency`` clients at
 once. Throughput counts the model bytes N once per op (push_pull moves 2N).
@@ -413,7 +417,10 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     for k, run in enumerate(runs, 1):
         results = run["results"]
         by = {(r["system"], *_key(r)): r for r in results}
-        lines.append(f"### Run {k} ({run['started']}, load before {run['machine']['loadavg_1_5_15']})\n")
+        lines.append(
+            f"### Run {k} ({run['started']}, malloc {run.get('malloc', 'tuned')}, "
+            f"load before {run['machine']['loadavg_1_5_15']}, after {run['load_after']})\n"
+        )
         lines.append("| size | op | clients | system | GB/s | ops/s | p50 ms | p99 ms | vs echo | vs TF |")
         lines.append("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         keys = sorted({_key(r) for r in results}, key=lambda k: (k[1], k[2], OPS.index(k[0])))
@@ -457,11 +464,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeat", type=int, default=1, help="whole runs, one after the other (default: 1)")
     p.add_argument("--ps-server-args", nargs="*", default=[], help="extra psserver flags")
+    p.add_argument(
+        "--malloc",
+        choices=("tuned", "default"),
+        default="tuned",
+        help="glibc malloc of every process: psclient.memory.tune_malloc (default) or glibc's defaults",
+    )
     p.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
     args.sizes = [_parse_size(s) for s in args.sizes]
     args.systems = [s for s in args.systems.split(",") if s]
 
+    if args.role != "main":
+        from psclient.memory import tune_malloc
+
+        tune_malloc()  # a no-op under --malloc default (PS_MALLOC_TUNING=0)
+    elif args.malloc == "default":
+        os.environ["PS_MALLOC_TUNING"] = "0"  # inherited by every child and shard
     if args.role == "echo-server":
         import uvloop
 
@@ -495,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(
             {
                 "started": started,
+                "malloc": args.malloc,
                 "machine": machine,
                 "busy_before": busy,
                 "load_after": [round(x, 2) for x in os.getloadavg()],

@@ -114,6 +114,7 @@ class AsyncPSClient:
             **kwargs,
         )
         self.registry = rq.Registry()
+        self._pool = rq.ArrayPool()  # pulled arrays, recycled once the caller drops them
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
         self._seq = itertools.count(1)
@@ -340,7 +341,7 @@ class AsyncPSClient:
         for group in pieces.values():
             for piece in group:
                 per_shard.setdefault(piece.shard, []).append(piece)
-        into = rq.Gather(pieces)
+        into = rq.Gather(pieces, self._pool.take)
 
         async def one(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
@@ -401,7 +402,7 @@ class AsyncPSClient:
         pieces = await self._known(list(grads))
         per_shard = rq.split_by_shard(pieces, grads, "gradient")
         seq = next(self._seq)
-        into = rq.Gather(pieces) if return_values else None
+        into = rq.Gather(pieces, self._pool.take) if return_values else None
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             stub = self._stub(shard)

@@ -8,7 +8,8 @@ shard; incoming pieces are stitched back into whole arrays.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -220,8 +221,11 @@ class Gather:
     zero-copy view of the received message. Returned arrays are read-only.
     """
 
-    def __init__(self, pieces: Mapping[str, list[Piece]]) -> None:
+    def __init__(
+        self, pieces: Mapping[str, list[Piece]], alloc: Callable[[int, np.dtype], np.ndarray] | None = None
+    ) -> None:
         self._pieces = pieces
+        self._alloc = alloc or _empty
         self._by_stored = {p.stored_name: p for group in pieces.values() for p in group}
         self._flat: dict[str, np.ndarray] = {}  # variable -> its whole array, flat
         self._filled: dict[str, int] = {}  # stored name -> elements received
@@ -271,7 +275,7 @@ class Gather:
             self._filled[name] = elems.size
             return
         if flat is None or not flat.flags.writeable:
-            flat = np.empty(math.prod(piece.full_shape), dtype=piece.dtype)
+            flat = self._alloc(math.prod(piece.full_shape), piece.dtype)
             self._flat[var] = flat
         start = piece.offset + chunk.offset
         flat[start : start + elems.size] = elems
@@ -297,3 +301,50 @@ class Gather:
             flat.flags.writeable = False
             out[name] = flat.reshape(group[0].full_shape)
         return out
+
+
+def _empty(size: int, dtype: np.dtype) -> np.ndarray:
+    return np.empty(size, dtype=dtype)
+
+
+class ArrayPool:
+    """Recycles big result arrays once their caller has dropped every reference to them.
+
+    A fresh array of many MiB costs a page fault per 4 KiB page on first write
+    (2-3 us each), which makes copying into it several times slower than into
+    warm memory. A pull's result array is handed out read-only; when only the
+    pool still holds it (the caller let go of it and of every view of it), the
+    next pull of the same size and dtype writes into it again. Arrays below
+    ``min_bytes`` are not pooled.
+
+    Not thread-safe: use it from one thread (the client's event loop).
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, max_bytes: int = 1 << 30, per_key: int = 2) -> None:
+        self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        self.per_key = per_key
+        self._free: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._held = 0
+
+    def take(self, size: int, dtype: np.dtype) -> np.ndarray:
+        """A flat writable array of ``size`` elements (recycled when one is free)."""
+        dtype = np.dtype(dtype)
+        nbytes = size * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return np.empty(size, dtype=dtype)
+        arrays = self._free.setdefault((dtype.str, size), [])
+        for arr in arrays:
+            # References: the pool's list, this loop variable and getrefcount's argument.
+            if sys.getrefcount(arr) <= 3:
+                arr.flags.writeable = True
+                return arr
+        arr = np.empty(size, dtype=dtype)
+        if len(arrays) < self.per_key and self._held + nbytes <= self.max_bytes:
+            arrays.append(arr)
+            self._held += nbytes
+        return arr
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._held = 0

@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s psserver[shard={config.shard} pid=%(process)d] "
         "%(name)s: %(message)s",
     )
+    from psclient.memory import tune_malloc
     from psserver.server import serve  # after arg parsing: --help stays instant
+
+    tune_malloc()  # before any large buffer: see psclient.memory
 
     try:
         import uvloop
