@@ -24,8 +24,9 @@ This module imports only grpc, so psclient, psserver and the ring all use it.
 from __future__ import annotations
 
 import hmac
+import inspect
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -177,3 +178,74 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             "wrong auth token" if has else "missing auth token (metadata 'authorization: Bearer <token>')"
         )
         return _denied(handler, f"{reason} for {method}")
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT to request bytes that do not parse as the method's message.
+
+    Without it, grpc.aio reports a parse failure as UNKNOWN and logs a traceback
+    per request. The handler receives raw bytes and parses them itself, so a
+    malformed message never reaches the servicer. Put it after the auth
+    interceptor (an unauthenticated request is never parsed at all).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None or not hasattr(handler, "_replace"):
+            return handler
+        return _parsing(handler, handler_call_details.method)
+
+
+def _parsing(handler: Any, method: str) -> grpc.RpcMethodHandler:
+    parse = handler.request_deserializer
+
+    async def one(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return parse(raw)
+        except Exception as err:  # protobuf DecodeError and friends
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method} request: {err}")
+
+    async def many(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for raw in raws:
+            yield await one(raw, context)
+
+    if handler.request_streaming and handler.response_streaming:
+        behavior = handler.stream_stream
+        field = "stream_stream"
+
+        async def wrapped(raws: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for resp in behavior(many(raws, context), context):
+                yield resp
+
+    elif handler.request_streaming:
+        behavior = handler.stream_unary
+        field = "stream_unary"
+
+        async def wrapped(raws: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            return await behavior(many(raws, context), context)
+
+    elif handler.response_streaming:
+        behavior = handler.unary_stream
+        field = "unary_stream"
+        if not inspect.isasyncgenfunction(behavior):
+            return handler  # a writer-style handler: leave it as it is
+
+        async def wrapped(raw: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            request = await one(raw, context)
+            async for resp in behavior(request, context):
+                yield resp
+
+    else:
+        behavior = handler.unary_unary
+        field = "unary_unary"
+
+        async def wrapped(raw: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
+            return await behavior(await one(raw, context), context)
+
+    if handler.request_streaming and handler.response_streaming and not inspect.isasyncgenfunction(behavior):
+        return handler
+    return handler._replace(request_deserializer=None, **{field: wrapped})

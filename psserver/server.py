@@ -100,7 +100,10 @@ async def start(config: ServerConfig) -> Shard:
     metrics = ShardMetrics(config.shard, store, mode.name)
     if checkpointer is not None:
         checkpointer.on_saved = metrics.checkpoint_saved
-    interceptors: list[grpc.aio.ServerInterceptor] = [metrics.interceptor()]
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        _security.MalformedRequestInterceptor(),  # bytes that do not parse: INVALID_ARGUMENT
+        metrics.interceptor(),
+    ]
     if config.auth_token_file:  # first: an unauthenticated call reaches nothing else
         token = _security.read_token_file(config.auth_token_file)
         interceptors.insert(0, _security.TokenAuthInterceptor(token))
