@@ -19,7 +19,7 @@ from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver import checkpoint
 from trainer.cluster import LocalCluster
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.e2e]
+pytestmark = pytest.mark.timeout(240)
 
 TIMEOUT_S = 30.0
 

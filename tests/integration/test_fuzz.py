@@ -26,7 +26,7 @@ import psclient
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.e2e]
+pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 10.0
 FUZZ = settings(
