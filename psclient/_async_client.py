@@ -365,7 +365,7 @@ class AsyncPSClient:
 
             await self._call(shard, "PullStream", stream)
 
-        await gather(one(s, w) for s, w in per_shard.items())
+        await _each(one, per_shard)
         return into.result(), into.versions
 
     # -- push ---------------------------------------------------------------
@@ -439,7 +439,7 @@ class AsyncPSClient:
             await self._call(shard, "PushStream", stream)
             return applied
 
-        results = await gather(one(s, t) for s, t in per_shard.items())
+        results = await _each(one, per_shard)
         return all(results), (into.result() if into is not None else {})
 
     # -- checkpoints --------------------------------------------------------
@@ -482,6 +482,14 @@ class _WireStub(ps_pb2_grpc.ParameterServerStub):
         self.PushStream = channel.stream_stream(
             prefix + "PushStream", request_serializer=ser, response_deserializer=push
         )
+
+
+async def _each(fn: Callable[[int, Any], Awaitable[T]], per_shard: Mapping[int, Any]) -> list[T]:
+    """``fn(shard, work)`` for every shard concurrently; a single shard is awaited directly (no tasks)."""
+    if len(per_shard) == 1:
+        ((shard, work),) = per_shard.items()
+        return [await fn(shard, work)]
+    return await gather(fn(s, w) for s, w in per_shard.items())
 
 
 async def _aiter(items: Iterable[T]) -> Any:
