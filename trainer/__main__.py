@@ -16,6 +16,8 @@ examples:
   pstrain demo                          # 2 ps shards + 2 workers on this machine, async mode, digits
   pstrain demo --mode sync --epochs 10 --result-json result.json
   pstrain worker --ps 10.0.0.1:50051,10.0.0.2:50051 --worker-index 0 --num-workers 2
+  pstrain demo --mode allreduce         # 2 workers averaging gradients over a ring, no ps shards
+  pstrain worker --mode allreduce --ring 10.0.0.1:7000,10.0.0.2:7000 --worker-index 1
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222", "w1:2222"]},
               "task": {"type": "worker", "index": 1}}' pstrain worker
   pstrain local --model resnet
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--staleness", type=int, default=2, help="ssp: S (default: %(default)s)")
     demo.add_argument("--barrier-timeout", type=float, default=60.0, help="sync/ssp wait bound, seconds")
     demo.add_argument(
+        "--compression", choices=("none", "fp16"), default="none", help="allreduce: gradients on the wire"
+    )
+    demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
     _add_train_flags(demo)
@@ -69,7 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--ps", help="comma-separated HOST:PORT of the shards (default: TF_CONFIG)")
     worker.add_argument("--worker-index", type=int, help="this worker's index (default: TF_CONFIG)")
     worker.add_argument("--num-workers", type=int, help="number of workers (default: TF_CONFIG)")
-    worker.add_argument("--mode", choices=("async", "sync", "ssp"), default="async")
+    worker.add_argument(
+        "--mode",
+        choices=("async", "sync", "ssp", "allreduce"),
+        default="async",
+        help="allreduce: no ps; gradients averaged over a ring of the workers (default: %(default)s)",
+    )
+    worker.add_argument(
+        "--ring",
+        help="allreduce: comma-separated HOST:PORT of every worker, in rank order; this worker serves on "
+        "its own (default: TF_CONFIG's chief and worker tasks)",
+    )
+    worker.add_argument("--compression", choices=("none", "fp16"), default="none", help="allreduce")
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
     _add_train_flags(worker)
@@ -131,7 +147,43 @@ def _quiet_tf() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def run_allreduce_worker(args: argparse.Namespace) -> int:
+    from psclient.errors import UnavailableError
+    from psclient.keras import ring_from_tf_config
+
+    if args.ring:
+        if args.worker_index is None:
+            raise ValueError("--ring needs --worker-index")
+        ring, rank = [a for a in args.ring.split(",") if a], args.worker_index
+    else:
+        ring, rank = ring_from_tf_config()
+        rank = rank if args.worker_index is None else args.worker_index
+    if args.num_workers is not None and args.num_workers != len(ring):
+        raise ValueError(f"--num-workers {args.num_workers} but the ring has {len(ring)} addresses")
+    from trainer.allreduce_loop import EXIT_BIND_FAILED, train_rank
+
+    try:
+        result = train_rank(
+            _train_config(args), ring, rank, timeout=args.timeout, compression=args.compression
+        )
+    except UnavailableError as err:
+        if "cannot bind" not in str(err):
+            raise
+        print(f"pstrain: error: {err}", file=sys.stderr)
+        return EXIT_BIND_FAILED
+    accuracy = "" if result.test_accuracy is None else f", test accuracy {result.test_accuracy:.4f}"
+    print(
+        f"[worker {rank}] done: {result.steps} steps, {result.steps_per_second:.1f} steps/s{accuracy}"
+        + ("" if result.in_sync else ", REPLICAS DIVERGED"),
+        flush=True,
+    )
+    _write_json(args.result_json, {"mode": "allreduce", **result.to_dict()})
+    return 0 if result.in_sync else 1
+
+
 def run_worker(args: argparse.Namespace) -> int:
+    if args.mode == "allreduce":
+        return run_allreduce_worker(args)
     if args.ps is not None and args.worker_index is not None and args.num_workers is not None:
         ps, index, count = [a for a in args.ps.split(",") if a], args.worker_index, args.num_workers
     else:

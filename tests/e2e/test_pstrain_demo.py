@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -46,16 +47,36 @@ def test_mode_matches_local_baseline(mode: str, local_accuracy: float, tmp_path:
     assert result["test_accuracy"] >= 0.93
 
 
-def test_allreduce_mode_is_a_clean_hook(tmp_path: Path) -> None:
-    from trainer.demo import allreduce_available
+def test_allreduce_mode_matches_local_baseline(local_accuracy: float, tmp_path: Path) -> None:
+    result = _demo(tmp_path, "allreduce")
+    assert result["workers"] == 2 and result["shards"] == 0 and len(result["per_worker"]) == 2
+    assert result["in_sync"] is True  # the replicas ended bit-identical
+    assert result["test_accuracy"] >= local_accuracy - 0.02, (result["test_accuracy"], local_accuracy)
+    assert result["test_accuracy"] >= 0.93
 
-    if allreduce_available():
-        pytest.skip("trainer.allreduce_loop exists: its own tests cover it")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "demo", "--mode", "allreduce"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert "not available yet" in proc.stderr
+
+def test_allreduce_workers_from_tf_config(tmp_path: Path) -> None:
+    from trainer.allreduce_loop import reserve_ports
+
+    ring = reserve_ports(2)
+    procs = []
+    for i in range(2):
+        tf_config = {"cluster": {"worker": ring}, "task": {"type": "worker", "index": i}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
+        cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce", "--epochs", "1",
+               "--result-json", str(tmp_path / f"w{i}.json")]  # fmt: skip
+        out = subprocess.PIPE
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    assert all(r["mode"] == "allreduce" and r["in_sync"] for r in results)
+    assert results[0]["steps"] == results[1]["steps"] > 0
+    assert results[0]["test_accuracy"] is not None and results[1]["test_accuracy"] is None

@@ -1,7 +1,6 @@
-"""Keras 3 glue: parameter-server training for ``model.fit`` and ``GradientTape`` loops (the one TF module).
+"""Parameter-server training for ``model.fit`` and ``GradientTape`` loops (Keras 3 glue).
 
-This is the only psclient module that imports TensorFlow and Keras. An
-existing ``model.fit`` script becomes parameter-server trained by three changes,
+An existing ``model.fit`` script becomes parameter-server trained by three changes,
 in the spirit of Horovod's ``DistributedOptimizer``::
 
     import psclient.keras as psk
@@ -53,7 +52,8 @@ import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.errors import NotFoundError, PSError
+from psclient.errors import NotFoundError
+from psclient.keras._common import check_no_jit, variable_name
 from psclient.optimizers import Optimizer, optimizer_from_config
 
 log = logging.getLogger(__name__)
@@ -73,12 +73,6 @@ def server_optimizer(optimizer: keras.optimizers.Optimizer | Optimizer) -> Optim
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.server_optimizer
     return optimizer_from_config(type(optimizer).__name__, optimizer.get_config())
-
-
-def variable_name(variable: Any) -> str:
-    """The name a Keras (or tf) variable has on the shards: its Keras ``path``."""
-    path = getattr(variable, "path", None) or variable.name
-    return str(path).removesuffix(":0")
 
 
 class PSWorker:
@@ -403,8 +397,7 @@ class PSCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
-        if getattr(model, "jit_compile", False):
-            raise ValueError("parameter-server training needs model.compile(..., jit_compile=False)")
+        check_no_jit(model, "parameter-server training")
         if not isinstance(model.optimizer, DistributedOptimizer):
             raise ValueError(
                 "compile the model with psclient.keras.DistributedOptimizer(keras_optimizer, worker)"
@@ -427,6 +420,5 @@ class PSCallback(keras.callbacks.Callback):
 
 
 __all__ = [
-    "MODES", "DistributedOptimizer", "PSCallback", "PSError", "PSWorker", "load_from_ps", "server_optimizer",
-    "variable_name",
+    "MODES", "DistributedOptimizer", "PSCallback", "PSWorker", "load_from_ps", "server_optimizer",
 ]  # fmt: skip

@@ -1,0 +1,33 @@
+"""Keras 3 glue: parameter-server and all-reduce training for ``model.fit`` and ``GradientTape`` loops.
+
+This subpackage is the only part of psclient that imports TensorFlow and Keras.
+
+- Parameter server (``_ps``): ``PSWorker``, ``DistributedOptimizer``, ``PSCallback``,
+  ``load_from_ps``; variables and optimizer live on the shards.
+- All-reduce (``_allreduce``): ``AllReduceWorker``, ``AllReduceOptimizer``,
+  ``AllReduceCallback``; every rank holds a replica and gradients are averaged
+  over the ring (``psclient.collective``), as with MirroredStrategy or Horovod.
+"""
+
+from psclient.errors import PSError
+from psclient.keras._allreduce import (
+    AllReduceCallback,
+    AllReduceOptimizer,
+    AllReduceWorker,
+    ring_from_tf_config,
+)
+from psclient.keras._common import variable_name
+from psclient.keras._ps import (
+    MODES,
+    DistributedOptimizer,
+    PSCallback,
+    PSWorker,
+    load_from_ps,
+    server_optimizer,
+)
+
+__all__ = [
+    "MODES", "AllReduceCallback", "AllReduceOptimizer", "AllReduceWorker", "DistributedOptimizer",
+    "PSCallback", "PSError", "PSWorker", "load_from_ps", "ring_from_tf_config", "server_optimizer",
+    "variable_name",
+]  # fmt: skip

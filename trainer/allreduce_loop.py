@@ -1,0 +1,242 @@
+"""Mirrored (all-reduce) training: one ring rank's ``fit``, and ``pstrain demo --mode allreduce``'s launcher.
+
+No parameter server: every worker holds a replica of the model, trains on its
+shard of the data, and averages gradients with the others over the ring
+(``psclient.keras.AllReduceOptimizer``). The demo starts the workers as processes
+on loopback; rank 0 evaluates its replica (all replicas are equal, which the
+workers check at the end) and the launcher prints the test accuracy.
+
+TensorFlow is imported only by ``train_rank`` (inside the worker processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EXIT_BIND_FAILED = 3  # a worker could not bind its ring address: the launcher retries with new ports
+_BIND_ATTEMPTS = 3
+_WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
+_POLL_S = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """One rank's outcome (rank 0 also reports the test accuracy of its replica)."""
+
+    worker_index: int
+    steps: int
+    train_seconds: float
+    steps_per_second: float
+    final_loss: float
+    final_accuracy: float
+    in_sync: bool
+    test_accuracy: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
+    """``count`` distinct ``HOST:PORT`` addresses that were free a moment ago (bound to port 0, then closed).
+
+    Another process may take one before a worker binds it; the worker then exits
+    with ``EXIT_BIND_FAILED`` and ``run_allreduce_demo`` retries with new ports.
+    """
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [f"{host}:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def train_rank(
+    config: Any,
+    addresses: list[str],
+    rank: int,
+    *,
+    timeout: float = 120.0,
+    compression: str = "none",
+    evaluate: bool | None = None,
+) -> RankResult:
+    """Trains one rank of a mirrored job with Keras ``fit`` on its shard of the data.
+
+    Args:
+        config: a ``trainer.train.TrainConfig`` (the same on every rank).
+        addresses: every rank's ring ``HOST:PORT``, in rank order.
+        rank: this worker's rank.
+        timeout: deadline of each ring operation, seconds.
+        compression: ``"none"`` or ``"fp16"`` (gradients travel as float16).
+        evaluate: compute the test accuracy of the trained replica (default: on rank 0).
+
+    Raises:
+        psclient.PSError: the ring failed or timed out, or the replicas diverged.
+        UnavailableError: this rank's address cannot be bound.
+    """
+    import keras
+
+    import psclient.keras as psk
+    from trainer import data
+    from trainer.train import EpochPrinter, _test_accuracy, build_model
+
+    split = config.load()
+    world = len(addresses)
+    with psk.AllReduceWorker(addresses, rank, timeout=timeout, compression=compression) as worker:
+        optimizer = psk.AllReduceOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
+        model = build_model(config, split, optimizer)  # seeded: the callback's broadcast makes sure
+        keras.utils.set_random_seed(config.seed + 1000 * (rank + 1))  # dropout: different masks per rank
+        ds = data.make_dataset(
+            split.x_train,
+            split.y_train,
+            batch_size=config.batch_size,
+            num_workers=world,
+            worker_index=rank,
+            seed=config.seed,
+        )
+        printer = EpochPrinter(config.epochs, f"[worker {rank}] ")
+        model.fit(ds, epochs=config.epochs, callbacks=[worker.callback(check_sync=True), printer], verbose=0)
+        in_sync = worker.weights_in_sync(model)
+        accuracy = _test_accuracy(model, split) if (evaluate if evaluate is not None else rank == 0) else None
+        return RankResult(
+            worker_index=rank,
+            steps=printer.steps,
+            train_seconds=printer.train_seconds,
+            steps_per_second=printer.steps_per_second,
+            final_loss=printer.last_logs.get("loss", float("nan")),
+            final_accuracy=printer.last_logs.get("accuracy", float("nan")),
+            in_sync=in_sync,
+            test_accuracy=accuracy,
+        )
+
+
+def _relay(proc: subprocess.Popen[str], tail: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line)
+        del tail[:-40]
+        if line.startswith("[worker"):
+            print(line, end="", flush=True)
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _launch(
+    args: argparse.Namespace, workdir: Path, addresses: list[str]
+) -> tuple[list[int], list[list[str]]]:
+    """Runs one attempt; returns the workers' exit codes (``-1``: stopped, another failed) and tails."""
+    from trainer.demo import _train_flags
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    procs: list[subprocess.Popen[str]] = []
+    tails: list[list[str]] = []
+    threads: list[threading.Thread] = []
+    try:
+        for rank in range(args.workers):
+            cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
+                   "--ring", ",".join(addresses), "--worker-index", str(rank),
+                   "--compression", args.compression,
+                   "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args)]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            procs.append(proc)
+            tails.append([])
+            t = threading.Thread(target=_relay, args=(proc, tails[-1]), daemon=True)
+            t.start()
+            threads.append(t)
+        deadline = time.monotonic() + _WORKER_TIMEOUT_S
+        codes: list[int | None] = [None] * len(procs)
+        while any(c is None for c in codes):
+            for i, p in enumerate(procs):
+                if codes[i] is None:
+                    codes[i] = p.poll()
+            if any(c not in (None, 0) for c in codes):  # one failed: the others would wait for it
+                _stop(procs)
+                codes = [c if c is not None else -1 for c in codes]
+                break
+            if time.monotonic() > deadline:
+                _stop(procs)
+                codes = [c if c is not None else -1 for c in codes]
+                break
+            time.sleep(_POLL_S)
+        for t in threads:
+            t.join(timeout=5)
+        return [int(c) for c in codes if c is not None], tails
+    finally:
+        _stop(procs)
+
+
+def run_allreduce_demo(args: argparse.Namespace) -> int:
+    """``pstrain demo --mode allreduce``: N worker processes on a loopback ring; returns the exit code.
+
+    Raises:
+        ValueError: bad flags.
+    """
+    from trainer.demo import _print_result
+
+    if args.workers < 1:
+        raise ValueError("--workers must be >= 1")
+    started = time.perf_counter()
+    print(
+        f"starting {args.workers} workers on a ring all-reduce (no ps shards); "
+        f"{args.model} on {args.data}, {args.epochs} epochs",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="pstrain-allreduce-") as tmp:
+        workdir = Path(tmp)
+        for attempt in range(1, _BIND_ATTEMPTS + 1):
+            addresses = reserve_ports(args.workers)
+            codes, tails = _launch(args, workdir, addresses)
+            if all(c == 0 for c in codes):
+                break
+            if EXIT_BIND_FAILED in codes and attempt < _BIND_ATTEMPTS:
+                print(f"a ring port was taken before its worker bound it; retrying ({attempt})", flush=True)
+                continue
+            for i, c in enumerate(codes):
+                if c not in (0, -1):
+                    print(f"--- worker {i} failed; last lines ---\n{''.join(tails[i])}", file=sys.stderr)
+            return 1
+        workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
+    accuracy = workers[0]["test_accuracy"]
+    in_sync = all(w["in_sync"] for w in workers)
+    _print_result(
+        {
+            "mode": "allreduce",
+            "test_accuracy": accuracy,
+            "epochs": args.epochs,
+            "workers": args.workers,
+            "shards": 0,
+            "compression": args.compression,
+            "steps_per_second": sum(w["steps_per_second"] for w in workers),
+            "steps": sum(w["steps"] for w in workers),
+            "in_sync": in_sync,
+            "per_worker": workers,
+            "wall_seconds": time.perf_counter() - started,
+        },
+        args.result_json,
+    )
+    return 0 if in_sync else 1
