@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 
 from psclient import _requests as rq
-from psclient import _retry, codec
+from psclient import _retry, _session, codec
 from psclient.config import ClientConfig
 from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
 from psclient.optimizers import SGD, Optimizer
@@ -117,6 +117,7 @@ class AsyncPSClient:
         self._pool = rq.ArrayPool()  # pulled arrays, recycled once the caller drops them
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._seq = itertools.count(1)
         self._closed = False
 
@@ -177,6 +178,9 @@ class AsyncPSClient:
     async def close(self) -> None:
         """Closes the channels. Idempotent."""
         self._closed = True
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
         channels, self._channels, self._stubs = self._channels, [], []
         await gather(ch.close() for ch in channels)
 
@@ -411,7 +415,7 @@ class AsyncPSClient:
             )
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
-                resp = await self._call(shard, "Push", lambda: stub.Push(request, **self._kw()))
+                resp = await self._push_small(shard, request)
                 if into is not None:
                     for c in resp.values:
                         into.add(c)
@@ -441,6 +445,31 @@ class AsyncPSClient:
 
         results = await _each(one, per_shard)
         return all(results), (into.result() if into is not None else {})
+
+    def _session(self, shard: int) -> _session.PushSession:
+        session = self._sessions.get(shard)
+        if session is None:
+            stub = self._stub(shard)
+            session = self._sessions[shard] = _session.PushSession(
+                lambda: stub.PushSession(
+                    timeout=_session.STREAM_DEADLINE_S, metadata=self._metadata(), wait_for_ready=True
+                )
+            )
+        return session
+
+    async def _push_small(self, shard: int, request: codec.WireMessage) -> Any:
+        """One whole push in one message: over the shard's PushSession stream, else a unary Push."""
+        session = self._session(shard)
+        if session.supported:
+            timeout = self.config.timeout
+            try:
+                return await self._call(
+                    shard, "PushSession", lambda: session.push(request, _retry.attempt_timeout(timeout))
+                )
+            except _session.SessionUnsupported:
+                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
+        stub = self._stub(shard)
+        return await self._call(shard, "Push", lambda: stub.Push(request, **self._kw()))
 
     # -- checkpoints --------------------------------------------------------
 
@@ -481,6 +510,9 @@ class _WireStub(ps_pb2_grpc.ParameterServerStub):
         self.Push = channel.unary_unary(prefix + "Push", request_serializer=ser, response_deserializer=push)
         self.PushStream = channel.stream_stream(
             prefix + "PushStream", request_serializer=ser, response_deserializer=push
+        )
+        self.PushSession = channel.stream_stream(
+            prefix + "PushSession", request_serializer=ser, response_deserializer=push
         )
 
 

@@ -396,6 +396,9 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
 
+        if rpc == "PushSession" and handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(_metered_session(m, handler.stream_stream), **kw)
+
         inner_su, inner_ss = handler.stream_unary, handler.stream_stream
 
         async def _requests(iterator: AsyncIterator[Any], seen: list[Any]) -> AsyncIterator[Any]:
@@ -452,6 +455,40 @@ class _MetricsInterceptor(grpc.aio.ServerInterceptor):
                 on_done(seen[0] if seen else None, first, code, started)
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+
+
+def _metered_session(m: ShardMetrics, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+    """PushSession: each request message is one push and each response its outcome, counted like a Push."""
+
+    async def stream_stream(
+        iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        arrived: collections.deque[tuple[Any, float]] = collections.deque()
+
+        async def requests() -> AsyncIterator[Any]:
+            async for req in iterator:
+                if req.worker_id:
+                    m.saw_worker(req.worker_id)
+                    m.push_arrived(req.worker_id)
+                m.push_bytes.inc(_chunk_bytes(req.grads))
+                arrived.append((req, time.perf_counter()))
+                yield req
+
+        async for resp in inner(requests(), context):
+            req, started = arrived.popleft() if arrived else (None, time.perf_counter())
+            code = _STATUS_BY_VALUE.get(resp.code, grpc.StatusCode.UNKNOWN)
+            m.rpc_done("Push", time.perf_counter() - started, code)  # a push, whichever RPC carried it
+            if code == grpc.StatusCode.OK and req is not None:
+                m.pushed("applied" if resp.applied else (resp.reason or "not_applied"))
+                if req.return_values:
+                    m.read_by(req.worker_id)
+                    m.pull_bytes.inc(_chunk_bytes(resp.values))
+            yield resp
+
+    return stream_stream
+
+
+_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 
 
 def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:

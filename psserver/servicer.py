@@ -183,21 +183,38 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.PushResponse:
         try:
             with _statuses():
-                grads = codec.Assembler()
-                for chunk in request.grads:
-                    grads.add(chunk)
-                tensors = grads.result()
-                response = await self._push(request, tensors)
-                if request.return_values:
-                    snapshot = _snapshot(self.store.lookup(list(tensors)))
-                    response.versions.extend(version for _, _, version in snapshot)
-                    return codec.WireMessage(
-                        response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
-                    )
-                return response
+                return await self._push_one(request)
         except _Abort as err:
             await self._abort(context, err)
             raise AssertionError("unreachable") from None
+
+    async def _push_one(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse | codec.WireMessage:
+        """One whole push (Push, or a message of PushSession). Raises: ServerError, CodecError."""
+        grads = codec.Assembler()
+        for chunk in request.grads:
+            grads.add(chunk)
+        tensors = grads.result()
+        response = await self._push(request, tensors)
+        if request.return_values:
+            snapshot = _snapshot(self.store.lookup(list(tensors)))
+            response.versions.extend(version for _, _, version in snapshot)
+            return codec.WireMessage(
+                response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
+            )
+        return response
+
+    async def PushSession(
+        self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ps_pb2.PushResponse | codec.WireMessage]:
+        # One push per message, answered in order; a failed push is reported in
+        # its response (code, message) and the stream goes on.
+        async for request in request_iterator:
+            try:
+                with _statuses():
+                    response = await self._push_one(request)
+            except _Abort as err:
+                response = ps_pb2.PushResponse(code=err.code.value[0], message=f"shard {self.shard}: {err}")
+            yield response
 
     async def PushStream(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
@@ -273,6 +290,7 @@ _WIRE_REQUESTS = {
     "CreateVariables": (ps_pb2.CreateVariablesRequest, "values"),
     "Push": (ps_pb2.PushRequest, "grads"),
     "PushStream": (ps_pb2.PushRequest, "grads"),
+    "PushSession": (ps_pb2.PushRequest, "grads"),
 }
 
 
