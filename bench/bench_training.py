@@ -8,6 +8,9 @@ per worker, in the same run:
 * ``ps-async`` / ``ps-async-nooverlap`` / ``ps-sync``: ``pstrain worker`` x 2 processes
   (``fit`` with ``psclient.keras``) on a 2-shard psserver cluster; ``ps-sync`` is
   N = M = 2. Throughput is the sum of the workers' steps/s (steps after the first).
+* ``allreduce``: ``pstrain worker --mode allreduce`` x 2 processes (``fit`` with
+  ``psclient.keras.AllReduceOptimizer``: gradients averaged over a 2-rank ring each
+  step, no shards; MirroredStrategy's place). Throughput: the sum of the workers' steps/s.
 * ``tf-ps``: TensorFlow's ParameterServerStrategy with a custom training loop
   (``ClusterCoordinator.schedule`` of a ``tf.function`` step, per-worker
   datasets): 2 ps + 2 worker ``tf.distribute.Server`` processes and this
@@ -39,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
 
-SYSTEMS = ("local", "ps-async", "ps-async-nooverlap", "ps-sync", "tf-ps")
+SYSTEMS = ("local", "ps-async", "ps-async-nooverlap", "ps-sync", "allreduce", "tf-ps")
 _RUN_TIMEOUT_S = 600
 
 
@@ -90,6 +93,41 @@ def run_ps(args: argparse.Namespace, model: str, mode: str, overlap: bool) -> di
             stdout, _ = p.communicate(timeout=_RUN_TIMEOUT_S)
             if p.returncode != 0:
                 raise RuntimeError(f"worker failed:\n{stdout.decode(errors='replace')[-3000:]}")
+        results = [json.loads(o.read_text()) for o in outs]
+    return {
+        "steps_per_second": sum(r["steps_per_second"] for r in results),
+        "steps": sum(r["steps"] for r in results),
+        "per_worker": [round(r["steps_per_second"], 1) for r in results],
+    }
+
+
+def run_allreduce(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    from trainer.allreduce_loop import reserve_ports
+
+    ring = ",".join(reserve_ports(2))
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outs = [], []
+        for i in range(2):
+            out = Path(tmp) / f"w{i}.json"
+            outs.append(out)
+            cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce", "--ring", ring,
+                   "--worker-index", str(i), "--model", model, *_data_flags(args, 2),
+                   "--result-json", str(out)]  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=cm.REPO
+                )
+            )
+        try:
+            for p in procs:
+                stdout, _ = p.communicate(timeout=_RUN_TIMEOUT_S)
+                if p.returncode != 0:
+                    raise RuntimeError(f"worker failed:\n{stdout.decode(errors='replace')[-3000:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         results = [json.loads(o.read_text()) for o in outs]
     return {
         "steps_per_second": sum(r["steps_per_second"] for r in results),
@@ -239,7 +277,9 @@ def render(results: dict[str, Any]) -> str:
         "",
         "Systems: `local` = one process, Keras `fit` (no PS); `ps-async` = 2 `pstrain worker` processes, "
         "Keras `fit` with `psclient.keras` (fused push_pull of step k overlapped with step k+1's compute); "
-        "`ps-async-nooverlap` = the same without the overlap; `ps-sync` = N = M = 2 barrier; `tf-ps` = "
+        "`ps-async-nooverlap` = the same without the overlap; `ps-sync` = N = M = 2 barrier; `allreduce` = "
+        "2 `pstrain worker --mode allreduce` processes, Keras `fit` with `psclient.keras.AllReduceOptimizer` "
+        "(gradients averaged over a 2-rank `psclient.collective` ring each step, no shards); `tf-ps` = "
         "TensorFlow ParameterServerStrategy + ClusterCoordinator custom loop (Keras 3 model and optimizer "
         "under the strategy's scope; Keras 3 `fit` does not run on this strategy; no tf_keras installed).",
         "",
@@ -289,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ps-async": lambda m=model: run_ps(args, m, "async", True),
                 "ps-async-nooverlap": lambda m=model: run_ps(args, m, "async", False),
                 "ps-sync": lambda m=model: run_ps(args, m, "sync", False),
+                "allreduce": lambda m=model: run_allreduce(args, m),
                 "tf-ps": lambda m=model: run_tf_ps(args, m),
             }[system]
             try:

@@ -24,6 +24,10 @@ examples:
 """
 
 DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
+_NO_LR_SCALING_HELP = (
+    "allreduce: keep --learning-rate as is (by default it is multiplied by the number of workers, the "
+    "linear scaling rule for their N-times larger effective batch)"
+)
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -65,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--compression", choices=("none", "fp16"), default="none", help="allreduce: gradients on the wire"
     )
+    demo.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
@@ -86,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its own (default: TF_CONFIG's chief and worker tasks)",
     )
     worker.add_argument("--compression", choices=("none", "fp16"), default="none", help="allreduce")
+    worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
     _add_train_flags(worker)
@@ -164,7 +170,12 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
 
     try:
         result = train_rank(
-            _train_config(args), ring, rank, timeout=args.timeout, compression=args.compression
+            _train_config(args),
+            ring,
+            rank,
+            timeout=args.timeout,
+            compression=args.compression,
+            lr_scaling=not args.no_lr_scaling,
         )
     except UnavailableError as err:
         if "cannot bind" not in str(err):

@@ -72,6 +72,7 @@ def train_rank(
     *,
     timeout: float = 120.0,
     compression: str = "none",
+    lr_scaling: bool = True,
     evaluate: bool | None = None,
 ) -> RankResult:
     """Trains one rank of a mirrored job with Keras ``fit`` on its shard of the data.
@@ -82,6 +83,8 @@ def train_rank(
         rank: this worker's rank.
         timeout: deadline of each ring operation, seconds.
         compression: ``"none"`` or ``"fp16"`` (gradients travel as float16).
+        lr_scaling: multiply the learning rate by the number of ranks (the linear scaling rule for
+            the ``world``-times larger effective batch, as Horovod recommends).
         evaluate: compute the test accuracy of the trained replica (default: on rank 0).
 
     Raises:
@@ -97,7 +100,8 @@ def train_rank(
     split = config.load()
     world = len(addresses)
     with psk.AllReduceWorker(addresses, rank, timeout=timeout, compression=compression) as worker:
-        optimizer = psk.AllReduceOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
+        learning_rate = config.learning_rate * (world if lr_scaling else 1)
+        optimizer = psk.AllReduceOptimizer(keras.optimizers.Adam(learning_rate), worker)
         model = build_model(config, split, optimizer)  # seeded: the callback's broadcast makes sure
         keras.utils.set_random_seed(config.seed + 1000 * (rank + 1))  # dropout: different masks per rank
         ds = data.make_dataset(
@@ -160,7 +164,7 @@ def _launch(
         for rank in range(args.workers):
             cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
                    "--ring", ",".join(addresses), "--worker-index", str(rank),
-                   "--compression", args.compression,
+                   "--compression", args.compression, *(["--no-lr-scaling"] if args.no_lr_scaling else []),
                    "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
@@ -231,6 +235,7 @@ def run_allreduce_demo(args: argparse.Namespace) -> int:
             "workers": args.workers,
             "shards": 0,
             "compression": args.compression,
+            "learning_rate": args.learning_rate * (1 if args.no_lr_scaling else args.workers),
             "steps_per_second": sum(w["steps_per_second"] for w in workers),
             "steps": sum(w["steps"] for w in workers),
             "in_sync": in_sync,

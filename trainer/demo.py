@@ -1,5 +1,7 @@
 """``pstrain demo``: a whole job on this machine: ps shards and workers as processes, then evaluation.
 
+(``--mode allreduce`` has no shards: ``trainer.allreduce_loop`` runs it.)
+
 The workers' progress lines are relayed as they come; once every worker has
 finished, this process loads the shards' final values into the model and
 prints its test accuracy and the training throughput (the sum of the workers'
@@ -9,7 +11,6 @@ steps per second).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -71,11 +72,6 @@ def _print_result(result: dict[str, Any], path: str | None) -> None:
         print(f"results written to {path}", flush=True)
 
 
-def allreduce_available() -> bool:
-    """Whether the ring all-reduce training loop (``trainer.allreduce_loop``) is installed."""
-    return importlib.util.find_spec("trainer.allreduce_loop") is not None
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code.
 
@@ -103,13 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
             args.result_json,
         )
         return 0
-    if args.mode == "allreduce":
-        if not allreduce_available():
-            print(
-                "pstrain: error: --mode allreduce is not available yet (psclient.collective)", file=sys.stderr
-            )
-            return 2
-        from trainer.allreduce_loop import run_allreduce_demo  # type: ignore[import-not-found]
+    if args.mode == "allreduce":  # no ps shards: the workers average gradients over a ring
+        from trainer.allreduce_loop import run_allreduce_demo
 
         return int(run_allreduce_demo(args))
     print(
