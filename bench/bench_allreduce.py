@@ -30,6 +30,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "ALLREDUCE-RESULT "
+NOTES_HEADING = "## Notes"
 MIB = 1 << 20
 SYSTEMS = (
     "ours",
@@ -347,12 +348,23 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".json").write_text(
             json.dumps({**meta, "ring_options": opts, "rows": rows}, indent=1) + "\n"
         )
-        out.with_suffix(".md").write_text(
+        md = out.with_suffix(".md")
+        # Hand-written analysis below a "## Notes" heading survives a re-run.
+        old = md.read_text() if md.exists() else ""
+        notes = old[old.index(NOTES_HEADING) :] if NOTES_HEADING in old else ""
+        load_after = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+        md.write_text(
             f"# All-reduce: psclient.collective.Ring vs gloo vs TensorFlow RING\n\n"
             f"Command: `{meta['command']}`  \nMachine: {note}  \nStarted: {meta['started']}\n\n"
             "float32 sum, median of the timed iterations on rank 0 (best of the --repeat runs, which "
             "alternate between systems), algbw = bytes / time, "
-            "busbw = algbw * 2 (n-1) / n; GB/s = 1e9 bytes/s; ratios compare busbw.\n\n" + table + "\n"
+            "busbw = algbw * 2 (n-1) / n; GB/s = 1e9 bytes/s; ratios compare busbw. "
+            "Load average after the run: "
+            + " / ".join(f"{v:.2f}" for v in load_after)
+            + ".\n\n"
+            + table
+            + "\n"
+            + ("\n" + notes if notes else "")
         )
     return 0
 

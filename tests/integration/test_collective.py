@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -130,6 +131,36 @@ def test_world_size_one() -> None:
         ring.barrier()
     with pytest.raises(UnavailableError, match="closed"):
         ring.allreduce(x)
+
+
+def test_sync_rings_in_threads_of_one_process() -> None:
+    """Each Ring runs its own event-loop thread, so two ranks can even share a process."""
+    addrs = free_addresses(2)
+    results: dict[int, list[np.ndarray]] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with Ring(addrs, rank, timeout=10.0) as ring:
+                results[rank] = [
+                    ring.allreduce(np.full((2, 3), rank + 1.0), op="mean"),
+                    ring.allgather(np.array([rank])),
+                    ring.broadcast(np.array([rank * 7]), root=1),
+                ]
+                ring.barrier()
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and sorted(results) == [0, 1], errors
+    for mean, gathered, bcast in results.values():
+        np.testing.assert_array_equal(mean, np.full((2, 3), 1.5))
+        np.testing.assert_array_equal(gathered, [0, 1])
+        np.testing.assert_array_equal(bcast, [7])
 
 
 def test_killed_peer_gives_typed_error_naming_a_rank_not_a_hang() -> None:
