@@ -226,6 +226,28 @@ async def test_fp16_compression_of_float32() -> None:
         np.testing.assert_allclose(m[1], np.sum(xs, axis=0, dtype=np.float64), rtol=1e-6)
 
 
+@pytest.mark.parametrize("world", [2, 5, 8])
+async def test_world_sizes_up_to_eight_with_awkward_sizes(world: int) -> None:
+    rng = np.random.default_rng(world)
+    async with asyncio.timeout(60), async_rings(world, chunk_bytes=4096) as rings:
+        for size in (0, 1, world - 1, 3 * world + 1, 10_007):
+            xs = [rng.integers(-50, 50, size).astype(np.int64) for _ in range(world)]
+            for op, ref in (("sum", np.sum), ("min", np.min), ("max", np.max)):
+                outs = await asyncio.gather(
+                    *(ring.allreduce(x, op) for ring, x in zip(rings, xs, strict=True))
+                )
+                for out in outs:
+                    np.testing.assert_array_equal(out, ref(np.stack(xs), axis=0) if size else xs[0])
+            gathered = await asyncio.gather(*(ring.allgather(x) for ring, x in zip(rings, xs, strict=True)))
+            bcast = await asyncio.gather(
+                *(ring.broadcast(x, root=world - 1) for ring, x in zip(rings, xs, strict=True))
+            )
+            for g, b in zip(gathered, bcast, strict=True):
+                np.testing.assert_array_equal(g, np.concatenate(xs))
+                np.testing.assert_array_equal(b, xs[-1])
+        await asyncio.gather(*(ring.barrier() for ring in rings))
+
+
 async def test_small_chunks_pipeline_many_frames() -> None:
     async with asyncio.timeout(30), async_rings(4, chunk_bytes=1024) as rings:
         xs = [np.arange(100_001, dtype=np.float64) * (r + 1) for r in range(4)]
