@@ -29,6 +29,7 @@ from psclient.collective._schedule import (
 from psclient.collective._service import EXCHANGE_METHOD, CollectiveService, Delivery, Mailboxes
 from psclient.errors import (
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     PSError,
     UnavailableError,
@@ -702,11 +703,15 @@ class AsyncRing:
                 method=op.method,
                 address=addr,
             )
-        return UnavailableError(
-            f"{op.name} on rank {self.rank}: {'sending to rank ' + str(nxt) if sender else 'receiving'} "
-            f"failed: {type(exc).__name__}: {exc}",
+        if sender:
+            return UnavailableError(
+                f"{op.name} on rank {self.rank}: sending to rank {nxt} failed: {type(exc).__name__}: {exc}",
+                method=op.method,
+                address=addr,
+            )
+        return InternalError(
+            f"{op.name} on rank {self.rank}: processing a frame failed: {type(exc).__name__}: {exc}",
             method=op.method,
-            address=addr,
         )
 
     @staticmethod
