@@ -25,8 +25,8 @@ examples:
 
 DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
 _NO_LR_SCALING_HELP = (
-    "allreduce: keep --learning-rate as is (by default it is multiplied by the number of workers, the "
-    "linear scaling rule for their N-times larger effective batch)"
+    "allreduce and sync modes: keep --learning-rate as is (by default it is multiplied by the number of "
+    "gradients averaged per update, the linear scaling rule for the N-times larger effective batch)"
 )
 
 

@@ -38,9 +38,17 @@ def server_args(args: argparse.Namespace) -> list[str]:
     return []
 
 
+def learning_rate(args: argparse.Namespace) -> float:
+    """The workers' learning rate: in sync mode each update averages N gradients, an N-times larger
+    batch, so the linear scaling rule multiplies the rate by N (unless --no-lr-scaling)."""
+    if args.mode == "sync" and not args.no_lr_scaling:
+        return float(args.learning_rate) * (args.replicas_to_aggregate or args.workers)
+    return float(args.learning_rate)
+
+
 def _train_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs),
-             "--batch-size", str(args.batch_size), "--learning-rate", str(args.learning_rate),
+             "--batch-size", str(args.batch_size), "--learning-rate", str(learning_rate(args)),
              "--seed", str(args.seed), "--synthetic-size", str(args.synthetic_size),
              "--image-size", str(args.image_size), "--log-level", args.log_level]  # fmt: skip
     if args.data_path:
