@@ -18,9 +18,12 @@ process, one system after the other:
   at least 8 MiB are split in two halves on ps:0 and ps:1 (as psserver does), and
   the halves move concurrently inside one ``tf.function``.
 
-Every process of the run (servers and clients of all three systems) gets the
-same glibc malloc tuning (``psclient.memory.tune_malloc``: big buffers stay in
-the heap instead of being page-faulted in anew), unless ``--malloc default``.
+glibc malloc (``--malloc``): ``tuned`` (default) gives every process of the run,
+servers and clients of all three systems, ``psclient.memory.tune_malloc`` (big
+buffers stay in the heap instead of being page-faulted in anew); ``shipped``
+leaves everything as installed (psserver tunes itself at start, nothing else
+is tuned: the out-of-the-box comparison); ``default`` runs every process,
+psserver included, on glibc's defaults.
 
 Every case runs until ``--max-iters`` ops or ``--seconds`` seconds (after a short
 warm-up), serially (1 client) and, for 1 KiB, with ``--concurrency`` clients at
@@ -41,7 +44,9 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -86,6 +91,19 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, int, int]]:
             for op in args.ops:
                 out.append((op, n, args.concurrency))
     return out
+
+
+READY = "BENCH-READY"
+
+
+def _feed() -> Iterator[tuple[str, int, int]]:
+    """A client child's cases, one JSON line each on stdin, as the parent sends them (after READY)."""
+    print(READY, flush=True)
+    for line in sys.stdin:
+        if not line.strip() or line.strip() == "quit":
+            return
+        op, n, conc = json.loads(line)
+        yield str(op), int(n), int(conc)
 
 
 def _budget(args: argparse.Namespace, nbytes: int) -> tuple[int, float, int]:
@@ -145,7 +163,7 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
     ]
     stats = []
     try:
-        for op, n, conc in _cases(args):
+        for op, n, conc in _feed():
             payload = bytes(n)
             request = struct.pack("<q", n)
             calls = {
@@ -170,6 +188,7 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
                 run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
             )
             stats.append(cm.summarize("echo", op, n, conc, lat, elapsed))
+            cm.emit(stats[-1:])
     finally:
         for ch in channels:
             await ch.close()
@@ -196,7 +215,7 @@ async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
             names[n] = name
         for c in clients:  # learn placement up front (a worker that created nothing does this once)
             await c.list_variables(list(names.values()))
-        for op, n, conc in _cases(args):
+        for op, n, conc in _feed():
             name = names[n]
             grad = np.full(n // 4, 1e-3, np.float32)
 
@@ -214,6 +233,7 @@ async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
                 run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
             )
             stats.append(cm.summarize("ps", op, n, conc, lat, elapsed))
+            cm.emit(stats[-1:])
     finally:
         for c in clients:
             await c.close()
@@ -244,14 +264,17 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
     cluster = tf.train.ClusterSpec(json.loads(args.target))
     tf.config.experimental_connect_to_cluster(cluster, job_name="chief", protocol="grpc")
     stats = []
-    for op, n, conc in _cases(args):
+    variables: dict[int, list[Any]] = {}
+    for op, n, conc in _feed():
         count = n // 4
         parts = 2 if n >= TF_SPLIT_BYTES else 1
         bounds = np.linspace(0, count, parts + 1).astype(int)
-        shards = []
-        for p in range(parts):
-            with tf.device(f"/job:ps/task:{p}"):
-                shards.append(tf.Variable(tf.zeros([bounds[p + 1] - bounds[p]], tf.float32)))
+        if n not in variables:
+            variables[n] = []
+            for p in range(parts):
+                with tf.device(f"/job:ps/task:{p}"):
+                    variables[n].append(tf.Variable(tf.zeros([bounds[p + 1] - bounds[p]], tf.float32)))
+        shards = variables[n]
         grad = np.full(count, 1e-3, np.float32)
         grads = [grad[bounds[p] : bounds[p + 1]] for p in range(parts)]
 
@@ -281,6 +304,7 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
             run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
         )
         stats.append(cm.summarize("tf", op, n, conc, lat, elapsed))
+        cm.emit(stats[-1:])
     return stats
 
 
@@ -361,14 +385,66 @@ def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for ready, proc in procs:
                 cm.wait_for_file(ready, 120, proc)
             targets["tf"] = spec
-        for system in args.systems:
-            t0 = time.monotonic()
-            env = _tf_env() if system == "tf" else None
-            results.extend(
-                cm.run_child(_child_args(args, system, targets[system]), timeout=CHILD_TIMEOUT_S, env=env)
-            )
-            print(f"  {system}: {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        results.extend(_interleaved(args, targets, work))
     return results
+
+
+def _interleaved(args: argparse.Namespace, targets: dict[str, str], work: Path) -> list[dict[str, Any]]:
+    """Runs every case on every system back to back (rotating which goes first), one client process each.
+
+    Interleaving keeps the ratios of one case honest on a machine whose load
+    drifts: the systems of a case are measured within seconds of each other.
+    """
+    children: dict[str, subprocess.Popen[str]] = {}
+    results: list[dict[str, Any]] = []
+    deadline = threading.Timer(CHILD_TIMEOUT_S, lambda: [c.kill() for c in children.values()])
+    deadline.daemon = True
+    try:
+        for system in args.systems:
+            env = {**os.environ, **(_tf_env() if system == "tf" else {})}
+            log = open(work / f"client-{system}.log", "w")  # noqa: SIM115 - owned by the child
+            children[system] = subprocess.Popen(
+                [sys.executable, *_child_args(args, system, targets[system])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=cm.REPO,
+            )  # fmt: skip
+            log.close()
+        deadline.start()
+        for system, child in children.items():
+            _read_until(child, system, work, READY)
+        for k, (op, n, conc) in enumerate(_cases(args)):
+            order = args.systems[k % len(args.systems) :] + args.systems[: k % len(args.systems)]
+            for system in order:
+                child = children[system]
+                assert child.stdin is not None
+                child.stdin.write(json.dumps([op, n, conc]) + "\n")
+                child.stdin.flush()
+                line = _read_until(child, system, work, cm.RESULT_PREFIX)
+                results.extend(json.loads(line[len(cm.RESULT_PREFIX) :]))
+            print(f"  {op} {_size_name(n)} x{conc}: done", file=sys.stderr, flush=True)
+    finally:
+        deadline.cancel()
+        for child in children.values():
+            with contextlib.suppress(OSError, ValueError):
+                assert child.stdin is not None
+                child.stdin.write("quit\n")
+                child.stdin.close()
+        for child in children.values():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=30)
+    return results
+
+
+def _read_until(child: subprocess.Popen[str], system: str, work: Path, prefix: str) -> str:
+    """The child's next stdout line starting with ``prefix``. Raises: RuntimeError if it ended first."""
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.startswith(prefix):
+            return line.strip()
+    log = (work / f"client-{system}.log").read_text(errors="replace")[-3000:]
+    raise RuntimeError(f"{system} client exited ({child.poll()}) before {prefix}:\n{log}")
 
 
 # -- report ---------------------------------------------------------------------------
@@ -466,9 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ps-server-args", nargs="*", default=[], help="extra psserver flags")
     p.add_argument(
         "--malloc",
-        choices=("tuned", "default"),
+        choices=("tuned", "shipped", "default"),
         default="tuned",
-        help="glibc malloc of every process: psclient.memory.tune_malloc (default) or glibc's defaults",
+        help="tuned: tune_malloc in every process (default); shipped: only psserver tunes itself; "
+        "default: glibc defaults everywhere",
     )
     p.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -476,11 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     args.systems = [s for s in args.systems.split(",") if s]
 
     if args.role != "main":
-        from psclient.memory import tune_malloc
+        if os.environ.get("BENCH_MALLOC", "tuned") == "tuned":
+            from psclient.memory import tune_malloc
 
-        tune_malloc()  # a no-op under --malloc default (PS_MALLOC_TUNING=0)
-    elif args.malloc == "default":
-        os.environ["PS_MALLOC_TUNING"] = "0"  # inherited by every child and shard
+            tune_malloc()
+    else:
+        os.environ["BENCH_MALLOC"] = args.malloc  # inherited by every child
+        if args.malloc == "default":
+            os.environ["PS_MALLOC_TUNING"] = "0"  # psserver too
     if args.role == "echo-server":
         import uvloop
 
@@ -492,15 +572,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "client-echo":
         import uvloop
 
-        cm.emit(uvloop.run(_echo_client(args)))
+        uvloop.run(_echo_client(args))  # results go out case by case (_feed)
         return 0
     if args.role == "client-ps":
         import uvloop
 
-        cm.emit(uvloop.run(_ps_client(args)))
+        uvloop.run(_ps_client(args))
         return 0
     if args.role == "client-tf":
-        cm.emit(_tf_client(args))
+        _tf_client(args)
         return 0
 
     command = "python bench/bench_ps.py " + " ".join(argv if argv is not None else sys.argv[1:])
