@@ -25,9 +25,13 @@ leaves everything as installed (psserver tunes itself at start, nothing else
 is tuned: the out-of-the-box comparison); ``default`` runs every process,
 psserver included, on glibc's defaults.
 
-Every case runs until ``--max-iters`` ops or ``--seconds`` seconds (after a short
-warm-up), serially (1 client) and, for 1 KiB, with ``--concurrency`` clients at
-once. Throughput counts the model bytes N once per op (push_pull moves 2N).
+Every case runs for ``--seconds`` seconds (or ``--max-iters`` ops) per system,
+cut into ``--rounds`` short rounds (each after a short warm-up) that alternate
+between the systems in rotating order, so that load from other work on the
+machine falls on all systems alike; serially (1 client) and, for 1 KiB, with
+``--concurrency`` clients at once. ops/s and GB/s sum the rounds; p50 is the
+median round's, p99 the worst round's. Throughput counts the model bytes N
+once per op (push_pull moves 2N).
 
 Usage:
     python bench/bench_ps.py --out bench/results/ps   # writes ps.md and ps.json
@@ -96,20 +100,20 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 READY = "BENCH-READY"
 
 
-def _feed() -> Iterator[tuple[str, int, int]]:
+def _feed() -> Iterator[tuple[str, int, int, float]]:
     """A client child's cases, one JSON line each on stdin, as the parent sends them (after READY)."""
     print(READY, flush=True)
     for line in sys.stdin:
         if not line.strip() or line.strip() == "quit":
             return
-        op, n, conc = json.loads(line)
-        yield str(op), int(n), int(conc)
+        op, n, conc, seconds = json.loads(line)
+        yield str(op), int(n), int(conc), float(seconds)
 
 
-def _budget(args: argparse.Namespace, nbytes: int) -> tuple[int, float, int]:
-    """(max_iters, max_seconds, warmup) of a case."""
+def _budget(args: argparse.Namespace, nbytes: int, seconds: float) -> tuple[int, float, int]:
+    """(max_iters, max_seconds, warmup) of one round of a case."""
     warmup = 2 if nbytes >= 16 << 20 else 20
-    return args.max_iters, args.seconds, warmup
+    return max(1, args.max_iters // args.rounds), seconds, warmup
 
 
 def _grpc_options() -> list[tuple[str, int]]:
@@ -163,7 +167,7 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
     ]
     stats = []
     try:
-        for op, n, conc in _feed():
+        for op, n, conc, budget_s in _feed():
             payload = bytes(n)
             request = struct.pack("<q", n)
             calls = {
@@ -183,7 +187,7 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
                     resp = await calls["Echo"][i](payload, timeout=60)
                     np.frombuffer(resp, np.float32)
 
-            iters, seconds, warmup = _budget(args, n)
+            iters, seconds, warmup = _budget(args, n, budget_s)
             lat, elapsed = await cm.measure_async(
                 run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
             )
@@ -215,7 +219,7 @@ async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
             names[n] = name
         for c in clients:  # learn placement up front (a worker that created nothing does this once)
             await c.list_variables(list(names.values()))
-        for op, n, conc in _feed():
+        for op, n, conc, budget_s in _feed():
             name = names[n]
             grad = np.full(n // 4, 1e-3, np.float32)
 
@@ -228,7 +232,7 @@ async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
                 else:
                     await c.push_pull({name: grad})
 
-            iters, seconds, warmup = _budget(args, n)
+            iters, seconds, warmup = _budget(args, n, budget_s)
             lat, elapsed = await cm.measure_async(
                 run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
             )
@@ -265,7 +269,7 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
     tf.config.experimental_connect_to_cluster(cluster, job_name="chief", protocol="grpc")
     stats = []
     variables: dict[int, list[Any]] = {}
-    for op, n, conc in _feed():
+    for op, n, conc, budget_s in _feed():
         count = n // 4
         parts = 2 if n >= TF_SPLIT_BYTES else 1
         bounds = np.linspace(0, count, parts + 1).astype(int)
@@ -299,7 +303,7 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
             else:
                 [t.numpy() for t in add_read(grads)]
 
-        iters, seconds, warmup = _budget(args, n)
+        iters, seconds, warmup = _budget(args, n, budget_s)
         lat, elapsed = cm.measure_threads(
             run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
         )
@@ -411,15 +415,20 @@ def _interleaved(args: argparse.Namespace, targets: dict[str, str], work: Path) 
         deadline.start()
         for system, child in children.items():
             _read_until(child, system, work, READY)
-        for k, (op, n, conc) in enumerate(_cases(args)):
-            order = args.systems[k % len(args.systems) :] + args.systems[: k % len(args.systems)]
-            for system in order:
-                child = children[system]
-                assert child.stdin is not None
-                child.stdin.write(json.dumps([op, n, conc]) + "\n")
-                child.stdin.flush()
-                line = _read_until(child, system, work, cm.RESULT_PREFIX)
-                results.extend(json.loads(line[len(cm.RESULT_PREFIX) :]))
+        turn = 0
+        for op, n, conc in _cases(args):
+            rounds: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+            for _ in range(args.rounds):  # short rounds, rotating who goes first
+                order = args.systems[turn % len(args.systems) :] + args.systems[: turn % len(args.systems)]
+                turn += 1
+                for system in order:
+                    child = children[system]
+                    assert child.stdin is not None
+                    child.stdin.write(json.dumps([op, n, conc, args.seconds / args.rounds]) + "\n")
+                    child.stdin.flush()
+                    line = _read_until(child, system, work, cm.RESULT_PREFIX)
+                    rounds[system].extend(json.loads(line[len(cm.RESULT_PREFIX) :]))
+            results.extend(_merge(r) for r in rounds.values())
             print(f"  {op} {_size_name(n)} x{conc}: done", file=sys.stderr, flush=True)
     finally:
         deadline.cancel()
@@ -435,6 +444,24 @@ def _interleaved(args: argparse.Namespace, targets: dict[str, str], work: Path) 
                 child.kill()
                 child.wait(timeout=30)
     return results
+
+
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's rounds as one result: ops and seconds summed; p50 the median round's, p99 the worst."""
+    first = rounds[0]
+    iters = sum(r["iters"] for r in rounds)
+    seconds = sum(r["seconds"] for r in rounds)
+    ops = iters / seconds if seconds > 0 else 0.0
+    return {
+        **first,
+        "iters": iters,
+        "seconds": round(seconds, 4),
+        "ops_s": round(ops, 2),
+        "gb_s": round(ops * first["nbytes"] / 1e9, 4),
+        "p50_ms": sorted(r["p50_ms"] for r in rounds)[len(rounds) // 2],
+        "p99_ms": max(r["p99_ms"] for r in rounds),
+        "rounds": len(rounds),
+    }
 
 
 def _read_until(child: subprocess.Popen[str], system: str, work: Path, prefix: str) -> str:
@@ -532,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="+", default=list(SIZES), help="model sizes (default: 1KiB 1MiB 64MiB)")
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     p.add_argument("--systems", default="echo,ps,tf", help="comma list of echo, ps, tf (default: all)")
-    p.add_argument("--seconds", type=float, default=3.0, help="time budget per case (default: 3)")
+    p.add_argument("--seconds", type=float, default=3.0, help="time budget per case and system (default: 3)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per case (default: 3)")
     p.add_argument("--max-iters", type=int, default=3000, help="op budget per case (default: 3000)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default 8)")
     p.add_argument(
