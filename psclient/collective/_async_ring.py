@@ -12,12 +12,12 @@ from typing import Any, Final
 import grpc
 import numpy as np
 
+from psclient import _security
 from psclient.codec import CodecError, as_wire_array, wire_dtype
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
 from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode
 from psclient.collective._link import Link
-from psclient.collective._malloc import tune_malloc
 from psclient.collective._schedule import (
     chunk_range,
     even_segments,
@@ -35,6 +35,7 @@ from psclient.errors import (
     UnavailableError,
     error_class,
 )
+from psclient.memory import tune_malloc
 from psproto.v1 import collective_pb2 as _pb
 
 logger = logging.getLogger(__name__)
@@ -112,9 +113,13 @@ class AsyncRing:
         fusion_threshold_bytes: largest fused buffer of :meth:`allreduce_many`.
         compression: ``"fp16"`` sends float32 all-reduce data as float16.
         auth_token: a shared secret every stream must carry (``authorization: Bearer``), or None.
+        tls_ca: PEM CA the next rank's certificate must chain to (default: system roots).
+        tls_cert, tls_key: PEM certificate and key of this rank: TLS on every stream (server
+            certificate, and client certificate towards the next rank).
+        tls_client_ca: PEM CA that must have signed the previous rank's client certificate (mTLS).
         max_message_bytes: gRPC message size limit of the server and channel.
         grpc_options: extra gRPC channel and server arguments.
-        tune_malloc: raise glibc's trim and mmap thresholds once per process (default True).
+        tune_malloc: apply :func:`psclient.memory.tune_malloc` at start (default True).
 
     Raises:
         ValueError: invalid settings.
@@ -135,8 +140,7 @@ class AsyncRing:
         self._channel: grpc.aio.Channel | None = None
         self._link: Link | None = None
         self._closed = False
-        token = self._cfg.auth_token
-        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+        self._metadata = _security.auth_metadata(self._cfg.auth_token) or None
 
     @property
     def config(self) -> RingConfig:
@@ -158,6 +162,7 @@ class AsyncRing:
 
         Raises:
             UnavailableError: the address cannot be bound.
+            ValueError: a TLS file cannot be read.
         """
         cfg = self._cfg
         self._lock = asyncio.Lock()
@@ -168,28 +173,38 @@ class AsyncRing:
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             *(tuple(o) for o in cfg.grpc_options),
         ]
-        server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0)])
+        # Read every TLS file before binding anything: a bad path fails cleanly.
+        server_creds = channel_creds = None
+        if cfg.tls:
+            assert cfg.tls_cert is not None and cfg.tls_key is not None
+            server_creds = _security.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            channel_creds = _security.channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        interceptors: list[grpc.aio.ServerInterceptor] = [_security.MalformedRequestInterceptor()]
+        if cfg.auth_token is not None:  # first: an unauthenticated stream reaches nothing else
+            interceptors.insert(0, _security.TokenAuthInterceptor(cfg.auth_token))
+        server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0)], interceptors=interceptors)
         service = CollectiveService(
             self._boxes,
             rank=cfg.rank,
             prev_rank=cfg.prev_rank,
             prev_address=cfg.addresses[cfg.prev_rank],
-            auth_token=cfg.auth_token,
         )
         server.add_generic_rpc_handlers([service.handler()])
         address = cfg.addresses[cfg.rank]
         try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as err:
-            port, cause = 0, err
-        else:
-            cause = None
-        if port == 0:
-            raise UnavailableError(f"rank {cfg.rank}: cannot bind {address}: {cause}", address=address)
+            _security.add_port(server, address, server_creds)
+        except (OSError, RuntimeError) as err:
+            raise UnavailableError(
+                f"rank {cfg.rank}: cannot bind {address}: {err}", address=address
+            ) from None
         await server.start()
         self._server = server
         if cfg.world > 1:
-            self._channel = grpc.aio.insecure_channel(cfg.addresses[cfg.next_rank], options=limits)
+            target = cfg.addresses[cfg.next_rank]
+            if channel_creds is not None:
+                self._channel = grpc.aio.secure_channel(target, channel_creds, options=limits)
+            else:
+                self._channel = grpc.aio.insecure_channel(target, options=limits)
             close = FrameHeader(0, 0, _pb.COLLECTIVE_KIND_CLOSE, 0, 0, 0, 0, 0, cfg.rank, cfg.world)
             self._link = Link(
                 self._channel.stream_unary(EXCHANGE_METHOD),
@@ -722,8 +737,17 @@ class AsyncRing:
 
     def _deadline_error(self, op: _Op) -> DeadlineExceededError:
         cfg = self._cfg
+        why = "the peer is dead, stuck, or not calling the same collective"
         if op.sending is not None and op.sent == 0:
             peer, what = cfg.next_rank, f"waiting for rank {cfg.next_rank} to accept the stream"
+            if (
+                self._channel is not None
+                and self._channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+            ):  # grpc logs the handshake's own reason
+                why = (
+                    "connecting to it fails: nothing listens there, or the TLS settings disagree "
+                    "(plaintext vs TLS, tls_ca, or a certificate that its tls_client_ca refuses)"
+                )
         elif op.receiving is not None:
             peer, what = cfg.prev_rank, f"waiting for {self._where(op.receiving)} from rank {cfg.prev_rank}"
         else:
@@ -732,8 +756,7 @@ class AsyncRing:
                 f"waiting for rank {cfg.next_rank} to accept {self._where(op.sending)}",
             )
         return DeadlineExceededError(
-            f"{op.name} on rank {self.rank}: deadline exceeded {what} ({cfg.addresses[peer]}); "
-            "the peer is dead, stuck, or not calling the same collective",
+            f"{op.name} on rank {self.rank}: deadline exceeded {what} ({cfg.addresses[peer]}); {why}",
             method=op.method,
             address=cfg.addresses[peer],
         )

@@ -18,8 +18,18 @@ class RingConfig:
     """Settings of one rank (see :class:`psclient.collective.Ring` for their meaning).
 
     ``grpc_options`` are extra gRPC channel and server arguments (for tuning, e.g.
-    ``(("grpc.http2.lookahead_bytes", 1 << 24),)``). ``tune_malloc`` raises glibc's
-    trim and mmap thresholds for the whole process (see ``_malloc``).
+    ``(("grpc.http2.lookahead_bytes", 1 << 24),)``). ``tune_malloc`` applies
+    :func:`psclient.memory.tune_malloc` to the whole process.
+
+    Security, as on every service (see :mod:`psclient._security`): ``auth_token``
+    is required on every stream a rank accepts and sent on every stream it opens.
+    TLS is all or nothing across a ring, because every rank both serves and
+    connects: ``tls_cert``/``tls_key`` (PEM paths) are this rank's certificate,
+    served to the previous rank and presented to the next one as a client
+    certificate; ``tls_ca`` is the CA that the next rank's certificate must chain
+    to (default: the system roots); ``tls_client_ca`` makes this rank require a
+    client certificate signed by it (mutual TLS). The names match
+    ``PSClient(tls_ca=, tls_cert=, tls_key=)`` and ``psserver --tls-client-ca``.
 
     Raises:
         ValueError: an inconsistent or out-of-range setting.
@@ -32,11 +42,23 @@ class RingConfig:
     fusion_threshold_bytes: int = DEFAULT_FUSION_THRESHOLD_BYTES
     compression: str = "none"
     auth_token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grpc_options: tuple[tuple[str, int | str], ...] = ()
     tune_malloc: bool = True
 
     def __post_init__(self) -> None:
+        if self.auth_token is not None and not self.auth_token:
+            raise ValueError("auth_token must not be empty (use None for no token auth)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_cert is None and (self.tls_ca is not None or self.tls_client_ca is not None):
+            raise ValueError(
+                "tls_ca and tls_client_ca need tls_cert and tls_key: every rank of a TLS ring serves TLS"
+            )
         if not self.addresses:
             raise ValueError("a ring needs at least one address")
         for a in self.addresses:
@@ -59,6 +81,11 @@ class RingConfig:
             raise ValueError(
                 f"chunk_bytes must be in [1024, max_message_bytes - {HEADER_BYTES}], got {self.chunk_bytes}"
             )
+
+    @property
+    def tls(self) -> bool:
+        """Whether the ring's streams use TLS."""
+        return self.tls_cert is not None
 
     @property
     def world(self) -> int:

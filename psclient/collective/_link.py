@@ -6,6 +6,11 @@ its own stream). The stream has a deadline like every RPC (``lifetime_s``) and i
 replaced, between operations, before that deadline can cut an operation short.
 After any failure the link is reset and reopened by the next operation.
 
+The first write on a new stream waits for the next rank's initial metadata, which
+its handler sends at once (so only after auth passed): a refused stream fails that
+write with the refusal's status, and no frame counts as sent before the next rank
+accepted the stream.
+
 Not thread-safe: used from the ring's event loop only, by one operation at a time.
 """
 
@@ -17,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+
+from psclient.collective._service import ACCEPTED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ class Link:
         self._metadata = metadata
         self._lifetime = lifetime_s
         self._call: Any = None
+        self._accepted = False
         self._expires = 0.0
         self._ended: asyncio.Future[tuple[grpc.StatusCode, str]] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -56,6 +64,7 @@ class Link:
             self._retire()
         if self._call is None:
             self._call = self._method(timeout=self._lifetime, wait_for_ready=True, metadata=self._metadata)
+            self._accepted = False
             self._expires = loop.time() + self._lifetime
             ended: asyncio.Future[tuple[grpc.StatusCode, str]] = loop.create_future()
             self._ended = ended
@@ -74,8 +83,18 @@ class Link:
         """Writes one frame.
 
         Raises:
-            grpc.aio.AioRpcError, asyncio.InvalidStateError: the stream is broken (see :meth:`status`).
+            grpc.aio.AioRpcError, asyncio.InvalidStateError: the stream is broken or was refused
+                (see :meth:`status`).
         """
+        if not self._accepted:
+            call = self._call
+            metadata = await call.initial_metadata()
+            if metadata is None or ACCEPTED_KEY not in metadata:
+                # Refused or ended before the handler ran: raise the call's own status. (Writing
+                # now could race the status and turn it into INTERNAL.)
+                await call
+                raise asyncio.InvalidStateError("the next rank ended the stream without accepting it")
+            self._accepted = True
         await self._call.write(msg)
 
     async def status(self) -> tuple[grpc.StatusCode, str]:

@@ -49,10 +49,12 @@ class Ring:
         **options: keyword-only settings of :class:`RingConfig`: ``chunk_bytes`` (pipelining
             granularity, default 2 MiB), ``fusion_threshold_bytes`` (default 64 MiB),
             ``compression`` (``"none"`` or ``"fp16"``: float32 all-reduce data travels as float16),
-            ``auth_token`` (shared secret, or None), ``max_message_bytes`` (default 64 MiB),
-            ``grpc_options`` (extra channel/server arguments) and ``tune_malloc`` (default True:
-            raise glibc's trim/mmap thresholds once per process so message buffers are reused
-            instead of page-faulted in; see ``psclient.collective._malloc``).
+            ``auth_token`` (shared secret, or None), ``tls_cert``/``tls_key`` (this rank's PEM
+            certificate and key: TLS on every stream), ``tls_ca`` (PEM CA of the peers'
+            certificates), ``tls_client_ca`` (require client certificates it signed: mutual TLS),
+            ``max_message_bytes`` (default 64 MiB), ``grpc_options`` (extra channel/server
+            arguments) and ``tune_malloc`` (default True: :func:`psclient.memory.tune_malloc`,
+            so message buffers are reused instead of page-faulted in).
 
     Raises:
         ValueError: invalid settings.

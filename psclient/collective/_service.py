@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Final
@@ -18,6 +17,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: Final[str] = "psproto.v1.Collective"
 EXCHANGE_METHOD: Final[str] = f"/{SERVICE_NAME}/Exchange"
+ACCEPTED_KEY: Final[str] = "x-collective-accepted-by"  # initial metadata of an accepted stream: the rank
 
 Delivery = tuple[FrameHeader, bytes] | PSError
 
@@ -65,7 +65,8 @@ class CollectiveService:
         rank: this rank.
         prev_rank: the rank that streams to this one.
         prev_address: its address (for messages).
-        auth_token: the bearer token every stream must carry, or None.
+
+    Token auth and TLS are the server's job (``psclient._security``), not this handler's.
     """
 
     def __init__(
@@ -75,13 +76,11 @@ class CollectiveService:
         rank: int,
         prev_rank: int,
         prev_address: str,
-        auth_token: str | None,
     ) -> None:
         self._boxes = mailboxes
         self._rank = rank
         self._prev = prev_rank
         self._prev_address = prev_address
-        self._expected_auth = f"Bearer {auth_token}".encode() if auth_token is not None else None
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register on a ``grpc.aio`` server (raw bytes in and out)."""
@@ -97,12 +96,8 @@ class CollectiveService:
         Raises:
             asyncio.CancelledError: the server is stopping.
         """
-        if self._expected_auth is not None:
-            got = dict(context.invocation_metadata() or ()).get("authorization", "")
-            if not hmac.compare_digest(str(got).encode(), self._expected_auth):
-                await context.abort(
-                    grpc.StatusCode.UNAUTHENTICATED, f"rank {self._rank}: missing or wrong ring auth token"
-                )
+        # Tells the sender at once that the stream was accepted (auth passed): see _link.Link.write.
+        await context.send_initial_metadata(((ACCEPTED_KEY, str(self._rank)),))
         seq: int | None = None
         completed = closing = False
         try:

@@ -6,43 +6,30 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _rings import async_rings, free_addresses
 
 from psclient.collective import AsyncRing, Ring
 from psclient.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     PSError,
-    UnauthenticatedError,
     UnavailableError,
 )
 
 WORKER = Path(__file__).with_name("_collective_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 EVENT_TIMEOUT_S = 60.0  # bound on any wait for a worker's line (the machine is slow and shared)
-
-
-def free_addresses(n: int) -> list[str]:
-    """``n`` loopback addresses whose ports were free a moment ago (bind-and-close)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Worker:
@@ -194,23 +181,6 @@ def test_rank_that_never_joins_gives_deadline_error_naming_it() -> None:
 # --------------------------------------------------------------------------- AsyncRing, one loop
 
 
-@asynccontextmanager
-async def async_rings(world: int, **options: Any) -> AsyncIterator[list[AsyncRing]]:
-    addrs = free_addresses(world)
-    tokens = options.pop("tokens", [None] * world)
-    rings = [
-        AsyncRing(addrs, r, options.pop("timeout", 5.0), auth_token=tokens[r], **options)
-        for r in range(world)
-    ]
-    try:
-        for ring in rings:
-            await ring.start()
-        yield rings
-    finally:
-        for ring in rings:
-            await ring.close()
-
-
 async def test_fp16_compression_of_float32() -> None:
     async with asyncio.timeout(30), async_rings(3, compression="fp16") as rings:
         xs = [np.random.default_rng(r).standard_normal(1001).astype(np.float32) for r in range(3)]
@@ -270,20 +240,6 @@ async def test_mismatched_shapes_fail_with_invalid_argument_then_the_ring_recove
         )
     for out in outs:
         np.testing.assert_array_equal(out, np.full(5, 3))
-
-
-async def test_wrong_auth_token_is_unauthenticated() -> None:
-    async with asyncio.timeout(30), async_rings(2, timeout=3.0, tokens=["s3cret", "other"]) as rings:
-        results = await asyncio.gather(*(ring.barrier() for ring in rings), return_exceptions=True)
-    assert any(isinstance(e, UnauthenticatedError) for e in results), results
-    assert all(isinstance(e, PSError) for e in results), results
-
-
-async def test_matching_auth_token_works() -> None:
-    async with asyncio.timeout(30), async_rings(2, tokens=["s3cret", "s3cret"]) as rings:
-        outs = await asyncio.gather(*(ring.allgather(np.array([r])) for r, ring in enumerate(rings)))
-    for out in outs:
-        np.testing.assert_array_equal(out, [0, 1])
 
 
 async def test_stuck_peer_gives_deadline_exceeded_naming_it() -> None:

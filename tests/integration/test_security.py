@@ -5,9 +5,6 @@ Certificates are generated at run time (``cryptography``); no key is committed.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,10 +17,8 @@ from psclient import _security, codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
+pytest.importorskip("cryptography")
+from _certs import Pki, make_pki  # tests/_certs.py
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,82 +27,9 @@ TIMEOUT_S = 20.0
 REFUSED_TIMEOUT_S = 2.0  # a refused TLS handshake is retried (UNAVAILABLE) until this deadline
 
 
-@dataclass(frozen=True)
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    rogue_ca: Path
-    rogue_client_cert: Path
-    rogue_client_key: Path
-
-
-def _key() -> ec.EllipticCurvePrivateKey:
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _cert(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[str, ec.EllipticCurvePrivateKey] | None,
-    *,
-    ca: bool = False,
-    server: bool = False,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    issuer_name, issuer_key = issuer or (subject, key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer_name)]))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, *objs: object) -> Path:
-    data = b""
-    for obj in objs:
-        if isinstance(obj, x509.Certificate):
-            data += obj.public_bytes(serialization.Encoding.PEM)
-        else:
-            data += obj.private_bytes(  # type: ignore[attr-defined]
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-    path.write_bytes(data)
-    return path
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_key = _key(), _key()
-    ca = _cert("test-ca", ca_key, None, ca=True)
-    rogue = _cert("rogue-ca", rogue_key, None, ca=True)
-    s_key, c_key, r_key = _key(), _key(), _key()
-    return Pki(
-        ca=_write(d / "ca.pem", ca),
-        server_cert=_write(d / "server.pem", _cert("psserver", s_key, ("test-ca", ca_key), server=True)),
-        server_key=_write(d / "server.key", s_key),
-        client_cert=_write(d / "client.pem", _cert("worker", c_key, ("test-ca", ca_key))),
-        client_key=_write(d / "client.key", c_key),
-        rogue_ca=_write(d / "rogue-ca.pem", rogue),
-        rogue_client_cert=_write(d / "rogue.pem", _cert("intruder", r_key, ("rogue-ca", rogue_key))),
-        rogue_client_key=_write(d / "rogue.key", r_key),
-    )
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

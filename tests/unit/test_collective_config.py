@@ -29,9 +29,20 @@ def test_neighbours() -> None:
         {"chunk_bytes": 1 << 30},
         {"max_message_bytes": 100},
         {"fusion_threshold_bytes": -1},
+        {"auth_token": ""},
+        {"tls_cert": "c.pem"},
+        {"tls_key": "k.pem"},
+        {"tls_ca": "ca.pem"},
+        {"tls_client_ca": "ca.pem"},
     ],
 )
 def test_rejects(kwargs: dict[str, object]) -> None:
     args: dict[str, object] = {"addresses": ADDRS, "rank": 0, **kwargs}
     with pytest.raises(ValueError):
         RingConfig(**args)  # type: ignore[arg-type]
+
+
+def test_tls_settings() -> None:
+    assert not RingConfig(addresses=ADDRS, rank=0).tls
+    cfg = RingConfig(addresses=ADDRS, rank=0, tls_cert="c.pem", tls_key="k.pem", tls_client_ca="ca.pem")
+    assert cfg.tls and cfg.tls_ca is None

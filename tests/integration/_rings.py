@@ -1,0 +1,45 @@
+"""Helpers of the ring tests: free loopback addresses, and AsyncRing ranks sharing one event loop."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from psclient.collective import AsyncRing
+
+
+def free_addresses(n: int) -> list[str]:
+    """``n`` loopback addresses whose ports were free a moment ago (bind-and-close)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@asynccontextmanager
+async def async_rings(
+    world: int,
+    *,
+    timeout: float = 5.0,
+    per_rank: Sequence[dict[str, Any]] | None = None,
+    **options: Any,
+) -> AsyncIterator[list[AsyncRing]]:
+    """``world`` started ranks on loopback; ``per_rank[r]`` overrides ``options`` for rank ``r``."""
+    addrs = free_addresses(world)
+    per_rank = per_rank or [{}] * world
+    rings = [AsyncRing(addrs, r, timeout, **{**options, **per_rank[r]}) for r in range(world)]
+    started: list[AsyncRing] = []
+    try:
+        for ring in rings:
+            await ring.start()
+            started.append(ring)
+        yield rings
+    finally:
+        for ring in started:
+            await ring.close()
