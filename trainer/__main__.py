@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from psclient.errors import PSError
+from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags
 
 _EPILOG = """\
 examples:
@@ -17,7 +18,8 @@ examples:
   pstrain demo --mode sync --epochs 10 --result-json result.json
   pstrain worker --ps 10.0.0.1:50051,10.0.0.2:50051 --worker-index 0 --num-workers 2
   pstrain demo --mode allreduce         # 2 workers averaging gradients over a ring, no ps shards
-  pstrain worker --mode allreduce --ring 10.0.0.1:7000,10.0.0.2:7000 --worker-index 1
+  pstrain worker --mode allreduce --ring 10.0.0.1:7000,10.0.0.2:7000 --worker-index 1 \\
+      --auth-token-file token --tls-cert w1.pem --tls-key w1.key --tls-ca ca.pem --tls-client-ca ca.pem
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222", "w1:2222"]},
               "task": {"type": "worker", "index": 1}}' pstrain worker
   pstrain local --model resnet
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
     _add_train_flags(demo)
+    add_security_flags(demo)
 
     worker = sub.add_parser("worker", help="run one worker (from TF_CONFIG or flags)")
     worker.add_argument("--ps", help="comma-separated HOST:PORT of the shards (default: TF_CONFIG)")
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
     _add_train_flags(worker)
+    add_security_flags(worker)
 
     local = sub.add_parser("local", help="the single-process baseline (no parameter server)")
     _add_train_flags(local)
@@ -166,7 +170,7 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
         rank = rank if args.worker_index is None else args.worker_index
     if args.num_workers is not None and args.num_workers != len(ring):
         raise ValueError(f"--num-workers {args.num_workers} but the ring has {len(ring)} addresses")
-    from trainer.allreduce_loop import EXIT_BIND_FAILED, train_rank
+    from trainer.allreduce_loop import EXIT_BIND_FAILED, ring_security_options, train_rank
 
     try:
         result = train_rank(
@@ -176,6 +180,7 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             compression=args.compression,
             lr_scaling=not args.no_lr_scaling,
+            ring_options=ring_security_options(args),
         )
     except UnavailableError as err:
         if "cannot bind" not in str(err):
@@ -246,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     _quiet_tf()
     try:
+        if args.command != "local" and args.mode != "allreduce":
+            given = [f"--{n.replace('_', '-')}" for n in SECURITY_FLAGS if getattr(args, n)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: only --mode allreduce uses them (the ring's streams)")
         if args.command == "worker":
             return run_worker(args)
         if args.command == "local":

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,45 @@ EXIT_BIND_FAILED = 3  # a worker could not bind its ring address: the launcher r
 _BIND_ATTEMPTS = 3
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
 _POLL_S = 0.2
+_TLS_FLAGS = ("tls_ca", "tls_cert", "tls_key", "tls_client_ca")
+SECURITY_FLAGS = ("auth_token_file", *_TLS_FLAGS)
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """The ring's auth and TLS flags (named as psserver's); see :func:`ring_security_options`."""
+    g = parser.add_argument_group("ring security (--mode allreduce)")
+    g.add_argument("--auth-token-file", help="file with the shared token every ring stream must carry")
+    g.add_argument(
+        "--tls-cert", help="PEM certificate of this worker: TLS on every ring stream (also its client cert)"
+    )
+    g.add_argument("--tls-key", help="PEM private key for --tls-cert")
+    g.add_argument("--tls-ca", help="PEM CA the other workers' certificates chain to (default: system roots)")
+    g.add_argument(
+        "--tls-client-ca", help="PEM CA bundle: require ring client certificates signed by it (mTLS)"
+    )
+
+
+def ring_security_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``Ring`` keyword options from the security flags (reads the token file).
+
+    Raises:
+        ValueError: an unreadable or malformed token file.
+    """
+    from psclient._security import read_token_file
+
+    opts: dict[str, Any] = {k: getattr(args, k) for k in _TLS_FLAGS if getattr(args, k, None)}
+    if getattr(args, "auth_token_file", None):
+        opts["auth_token"] = read_token_file(args.auth_token_file)
+    return opts
+
+
+def security_argv(args: argparse.Namespace) -> list[str]:
+    """The security flags again, for a worker process started by the demo."""
+    argv: list[str] = []
+    for name in SECURITY_FLAGS:
+        if value := getattr(args, name, None):
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +114,7 @@ def train_rank(
     compression: str = "none",
     lr_scaling: bool = True,
     evaluate: bool | None = None,
+    ring_options: Mapping[str, Any] | None = None,
 ) -> RankResult:
     """Trains one rank of a mirrored job with Keras ``fit`` on its shard of the data.
 
@@ -86,6 +127,7 @@ def train_rank(
         lr_scaling: multiply the learning rate by the number of ranks (the linear scaling rule for
             the ``world``-times larger effective batch, as Horovod recommends).
         evaluate: compute the test accuracy of the trained replica (default: on rank 0).
+        ring_options: more ``Ring`` settings (``auth_token``, ``tls_*``: see :func:`ring_security_options`).
 
     Raises:
         psclient.PSError: the ring failed or timed out, or the replicas diverged.
@@ -99,7 +141,8 @@ def train_rank(
 
     split = config.load()
     world = len(addresses)
-    with psk.AllReduceWorker(addresses, rank, timeout=timeout, compression=compression) as worker:
+    options = {"compression": compression, **(ring_options or {})}
+    with psk.AllReduceWorker(addresses, rank, timeout=timeout, **options) as worker:
         learning_rate = config.learning_rate * (world if lr_scaling else 1)
         optimizer = psk.AllReduceOptimizer(keras.optimizers.Adam(learning_rate), worker)
         model = build_model(config, split, optimizer)  # seeded: the callback's broadcast makes sure
@@ -165,7 +208,8 @@ def _launch(
             cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
                    "--ring", ",".join(addresses), "--worker-index", str(rank),
                    "--compression", args.compression, *(["--no-lr-scaling"] if args.no_lr_scaling else []),
-                   "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args)]  # fmt: skip
+                   "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args),
+                   *security_argv(args)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             tails.append([])
@@ -204,6 +248,7 @@ def run_allreduce_demo(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise ValueError("--workers must be >= 1")
+    ring_security_options(args)  # a bad token file fails here, not in every worker
     started = time.perf_counter()
     print(
         f"starting {args.workers} workers on a ring all-reduce (no ps shards); "
