@@ -136,8 +136,7 @@ def train_rank(
     import keras
 
     import psclient.keras as psk
-    from trainer import data
-    from trainer.train import EpochPrinter, _test_accuracy, build_model
+    from trainer.train import _test_accuracy, build_model, fit_shard
 
     split = config.load()
     world = len(addresses)
@@ -147,37 +146,22 @@ def train_rank(
         optimizer = psk.AllReduceOptimizer(keras.optimizers.Adam(learning_rate), worker)
         model = build_model(config, split, optimizer)  # seeded: the callback's broadcast makes sure
         keras.utils.set_random_seed(config.seed + 1000 * (rank + 1))  # dropout: different masks per rank
-        ds = data.make_dataset(
-            split.x_train,
-            split.y_train,
-            batch_size=config.batch_size,
+        printer = fit_shard(
+            model,
+            config,
+            split,
             num_workers=world,
             worker_index=rank,
-            seed=config.seed,
+            callbacks=[worker.callback(check_sync=True)],
         )
-        printer = EpochPrinter(config.epochs, f"[worker {rank}] ")
-        model.fit(ds, epochs=config.epochs, callbacks=[worker.callback(check_sync=True), printer], verbose=0)
         in_sync = worker.weights_in_sync(model)
         accuracy = _test_accuracy(model, split) if (evaluate if evaluate is not None else rank == 0) else None
         return RankResult(
             worker_index=rank,
-            steps=printer.steps,
-            train_seconds=printer.train_seconds,
-            steps_per_second=printer.steps_per_second,
-            final_loss=printer.last_logs.get("loss", float("nan")),
-            final_accuracy=printer.last_logs.get("accuracy", float("nan")),
+            **printer.summary(),
             in_sync=in_sync,
             test_accuracy=accuracy,
         )
-
-
-def _relay(proc: subprocess.Popen[str], tail: list[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        tail.append(line)
-        del tail[:-40]
-        if line.startswith("[worker"):
-            print(line, end="", flush=True)
 
 
 def _stop(procs: list[subprocess.Popen[str]]) -> None:
@@ -196,7 +180,7 @@ def _launch(
     args: argparse.Namespace, workdir: Path, addresses: list[str]
 ) -> tuple[list[int], list[list[str]]]:
     """Runs one attempt; returns the workers' exit codes (``-1``: stopped, another failed) and tails."""
-    from trainer.demo import _train_flags
+    from trainer.demo import _relay, _train_flags
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)

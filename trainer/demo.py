@@ -72,11 +72,9 @@ def _print_result(result: dict[str, Any], path: str | None) -> None:
         flush=True,
     )
     if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        from trainer.__main__ import _write_json
+
+        _write_json(path, result)
         print(f"results written to {path}", flush=True)
 
 

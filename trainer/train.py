@@ -99,6 +99,16 @@ class EpochPrinter(keras.callbacks.Callback):
         if self._t0 is not None:
             self.train_seconds = time.perf_counter() - self._t0
 
+    def summary(self) -> dict[str, Any]:
+        """The run's steps, timing and final loss/accuracy (fields of ``WorkerResult``)."""
+        return {
+            "steps": self.steps,
+            "train_seconds": self.train_seconds,
+            "steps_per_second": self.steps_per_second,
+            "final_loss": self.last_logs.get("loss", float("nan")),
+            "final_accuracy": self.last_logs.get("accuracy", float("nan")),
+        }
+
 
 def build_model(config: TrainConfig, split: data.Split, optimizer: Any) -> keras.Model:
     """The named model for ``split``'s input, compiled (no XLA: the PS exchange runs on the host)."""
@@ -108,6 +118,33 @@ def build_model(config: TrainConfig, split: data.Split, optimizer: Any) -> keras
         optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False
     )
     return model
+
+
+def fit_shard(
+    model: keras.Model,
+    config: TrainConfig,
+    split: data.Split,
+    *,
+    num_workers: int = 1,
+    worker_index: int = 0,
+    prefix: str | None = None,
+    callbacks: list[keras.callbacks.Callback] | None = None,
+) -> EpochPrinter:
+    """``model.fit`` on this worker's shard of the training data; returns the progress printer.
+
+    ``prefix`` of the progress lines defaults to ``[worker <index>] ``.
+    """
+    ds = data.make_dataset(
+        split.x_train,
+        split.y_train,
+        batch_size=config.batch_size,
+        num_workers=num_workers,
+        worker_index=worker_index,
+        seed=config.seed,
+    )
+    printer = EpochPrinter(config.epochs, f"[worker {worker_index}] " if prefix is None else prefix)
+    model.fit(ds, epochs=config.epochs, callbacks=[*(callbacks or []), printer], verbose=0)
+    return printer
 
 
 def train_worker(
@@ -126,7 +163,6 @@ def train_worker(
         psclient.PSError: a shard failed, or a barrier timed out.
     """
     split = config.load()
-    prefix = f"[worker {worker_index}] "
     with psk.PSWorker(
         ps_addresses,
         worker_index=worker_index,
@@ -137,23 +173,17 @@ def train_worker(
     ) as worker:
         optimizer = psk.DistributedOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
         model = build_model(config, split, optimizer)
-        ds = data.make_dataset(
-            split.x_train,
-            split.y_train,
-            batch_size=config.batch_size,
+        printer = fit_shard(
+            model,
+            config,
+            split,
             num_workers=num_workers,
             worker_index=worker_index,
-            seed=config.seed,
+            callbacks=[worker.callback()],
         )
-        printer = EpochPrinter(config.epochs, prefix)
-        model.fit(ds, epochs=config.epochs, callbacks=[worker.callback(), printer], verbose=0)
         return WorkerResult(
             worker_index=worker_index,
-            steps=printer.steps,
-            train_seconds=printer.train_seconds,
-            steps_per_second=printer.steps_per_second,
-            final_loss=printer.last_logs.get("loss", float("nan")),
-            final_accuracy=printer.last_logs.get("accuracy", float("nan")),
+            **printer.summary(),
             stale_steps=worker.stale_steps,
         )
 
@@ -162,17 +192,8 @@ def train_local(config: TrainConfig) -> tuple[WorkerResult, float]:
     """The single-process baseline (OneDeviceStrategy's place); returns the result and the test accuracy."""
     split = config.load()
     model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
-    ds = data.make_dataset(split.x_train, split.y_train, batch_size=config.batch_size, seed=config.seed)
-    printer = EpochPrinter(config.epochs, "[local] ")
-    model.fit(ds, epochs=config.epochs, callbacks=[printer], verbose=0)
-    result = WorkerResult(
-        worker_index=0,
-        steps=printer.steps,
-        train_seconds=printer.train_seconds,
-        steps_per_second=printer.steps_per_second,
-        final_loss=printer.last_logs.get("loss", float("nan")),
-        final_accuracy=printer.last_logs.get("accuracy", float("nan")),
-    )
+    printer = fit_shard(model, config, split, prefix="[local] ")
+    result = WorkerResult(worker_index=0, **printer.summary())
     return result, _test_accuracy(model, split)
 
 

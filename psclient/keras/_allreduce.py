@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -49,7 +48,7 @@ import tensorflow as tf
 
 from psclient.collective import ALLREDUCE_DTYPES, Ring
 from psclient.errors import InternalError
-from psclient.keras._common import check_no_jit, model_variables, variable_name
+from psclient.keras._common import StepTimer, check_no_jit, model_variables, variable_name
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +300,7 @@ class AllReduceOptimizer(keras.optimizers.Optimizer):
         return super().apply(self.allreduce_worker.allreduce_gradients(grads), trainable_variables)
 
 
-class AllReduceCallback(keras.callbacks.Callback):
+class AllReduceCallback(StepTimer):
     """Broadcasts rank 0's weights when ``fit`` begins; checks that the replicas agree when it ends.
 
     Also records throughput: ``steps_per_second`` (steps after the first, which traces the graph).
@@ -315,13 +314,6 @@ class AllReduceCallback(keras.callbacks.Callback):
         super().__init__()
         self.worker = worker
         self.check_sync = check_sync
-        self.steps = 0
-        self.train_seconds = 0.0
-        self._t0: float | None = None
-
-    @property
-    def steps_per_second(self) -> float:
-        return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
@@ -336,15 +328,8 @@ class AllReduceCallback(keras.callbacks.Callback):
         self.worker.broadcast_variables(variables)
         log.info("rank %d/%d: %d variables from rank 0", self.worker.rank, self.worker.world, len(variables))
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.steps += 1
-        if self.steps == 1:
-            self._t0 = time.perf_counter()
-
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        if self._t0 is not None:
-            self.train_seconds += time.perf_counter() - self._t0
-            self._t0 = None
+        super().on_train_end(logs)
         if self.check_sync:
             sums = self.worker.weights_checksums(self.model.variables)
             if not np.all(sums == sums[0]):

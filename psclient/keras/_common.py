@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import keras
@@ -36,3 +37,31 @@ def check_no_jit(model: keras.Model, what: str) -> None:
     """
     if getattr(model, "jit_compile", False):
         raise ValueError(f"{what} needs model.compile(..., jit_compile=False)")
+
+
+class StepTimer(keras.callbacks.Callback):
+    """Counts ``fit``'s training steps and times those after the first (which traces the graph).
+
+    Subclasses that override ``on_train_batch_end`` or ``on_train_end`` call ``super()``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+        self.train_seconds = 0.0
+        self._t0: float | None = None
+
+    @property
+    def steps_per_second(self) -> float:
+        """Steps per second after the first step (0.0 until two steps are done)."""
+        return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            self._t0 = time.perf_counter()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._t0 is not None:
+            self.train_seconds += time.perf_counter() - self._t0
+            self._t0 = None

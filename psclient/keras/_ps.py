@@ -53,7 +53,7 @@ import tensorflow as tf
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
 from psclient.errors import NotFoundError
-from psclient.keras._common import check_no_jit, variable_name
+from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.optimizers import Optimizer, optimizer_from_config
 
 log = logging.getLogger(__name__)
@@ -378,7 +378,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return config
 
 
-class PSCallback(keras.callbacks.Callback):
+class PSCallback(StepTimer):
     """Attaches the model to the parameter server when ``fit`` begins; loads the final values when it ends.
 
     Also records throughput: ``steps_per_second`` (steps after the first, which traces the graph).
@@ -387,13 +387,6 @@ class PSCallback(keras.callbacks.Callback):
     def __init__(self, worker: PSWorker) -> None:
         super().__init__()
         self.worker = worker
-        self.steps = 0
-        self.train_seconds = 0.0
-        self._t0: float | None = None
-
-    @property
-    def steps_per_second(self) -> float:
-        return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
@@ -407,15 +400,8 @@ class PSCallback(keras.callbacks.Callback):
         else:
             self.worker.attach(model, model.optimizer)
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.steps += 1
-        if self.steps == 1:
-            self._t0 = time.perf_counter()
-
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        if self._t0 is not None:
-            self.train_seconds += time.perf_counter() - self._t0
-            self._t0 = None
+        super().on_train_end(logs)
         self.worker.finish()
 
 
