@@ -27,17 +27,24 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
 
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: ~2 GiB of free heap is kept for reuse
 TOP_PAD_BYTES = 64 << 20  # grow the heap in steps of 64 MiB
 
 
-def tune_malloc() -> bool:
+def tune_malloc(*, mmap_threshold: int | None = None, trim_threshold: int = TRIM_THRESHOLD_BYTES) -> bool:
     """Applies the settings above to this process's glibc malloc; False where that is not possible.
 
     Call it once, early (before large allocations). Does nothing unless the C
     library is glibc, or when ``PS_MALLOC_TUNING=0``.
+
+    Args:
+        mmap_threshold: None (the default): no mmap for large chunks at all. A size: chunks
+            above it still get their own mmap (glibc caps it at 32 MiB). The ring collective
+            uses ``32 << 20``: measured faster for its 64 MiB all-reduces than no mmap at all.
+        trim_threshold: bytes of free heap kept for reuse instead of given back.
     """
     if os.environ.get("PS_MALLOC_TUNING", "1") == "0":
         return False
@@ -48,9 +55,14 @@ def tune_malloc() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    ok = (
+    mmap_ok = (
         mallopt(_M_MMAP_MAX, 0) == 1
-        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        if mmap_threshold is None
+        else mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    )
+    ok = (
+        mmap_ok
+        and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
         and mallopt(_M_TOP_PAD, TOP_PAD_BYTES) == 1
     )
     log.debug("malloc tuning %s", "applied" if ok else "refused")
