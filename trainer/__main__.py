@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from psclient.errors import PSError
-from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags
+from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags, ring_security_options
 
 _EPILOG = """\
 examples:
@@ -217,6 +217,7 @@ def run_worker(args: argparse.Namespace) -> int:
         mode=args.mode,
         overlap=not args.no_overlap,
         timeout=args.timeout,
+        client_options=ring_security_options(args),  # auth token and client TLS towards the shards
     )
     print(
         f"[worker {index}] done: {result.steps} steps, {result.steps_per_second:.1f} steps/s"
@@ -252,9 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_tf()
     try:
         if args.command != "local" and args.mode != "allreduce":
-            given = [f"--{n.replace('_', '-')}" for n in SECURITY_FLAGS if getattr(args, n)]
+            # A PS worker is a client of the shards: token and client-side TLS apply; the demo's local
+            # shards run without either.
+            allowed = () if args.command == "demo" else ("auth_token_file", "tls_ca", "tls_cert", "tls_key")
+            given = [
+                f"--{n.replace('_', '-')}" for n in SECURITY_FLAGS if getattr(args, n) and n not in allowed
+            ]
             if given:
-                raise ValueError(f"{', '.join(given)}: only --mode allreduce uses them (the ring's streams)")
+                where = "pstrain demo" if args.command == "demo" else "a parameter-server worker"
+                raise ValueError(f"{', '.join(given)}: not used by {where} (only --mode allreduce's ring)")
         if args.command == "worker":
             return run_worker(args)
         if args.command == "local":

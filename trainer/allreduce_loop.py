@@ -35,8 +35,10 @@ SECURITY_FLAGS = ("auth_token_file", *_TLS_FLAGS)
 
 def add_security_flags(parser: argparse.ArgumentParser) -> None:
     """The ring's auth and TLS flags (named as psserver's); see :func:`ring_security_options`."""
-    g = parser.add_argument_group("ring security (--mode allreduce)")
-    g.add_argument("--auth-token-file", help="file with the shared token every ring stream must carry")
+    g = parser.add_argument_group(
+        "security (worker: towards the shards, or the ring with --mode allreduce; demo: allreduce only)"
+    )
+    g.add_argument("--auth-token-file", help="file with the shared token every call must carry")
     g.add_argument(
         "--tls-cert", help="PEM certificate of this worker: TLS on every ring stream (also its client cert)"
     )

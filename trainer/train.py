@@ -156,8 +156,11 @@ def train_worker(
     mode: str = "async",
     overlap: bool = True,
     timeout: float = 120.0,
+    client_options: dict[str, Any] | None = None,
 ) -> WorkerResult:
     """Trains one worker of a parameter-server job with Keras ``fit`` on its shard of the data.
+
+    ``client_options`` go to ``psclient.PSClient`` (``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``).
 
     Raises:
         psclient.PSError: a shard failed, or a barrier timed out.
@@ -170,6 +173,7 @@ def train_worker(
         mode=mode,
         overlap=overlap,
         timeout=timeout,
+        **(client_options or {}),
     ) as worker:
         optimizer = psk.DistributedOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
         model = build_model(config, split, optimizer)
