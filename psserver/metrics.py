@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from psclient._security import HandlerWrappingInterceptor
 from psproto.v1 import ps_pb2
 from psserver.modes import Mode, PushOutcome
 from psserver.store import Store
@@ -300,20 +301,15 @@ def _chunk_bytes(chunks: Iterable[ps_pb2.TensorChunk]) -> int:
     return sum(len(c.data) for c in chunks)
 
 
-class _MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps each ParameterServer handler to time it and count what goes through it."""
+class _MetricsInterceptor(HandlerWrappingInterceptor):
+    """Wraps each ParameterServer handler (once per method) to time it and count what goes through it."""
 
     def __init__(self, metrics: ShardMetrics) -> None:
+        super().__init__()
         self.m = metrics
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        method = details.method or ""
-        if handler is None or not method.startswith(_SERVICE_PREFIX):
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if not method.startswith(_SERVICE_PREFIX):
             return handler
         rpc = method[len(_SERVICE_PREFIX) :]
         m = self.m
