@@ -317,7 +317,8 @@ class AsyncPSClient:
         if infos and infos[0].spec.optimizer != wanted:
             have = infos[0].spec.optimizer
             mismatch.append(
-                f"it has optimizer {have.name}{dict(have.params)}, asked for {wanted.name}{dict(wanted.params)}"
+                f"it has optimizer {have.name}{dict(have.params)}, "
+                f"asked for {wanted.name}{dict(wanted.params)}"
             )
         if mismatch:
             raise AlreadyExistsError(

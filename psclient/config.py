@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import uuid
@@ -11,6 +10,7 @@ from dataclasses import dataclass, field
 
 from psclient._retry import RetryPolicy
 from psclient.placement import DEFAULT_PARTITION_BYTES
+from psclient.tf_config import read_tf_config
 
 DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is still starting
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message
@@ -72,13 +72,7 @@ def ps_addresses_from_tf_config(environ: Mapping[str, str] = os.environ) -> Sequ
     Raises:
         ValueError: TF_CONFIG is unset, malformed, or has no ps tasks.
     """
-    raw = environ.get("TF_CONFIG")
-    if not raw:
-        raise ValueError("TF_CONFIG is not set")
-    try:
-        ps = json.loads(raw)["cluster"]["ps"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"TF_CONFIG has no cluster.ps list: {err!r}") from err
+    ps = read_tf_config(environ).ps
     if not ps:
-        raise ValueError("TF_CONFIG's cluster.ps list is empty")
-    return list(ps)
+        raise ValueError("TF_CONFIG's cluster has no ps tasks")
+    return ps

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from psclient.tf_config import read_tf_config
 
 MODES = ("async", "sync", "ssp")
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this
@@ -88,22 +89,21 @@ def ps_task_from_tf_config(environ: Mapping[str, str] = os.environ) -> TFConfigT
     Raises:
         ConfigError: TF_CONFIG is missing, malformed, or not a ``ps`` task.
     """
-    raw = environ.get("TF_CONFIG")
-    if not raw:
-        raise ConfigError("no --shard given and TF_CONFIG is not set")
     try:
-        tf_config = json.loads(raw)
-        cluster, task = tf_config["cluster"], tf_config["task"]
-        if task["type"] != "ps":
-            raise ConfigError(f"TF_CONFIG task type is {task['type']!r}; psserver runs 'ps' tasks")
-        ps = list(cluster["ps"])
-        index = int(task["index"])
-        address = ps[index]
-    except ConfigError:
-        raise
-    except (ValueError, KeyError, IndexError, TypeError) as err:
-        raise ConfigError(f"TF_CONFIG is malformed: {err!r}") from err
-    host, _, port = str(address).rpartition(":")
+        cfg = read_tf_config(environ, unset_hint="and no --shard was given")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if cfg.task_type is None or cfg.task_index is None:
+        raise ConfigError("TF_CONFIG is malformed: it has no task {type, index}")
+    if cfg.task_type != "ps":
+        raise ConfigError(f"TF_CONFIG task type is {cfg.task_type!r}; psserver runs 'ps' tasks")
+    ps, index = cfg.ps, cfg.task_index
+    if not 0 <= index < len(ps):
+        raise ConfigError(
+            f"TF_CONFIG is malformed: task ps:{index} is not in the cluster's {len(ps)} ps task(s)"
+        )
+    address = ps[index]
+    host, _, port = address.rpartition(":")
     if not port.isdigit():
         raise ConfigError(f"TF_CONFIG ps address {address!r} (task {index}) is not HOST:PORT")
     return TFConfigTask(shard=index, num_shards=len(ps), host=host or "0.0.0.0", port=int(port))

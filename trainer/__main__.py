@@ -7,9 +7,11 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from psclient.errors import PSError
+from psclient.tf_config import read_tf_config
 from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags, ring_security_options
 
 _EPILOG = """\
@@ -105,27 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def worker_from_tf_config(
-    environ: dict[str, str] | os._Environ[str] = os.environ,
-) -> tuple[list[str], int, int]:
-    """``(ps addresses, worker index, number of workers)`` of a ``worker`` task in ``TF_CONFIG``.
+def worker_from_tf_config(environ: Mapping[str, str] = os.environ) -> tuple[list[str], int, int]:
+    """``(ps addresses, worker rank, number of workers)`` of a ``chief``/``worker`` task in ``TF_CONFIG``.
 
     Raises:
         ValueError: TF_CONFIG is unset, malformed, or not a worker task.
     """
-    raw = environ.get("TF_CONFIG")
-    if not raw:
-        raise ValueError("give --ps, --worker-index and --num-workers, or set TF_CONFIG")
-    try:
-        tf_config = json.loads(raw)
-        cluster, task = tf_config["cluster"], tf_config["task"]
-        if task["type"] not in ("worker", "chief"):
-            raise ValueError(f"TF_CONFIG task type is {task['type']!r}; pstrain worker runs 'worker' tasks")
-        workers = list(cluster.get("chief", [])) + list(cluster.get("worker", []))
-        index = int(task["index"]) + (len(cluster.get("chief", [])) if task["type"] == "worker" else 0)
-        return list(cluster["ps"]), index, len(workers)
-    except (KeyError, TypeError, json.JSONDecodeError) as err:
-        raise ValueError(f"TF_CONFIG is malformed: {err!r}") from err
+    cfg = read_tf_config(environ, unset_hint="give --ps, --worker-index and --num-workers instead")
+    return cfg.ps, cfg.worker_rank(), len(cfg.workers)
 
 
 def _train_config(args: argparse.Namespace) -> Any:

@@ -49,6 +49,7 @@ import tensorflow as tf
 from psclient.collective import ALLREDUCE_DTYPES, Ring
 from psclient.errors import InternalError
 from psclient.keras._common import StepTimer, check_no_jit, model_variables, variable_name
+from psclient.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +62,8 @@ def ring_from_tf_config(environ: Mapping[str, str] = os.environ) -> tuple[list[s
     Raises:
         ValueError: TF_CONFIG is unset or malformed, has no workers, or this task is not a worker.
     """
-    raw = environ.get("TF_CONFIG")
-    if not raw:
-        raise ValueError("TF_CONFIG is not set (give the ring addresses and rank instead)")
-    try:
-        tf_config = json.loads(raw)
-        cluster, task = tf_config["cluster"], tf_config["task"]
-        chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
-        kind, index = task["type"], int(task["index"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"TF_CONFIG is malformed: {err!r}") from err
-    if kind not in ("chief", "worker"):
-        raise ValueError(f"TF_CONFIG task type is {kind!r}; all-reduce training runs 'chief'/'worker' tasks")
-    addresses = chiefs + workers
-    rank = index + (len(chiefs) if kind == "worker" else 0)
-    if not 0 <= rank < len(addresses):
-        raise ValueError(f"TF_CONFIG task {kind}:{index} is not in the cluster's {len(addresses)} worker(s)")
-    return addresses, rank
+    cfg = read_tf_config(environ, unset_hint="give the ring addresses and rank instead")
+    return cfg.workers, cfg.worker_rank()
 
 
 def _reducible(dtype: tf.DType) -> bool:
