@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from psclient._security import read_token_file
 from psclient.admin import ShardStatus, cluster_status
 from psclient.config import ps_addresses_from_tf_config
 
@@ -147,10 +148,7 @@ def _addresses(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
 
 
 def _security(args: argparse.Namespace) -> dict[str, Any]:
-    token = None
-    if args.auth_token_file:
-        with open(args.auth_token_file) as f:
-            token = f.read().strip()
+    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     return {"auth_token": token, "tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key}
 
 

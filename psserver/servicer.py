@@ -27,6 +27,7 @@ from psserver.store import Store, Variable
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amortise per-message cost
+_MIN_CHUNK_BYTES = 64 << 10  # the smallest chunk a client may ask for
 
 
 class _Abort(Exception):
@@ -167,7 +168,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         except _Abort as err:
             await self._abort(context, err)
             return
-        chunk_bytes = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        # At least 64 KiB a message: a tiny (or negative) request would make the stream crawl.
+        wanted = request.max_chunk_bytes
+        chunk_bytes = max(wanted, _MIN_CHUNK_BYTES) if wanted else DEFAULT_CHUNK_BYTES
         for chunks, versions in _stream_values(snapshot, chunk_bytes):
             yield codec.WireMessage(ps_pb2.PullResponse(versions=versions), "values", chunks)
 
