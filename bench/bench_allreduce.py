@@ -37,7 +37,8 @@ SYSTEMS = (
     "gloo",
     "tf",
     "ours_fp16",
-)  # ours_fp16: float32 data sent as float16 (not in the default run)
+    "ours_tcp",
+)  # ours_fp16: float32 data sent as float16; ours_tcp: transport="tcp" (neither in the default run)
 DEFAULT_SYSTEMS = "ours,gloo,tf"
 
 
@@ -162,7 +163,19 @@ def worker_ours_fp16(
     return worker_ours(rank, world, ports, sizes, {**opts, "compression": "fp16"})
 
 
-WORKERS = {"ours": worker_ours, "gloo": worker_gloo, "tf": worker_tf, "ours_fp16": worker_ours_fp16}
+def worker_ours_tcp(
+    rank: int, world: int, ports: list[int], sizes: list[int], opts: dict[str, Any]
+) -> dict[int, list[float]]:
+    return worker_ours(rank, world, ports, sizes, {**opts, "transport": "tcp"})
+
+
+WORKERS = {
+    "ours": worker_ours,
+    "gloo": worker_gloo,
+    "tf": worker_tf,
+    "ours_fp16": worker_ours_fp16,
+    "ours_tcp": worker_ours_tcp,
+}
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -295,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
     ap.add_argument("--sizes", default="1,16,64,256", help="comma-separated sizes in MiB")
-    ap.add_argument("--systems", default=DEFAULT_SYSTEMS, help="comma-separated: ours, gloo, tf, ours_fp16")
+    ap.add_argument(
+        "--systems", default=DEFAULT_SYSTEMS, help="comma-separated: ours, gloo, tf, ours_fp16, ours_tcp"
+    )
     ap.add_argument(
         "--opts", default="{}", help="JSON keyword options of Ring (e.g. '{\"chunk_bytes\": 4194304}')"
     )

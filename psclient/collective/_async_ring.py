@@ -16,7 +16,7 @@ from psclient import _security
 from psclient.codec import CodecError, as_wire_array, wire_dtype
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
-from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode
+from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode, encode_header
 from psclient.collective._link import Link
 from psclient.collective._schedule import (
     chunk_range,
@@ -26,7 +26,14 @@ from psclient.collective._schedule import (
     segments_from_sizes,
     send_segment,
 )
-from psclient.collective._service import EXCHANGE_METHOD, CollectiveService, Delivery, Mailboxes
+from psclient.collective._service import (
+    DATA_PORT_METHOD,
+    EXCHANGE_METHOD,
+    CollectiveService,
+    Delivery,
+    Mailboxes,
+)
+from psclient.collective._tcp import DataLink, DataListener, tcp_error
 from psclient.errors import (
     DeadlineExceededError,
     InternalError,
@@ -57,6 +64,7 @@ _KIND_NAMES: Final[dict[int, str]] = {
     _pb.COLLECTIVE_KIND_BARRIER: "barrier",
 }
 _ABORT_WRITE_S: Final[float] = 0.2
+_ABORT_TEXT_BYTES: Final[int] = 1000  # fits any frame buffer (chunk_bytes >= 1024)
 _CLOSE_GRACE_S: Final[float] = 1.0
 _LINK_LOST: Final[frozenset[grpc.StatusCode]] = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
@@ -65,7 +73,11 @@ _LINK_LIFETIME_S: Final[float] = 3600.0
 _MALLOC_MMAP_THRESHOLD: Final[int] = 32 << 20  # glibc's upper limit on 64-bit
 _MALLOC_TRIM_THRESHOLD: Final[int] = 256 << 20
 
-Process = Callable[[int, int, bytes], "np.ndarray | None"]
+# process(step, chunk, frame): applies a received frame to the buffer and returns the slice to
+# forward, or None; frame None means the payload was received straight into the slice (a copy step).
+Process = Callable[[int, int, "bytes | memoryview | None"], "np.ndarray | None"]
+# direct(step, chunk): the slice that a copy step's payload may be received straight into, or None.
+Direct = Callable[[int, int], "np.ndarray | None"]
 
 
 @dataclass(slots=True)
@@ -122,6 +134,8 @@ class AsyncRing:
         max_message_bytes: gRPC message size limit of the server and channel.
         grpc_options: extra gRPC channel and server arguments.
         tune_malloc: apply :func:`psclient.memory.tune_malloc` at start (default True).
+        transport: ``"grpc"`` (default: frames on the ``Exchange`` stream) or ``"tcp"`` (frames on a
+            raw TCP connection per link, negotiated through the ``DataPort`` call; no TLS).
 
     Raises:
         ValueError: invalid settings.
@@ -141,6 +155,8 @@ class AsyncRing:
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
         self._link: Link | None = None
+        self._data: DataListener | None = None
+        self._data_link: DataLink | None = None
         self._closed = False
         self._metadata = _security.auth_metadata(self._cfg.auth_token) or None
 
@@ -193,8 +209,31 @@ class AsyncRing:
             prev_rank=cfg.prev_rank,
             prev_address=cfg.addresses[cfg.prev_rank],
         )
-        server.add_generic_rpc_handlers([service.handler()])
         address = cfg.addresses[cfg.rank]
+        if cfg.transport == "tcp":
+            data = DataListener(
+                address.rpartition(":")[0],
+                rank=cfg.rank,
+                prev_rank=cfg.prev_rank,
+                prev_address=cfg.addresses[cfg.prev_rank],
+                max_payload=cfg.chunk_bytes + 64,
+            )
+            try:
+                await data.start()
+            except OSError as err:
+                raise UnavailableError(
+                    f"rank {cfg.rank}: cannot bind a data port on {address}: {err}", address=address
+                ) from None
+            self._data = data
+            service = CollectiveService(
+                self._boxes,
+                rank=cfg.rank,
+                prev_rank=cfg.prev_rank,
+                prev_address=cfg.addresses[cfg.prev_rank],
+                world=cfg.world,
+                data_plane=data,
+            )
+        server.add_generic_rpc_handlers([service.handler()])
         try:
             _security.add_port(server, address, server_creds)
         except (OSError, RuntimeError) as err:
@@ -216,6 +255,20 @@ class AsyncRing:
                 max(_LINK_LIFETIME_S, 2 * cfg.timeout + 10.0),
                 encode(close, b""),
             )
+            if self._data is not None:
+                self._data_link = DataLink(
+                    self._channel.unary_unary(
+                        DATA_PORT_METHOD,
+                        request_serializer=_pb.DataPortRequest.SerializeToString,
+                        response_deserializer=_pb.DataPortReply.FromString,
+                    ),
+                    self._metadata,
+                    target.rpartition(":")[0],
+                    rank=cfg.rank,
+                    world=cfg.world,
+                    next_rank=cfg.next_rank,
+                    next_address=target,
+                )
         logger.info("ring rank %d/%d serving Collective on %s", cfg.rank, cfg.world, address)
         return self
 
@@ -224,6 +277,10 @@ class AsyncRing:
         if self._closed:
             return
         self._closed = True
+        if self._data_link is not None:
+            self._data_link.reset()
+        if self._data is not None:
+            await self._data.close()
         if self._link is not None:
             # Let the last frames reach the next rank before the channel cancels the stream.
             await self._link.close(_CLOSE_GRACE_S)
@@ -454,17 +511,19 @@ class AsyncRing:
         integer = buf.dtype.kind in "iu"
         dtype = buf.dtype
 
-        def process(step: int, chunk: int, msg: bytes) -> np.ndarray | None:
+        def process(step: int, chunk: int, msg: bytes | memoryview | None) -> np.ndarray | None:
             a, b = chunk_range(segs[recv_segment(r, step, n)], k, chunk)
             dst = buf[a:b]
-            src = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
-            if step < n - 1:
+            if msg is None:
+                pass  # received in place
+            elif step < n - 1:
+                src = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
                 with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as numpy gives them
                     ufunc(dst, src, out=dst)
                 if mean and step == n - 2:  # this rank now owns the full sum of this segment
                     np.divide(dst, n, out=dst, casting="unsafe" if integer else "same_kind")
             else:
-                dst[...] = src
+                dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
             return dst if step + 1 < 2 * (n - 1) else None
 
         await self._ring_pass(op, buf, segs, steps=2 * (n - 1), reduce_steps=n - 1, process=process)
@@ -522,11 +581,17 @@ class AsyncRing:
         n, r, k, dtype = self.world, self.rank, op.chunks, buf.dtype
         if process is None:
 
-            def process(step: int, chunk: int, msg: bytes) -> np.ndarray | None:
+            def process(step: int, chunk: int, msg: bytes | memoryview | None) -> np.ndarray | None:
                 a, b = chunk_range(segs[recv_segment(r, step, n)], k, chunk)
                 dst = buf[a:b]
-                dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+                if msg is not None:
+                    dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
                 return dst if step + 1 < steps else None
+
+        def direct(step: int, chunk: int) -> np.ndarray | None:
+            if step < reduce_steps:
+                return None
+            return buf[slice(*chunk_range(segs[recv_segment(r, step, n)], k, chunk))]
 
         first = segs[send_segment(r, 0, n)]
         initial = [(0, c, buf[slice(*chunk_range(first, k, c))]) for c in range(k)]
@@ -535,7 +600,7 @@ class AsyncRing:
             for t in range(steps)
             for c in range(k)
         ]
-        await self._execute(op, initial, plan, process, sends=True)
+        await self._execute(op, initial, plan, process, sends=True, direct=direct)
 
     async def _broadcast_flat(self, buf: np.ndarray, root: int, deadline: float) -> None:
         n, r = self.world, self.rank
@@ -548,11 +613,15 @@ class AsyncRing:
         dist = (r - root) % n
         dtype = buf.dtype
 
-        def process(step: int, chunk: int, msg: bytes) -> np.ndarray | None:
+        def process(step: int, chunk: int, msg: bytes | memoryview | None) -> np.ndarray | None:
             a, b = chunk_range(segs[0], k, chunk)
             dst = buf[a:b]
-            dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+            if msg is not None:
+                dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
             return dst if dist < n - 1 else None
+
+        def direct(step: int, chunk: int) -> np.ndarray | None:
+            return buf[slice(*chunk_range(segs[0], k, chunk))]
 
         if dist == 0:
             initial = [(0, c, buf[slice(*chunk_range(segs[0], k, c))]) for c in range(k)]
@@ -560,7 +629,7 @@ class AsyncRing:
         else:
             initial = []
             plan = [(dist - 1, c, self._payload_bytes(segs, 0, k, c, buf.itemsize)) for c in range(k)]
-        await self._execute(op, initial, plan, process, sends=dist < n - 1)
+        await self._execute(op, initial, plan, process, sends=dist < n - 1, direct=direct)
 
     @staticmethod
     def _payload_bytes(segs: list[tuple[int, int]], seg: int, k: int, c: int, itemsize: int) -> int:
@@ -577,12 +646,18 @@ class AsyncRing:
         process: Process,
         *,
         sends: bool,
+        direct: Direct | None = None,
     ) -> None:
         """Streams ``initial`` (and whatever ``process`` forwards) to the next rank while receiving ``plan``.
 
         ``plan`` lists the expected frames (step, chunk, payload bytes) from the previous rank in order.
+        With transport "tcp", a frame of a copy step (``direct`` gives its slice) whose header is
+        exactly the expected one is received straight into that slice.
         """
-        box = self._boxes.open(op.seq)
+        data, data_link = self._data, self._data_link
+        box = self._boxes.open(op.seq) if data is None else None
+        inbound: list[Any] = []  # the data connection this operation reads (transport "tcp")
+        prev = self._cfg.prev_rank
         sendq: asyncio.Queue[tuple[int, int, np.ndarray] | None] = asyncio.Queue()
         for item in initial:
             sendq.put_nowait(item)
@@ -590,7 +665,31 @@ class AsyncRing:
         async def receiver() -> None:
             for step, chunk, nbytes in plan:
                 op.receiving = (step, chunk)
-                msg = self._check(op, await box.get(), step, chunk, nbytes)
+                msg: bytes | memoryview | None
+                if data is not None:
+                    want = FrameHeader(
+                        op.seq, op.total, op.kind, op.dtype, op.op, step, chunk, op.chunks, prev, self.world
+                    )
+                    dst = direct(step, chunk) if direct is not None and nbytes else None
+
+                    def dest(
+                        h: FrameHeader, size: int, dst: np.ndarray | None = dst, want: FrameHeader = want
+                    ) -> memoryview | None:
+                        if dst is None or h != want or size != dst.nbytes:
+                            return None
+                        return memoryview(dst).cast("B")
+
+                    try:
+                        inbound[:] = [await data.connection()]
+                        header, frame = await data.recv(op.seq, dest)
+                    except PSError as err:
+                        msg = self._check(op, err, step, chunk, nbytes)
+                    else:
+                        # frame None: the payload went straight into dst
+                        msg = None if frame is None else self._check(op, (header, frame), step, chunk, nbytes)
+                else:
+                    assert box is not None
+                    msg = self._check(op, await box.get(), step, chunk, nbytes)
                 fwd = process(step, chunk, msg)
                 if fwd is not None:
                     sendq.put_nowait((step + 1, chunk, fwd))
@@ -601,6 +700,9 @@ class AsyncRing:
             header = FrameHeader(
                 op.seq, op.total, op.kind, op.dtype, op.op, 0, 0, op.chunks, self.rank, self.world
             )
+            if data_link is not None:
+                await self._send_tcp(op, header, sendq, data_link)
+                return
             while (item := await sendq.get()) is not None:
                 step, chunk, view = item
                 op.sending = (step, chunk)
@@ -621,7 +723,8 @@ class AsyncRing:
         if sends:
             link = self._link
             assert link is not None
-            ended = link.ensure(op.deadline)
+            if data_link is None:
+                ended = link.ensure(op.deadline)
             tasks.append(asyncio.create_task(sender(), name=f"{op.name} send"))
         try:
             async with asyncio.timeout_at(op.deadline):
@@ -637,16 +740,48 @@ class AsyncRing:
                             raise self._translate(op, exc, sender=t is not tasks[0]) from exc
         except TimeoutError:
             error: PSError = self._deadline_error(op)
-            await self._abort(op, tasks, error)
+            await self._abort(op, tasks, error, inbound)
             raise error from None
         except PSError as error:
-            await self._abort(op, tasks, error)
+            await self._abort(op, tasks, error, inbound)
             raise
         except BaseException:
-            await self._abort(op, tasks, None)
+            await self._abort(op, tasks, None, inbound)
             raise
         finally:
-            self._boxes.close(op.seq)
+            if box is not None:
+                self._boxes.close(op.seq)
+
+    async def _send_tcp(
+        self,
+        op: _Op,
+        header: FrameHeader,
+        sendq: asyncio.Queue[tuple[int, int, np.ndarray] | None],
+        data_link: DataLink,
+    ) -> None:
+        """The sender of transport "tcp": frames straight from the buffer to the data connection."""
+        where = f"{op.name} on rank {self.rank}"
+        op.sending = "the data connection"
+        op.writing = True
+        try:
+            await data_link.connect(op.deadline)
+        except PSError as err:
+            raise tcp_error(err, f"{where}: opening the data connection", op.method) from None
+        op.writing = False
+        while (item := await sendq.get()) is not None:
+            step, chunk, view = item
+            op.sending = (step, chunk)
+            op.writing = True
+            payload = memoryview(view).cast("B")
+            try:
+                await data_link.send(
+                    encode_header(header._replace(step=step, chunk=chunk), len(payload)), payload
+                )
+            except PSError as err:
+                raise tcp_error(err, f"{where}: sending {self._where(op.sending)}", op.method) from None
+            op.writing = False
+            op.sent += 1
+        op.sending = None
 
     def _link_error(self, op: _Op, code: grpc.StatusCode, details: str, what: str) -> PSError:
         """The error for a stream to the next rank that ended with ``code``."""
@@ -660,7 +795,9 @@ class AsyncRing:
             address=self._cfg.addresses[nxt],
         )
 
-    def _check(self, op: _Op, item: Delivery, step: int, chunk: int, nbytes: int) -> bytes:
+    def _check(
+        self, op: _Op, item: Delivery | tuple[FrameHeader, memoryview], step: int, chunk: int, nbytes: int
+    ) -> bytes:
         """Validates a received frame against what this rank expects; returns the message bytes.
 
         Raises:
@@ -676,7 +813,7 @@ class AsyncRing:
         h, msg = item
         prev = self._cfg.prev_rank
         if h.kind == _pb.COLLECTIVE_KIND_ABORT:
-            text = msg[HEADER_BYTES:].decode("utf-8", "replace")
+            text = bytes(msg[HEADER_BYTES:]).decode("utf-8", "replace")
             code = _STATUS_BY_NUMBER.get(h.op, grpc.StatusCode.UNKNOWN)
             raise error_class(code)(
                 f"{op.name} on rank {self.rank}: rank {h.rank} aborted it: {text}",
@@ -765,12 +902,17 @@ class AsyncRing:
             address=cfg.addresses[peer],
         )
 
-    async def _abort(self, op: _Op, tasks: list[asyncio.Task[None]], error: PSError | None) -> None:
+    async def _abort(
+        self, op: _Op, tasks: list[asyncio.Task[None]], error: PSError | None, inbound: list[Any]
+    ) -> None:
         """Stops both directions; tells the next rank why (best effort) so the whole ring fails fast."""
         writing = op.writing  # a cancelled write leaves the stream unusable for the abort frame
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._data is not None:
+            await self._abort_tcp(op, error, inbound, writing=writing or len(tasks) < 2)
+            return
         link = self._link
         if link is None or len(tasks) < 2:
             return
@@ -780,8 +922,31 @@ class AsyncRing:
                 self.rank, self.world,
             )  # fmt: skip
             try:
-                await asyncio.wait_for(link.write(encode(h, str(error).encode())), _ABORT_WRITE_S)
+                text = str(error).encode()[:_ABORT_TEXT_BYTES]
+                await asyncio.wait_for(link.write(encode(h, text)), _ABORT_WRITE_S)
             except Exception:  # best effort only: the stream may already be broken
                 logger.debug("%s: could not send the abort frame", op.name)
         # Frames of the failed operation may be in flight: start the next one on a fresh stream.
         link.reset()
+
+    async def _abort_tcp(self, op: _Op, error: PSError | None, inbound: list[Any], *, writing: bool) -> None:
+        """Transport "tcp": the abort frame (best effort), then fresh connections for the next operation."""
+        assert self._data is not None
+        for conn in inbound:  # it may hold the rest of this operation's frames
+            self._data.drop(conn)
+        data_link = self._data_link
+        if data_link is None:
+            return
+        if error is not None and not writing and data_link.connected:
+            h = FrameHeader(
+                op.seq, op.total, _pb.COLLECTIVE_KIND_ABORT, op.dtype, error.code.value[0], 0, 0, op.chunks,
+                self.rank, self.world,
+            )  # fmt: skip
+            text = str(error).encode()[:_ABORT_TEXT_BYTES]
+            try:
+                await asyncio.wait_for(
+                    data_link.send(encode_header(h, len(text)), memoryview(text)), _ABORT_WRITE_S
+                )
+            except Exception:  # best effort only: the connection may already be broken
+                logger.debug("%s: could not send the abort frame", op.name)
+        data_link.reset()

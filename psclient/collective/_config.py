@@ -11,6 +11,7 @@ DEFAULT_CHUNK_BYTES: Final[int] = 2 << 20  # measured: 2-4 MiB best at 16-256 Mi
 DEFAULT_FUSION_THRESHOLD_BYTES: Final[int] = 64 << 20
 DEFAULT_MAX_MESSAGE_BYTES: Final[int] = 64 << 20
 COMPRESSIONS: Final[tuple[str, ...]] = ("none", "fp16")
+TRANSPORTS: Final[tuple[str, ...]] = ("grpc", "tcp")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,6 +32,12 @@ class RingConfig:
     client certificate signed by it (mutual TLS). The names match
     ``PSClient(tls_ca=, tls_cert=, tls_key=)`` and ``psserver --tls-client-ca``.
 
+    ``transport`` carries the frames: ``"grpc"`` (default) on the ``Exchange``
+    stream, or ``"tcp"`` on a raw TCP connection per link to an ephemeral data
+    port that each rank advertises through the authenticated ``DataPort`` call
+    (see :mod:`psclient.collective._tcp`); every rank must use the same one.
+    ``"tcp"`` does not do TLS, so it refuses TLS settings.
+
     Raises:
         ValueError: an inconsistent or out-of-range setting.
     """
@@ -49,6 +56,7 @@ class RingConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grpc_options: tuple[tuple[str, int | str], ...] = ()
     tune_malloc: bool = True
+    transport: str = "grpc"
 
     def __post_init__(self) -> None:
         if self.auth_token is not None and not self.auth_token:
@@ -58,6 +66,12 @@ class RingConfig:
         if self.tls_cert is None and (self.tls_ca is not None or self.tls_client_ca is not None):
             raise ValueError(
                 "tls_ca and tls_client_ca need tls_cert and tls_key: every rank of a TLS ring serves TLS"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport == "tcp" and self.tls_cert is not None:
+            raise ValueError(
+                'transport="tcp" has no TLS: use transport="grpc" with tls_cert/tls_key, or no TLS'
             )
         if not self.addresses:
             raise ValueError("a ring needs at least one address")

@@ -64,15 +64,39 @@ def encode(header: FrameHeader, payload: np.ndarray | bytes | memoryview) -> byt
         FrameError: the payload is larger than a 5-byte varint can describe.
     """
     view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
-    n = len(view)
-    if n > MAX_PAYLOAD_BYTES:
-        raise FrameError(f"payload of {n} bytes is too large for one frame")
+    head = encode_header(header, len(view))
+    return b"".join((head, view))
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> tuple[FrameHeader, int]:
+    """Parses the first :data:`HEADER_BYTES` of ``buf``; returns the header and the payload length.
+
+    Raises:
+        FrameError: the bytes are not a header of the fixed layout.
+    """
+    if len(buf) < HEADER_BYTES:
+        raise FrameError(f"frame of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
+    vals = _STRUCT.unpack_from(buf)
+    if vals[0:21:2] != _TAGS:
+        raise FrameError("frame header does not have the fixed psproto.v1.Frame layout")
+    v = vals[21]
+    n = v[0] & 0x7F | (v[1] & 0x7F) << 7 | (v[2] & 0x7F) << 14 | (v[3] & 0x7F) << 21 | v[4] << 28
+    return FrameHeader(*vals[1:21:2]), n
+
+
+def encode_header(header: FrameHeader, payload_bytes: int) -> bytes:
+    """The 64-byte header of a frame whose payload has ``payload_bytes`` bytes.
+
+    Raises:
+        FrameError: the payload is larger than a 5-byte varint can describe.
+    """
+    if payload_bytes > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"payload of {payload_bytes} bytes is too large for one frame")
     h = header
     fields = (h.seq, h.total, h.kind, h.dtype, h.op, h.step, h.chunk, h.chunks, h.rank, h.world)
-    head = _STRUCT.pack(
-        *(v for pair in zip(_TAGS, fields, strict=False) for v in pair), _TAGS[-1], _varint5(n)
+    return _STRUCT.pack(
+        *(v for pair in zip(_TAGS, fields, strict=False) for v in pair), _TAGS[-1], _varint5(payload_bytes)
     )
-    return b"".join((head, view))
 
 
 def decode(msg: bytes) -> tuple[FrameHeader, int]:
@@ -81,13 +105,7 @@ def decode(msg: bytes) -> tuple[FrameHeader, int]:
     Raises:
         FrameError: the bytes are not a frame of the fixed layout.
     """
-    if len(msg) < HEADER_BYTES:
-        raise FrameError(f"frame of {len(msg)} bytes is shorter than its {HEADER_BYTES}-byte header")
-    vals = _STRUCT.unpack_from(msg)
-    if vals[0:21:2] != _TAGS:
-        raise FrameError("frame header does not have the fixed psproto.v1.Frame layout")
-    v = vals[21]
-    n = v[0] & 0x7F | (v[1] & 0x7F) << 7 | (v[2] & 0x7F) << 14 | (v[3] & 0x7F) << 21 | v[4] << 28
+    header, n = decode_header(msg)
     if n != len(msg) - HEADER_BYTES:
         raise FrameError(f"frame says {n} payload bytes but carries {len(msg) - HEADER_BYTES}")
-    return FrameHeader(*vals[1:21:2]), n
+    return header, n

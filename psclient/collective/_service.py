@@ -10,6 +10,7 @@ from typing import Final
 import grpc
 
 from psclient.collective._frame import FrameError, FrameHeader, decode
+from psclient.collective._tcp import DataListener
 from psclient.errors import PSError, UnavailableError
 from psproto.v1 import collective_pb2 as _pb
 
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: Final[str] = "psproto.v1.Collective"
 EXCHANGE_METHOD: Final[str] = f"/{SERVICE_NAME}/Exchange"
+DATA_PORT_METHOD: Final[str] = f"/{SERVICE_NAME}/DataPort"
 ACCEPTED_KEY: Final[str] = "x-collective-accepted-by"  # initial metadata of an accepted stream: the rank
 
 Delivery = tuple[FrameHeader, bytes] | PSError
@@ -65,6 +67,8 @@ class CollectiveService:
         rank: this rank.
         prev_rank: the rank that streams to this one.
         prev_address: its address (for messages).
+        world: the number of ranks.
+        data_plane: the raw-TCP data port of this rank (transport ``"tcp"``), or None.
 
     Token auth and TLS are the server's job (``psclient._security``), not this handler's.
     """
@@ -76,8 +80,12 @@ class CollectiveService:
         rank: int,
         prev_rank: int,
         prev_address: str,
+        world: int = 0,
+        data_plane: DataListener | None = None,
     ) -> None:
         self._boxes = mailboxes
+        self._world = world
+        self._data = data_plane
         self._rank = rank
         self._prev = prev_rank
         self._prev_address = prev_address
@@ -85,8 +93,34 @@ class CollectiveService:
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler to register on a ``grpc.aio`` server (raw bytes in and out)."""
         return grpc.method_handlers_generic_handler(
-            SERVICE_NAME, {"Exchange": grpc.stream_unary_rpc_method_handler(self.exchange)}
+            SERVICE_NAME,
+            {
+                "Exchange": grpc.stream_unary_rpc_method_handler(self.exchange),
+                "DataPort": grpc.unary_unary_rpc_method_handler(
+                    self.data_port,
+                    request_deserializer=_pb.DataPortRequest.FromString,
+                    response_serializer=_pb.DataPortReply.SerializeToString,
+                ),
+            },
         )
+
+    async def data_port(
+        self, request: _pb.DataPortRequest, context: grpc.aio.ServicerContext
+    ) -> _pb.DataPortReply:
+        """The data port of this rank and a one-time nonce for the previous rank's connection."""
+        if self._data is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"rank {self._rank} runs transport 'grpc', not 'tcp': every rank must use the same transport",
+            )
+        if request.rank != self._prev or request.world != self._world:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {self._rank} of {self._world} takes data from rank {self._prev} only, "
+                f"not from rank {request.rank} of {request.world}",
+            )
+        assert self._data is not None
+        return _pb.DataPortReply(port=self._data.port, nonce=self._data.issue_nonce())
 
     async def exchange(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext

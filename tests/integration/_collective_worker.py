@@ -1,6 +1,6 @@
 """One rank of a test ring, run as its own process by ``test_collective.py``.
 
-Usage: ``python _collective_worker.py SCENARIO RANK ADDR,ADDR,... TIMEOUT``. Prints
+Usage: ``python _collective_worker.py SCENARIO RANK ADDR,ADDR,... TIMEOUT [TRANSPORT]``. Prints
 JSON lines on stdout: ``{"event": "ready"}`` once the ring serves, optionally
 ``{"event": "progress"}``, then one ``{"event": "done", ...}`` with the failures
 found or the error raised. Exit status 3 means the address could not be bound
@@ -113,8 +113,9 @@ def until_error(ring: Ring) -> None:
 
 def main() -> int:
     scenario, rank, addrs, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), float(sys.argv[4])
+    transport = sys.argv[5] if len(sys.argv) > 5 else "grpc"
     try:
-        ring = Ring(addrs, rank, timeout=timeout)
+        ring = Ring(addrs, rank, timeout=timeout, transport=transport)
     except UnavailableError as err:
         emit(event="bind_failed", message=str(err))
         return 3

@@ -35,10 +35,12 @@ EVENT_TIMEOUT_S = 60.0  # bound on any wait for a worker's line (the machine is 
 class Worker:
     """One rank process; reads its JSON lines with a bounded wait."""
 
-    def __init__(self, scenario: str, rank: int, addrs: list[str], timeout: float) -> None:
+    def __init__(
+        self, scenario: str, rank: int, addrs: list[str], timeout: float, transport: str = "grpc"
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO), "GRPC_VERBOSITY": "ERROR"}
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), ",".join(addrs), str(timeout)],
+            [sys.executable, str(WORKER), scenario, str(rank), ",".join(addrs), str(timeout), transport],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -77,14 +79,19 @@ class Worker:
 
 @contextmanager
 def ring_processes(
-    scenario: str, world: int, *, timeout: float, start: Callable[[int], bool] = lambda r: True
+    scenario: str,
+    world: int,
+    *,
+    timeout: float,
+    start: Callable[[int], bool] = lambda r: True,
+    transport: str = "grpc",
 ) -> Iterator[tuple[list[str], list[Worker]]]:
     """Starts the ranks where ``start(rank)`` is true; waits until they serve (retries port clashes)."""
     workers: list[Worker] = []
     try:
         for _attempt in range(3):
             addrs = free_addresses(world)
-            workers = [Worker(scenario, r, addrs, timeout) for r in range(world) if start(r)]
+            workers = [Worker(scenario, r, addrs, timeout, transport) for r in range(world) if start(r)]
             events = [w.next_event() for w in workers]
             if all(e["event"] == "ready" for e in events):
                 yield addrs, workers
@@ -97,8 +104,9 @@ def ring_processes(
             w.stop()
 
 
-def test_every_op_dtype_and_awkward_size_equals_numpy_with_three_processes() -> None:
-    with ring_processes("matrix", 3, timeout=30.0) as (_, workers):
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_every_op_dtype_and_awkward_size_equals_numpy_with_three_processes(transport: str) -> None:
+    with ring_processes("matrix", 3, timeout=30.0, transport=transport) as (_, workers):
         results = [w.next_event(timeout=120.0) for w in workers]
     for r, res in enumerate(results):
         assert res["event"] == "done" and "error" not in res, f"rank {r}: {res}"
@@ -150,9 +158,10 @@ def test_sync_rings_in_threads_of_one_process() -> None:
         np.testing.assert_array_equal(bcast, [7])
 
 
-def test_killed_peer_gives_typed_error_naming_a_rank_not_a_hang() -> None:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_killed_peer_gives_typed_error_naming_a_rank_not_a_hang(transport: str) -> None:
     timeout = 3.0
-    with ring_processes("until_error", 3, timeout=timeout) as (addrs, workers):
+    with ring_processes("until_error", 3, timeout=timeout, transport=transport) as (addrs, workers):
         for w in workers:
             assert w.next_event()["event"] == "progress"
         os.kill(workers[1].proc.pid, signal.SIGKILL)
@@ -166,8 +175,12 @@ def test_killed_peer_gives_typed_error_naming_a_rank_not_a_hang() -> None:
         assert f"on rank {w.rank}" in res["message"], res
 
 
-def test_rank_that_never_joins_gives_deadline_error_naming_it() -> None:
-    with ring_processes("until_error", 3, timeout=2.0, start=lambda r: r != 2) as (addrs, workers):
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_rank_that_never_joins_gives_deadline_error_naming_it(transport: str) -> None:
+    with ring_processes("until_error", 3, timeout=2.0, start=lambda r: r != 2, transport=transport) as (
+        addrs,
+        workers,
+    ):
         results = [w.next_event(timeout=40.0) for w in workers]
     for res in results:
         assert res["event"] == "done" and res["error"] in ("DeadlineExceededError", "UnavailableError"), res
@@ -196,10 +209,12 @@ async def test_fp16_compression_of_float32() -> None:
         np.testing.assert_allclose(m[1], np.sum(xs, axis=0, dtype=np.float64), rtol=1e-6)
 
 
-@pytest.mark.parametrize("world", [2, 5, 8])
-async def test_world_sizes_up_to_eight_with_awkward_sizes(world: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "transport"), [(2, "grpc"), (5, "grpc"), (8, "grpc"), (2, "tcp"), (5, "tcp")]
+)
+async def test_world_sizes_up_to_eight_with_awkward_sizes(world: int, transport: str) -> None:
     rng = np.random.default_rng(world)
-    async with asyncio.timeout(60), async_rings(world, chunk_bytes=4096) as rings:
+    async with asyncio.timeout(60), async_rings(world, chunk_bytes=4096, transport=transport) as rings:
         for size in (0, 1, world - 1, 3 * world + 1, 10_007):
             xs = [rng.integers(-50, 50, size).astype(np.int64) for _ in range(world)]
             for op, ref in (("sum", np.sum), ("min", np.min), ("max", np.max)):
@@ -218,16 +233,18 @@ async def test_world_sizes_up_to_eight_with_awkward_sizes(world: int) -> None:
         await asyncio.gather(*(ring.barrier() for ring in rings))
 
 
-async def test_small_chunks_pipeline_many_frames() -> None:
-    async with asyncio.timeout(30), async_rings(4, chunk_bytes=1024) as rings:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_small_chunks_pipeline_many_frames(transport: str) -> None:
+    async with asyncio.timeout(30), async_rings(4, chunk_bytes=1024, transport=transport) as rings:
         xs = [np.arange(100_001, dtype=np.float64) * (r + 1) for r in range(4)]
         outs = await asyncio.gather(*(ring.allreduce(x, "max") for ring, x in zip(rings, xs, strict=True)))
     for out in outs:
         np.testing.assert_array_equal(out, xs[3])
 
 
-async def test_mismatched_shapes_fail_with_invalid_argument_then_the_ring_recovers() -> None:
-    async with asyncio.timeout(30), async_rings(3, timeout=3.0) as rings:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_mismatched_shapes_fail_with_invalid_argument_then_the_ring_recovers(transport: str) -> None:
+    async with asyncio.timeout(30), async_rings(3, timeout=3.0, transport=transport) as rings:
         results = await asyncio.gather(
             *(ring.allreduce(np.ones(10 + (r == 1), np.float32)) for r, ring in enumerate(rings)),
             return_exceptions=True,
@@ -242,8 +259,9 @@ async def test_mismatched_shapes_fail_with_invalid_argument_then_the_ring_recove
         np.testing.assert_array_equal(out, np.full(5, 3))
 
 
-async def test_stuck_peer_gives_deadline_exceeded_naming_it() -> None:
-    async with asyncio.timeout(30), async_rings(3) as rings:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_stuck_peer_gives_deadline_exceeded_naming_it(transport: str) -> None:
+    async with asyncio.timeout(30), async_rings(3, transport=transport) as rings:
         results = await asyncio.gather(
             *(ring.allreduce(np.ones(4, np.float32), timeout=1.0) for ring in rings[:2]),
             return_exceptions=True,
