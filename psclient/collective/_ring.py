@@ -53,8 +53,11 @@ class Ring:
             certificate and key: TLS on every stream), ``tls_ca`` (PEM CA of the peers'
             certificates), ``tls_client_ca`` (require client certificates it signed: mutual TLS),
             ``max_message_bytes`` (default 64 MiB), ``grpc_options`` (extra channel/server
-            arguments) and ``tune_malloc`` (default True: :func:`psclient.memory.tune_malloc`,
-            so message buffers are reused instead of page-faulted in).
+            arguments), ``tune_malloc`` (default True: :func:`psclient.memory.tune_malloc`,
+            so message buffers are reused instead of page-faulted in) and ``transport``
+            (``"grpc"``, the default, or ``"tcp"``: frames on a raw TCP connection per link,
+            negotiated through the authenticated ``DataPort`` call; about half the CPU per byte;
+            no TLS; every rank must use the same transport).
 
     Raises:
         ValueError: invalid settings.

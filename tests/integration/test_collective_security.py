@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 from _rings import async_rings
 
-from psclient.errors import DeadlineExceededError, PSError, UnauthenticatedError, UnavailableError
+from psclient.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    PSError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 
 pytest.importorskip("cryptography")
 from _certs import Pki, make_pki  # tests/_certs.py
@@ -70,17 +76,23 @@ async def test_tls_and_token_together(pki: Pki) -> None:
         np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
 
 
-async def test_matching_auth_token_works() -> None:
-    async with asyncio.timeout(30), async_rings(2, auth_token="s3cret") as rings:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_matching_auth_token_works(transport: str) -> None:
+    async with asyncio.timeout(30), async_rings(2, auth_token="s3cret", transport=transport) as rings:
         outs = await asyncio.gather(*(ring.allgather(np.array([r])) for r, ring in enumerate(rings)))
     for out in outs:
         np.testing.assert_array_equal(out, [0, 1])
 
 
-@pytest.mark.parametrize("token", [None, "other", "s3cret "])
-async def test_wrong_or_missing_auth_token_is_unauthenticated(token: str | None) -> None:
+@pytest.mark.parametrize(
+    ("token", "transport"), [(None, "grpc"), ("other", "grpc"), ("s3cret ", "grpc"), ("other", "tcp")]
+)
+async def test_wrong_or_missing_auth_token_is_unauthenticated(token: str | None, transport: str) -> None:
     per_rank = [{"auth_token": token}, {"auth_token": "s3cret"}]
-    async with asyncio.timeout(30), async_rings(2, timeout=REFUSED_TIMEOUT_S, per_rank=per_rank) as rings:
+    async with (
+        asyncio.timeout(30),
+        async_rings(2, timeout=REFUSED_TIMEOUT_S, per_rank=per_rank, transport=transport) as rings,
+    ):
         results = await asyncio.gather(*(ring.barrier() for ring in rings), return_exceptions=True)
     # Rank 0 sends to rank 1, which refuses it; rank 0's error names rank 1.
     assert isinstance(results[0], UnauthenticatedError), results
@@ -151,3 +163,26 @@ async def test_unreadable_tls_file_is_a_value_error_before_binding(tmp_path: Pat
     with pytest.raises(ValueError, match="cannot read TLS key"):
         async with async_rings(1, **opts):
             pass
+
+
+async def test_tcp_data_port_refuses_a_connection_without_a_nonce_from_the_token_guarded_call() -> None:
+    async with asyncio.timeout(30), async_rings(2, auth_token="s3cret", transport="tcp") as rings:
+        data = rings[1]._data  # private: the data port is advertised only by the DataPort call
+        assert data is not None
+        port = data.port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"PSRING1\n" + bytes(16) + (0).to_bytes(4, "little"))  # a forged nonce, rank 0
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(1), 10.0) == b""  # closed without the ack
+        writer.close()
+        outs = await run_ops(rings)  # the ring itself is unaffected
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
+
+
+async def test_mixed_transports_fail_with_a_typed_error_naming_the_transport() -> None:
+    per_rank = [{"transport": "tcp"}, {"transport": "grpc"}]
+    async with asyncio.timeout(30), async_rings(2, timeout=REFUSED_TIMEOUT_S, per_rank=per_rank) as rings:
+        results = await asyncio.gather(*(ring.barrier() for ring in rings), return_exceptions=True)
+    assert all(isinstance(r, PSError) for r in results), results
+    assert isinstance(results[0], FailedPreconditionError) and "same transport" in str(results[0]), results

@@ -34,6 +34,7 @@ def test_neighbours() -> None:
         {"tls_key": "k.pem"},
         {"tls_ca": "ca.pem"},
         {"tls_client_ca": "ca.pem"},
+        {"transport": "udp"},
     ],
 )
 def test_rejects(kwargs: dict[str, object]) -> None:
@@ -46,3 +47,10 @@ def test_tls_settings() -> None:
     assert not RingConfig(addresses=ADDRS, rank=0).tls
     cfg = RingConfig(addresses=ADDRS, rank=0, tls_cert="c.pem", tls_key="k.pem", tls_client_ca="ca.pem")
     assert cfg.tls and cfg.tls_ca is None
+
+
+def test_tcp_transport_refuses_tls() -> None:
+    assert RingConfig(addresses=ADDRS, rank=0, transport="tcp").transport == "tcp"
+    assert RingConfig(addresses=ADDRS, rank=0).transport == "grpc"
+    with pytest.raises(ValueError, match="no TLS"):
+        RingConfig(addresses=ADDRS, rank=0, transport="tcp", tls_cert="c.pem", tls_key="k.pem")
