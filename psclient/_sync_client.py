@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -63,7 +64,7 @@ class PSClient:
     def _run(self, coro: Any) -> Any:
         # The per-call gRPC deadlines bound the work; this outer bound only guards
         # against a bug that would otherwise hang the caller forever.
-        return self._loop.run(coro, timeout=self.config.timeout * 4 + 60)
+        return self._loop.run(coro, timeout=self.wait_timeout)
 
     def create(self, name: str, value: Any, optimizer: Optimizer | None = None) -> bool:
         """Creates one variable; see ``AsyncPSClient.create_many``."""
@@ -102,6 +103,25 @@ class PSClient:
     def push_pull(self, grads: Tensors, *, step: int = 0) -> dict[str, np.ndarray]:
         """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
         return dict(self._run(self._async.push_pull(grads, step=step)))
+
+    def push_pull_future(
+        self, grads: Tensors, *, step: int = 0
+    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        """Starts a ``push_pull`` and returns at once; ``.result(timeout)`` gives the updated values.
+
+        For callers that overlap the exchange with other work (the Keras glue):
+        no helper thread sits blocked on the call. Cancelling the future cancels
+        the request. Errors are raised by ``.result()``, as by ``push_pull``.
+
+        Raises:
+            RuntimeError: the client is closed.
+        """
+        return self._loop.submit(self._async.push_pull(grads, step=step))
+
+    @property
+    def wait_timeout(self) -> float:
+        """The outer bound, in seconds, the blocking methods wait for one call (a hang guard)."""
+        return self.config.timeout * 4 + 60
 
     def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
         """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""

@@ -129,7 +129,6 @@ class PSWorker:
         self._names: list[str] | None = None
         self._variables: list[Any] = []
         self._optimizer: Optimizer | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psworker")
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
 
     @property
@@ -216,11 +215,10 @@ class PSWorker:
             self.refresh()
 
     def close(self) -> None:
-        """Drains, stops the helper thread, closes the client (if this worker made it). Idempotent."""
+        """Drains the in-flight exchange, closes the client (if this worker made it). Idempotent."""
         try:
             self._drain()
         finally:
-            self._pool.shutdown(wait=True)
             if self._owns_client:
                 self.client.close()
 
@@ -241,7 +239,14 @@ class PSWorker:
     def _drain(self) -> None:
         fut, self._inflight = self._inflight, None
         if fut is not None:
-            fut.result()
+            self._wait(fut)
+
+    def _wait(self, fut: concurrent.futures.Future[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        try:
+            return fut.result(self.client.wait_timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise
 
     # -- one step -------------------------------------------------------------
 
@@ -263,18 +268,19 @@ class PSWorker:
                 log.info("worker %d: gradient for step %d dropped as stale", self.worker_index, step)
             self.step = max(max(versions.values(), default=0), step + (1 if applied else 0))
             return [values[n] for n in names]
-        fut = self._pool.submit(self.client.push_pull, gmap, step=self.step)
+        # Straight onto the client's loop: no helper thread blocks on the call.
+        fut = self.client.push_pull_future(gmap, step=self.step)
         self.step += 1
         if not self.overlap:
-            values = fut.result()
+            values = self._wait(fut)
         else:
             prev, self._inflight = self._inflight, fut
             if prev is None:  # first step: nothing earlier to take values from
-                values = fut.result()
+                values = self._wait(fut)
             else:
-                values = prev.result()
+                values = self._wait(prev)
                 if set(values) != set(names):  # variables without gradients this step
-                    values = {**values, **fut.result()}
+                    values = {**values, **self._wait(fut)}
                     self._inflight = None
         return [values[n] for n in names]
 

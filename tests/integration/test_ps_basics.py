@@ -184,6 +184,18 @@ def test_ps_client_is_a_context_manager_and_close_is_idempotent(cluster: LocalCl
         c.pull([var_name])
 
 
+def test_ps_push_pull_future_overlaps_and_refuses_after_close(cluster: LocalCluster, var_name: str) -> None:
+    with psclient.PSClient(cluster.addresses, worker_id="fut") as c:
+        c.create(var_name, np.zeros(3, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        g = np.ones(3, np.float32)
+        first, second = c.push_pull_future({var_name: g}), c.push_pull_future({var_name: g})
+        results = [f.result(c.wait_timeout)[var_name] for f in (first, second)]
+        assert sorted(float(r[0]) for r in results) == [-2.0, -1.0]  # both applied, in some order
+        np.testing.assert_array_equal(c.pull([var_name])[var_name], np.full(3, -2, np.float32))
+    with pytest.raises(RuntimeError):
+        c.push_pull_future({var_name: g})
+
+
 @pytest.mark.timeout(30)
 async def test_ps_async_client_directly(cluster: LocalCluster, var_name: str) -> None:
     async with psclient.AsyncPSClient(cluster.addresses, worker_id="async-w") as c:
