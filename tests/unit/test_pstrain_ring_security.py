@@ -38,7 +38,14 @@ def test_bad_token_file_is_a_value_error(tmp_path: Path) -> None:
         ring_security_options(args)
 
 
-@pytest.mark.parametrize("command", ["demo", "worker"])
-def test_other_modes_refuse_the_flags(command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([command, "--mode", "async", "--tls-cert", "c.pem"]) == 2
-    assert "--tls-cert" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("demo", "--tls-cert"),  # the demo's local shards run without TLS
+        ("demo", "--auth-token-file"),
+        ("worker", "--tls-client-ca"),  # a PS worker is a client: no server-side TLS flag
+    ],
+)
+def test_other_modes_refuse_the_flags(command: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--mode", "async", flag, "x.pem"]) == 2
+    assert flag in capsys.readouterr().err
