@@ -130,6 +130,11 @@ class CollectiveService:
         Raises:
             asyncio.CancelledError: the server is stopping.
         """
+        if self._data is not None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"rank {self._rank} runs transport 'tcp', not 'grpc': every rank must use the same transport",
+            )
         # Tells the sender at once that the stream was accepted (auth passed): see _link.Link.write.
         await context.send_initial_metadata(((ACCEPTED_KEY, str(self._rank)),))
         seq: int | None = None
