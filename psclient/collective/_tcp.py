@@ -162,10 +162,14 @@ class DataListener:
         self._changed.set()
 
     async def connection(self) -> socket.socket:
-        """The current connection from the previous rank (waits for one)."""
+        """The current connection from the previous rank (waits for one).
+
+        Raises:
+            UnavailableError: the ring is closed.
+        """
         while self._conn is None:
             if self._closed:
-                raise ConnectionAbortedError("the ring is closed")
+                raise UnavailableError(f"rank {self._rank}: the ring is closed")
             self._changed.clear()
             await self._changed.wait()
         return self._conn
@@ -210,10 +214,6 @@ class DataListener:
                 f"the connection from rank {self._prev} broke (peer died, closed or aborted): {err}",
                 address=self._prev_address,
             ) from None
-
-    def current(self) -> socket.socket | None:
-        """The current connection, if any."""
-        return self._conn
 
     def drop(self, conn: socket.socket | None) -> None:
         """Closes ``conn`` if it is still the current connection (after a failure)."""

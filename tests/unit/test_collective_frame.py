@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psclient.collective._frame import HEADER_BYTES, FrameError, FrameHeader, decode, encode
+from psclient.collective._frame import (
+    HEADER_BYTES,
+    FrameError,
+    FrameHeader,
+    decode,
+    decode_header,
+    encode,
+    encode_header,
+)
 from psproto.v1 import collective_pb2
 
 HEADER = FrameHeader(
@@ -53,3 +61,17 @@ def test_length_mismatch_is_rejected() -> None:
     msg = encode(HEADER, np.zeros(4, np.float32))
     with pytest.raises(FrameError, match="payload bytes"):
         decode(msg[:-1])
+
+
+def test_header_alone_is_the_frame_prefix_and_parses_from_a_reused_buffer() -> None:
+    """The tcp transport sends encode_header() then the payload, and parses headers in place."""
+    x = np.arange(5, dtype=np.float32)
+    head = encode_header(HEADER, x.nbytes)
+    assert len(head) == HEADER_BYTES and encode(HEADER, x) == head + x.tobytes()
+    buf = bytearray(HEADER_BYTES + 100)
+    buf[:HEADER_BYTES] = head
+    assert decode_header(memoryview(buf)) == (HEADER, x.nbytes)
+    with pytest.raises(FrameError):
+        decode_header(memoryview(buf)[:10])
+    with pytest.raises(FrameError):
+        decode_header(bytes(HEADER_BYTES))
