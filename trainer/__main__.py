@@ -27,6 +27,10 @@ examples:
   pstrain local --model resnet
 """
 
+_TRANSPORT_HELP = (
+    "allreduce: the ring's data plane: grpc (default; TLS-capable) or tcp (raw sockets negotiated over the "
+    "authenticated gRPC service: about 2x less CPU per byte, no TLS)"
+)
 DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
 _NO_LR_SCALING_HELP = (
     "allreduce and sync modes: keep --learning-rate as is (by default it is multiplied by the number of "
@@ -73,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--compression", choices=("none", "fp16"), default="none", help="allreduce: gradients on the wire"
     )
+    demo.add_argument("--ring-transport", choices=("grpc", "tcp"), default="grpc", help=_TRANSPORT_HELP)
     demo.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
@@ -96,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its own (default: TF_CONFIG's chief and worker tasks)",
     )
     worker.add_argument("--compression", choices=("none", "fp16"), default="none", help="allreduce")
+    worker.add_argument("--ring-transport", choices=("grpc", "tcp"), default="grpc", help=_TRANSPORT_HELP)
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
@@ -169,7 +175,7 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             compression=args.compression,
             lr_scaling=not args.no_lr_scaling,
-            ring_options=ring_security_options(args),
+            ring_options={**ring_security_options(args), "transport": args.ring_transport},
         )
     except UnavailableError as err:
         if "cannot bind" not in str(err):

@@ -193,7 +193,8 @@ def _launch(
         for rank in range(args.workers):
             cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
                    "--ring", ",".join(addresses), "--worker-index", str(rank),
-                   "--compression", args.compression, *(["--no-lr-scaling"] if args.no_lr_scaling else []),
+                   "--compression", args.compression, "--ring-transport", args.ring_transport,
+                   *(["--no-lr-scaling"] if args.no_lr_scaling else []),
                    "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args),
                    *security_argv(args)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -266,6 +267,7 @@ def run_allreduce_demo(args: argparse.Namespace) -> int:
             "workers": args.workers,
             "shards": 0,
             "compression": args.compression,
+            "ring_transport": args.ring_transport,
             "learning_rate": args.learning_rate * (1 if args.no_lr_scaling else args.workers),
             "steps_per_second": sum(w["steps_per_second"] for w in workers),
             "steps": sum(w["steps"] for w in workers),

@@ -80,3 +80,16 @@ def test_allreduce_workers_from_tf_config(tmp_path: Path) -> None:
     assert all(r["mode"] == "allreduce" and r["in_sync"] for r in results)
     assert results[0]["steps"] == results[1]["steps"] > 0
     assert results[0]["test_accuracy"] is not None and results[1]["test_accuracy"] is None
+
+
+def test_allreduce_demo_over_the_tcp_data_plane(tmp_path: Path) -> None:
+    out = tmp_path / "tcp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "demo", "--mode", "allreduce", "--ring-transport", "tcp",
+         "--model", "mlp", "--epochs", "2", "--result-json", str(out)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ring_transport"] == "tcp" and result["in_sync"] is True
+    assert result["test_accuracy"] > 0.5  # 2 epochs of the MLP: well above chance (0.1)
