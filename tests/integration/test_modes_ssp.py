@@ -6,11 +6,9 @@ import asyncio
 
 import numpy as np
 import pytest
+from _workers import CALL_TIMEOUT_S, close_all, worker_clients
 
 import psclient
-from trainer.cluster import LocalCluster
-
-CALL_TIMEOUT_S = 20.0
 
 
 def _ssp_args(m: int, s: int, timeout_s: float = 20.0) -> list[str]:
@@ -26,21 +24,9 @@ def _ssp_args(m: int, s: int, timeout_s: float = 20.0) -> list[str]:
     ]
 
 
-def _clients(cluster: LocalCluster, count: int) -> list[psclient.AsyncPSClient]:
-    return [
-        psclient.AsyncPSClient(cluster.addresses, worker_id=f"w{i}", timeout=CALL_TIMEOUT_S)
-        for i in range(count)
-    ]
-
-
-async def _close(clients: list[psclient.AsyncPSClient]) -> None:
-    for c in clients:
-        await c.close()
-
-
 async def test_fast_worker_waits_in_pull_until_the_slowest_catches_up(make_cluster) -> None:
     cluster = make_cluster(num_shards=2, server_args=_ssp_args(2, 1))
-    fast, slow = clients = _clients(cluster, 2)
+    fast, slow = clients = worker_clients(cluster, 2)
     try:
         await fast.create_many({"a": np.zeros(3, np.float32), "b": np.zeros(2, np.float32)})
         grads = {"a": np.ones(3, np.float32), "b": np.ones(2, np.float32)}
@@ -61,12 +47,12 @@ async def test_fast_worker_waits_in_pull_until_the_slowest_catches_up(make_clust
         assert await slow.push(grads, step=1)
         await asyncio.wait_for(gated, CALL_TIMEOUT_S)
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_pull_timeout_names_the_slowest_worker(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_ssp_args(3, 1, timeout_s=1.0))
-    w0, w1, _ = clients = _clients(cluster, 3)
+    w0, w1, _ = clients = worker_clients(cluster, 3)
     try:
         await w0.create("v", np.zeros(2, np.float32))
         g = {"v": np.ones(2, np.float32)}
@@ -85,15 +71,15 @@ async def test_pull_timeout_names_the_slowest_worker(make_cluster) -> None:
         await w1.push(g, step=1)
         assert (await w0.pull(step=3))["v"].shape == (2,)
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_plain_pull_never_waits(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_ssp_args(2, 0, timeout_s=1.0))
-    (w0,) = clients = _clients(cluster, 1)
+    (w0,) = clients = worker_clients(cluster, 1)
     try:
         await w0.create("v", np.zeros(2, np.float32))
         await w0.push({"v": np.ones(2, np.float32)}, step=0)
         assert (await w0.pull())["v"].shape == (2,)  # step 0: an evaluator's read
     finally:
-        await _close(clients)
+        await close_all(clients)

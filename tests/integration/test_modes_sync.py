@@ -6,11 +6,9 @@ import asyncio
 
 import numpy as np
 import pytest
+from _workers import CALL_TIMEOUT_S, close_all, worker_clients
 
 import psclient
-from trainer.cluster import LocalCluster
-
-CALL_TIMEOUT_S = 20.0
 
 
 def _sync_args(n: int, m: int, timeout_s: float = 20.0) -> list[str]:
@@ -18,21 +16,9 @@ def _sync_args(n: int, m: int, timeout_s: float = 20.0) -> list[str]:
             "--barrier-timeout", str(timeout_s)]  # fmt: skip
 
 
-def _clients(cluster: LocalCluster, count: int) -> list[psclient.AsyncPSClient]:
-    return [
-        psclient.AsyncPSClient(cluster.addresses, worker_id=f"w{i}", timeout=CALL_TIMEOUT_S)
-        for i in range(count)
-    ]
-
-
-async def _close(clients: list[psclient.AsyncPSClient]) -> None:
-    for c in clients:
-        await c.close()
-
-
 async def test_update_is_mean_of_workers_gradients(make_cluster) -> None:
     cluster = make_cluster(num_shards=2, server_args=_sync_args(2, 2))
-    w0, w1 = clients = _clients(cluster, 2)
+    w0, w1 = clients = worker_clients(cluster, 2)
     try:
         init = {"a": np.zeros((3, 4), np.float32), "b": np.ones(5, np.float32)}
         await w0.create_many(init, optimizer=psclient.SGD(learning_rate=1.0))
@@ -46,12 +32,12 @@ async def test_update_is_mean_of_workers_gradients(make_cluster) -> None:
             np.testing.assert_allclose(values[k], init[k] - (g0[k] + g1[k]) / 2, rtol=1e-6)
         assert set(versions.values()) == {1}  # one update per step, not one per push
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_push_is_the_barrier(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 2))
-    w0, w1 = clients = _clients(cluster, 2)
+    w0, w1 = clients = worker_clients(cluster, 2)
     try:
         await w0.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
         first = asyncio.create_task(w0.push({"v": np.ones(4, np.float32)}, step=0))
@@ -69,12 +55,12 @@ async def test_push_is_the_barrier(make_cluster) -> None:
         for values in both:
             np.testing.assert_allclose(values["v"], -3 * np.ones(4, np.float32))
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_backups_let_n_of_m_proceed_and_late_gradients_are_dropped(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 3))
-    w0, w1, w2 = clients = _clients(cluster, 3)
+    w0, w1, w2 = clients = worker_clients(cluster, 3)
     try:
         await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
         # the straggler w2 is not needed: 2 of 3 complete step 0
@@ -94,12 +80,12 @@ async def test_backups_let_n_of_m_proceed_and_late_gradients_are_dropped(make_cl
         ) == [True, True]
         np.testing.assert_allclose((await w1.pull())["v"], [-4.0, -4.0])
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_barrier_timeout_names_missing_workers_and_step(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_sync_args(2, 3, timeout_s=1.0))
-    w0, w1 = clients = _clients(cluster, 2)
+    w0, w1 = clients = worker_clients(cluster, 2)
     try:
         await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
         await w1.pull()  # w1 is known to the shard, but never pushes
@@ -115,12 +101,12 @@ async def test_barrier_timeout_names_missing_workers_and_step(make_cluster) -> N
             w0.push({"v": np.ones(2, np.float32)}, step=0), w1.push({"v": np.ones(2, np.float32)}, step=0)
         ) == [True, True]
     finally:
-        await _close(clients)
+        await close_all(clients)
 
 
 async def test_bad_gradient_is_rejected_without_joining_the_barrier(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_sync_args(1, 1))
-    (w0,) = clients = _clients(cluster, 1)
+    (w0,) = clients = worker_clients(cluster, 1)
     try:
         await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
         with pytest.raises(psclient.InvalidArgumentError):
@@ -128,4 +114,4 @@ async def test_bad_gradient_is_rejected_without_joining_the_barrier(make_cluster
         assert await w0.push({"v": np.ones(2, np.float32)}, step=0)
         np.testing.assert_allclose((await w0.pull())["v"], [-1.0, -1.0])
     finally:
-        await _close(clients)
+        await close_all(clients)
