@@ -11,18 +11,49 @@ steps per second).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from trainer.cluster import LocalCluster
 
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
+
+
+@contextlib.contextmanager
+def native_stderr_held() -> Iterator[None]:
+    """Holds back what native code writes to fd 2 in the block; replays it only if the block fails.
+
+    TensorFlow's C++ runtime logs start-up lines (and, on machines without a GPU, a
+    "failed call to cuInit" error) straight to fd 2, which TF_CPP_MIN_LOG_LEVEL does not
+    silence; in the demo's own process they are noise between the progress lines.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if failed:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
+                sys.stderr.flush()
 
 
 def server_args(args: argparse.Namespace) -> list[str]:
@@ -89,9 +120,11 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.mode == "local":
         from trainer.__main__ import _train_config
-        from trainer.train import train_local
 
-        local, accuracy = train_local(_train_config(args))
+        with native_stderr_held():
+            from trainer.train import train_local  # imports TensorFlow
+
+            local, accuracy = train_local(_train_config(args))
         _print_result(
             {
                 "mode": "local",
@@ -162,9 +195,11 @@ def run_demo(args: argparse.Namespace) -> int:
                     proc.wait()
         workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
         from trainer.__main__ import _train_config
-        from trainer.train import evaluate_from_ps
 
-        accuracy = evaluate_from_ps(_train_config(args), cluster.addresses)
+        with native_stderr_held():
+            from trainer.train import evaluate_from_ps  # imports TensorFlow
+
+            accuracy = evaluate_from_ps(_train_config(args), cluster.addresses)
     _print_result(
         {
             "mode": args.mode,
