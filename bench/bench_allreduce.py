@@ -20,13 +20,14 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trainer.cluster import reserve_ports
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "ALLREDUCE-RESULT "
@@ -54,14 +55,7 @@ def iterations(size_mib: int) -> tuple[int, int]:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [int(a.rpartition(":")[2]) for a in reserve_ports(n)]
 
 
 # --------------------------------------------------------------------------- workers (one per rank)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trainer.cluster import reserve_ports
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -28,14 +29,7 @@ PREFIX = "CPU-RESULT "
 
 
 def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return [int(a.rpartition(":")[2]) for a in reserve_ports(n)]
 
 
 def _measure(fn: Any, sync: Any, iters: int) -> tuple[float, float]:

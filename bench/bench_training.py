@@ -102,7 +102,7 @@ def run_ps(args: argparse.Namespace, model: str, mode: str, overlap: bool) -> di
 
 
 def run_allreduce(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    from trainer.allreduce_loop import reserve_ports
+    from trainer.cluster import reserve_ports
 
     ring = ",".join(reserve_ports(2))
     with tempfile.TemporaryDirectory() as tmp:

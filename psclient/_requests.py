@@ -143,47 +143,6 @@ def chunked_messages(
         yield batch
 
 
-class Stitcher:
-    """Rebuilds whole variables from the stored tensors pulled from the shards."""
-
-    def __init__(self, pieces: Mapping[str, list[Piece]]) -> None:
-        self._pieces = pieces
-        self._stored: dict[str, np.ndarray] = {}
-        self._versions: dict[str, int] = {}  # per stored name
-
-    def add(self, stored: Mapping[str, np.ndarray], versions: Mapping[str, int] | None = None) -> None:
-        self._stored.update(stored)
-        if versions:
-            self._versions.update(versions)
-
-    @property
-    def versions(self) -> dict[str, int]:
-        """Each variable's version, keyed like ``result()``; a partitioned one has its oldest piece's."""
-        out = {}
-        for name, group in self._pieces.items():
-            got = [self._versions[p.stored_name] for p in group if p.stored_name in self._versions]
-            if got:
-                out[name] = min(got)
-        return out
-
-    def result(self) -> dict[str, np.ndarray]:
-        """Raises: NotFoundError if a piece did not arrive."""
-        out = {}
-        for name, group in self._pieces.items():
-            missing = [p.stored_name for p in group if p.stored_name not in self._stored]
-            if missing:
-                raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
-            if len(group) == 1 and not group[0].partitioned:
-                out[name] = self._stored[group[0].stored_name]
-                continue
-            whole = np.empty(group[0].full_shape, dtype=group[0].dtype)
-            flat = whole.reshape(-1)
-            for p in group:
-                flat[p.offset : p.offset + p.size] = self._stored[p.stored_name]
-            out[name] = whole
-        return out
-
-
 def versions_of(chunks: Iterable[ps_pb2.TensorChunk], versions: Iterable[int]) -> dict[str, int]:
     """Pairs each tensor that starts in this message (its chunk at offset 0) with its version."""
     names = [c.name for c in chunks if c.offset == 0]
@@ -215,7 +174,7 @@ def wire_batches(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int) -> Ite
 class Gather:
     """Writes pulled chunks straight into the whole arrays the caller gets: one copy per byte.
 
-    Replaces Assembler + Stitcher on the pull path: a partitioned variable's
+    Replaces Assembler on the pull path: a partitioned variable's
     pieces, from any shard and in any number of chunks, land in one array
     allocated once. A variable that arrives whole in one chunk stays a
     zero-copy view of the received message. Returned arrays are read-only.

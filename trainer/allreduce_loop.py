@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from trainer.cluster import reserve_ports
 
 EXIT_BIND_FAILED = 3  # a worker could not bind its ring address: the launcher retries with new ports
 _BIND_ATTEMPTS = 3
@@ -87,24 +88,6 @@ class RankResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
-    """``count`` distinct ``HOST:PORT`` addresses that were free a moment ago (bound to port 0, then closed).
-
-    Another process may take one before a worker binds it; the worker then exits
-    with ``EXIT_BIND_FAILED`` and ``run_allreduce_demo`` retries with new ports.
-    """
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [f"{host}:{s.getsockname()[1]}" for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def train_rank(

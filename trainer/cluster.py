@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,24 @@ log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0  # a shard starts in well under a second; this covers a loaded CI machine
 _STOP_TIMEOUT_S = 15.0
+
+
+def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
+    """``count`` distinct ``HOST:PORT`` addresses that were free a moment ago (bound to port 0, then closed).
+
+    Another process may take one before it is bound again: callers that can, retry with new ports
+    (``pstrain demo --mode allreduce`` does).
+    """
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [f"{host}:{s.getsockname()[1]}" for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class ClusterError(RuntimeError):

@@ -18,7 +18,7 @@ import _allreduce_worker as w  # noqa: E402
 
 import psclient  # noqa: E402
 import psclient.keras as psk  # noqa: E402
-from trainer.allreduce_loop import reserve_ports  # noqa: E402
+from trainer.cluster import reserve_ports  # noqa: E402
 
 WORKER = Path(__file__).with_name("_allreduce_worker.py")
 RUN_TIMEOUT_S = 300

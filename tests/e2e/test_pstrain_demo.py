@@ -56,7 +56,7 @@ def test_allreduce_mode_matches_local_baseline(local_accuracy: float, tmp_path: 
 
 
 def test_allreduce_workers_from_tf_config(tmp_path: Path) -> None:
-    from trainer.allreduce_loop import reserve_ports
+    from trainer.cluster import reserve_ports
 
     ring = reserve_ports(2)
     procs = []

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from psclient.collective import AsyncRing
+from trainer.cluster import reserve_ports
 
 
 def free_addresses(n: int) -> list[str]:
     """``n`` loopback addresses whose ports were free a moment ago (bind-and-close)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    return reserve_ports(n)
 
 
 @asynccontextmanager
