@@ -175,8 +175,11 @@ def test_kill_9_during_checkpoint_writes_never_corrupts(tmp_path: Path) -> None:
         assert versions["v"] > 0, (tmp_path / "pusher.log").read_text()[-3000:]
         assert "restored 1 tensors" in cluster.log_tail(0, 400)
         assert interrupted >= 2, f"only {interrupted} of 8 kills hit a save in progress"
-        for f in checkpoint.list_files(ck):
-            checkpoint.read(f.path)  # every file left is whole and valid
+        cluster.kill_shard(0)  # a live shard keeps saving and pruning old files while they are read
+        files = checkpoint.list_files(ck)
+        assert files
+        for f in files:
+            checkpoint.read(f.path)  # every file a kill -9 left behind is whole and valid
 
 
 def _saving(directory: Path) -> bool:
