@@ -1,4 +1,9 @@
-"""``pstrain demo`` end to end: each mode trains the CNN on digits to within 2 points of local."""
+"""``pstrain demo`` end to end: each mode trains the CNN on digits to within 2 points of local.
+
+The test set is 360 images, so one image is 0.28 points. At 12 epochs the asynchronous modes were still
+moving (0.967-0.983 over six runs against local's 0.989: a 2.2-point gap once, a CI flake); at 30 epochs
+every mode has settled (async 0.983-0.989, ssp 0.975-0.983, sync 0.981, local 0.989 over 3-5 runs each).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,8 @@ import pytest
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
-EPOCHS = 12
-RUN_TIMEOUT_S = 400  # a run takes ~20-40 s on 2 loaded cores
+EPOCHS = 30
+RUN_TIMEOUT_S = 400  # a 30-epoch run takes ~30-60 s on 2 loaded cores
 
 
 def _demo(tmp_path: Path, mode: str, *extra: str) -> dict[str, Any]:

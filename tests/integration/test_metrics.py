@@ -104,7 +104,7 @@ async def test_sync_barrier_wait_recorded_and_stall_names_awaited_worker(
             await w1.pull()  # the shard has now seen w1
             g = np.ones(4, np.float32)
             pending = asyncio.create_task(w0.push({"v": g}, step=0))
-            for _ in range(200):  # bounded: until w0's push waits in the barrier
+            for _ in range(1000):  # bounded (10 s): until w0's push waits in the barrier
                 if shard.metrics.waits:
                     break
                 await asyncio.sleep(0.01)
@@ -114,7 +114,7 @@ async def test_sync_barrier_wait_recorded_and_stall_names_awaited_worker(
             assert "push of w0 for step 0" in report and "awaiting w1" in report
             with caplog.at_level(logging.WARNING, logger="psserver.metrics"):
                 watcher = asyncio.create_task(shard.metrics.watch_stalls(interval_s=0.05, older_than_s=0.0))
-                for _ in range(200):
+                for _ in range(1000):
                     if any("awaiting w1" in r.getMessage() for r in caplog.records):
                         break
                     await asyncio.sleep(0.01)
