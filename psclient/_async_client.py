@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -80,7 +81,8 @@ class AsyncPSClient:
     the client was first used on; use one AsyncPSClient per event loop.
 
     Args:
-        addresses: ``HOST:PORT`` of every shard, in shard order.
+        addresses: ``HOST:PORT`` of every shard, in shard order; ``PRIMARY|BACKUP`` for a replicated
+            shard (``psserver --backup-of``): calls fail over to the other address on UNAVAILABLE.
         worker_id: identifies this worker (makes retried pushes idempotent).
         auth_token: sent as ``authorization: Bearer <token>`` on every call.
         timeout: deadline of each call, seconds.
@@ -115,8 +117,12 @@ class AsyncPSClient:
         )
         self.registry = rq.Registry()
         self._pool = rq.ArrayPool()  # pulled arrays, recycled once the caller drops them
-        self._channels: list[grpc.aio.Channel] = []
-        self._stubs: list[ps_pb2_grpc.ParameterServerStub] = []
+        # Per shard, its replicas' addresses (``PRIMARY|BACKUP``), channels and stubs, and the one in use.
+        self._replicas = [a.split("|") for a in self.config.addresses]
+        self._current = [0] * len(self._replicas)
+        self._channels: list[list[grpc.aio.Channel]] = []
+        self._stubs: list[list[ps_pb2_grpc.ParameterServerStub]] = []
+        self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._seq = itertools.count(1)
         self._closed = False
@@ -132,6 +138,7 @@ class AsyncPSClient:
         return self.config.num_shards
 
     def _stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+        """The stub of ``shard``'s current replica (the primary, as far as this client knows)."""
         if self._closed:
             raise RuntimeError("the client is closed")
         if not self._stubs:
@@ -143,11 +150,31 @@ class AsyncPSClient:
                     private_key=_read(cfg.tls_key),
                     certificate_chain=_read(cfg.tls_cert),
                 )
-                self._channels = [grpc.aio.secure_channel(a, creds, options=options) for a in cfg.addresses]
+                self._channels = [
+                    [grpc.aio.secure_channel(a, creds, options=options) for a in r] for r in self._replicas
+                ]
             else:
-                self._channels = [grpc.aio.insecure_channel(a, options=options) for a in cfg.addresses]
-            self._stubs = [_WireStub(ch) for ch in self._channels]
-        return self._stubs[shard]
+                self._channels = [
+                    [grpc.aio.insecure_channel(a, options=options) for a in r] for r in self._replicas
+                ]
+            self._stubs = [[_WireStub(ch) for ch in r] for r in self._channels]
+        return self._stubs[shard][self._current[shard]]
+
+    def _failover(self, shard: int, err: grpc.RpcError) -> None:
+        """After a retryable error: the next attempt goes to the shard's next replica (``PRIMARY|BACKUP``)."""
+        replicas = self._replicas[shard]
+        if len(replicas) == 1:
+            return
+        old = replicas[self._current[shard]]
+        self._current[shard] = (self._current[shard] + 1) % len(replicas)
+        session = self._sessions.pop(shard, None)
+        if session is not None:  # its stream is bound to the old replica
+            closing = asyncio.ensure_future(session.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
+        log.info(
+            "shard %d: %s answered %s; trying %s", shard, old, err.code().name, replicas[self._current[shard]]
+        )
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         token = self.config.auth_token
@@ -163,16 +190,21 @@ class AsyncPSClient:
         address = self.config.addresses[shard]
         try:
             return await _retry.call_with_retry(
-                fn, timeout=self.config.timeout, policy=self.config.retry, what=f"{method} on {address}"
+                fn,
+                timeout=self.config.timeout,
+                policy=self.config.retry,
+                what=f"{method} on {address}",
+                on_retry=functools.partial(self._failover, shard),
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err, method=method, address=address) from err
 
-    def _kw(self) -> dict[str, Any]:
+    def _kw(self, shard: int) -> dict[str, Any]:
         return {
             "timeout": _retry.attempt_timeout(self.config.timeout),
             "metadata": self._metadata(),
-            "wait_for_ready": True,
+            # One address: wait while it restarts. Replicas: fail fast, so the call fails over.
+            "wait_for_ready": len(self._replicas[shard]) == 1,
         }
 
     async def close(self) -> None:
@@ -182,7 +214,10 @@ class AsyncPSClient:
         for session in sessions.values():
             await session.close()
         channels, self._channels, self._stubs = self._channels, [], []
-        await gather(ch.close() for ch in channels)
+        await gather(ch.close() for r in channels for ch in r)
+        for closing in list(self._closing):
+            with contextlib.suppress(Exception):
+                await closing
 
     async def __aenter__(self) -> AsyncPSClient:
         return self
@@ -201,8 +236,9 @@ class AsyncPSClient:
         request = ps_pb2.ListVariablesRequest(names=list(names))
 
         async def one(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
-            stub = self._stub(shard)
-            resp = await self._call(shard, "ListVariables", lambda: stub.ListVariables(request, **self._kw()))
+            resp = await self._call(
+                shard, "ListVariables", lambda: self._stub(shard).ListVariables(request, **self._kw(shard))
+            )
             return shard, resp
 
         found: dict[str, list[ps_pb2.VariableInfo]] = {}
@@ -288,9 +324,10 @@ class AsyncPSClient:
                 for batch in rq.chunked_messages(tensors, self.config.chunk_bytes):
                     yield ps_pb2.CreateVariablesRequest(values=batch)
 
-            stub = self._stub(shard)
             resp = await self._call(
-                shard, "CreateVariables", lambda: stub.CreateVariables(_aiter(messages()), **self._kw())
+                shard,
+                "CreateVariables",
+                lambda: self._stub(shard).CreateVariables(_aiter(messages()), **self._kw(shard)),
             )
             return list(resp.created)
 
@@ -353,9 +390,10 @@ class AsyncPSClient:
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes,
             )  # fmt: skip
-            stub = self._stub(shard)
             if sum(p.nbytes for p in wanted) <= self.config.unary_max_bytes:
-                resp = await self._call(shard, "Pull", lambda: stub.Pull(request, **self._kw()))
+                resp = await self._call(
+                    shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
+                )
                 for c in resp.values:
                     into.add(c)
                 into.add_versions(rq.versions_of(resp.values, resp.versions))
@@ -363,7 +401,7 @@ class AsyncPSClient:
 
             async def stream() -> None:
                 into.restart(wanted)  # a retried attempt starts over
-                async for resp in stub.PullStream(request, **self._kw()):
+                async for resp in self._stub(shard).PullStream(request, **self._kw(shard)):
                     for c in resp.values:
                         into.add(c)
                     into.add_versions(rq.versions_of(resp.values, resp.versions))
@@ -410,7 +448,6 @@ class AsyncPSClient:
         into = rq.Gather(pieces, self._pool.take) if return_values else None
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
-            stub = self._stub(shard)
             header = ps_pb2.PushRequest(
                 worker_id=self.worker_id, seq=seq, step=step, return_values=return_values
             )
@@ -435,7 +472,7 @@ class AsyncPSClient:
                 applied = True  # a retried attempt starts over
                 if into is not None:
                     into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                async for resp in stub.PushStream(_aiter(messages()), **self._kw()):
+                async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
                     applied = applied and resp.applied
                     if into is not None:
                         for c in resp.values:
@@ -450,9 +487,8 @@ class AsyncPSClient:
     def _session(self, shard: int) -> _session.PushSession:
         session = self._sessions.get(shard)
         if session is None:
-            stub = self._stub(shard)
             session = self._sessions[shard] = _session.PushSession(
-                lambda: stub.PushSession(
+                lambda: self._stub(shard).PushSession(
                     timeout=_session.STREAM_DEADLINE_S, metadata=self._metadata(), wait_for_ready=True
                 )
             )
@@ -460,17 +496,17 @@ class AsyncPSClient:
 
     async def _push_small(self, shard: int, request: codec.WireMessage) -> Any:
         """One whole push in one message: over the shard's PushSession stream, else a unary Push."""
-        session = self._session(shard)
-        if session.supported:
+        if self._session(shard).supported:
             timeout = self.config.timeout
             try:
-                return await self._call(
-                    shard, "PushSession", lambda: session.push(request, _retry.attempt_timeout(timeout))
+                return await self._call(  # each attempt: the session of the shard's current replica
+                    shard,
+                    "PushSession",
+                    lambda: self._session(shard).push(request, _retry.attempt_timeout(timeout)),
                 )
             except _session.SessionUnsupported:
                 log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
-        stub = self._stub(shard)
-        return await self._call(shard, "Push", lambda: stub.Push(request, **self._kw()))
+        return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))
 
     # -- checkpoints --------------------------------------------------------
 
@@ -484,9 +520,8 @@ class AsyncPSClient:
         request = ps_pb2.SaveCheckpointRequest()
 
         async def one(shard: int) -> ps_pb2.SaveCheckpointResponse:
-            stub = self._stub(shard)
             return await self._call(
-                shard, "SaveCheckpoint", lambda: stub.SaveCheckpoint(request, **self._kw())
+                shard, "SaveCheckpoint", lambda: self._stub(shard).SaveCheckpoint(request, **self._kw(shard))
             )
 
         return await gather(one(s) for s in range(self.num_shards))

@@ -109,6 +109,7 @@ async def call_with_retry(
     timeout: float,
     policy: RetryPolicy,
     what: str = "call",
+    on_retry: Callable[[grpc.RpcError], None] | None = None,
 ) -> T:
     """Runs ``fn()`` (which must start a fresh RPC each time) until it succeeds or the deadline passes.
 
@@ -117,6 +118,7 @@ async def call_with_retry(
         timeout: the deadline of all attempts together, seconds.
         policy: backoff settings.
         what: names the call in log messages.
+        on_retry: called with each error that will be retried (before the backoff sleep).
 
     Raises:
         grpc.RpcError: a non-retryable error, or the last retryable one once the
@@ -139,6 +141,8 @@ async def call_with_retry(
             code = err.code().name
             log.info("%s failed (%s: %s); retry %d in %.2fs", what, code, err.details(), attempt + 1, sleep)
             attempt += 1
+            if on_retry is not None:
+                on_retry(err)
         finally:
             _attempt_timeout.reset(token)
         await asyncio.sleep(sleep)

@@ -59,6 +59,8 @@ class ShardStatus:
     pushes: int = 0
     pulls: int = 0
     uptime_s: float = 0.0
+    role: str = "primary"  # or "backup"/"orphaned" (psserver --backup-of): a standby lists no variables
+    peer: str = ""  # a backup's primary, or a primary's attached backup
     sampled_at: float = 0.0  # time.monotonic() of the status call
     tensors: tuple[StoredTensor, ...] = field(default=())
 
@@ -92,7 +94,7 @@ def _tensor(info: ps_pb2.VariableInfo) -> StoredTensor:
 async def _one(client: AsyncPSClient, index: int, timeout: float, variables: bool) -> ShardStatus:
     address = client.config.addresses[index]
     stub = client._stub(index)
-    channel = client._channels[index]
+    channel = client._channels[index][client._current[index]]
     kw: dict[str, Any] = {"timeout": timeout, "metadata": client._metadata()}
     try:
         health = await health_pb2_grpc.HealthStub(channel).Check(
@@ -101,7 +103,12 @@ async def _one(client: AsyncPSClient, index: int, timeout: float, variables: boo
         health_name = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
         sampled = time.monotonic()
         status = await stub.GetStatus(ps_pb2.GetStatusRequest(), **kw)
-        listing = await stub.ListVariables(ps_pb2.ListVariablesRequest(), **kw) if variables else None
+        standby = status.role not in ("", "primary")  # it refuses client calls, listing included
+        listing = (
+            await stub.ListVariables(ps_pb2.ListVariablesRequest(), **kw)
+            if variables and not standby
+            else None
+        )
     except grpc.RpcError as err:
         code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
         name = code.name if code is not None else "ERROR"
@@ -119,6 +126,8 @@ async def _one(client: AsyncPSClient, index: int, timeout: float, variables: boo
         pushes=status.pushes,
         pulls=status.pulls,
         uptime_s=status.uptime_s,
+        role=status.role or "primary",
+        peer=status.peer,
         sampled_at=sampled,
         tensors=tuple(_tensor(i) for i in listing.variables) if listing is not None else (),
     )

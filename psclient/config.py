@@ -44,10 +44,11 @@ class ClientConfig:
     def __post_init__(self) -> None:
         if not self.addresses:
             raise ValueError("need at least one shard address")
-        for a in self.addresses:
-            host, sep, port = a.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"shard address {a!r} is not HOST:PORT")
+        for shard in self.addresses:
+            for a in shard.split("|"):  # PRIMARY|BACKUP: a replicated shard
+                host, sep, port = a.rpartition(":")
+                if not sep or not host or not port.isdigit():
+                    raise ValueError(f"shard address {a!r} is not HOST:PORT (or PRIMARY|BACKUP)")
         if len(set(self.addresses)) != len(self.addresses):
             raise ValueError(f"shard addresses repeat: {list(self.addresses)}")
         if not self.worker_id:

@@ -15,7 +15,11 @@ examples:
   psserver --shard 1 --num-shards 2 --port 0 --ready-file /tmp/ps1.addr
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222", "ps1:2222"]}, "task": {"type": "ps", "index": 0}}' psserver
 
+  psserver --shard 0 --port 50061 --backup-of ps0:50051     # a backup of shard 0 (async mode)
+
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
+Replication: clients given PRIMARY|BACKUP for a shard fail over to the backup when the primary dies;
+an update is acknowledged once the backup has applied it too (see the README's "Replication").
 SIGTERM: stop taking new work, finish in-flight requests, exit 0.
 """
 
@@ -63,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mTLS)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--backup-of",
+        metavar="HOST:PORT",
+        help="run as the standby backup of this primary shard: follow its updates, take over when it dies",
+    )
+    p.add_argument(
+        "--replication-timeout",
+        type=float,
+        default=30.0,
+        help="primary: seconds an update waits for its backup before going on without it (default: 30)",
+    )
     p.add_argument("--log-level", default=env("PS_LOG_LEVEL", "INFO"), help="logging level (default: INFO)")
     return p
 
@@ -102,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         metrics_port=args.metrics_port,
+        backup_of=args.backup_of,
+        replication_timeout_s=args.replication_timeout,
     )
 
 

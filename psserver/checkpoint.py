@@ -51,7 +51,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from google.protobuf import json_format
@@ -60,7 +60,7 @@ from psclient import codec
 from psclient.placement import DEFAULT_PARTITION_BYTES, plan
 from psproto.v1 import ps_pb2
 from psserver.modes import Mode
-from psserver.store import Store
+from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -146,13 +146,8 @@ def list_files(directory: str | os.PathLike[str]) -> list[CheckpointFile]:
 # -- writing --------------------------------------------------------------------
 
 
-def write(snapshot: Snapshot, directory: str | os.PathLike[str], ckpt_id: int) -> Path:
-    """Writes ``snapshot`` as checkpoint ``ckpt_id`` atomically (temp file, fsync, rename, fsync dir).
-
-    Raises:
-        CheckpointError: the file could not be written (disk full, permissions).
-    """
-    directory = Path(directory)
+def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
+    """Writes ``snapshot`` in the checkpoint format to the binary file ``f`` (no fsync, no rename)."""
     arrays: dict[str, np.ndarray] = {}
     entries = []
     for t in snapshot.tensors:
@@ -185,6 +180,16 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str], ckpt_id: int) -
         "variables": entries,
     }
     arrays["manifest"] = np.frombuffer(json.dumps(manifest, sort_keys=True).encode(), dtype=np.uint8)
+    np.savez(f, **arrays)  # type: ignore[arg-type]
+
+
+def write(snapshot: Snapshot, directory: str | os.PathLike[str], ckpt_id: int) -> Path:
+    """Writes ``snapshot`` as checkpoint ``ckpt_id`` atomically (temp file, fsync, rename, fsync dir).
+
+    Raises:
+        CheckpointError: the file could not be written (disk full, permissions).
+    """
+    directory = Path(directory)
     final = directory / file_name(ckpt_id, snapshot.shard, snapshot.num_shards)
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -193,7 +198,7 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str], ckpt_id: int) -
         raise CheckpointError(f"cannot write a checkpoint in {directory}: {err}") from err
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
+            dump(snapshot, f, ckpt_id)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -256,7 +261,21 @@ def read(path: str | os.PathLike[str]) -> Snapshot:
         CheckpointError: the file is unreadable, truncated or inconsistent.
     """
     try:
-        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+        with open(path, "rb") as f:
+            return load(f, str(path))
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path} is corrupt: {err!r}") from err
+
+
+def load(f: BinaryIO, label: str) -> Snapshot:
+    """Reads and validates a checkpoint from the binary file ``f``; ``label`` names it in errors.
+
+    Raises:
+        CheckpointError: the data is truncated or inconsistent.
+    """
+    path = label
+    try:
+        with np.load(f, allow_pickle=False) as z:
             manifest = _parse_manifest(z, path)
             tensors = [_read_tensor(z, entry) for entry in manifest["variables"]]
         dedup = {str(w): (int(fl), [int(s) for s in seen]) for w, (fl, seen) in manifest["dedup"].items()}
@@ -400,6 +419,52 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
 # -- the shard's checkpointer -----------------------------------------------------
 
 
+async def take_snapshot(
+    store: Store,
+    mode: Mode,
+    shard: int,
+    num_shards: int,
+    *,
+    while_quiesced: Callable[[], None] | None = None,
+) -> Snapshot:
+    """A consistent snapshot of a shard: no update runs while values, slots and the dedup table are read.
+
+    ``while_quiesced`` runs at the snapshot's instant, with updates held back
+    (replication attaches its backup there, so it gets every later update).
+
+    Raises:
+        TimeoutError: updates in progress did not finish (``Store.quiesced``).
+    """
+    async with store.quiesced() as held:
+        variables = store.variables()
+        states = [(v.spec, *v.state) for v in variables]
+        exclude = set(held) | set(mode.pending_claims())
+        dedup = {}
+        for worker, (floor, seen) in store.dedup_state().items():
+            dedup[worker] = (floor, [s for s in seen if (worker, s) not in exclude])
+        mode_state = mode.state_dict()
+        if while_quiesced is not None:
+            while_quiesced()
+        # Slots change in place under apply, which cannot run now: copy them off the event loop.
+        slots = await asyncio.to_thread(_copy_slots, variables)
+    return Snapshot(
+        shard=shard,
+        num_shards=num_shards,
+        mode=mode.name,
+        tensors=[
+            StoredTensor(spec=spec, value=value, version=version, slots=s)
+            for (spec, value, version), s in zip(states, slots, strict=True)
+        ],
+        dedup=dedup,
+        mode_state=mode_state,
+        created_unix=time.time(),
+    )
+
+
+def _copy_slots(variables: list[Variable]) -> list[dict[str, np.ndarray]]:
+    return [{k: a.copy() for k, a in v.slots.items()} for v in variables]
+
+
 class Checkpointer:
     """Saves and restores one shard's state in a checkpoint directory.
 
@@ -439,32 +504,11 @@ class Checkpointer:
 
     async def snapshot(self) -> Snapshot:
         """Takes a consistent snapshot: no update runs while values, slots and dedup table are read."""
-        async with self.store.quiesced() as held:
-            variables = self.store.variables()
-            states = [(v.spec, *v.state) for v in variables]
-            exclude = set(held) | set(self.mode.pending_claims())
-            dedup = {}
-            for worker, (floor, seen) in self.store.dedup_state().items():
-                dedup[worker] = (floor, [s for s in seen if (worker, s) not in exclude])
-            mode_state = self.mode.state_dict()
-            marker = (self.store.pushes, len(self.store))
-            # Slots change in place under apply, which cannot run now: copy them off the event loop.
-            slots = await asyncio.to_thread(
-                lambda: [{k: a.copy() for k, a in v.slots.items()} for v in variables]
-            )
-        self._pending_marker = marker
-        return Snapshot(
-            shard=self.shard,
-            num_shards=self.num_shards,
-            mode=self.mode.name,
-            tensors=[
-                StoredTensor(spec=spec, value=value, version=version, slots=s)
-                for (spec, value, version), s in zip(states, slots, strict=True)
-            ],
-            dedup=dedup,
-            mode_state=mode_state,
-            created_unix=time.time(),
-        )
+
+        def mark() -> None:
+            self._pending_marker = (self.store.pushes, len(self.store))
+
+        return await take_snapshot(self.store, self.mode, self.shard, self.num_shards, while_quiesced=mark)
 
     @property
     def dirty(self) -> bool:

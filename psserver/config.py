@@ -41,6 +41,8 @@ class ServerConfig:
     tls_key: str | None = None
     tls_client_ca: str | None = None
     metrics_port: int | None = None
+    backup_of: str | None = None  # HOST:PORT of the primary this process backs up (psserver.replication)
+    replication_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -69,6 +71,18 @@ class ServerConfig:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
             raise ConfigError(f"--checkpoint-every must be > 0 seconds, got {self.checkpoint_every_s}")
+        if self.backup_of is not None:
+            host, sep, port = self.backup_of.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"--backup-of must be HOST:PORT, got {self.backup_of!r}")
+            if self.mode != "async":
+                raise ConfigError("--backup-of needs --mode async (sync and ssp state is not replicated)")
+            if self.tls_cert:
+                raise ConfigError(
+                    "--backup-of does not support TLS yet (the backup dials its primary in plaintext)"
+                )
+        if not self.replication_timeout_s > 0:
+            raise ConfigError(f"--replication-timeout must be > 0 seconds, got {self.replication_timeout_s}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 

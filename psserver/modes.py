@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 class PushOutcome:
     applied: bool
     reason: str = ""
+    versions: tuple[int, ...] = ()  # async mode: the version each gradient produced (replication)
 
 
 class Mode(abc.ABC):
@@ -87,11 +88,11 @@ class AsyncMode(Mode):
         if not self.store.claim(worker_id, seq):
             return PushOutcome(applied=False, reason="duplicate")
         try:
-            await self.store.apply(pairs)
+            versions = await self.store.apply(pairs)
         except BaseException:
             self.store.unclaim(worker_id, seq)
             raise
-        return PushOutcome(applied=True)
+        return PushOutcome(applied=True, versions=tuple(versions))
 
 
 def _names(workers: list[str]) -> str:

@@ -21,6 +21,7 @@ from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.metrics import MeteredMode, ShardMetrics
 from psserver.modes import Mode, make_mode
+from psserver.replication import Backup, Primary
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store
 
@@ -71,6 +72,8 @@ class Shard:
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     metrics: ShardMetrics | None = None
     checkpointer: Checkpointer | None = None
+    primary: Primary | None = None
+    backup: Backup | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks."""
@@ -96,7 +99,8 @@ async def start(config: ServerConfig) -> Shard:
         checkpointer = Checkpointer(
             config.checkpoint_dir, store, mode, shard=config.shard, num_shards=config.num_shards
         )
-        await checkpointer.restore()  # before serving: no request sees a half-restored shard
+        if not config.backup_of:  # a backup starts empty and takes its primary's state
+            await checkpointer.restore()  # before serving: no request sees a half-restored shard
     metrics = ShardMetrics(config.shard, store, mode.name)
     if checkpointer is not None:
         checkpointer.on_saved = metrics.checkpoint_saved
@@ -116,6 +120,28 @@ async def start(config: ServerConfig) -> Shard:
         interceptors=interceptors,
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
+    primary = (
+        Primary(
+            store,
+            mode,
+            shard=config.shard,
+            num_shards=config.num_shards,
+            ack_timeout_s=config.replication_timeout_s,
+        )
+        if mode.name == "async"
+        else None
+    )
+    backup = None
+    if config.backup_of:
+        token = _security.read_token_file(config.auth_token_file) if config.auth_token_file else None
+        backup = Backup(
+            config.backup_of,
+            store,
+            mode,
+            shard=config.shard,
+            auth_token=token,
+            channel_options=channel_options(config.max_message_bytes),
+        )
     add_to_server(  # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
         ParameterServerServicer(
             store,
@@ -123,6 +149,8 @@ async def start(config: ServerConfig) -> Shard:
             shard=config.shard,
             num_shards=config.num_shards,
             checkpointer=checkpointer,
+            primary=primary,
+            backup=backup,
         ),
         server,
     )
@@ -138,6 +166,11 @@ async def start(config: ServerConfig) -> Shard:
     address = f"{host}:{port}"
     shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
     shard.checkpointer = checkpointer
+    shard.primary, shard.backup = primary, backup
+    if backup is not None:
+        backup.address = address
+        backup.start()
+        shard.on_shutdown.insert(0, backup.stop)
     if checkpointer is not None:
         shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer))
     if config.metrics_port is not None:
@@ -176,8 +209,10 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
             loop.add_signal_handler(sig, stop.set)
     shard = await start(config)
     log.info(
-        "shard %d/%d (%s mode) listening on %s", config.shard, config.num_shards, config.mode, shard.address
-    )
+        "shard %d/%d (%s mode) listening on %s%s",
+        config.shard, config.num_shards, config.mode, shard.address,
+        f" as the backup of {config.backup_of}" if config.backup_of else "",
+    )  # fmt: skip
     if config.ready_file:
         if shard.metrics is not None and shard.metrics.port is not None:  # for tools: before the ready file
             write_ready_file(

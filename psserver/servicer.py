@@ -20,8 +20,9 @@ import numpy as np
 from psclient import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer, CheckpointError
-from psserver.errors import InvalidArgument, ServerError
+from psserver.errors import FailedPrecondition, InvalidArgument, ServerError
 from psserver.modes import Mode
+from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
 from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         shard: int,
         num_shards: int,
         checkpointer: Checkpointer | None = None,
+        primary: Primary | None = None,
+        backup: Backup | None = None,
     ) -> None:
         self.store = store
         self.mode = mode
         self.shard = shard
         self.num_shards = num_shards
         self.checkpointer = checkpointer
+        self.primary = primary  # forwards updates to an attached backup
+        self.backup = backup  # set when this process started as a backup (--backup-of)
+
+    def _serving(self, what: str) -> None:
+        """Raises Unavailable while this process is a standby backup (clients then go to the primary)."""
+        if self.backup is not None:
+            self.backup.check_serving(what)
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: _Abort) -> None:
         await context.abort(err.code, f"shard {self.shard}: {err}")
@@ -121,7 +131,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     specs.extend(req.variables)
                     for chunk in req.values:
                         values.add(chunk)
-                created = self.store.create(specs, values.result())
+                self._serving("CreateVariables")
+                tensors = values.result()
+                created = self.store.create(specs, tensors)
+                if self.primary is not None:
+                    await self.primary.forward_create(
+                        [s for s, c in zip(specs, created, strict=True) if c], tensors
+                    )
                 return ps_pb2.CreateVariablesResponse(created=created)
         except _Abort as err:
             await self._abort(context, err)
@@ -130,6 +146,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def ListVariables(
         self, request: ps_pb2.ListVariablesRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.ListVariablesResponse:
+        try:
+            with _statuses():
+                self._serving("ListVariables")
+        except _Abort as err:
+            await self._abort(context, err)
         wanted = set(request.names)
         infos = [
             ps_pb2.VariableInfo(spec=v.spec, version=v.version)
@@ -145,6 +166,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.PullResponse:
         try:
             with _statuses():
+                self._serving("Pull")
                 await self.mode.before_pull(request.worker_id, request.step)
                 snapshot = _snapshot(self.store.lookup(request.names))
                 self.store.pulls += 1
@@ -162,6 +184,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> AsyncIterator[ps_pb2.PullResponse]:
         try:
             with _statuses():
+                self._serving("PullStream")
                 await self.mode.before_pull(request.worker_id, request.step)
                 snapshot = _snapshot(self.store.lookup(request.names))
                 self.store.pulls += 1
@@ -176,7 +199,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
+        self._serving("Push")
         outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads)
+        if outcome.applied and self.primary is not None:  # answered once the backup has it too
+            await self.primary.forward_push(header.worker_id, header.seq, grads, outcome.versions)
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1)
         return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
@@ -264,11 +290,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             pushes=self.store.pushes,
             pulls=self.store.pulls,
             uptime_s=time.monotonic() - self.store.started,
+            role=self.role,
+            peer=self._peer(),
         )
+
+    @property
+    def role(self) -> str:
+        """``primary``, ``backup`` or ``orphaned`` (see ``psserver.replication``)."""
+        return self.backup.role if self.backup is not None else "primary"
+
+    def _peer(self) -> str:
+        if self.backup is not None and self.backup.role != "primary":
+            return self.backup.primary
+        return self.primary.backup if self.primary is not None else ""
 
     async def SaveCheckpoint(
         self, request: ps_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.SaveCheckpointResponse:
+        try:
+            with _statuses():
+                self._serving("SaveCheckpoint")
+        except _Abort as err:
+            await self._abort(context, err)
         if self.checkpointer is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -285,6 +328,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             bytes=result.nbytes,
             seconds=result.seconds,
         )
+
+    async def Replicate(
+        self, request_iterator: AsyncIterator[ps_pb2.ReplicateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
+        try:
+            with _statuses():
+                if self.primary is None or self.role != "primary":
+                    raise FailedPrecondition(
+                        f"this shard is a {self.role}, not a primary: it cannot take a backup"
+                    )
+                metadata = dict(context.invocation_metadata() or ())
+                peer = str(metadata.get(BACKUP_ADDRESS_KEY) or context.peer())
+                updates = self.primary.serve(request_iterator, peer)
+                first = await anext(updates)
+        except _Abort as err:
+            await self._abort(context, err)
+            return
+        yield first
+        async for message in updates:
+            yield message
 
 
 # Tensor-carrying messages are (de)serialized by ``psclient.codec``: the same

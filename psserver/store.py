@@ -297,6 +297,15 @@ class Store:
             if not self._updating:
                 self._idle.set()
 
+    def apply_one(self, var: Variable, grad: np.ndarray) -> int:
+        """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
+
+        Returns the new version.
+        """
+        value, version = var.state
+        var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, version)), version + 1)
+        return version + 1
+
     @contextlib.asynccontextmanager
     async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[tuple[str, int]]]:
         """Holds new updates back and waits for those in progress (checkpoint snapshots).

@@ -1,0 +1,372 @@
+"""Primary-backup replication of a shard (``psserver --backup-of PRIMARY``).
+
+The backup opens a ``Replicate`` stream to its primary. The primary answers
+with a consistent snapshot of its state (the checkpoint format, in pieces),
+taken at the instant the backup is attached, then with every update it applies
+from then on: creates, and each push's gradients with the version each one
+produced. The backup applies them with the same optimizer code, per variable in
+version order, so its values and slots stay bit-identical to the primary's, and
+records each push's ``(worker_id, seq)`` in its dedup table. The primary
+answers a push only after the backup has acknowledged its update, so an
+acknowledged update is on both processes: ``kill -9`` of the primary loses none.
+
+Roles (``GetStatus.role``):
+
+- ``primary``: serves clients; forwards updates while a backup is attached. A
+  backup that goes away or stops acknowledging (``ack_timeout_s``) is
+  detached, with a warning, and the primary goes on alone.
+- ``backup``: a standby. Client calls get UNAVAILABLE naming the primary, so
+  clients given ``PRIMARY|BACKUP`` for the shard stay on (or go back to) the
+  primary.
+- ``orphaned``: a backup whose stream ended after it had caught up (the primary
+  died, or cut it off). It never re-attaches (a restarted primary may be older
+  than it); the next client call promotes it to ``primary``.
+
+A backup that never caught up keeps retrying to attach, and refuses clients.
+Replication needs ``--mode async`` (sync and ssp barriers are not replicated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import io
+import itertools
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from psclient import _security, codec
+from psproto.v1 import ps_pb2
+from psserver import checkpoint
+from psserver.errors import FailedPrecondition, Unavailable
+from psserver.modes import Mode
+from psserver.store import Store
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_PIECE_BYTES = 4 << 20
+DEFAULT_ACK_TIMEOUT_S = 30.0  # covers the catch-up snapshot of a large shard on a slow link
+_ATTACH_RETRY_S = (0.05, 1.0)  # backoff bounds while the primary is not reachable yet
+BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serves (for status and logs)
+
+
+class Primary:
+    """The primary's side: attaches one backup and forwards updates to it.
+
+    Args:
+        store, mode: the shard's state.
+        shard, num_shards: the shard's identity (in the snapshot).
+        ack_timeout_s: how long an update waits for the backup's acknowledgement
+            before the backup is detached.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        mode: Mode,
+        *,
+        shard: int,
+        num_shards: int,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+    ) -> None:
+        self.store = store
+        self.mode = mode
+        self.shard = shard
+        self.num_shards = num_shards
+        self.ack_timeout_s = ack_timeout_s
+        self._link: _Link | None = None
+        self._ids = itertools.count(1)
+
+    @property
+    def backup(self) -> str:
+        """The attached backup's peer address ("" when none)."""
+        return self._link.peer if self._link is not None else ""
+
+    async def serve(
+        self, requests: AsyncIterator[ps_pb2.ReplicateRequest], peer: str
+    ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
+        """The body of the ``Replicate`` handler. Raises: FailedPrecondition."""
+        if self.mode.name != "async":
+            raise FailedPrecondition(f"replication needs --mode async; this shard runs {self.mode.name}")
+        if self._link is not None:
+            raise FailedPrecondition(f"this shard already has a backup ({self._link.peer})")
+        link = _Link(peer)
+
+        def attach() -> None:  # at the snapshot's instant: every later update is forwarded
+            self._link = link
+
+        snap = await checkpoint.take_snapshot(
+            self.store, self.mode, self.shard, self.num_shards, while_quiesced=attach
+        )
+        log.info(
+            "shard %d: backup %s attached; sending %.1f MiB of state", self.shard, peer, snap.nbytes / 2**20
+        )
+        acks = asyncio.create_task(self._read_acks(requests, link))
+        try:
+            data = await asyncio.to_thread(_encode, snap)
+            for start in range(0, max(len(data), 1), SNAPSHOT_PIECE_BYTES):
+                piece = data[start : start + SNAPSHOT_PIECE_BYTES]
+                done = start + SNAPSHOT_PIECE_BYTES >= len(data)
+                yield ps_pb2.ReplicateResponse(snapshot=piece, snapshot_done=done)
+            while True:
+                message = await link.outbox.get()
+                if message is None:  # detached
+                    return
+                yield message
+        finally:
+            acks.cancel()
+            self._detach(link, "its replication stream ended")
+
+    async def _read_acks(self, requests: AsyncIterator[ps_pb2.ReplicateRequest], link: _Link) -> None:
+        try:
+            async for request in requests:
+                for update_id in request.acks:
+                    waiter = link.waiting.pop(update_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(True)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            self._detach(link, "it closed its stream")
+
+    def _detach(self, link: _Link, why: str) -> None:
+        if self._link is not link:
+            return
+        self._link = None
+        log.warning(
+            "shard %d: backup %s detached (%s); going on without a backup", self.shard, link.peer, why
+        )
+        for waiter in link.waiting.values():
+            if not waiter.done():
+                waiter.set_result(False)
+        link.waiting.clear()
+        link.outbox.put_nowait(None)
+
+    async def forward_push(
+        self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray], versions: Sequence[int]
+    ) -> None:
+        """Sends an applied push to the backup and waits for its acknowledgement (no-op without one)."""
+        link = self._link
+        if link is None:
+            return
+        chunks = [codec.WireChunk.of(name, grad) for name, grad in grads.items()]
+        header = ps_pb2.ReplicateResponse(worker_id=worker_id, seq=seq, versions=list(versions))
+        await self._forward(link, header, chunks)
+
+    async def forward_create(
+        self, specs: Sequence[ps_pb2.VariableSpec], values: Mapping[str, np.ndarray]
+    ) -> None:
+        """Sends newly created variables to the backup and waits for its acknowledgement."""
+        link = self._link
+        if link is None or not specs:
+            return
+        chunks = [codec.WireChunk.of(s.name, values[s.name]) for s in specs]
+        await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), chunks)
+
+    async def _forward(
+        self, link: _Link, header: ps_pb2.ReplicateResponse, chunks: list[codec.WireChunk]
+    ) -> None:
+        header.id = next(self._ids)
+        waiter = asyncio.get_running_loop().create_future()
+        link.waiting[header.id] = waiter
+        link.outbox.put_nowait(codec.WireMessage(header, "tensors", chunks))  # in application order
+        try:
+            async with asyncio.timeout(self.ack_timeout_s):
+                await asyncio.shield(waiter)
+        except TimeoutError:
+            self._detach(link, f"update {header.id} not acknowledged within {self.ack_timeout_s:g}s")
+
+
+@dataclass(eq=False)
+class _Link:
+    peer: str
+    outbox: asyncio.Queue[codec.WireMessage | ps_pb2.ReplicateResponse | None] = field(
+        default_factory=asyncio.Queue
+    )
+    waiting: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
+
+
+def _encode(snap: checkpoint.Snapshot) -> bytes:
+    buf = io.BytesIO()
+    checkpoint.dump(snap, buf, ckpt_id=0)
+    return buf.getvalue()
+
+
+class Backup:
+    """The backup's side: follows a primary, refuses clients until promoted.
+
+    Args:
+        primary: the primary's ``HOST:PORT``.
+        store, mode: this (empty) shard's state.
+        shard: this shard's index (the primary's must match).
+        auth_token: sent to the primary when it requires one.
+        channel_options: gRPC options of the channel to the primary (message sizes, keepalive).
+    """
+
+    def __init__(
+        self,
+        primary: str,
+        store: Store,
+        mode: Mode,
+        *,
+        shard: int,
+        auth_token: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.primary = primary
+        self.channel_options = list(channel_options)
+        self.store = store
+        self.mode = mode
+        self.shard = shard
+        self.auth_token = auth_token
+        self.role = "backup"
+        self.address = ""  # this backup's own HOST:PORT (set once it serves): the primary shows it
+        self.caught_up = False
+        self.applied = 0
+        # Per variable: updates that arrived before their predecessor (target version -> (grad, update id)).
+        self._early: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
+        self._remaining: dict[int, int] = {}  # update id -> gradients not applied yet
+        self._acks: asyncio.Queue[int | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def check_serving(self, what: str) -> None:
+        """Lets a client call through on a primary; promotes an orphaned backup. Raises: Unavailable."""
+        if self.role == "primary":
+            return
+        if self.role == "orphaned":
+            self.role = "primary"
+            log.warning(
+                "shard %d: promoted to primary on a client's %s (primary %s is gone); %d updates replicated",
+                self.shard, what, self.primary, self.applied,
+            )  # fmt: skip
+            return
+        raise Unavailable(f"standby backup of primary {self.primary}: send {what} to the primary")
+
+    async def run(self) -> None:
+        """Attaches to the primary (retrying until it answers), then applies its updates until the end."""
+        delay = _ATTACH_RETRY_S[0]
+        async with grpc.aio.insecure_channel(self.primary, options=self.channel_options) as channel:
+            call = channel.stream_stream(
+                "/psproto.v1.ParameterServer/Replicate",
+                request_serializer=ps_pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=functools.partial(
+                    codec.parse, ps_pb2.ReplicateResponse, field="tensors"
+                ),
+            )
+            metadata = (*_security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
+            while True:
+                try:
+                    await self._follow(call(self._ack_stream(), metadata=metadata, wait_for_ready=False))
+                    why = "the primary closed the stream"
+                except grpc.RpcError as err:
+                    why = f"{err.code().name}: {err.details()}"
+                    if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        log.error("shard %d: primary %s refuses a backup: %s", self.shard, self.primary, why)
+                if self.caught_up:
+                    break
+                await asyncio.sleep(delay)  # the primary is not up yet: try again
+                delay = min(delay * 2, _ATTACH_RETRY_S[1])
+        self.role = "orphaned"
+        log.warning(
+            "shard %d: replication from %s ended (%s); taking over on the next client call",
+            self.shard, self.primary, why,
+        )  # fmt: skip
+
+    async def _ack_stream(self) -> AsyncIterator[ps_pb2.ReplicateRequest]:
+        while True:
+            first = await self._acks.get()
+            if first is None:
+                return
+            acks = [first]
+            while not self._acks.empty():
+                more = self._acks.get_nowait()
+                if more is None:
+                    break
+                acks.append(more)
+            yield ps_pb2.ReplicateRequest(acks=acks)
+
+    async def _follow(self, stream: grpc.aio.StreamStreamCall) -> None:
+        pieces: list[bytes] = []
+        async for message in stream:
+            if not self.caught_up:
+                pieces.append(message.snapshot)
+                if message.snapshot_done:
+                    await self._load(b"".join(pieces))
+                    pieces = []
+                continue
+            if message.create:
+                tensors = codec.Assembler()
+                for chunk in message.tensors:
+                    tensors.add(chunk)
+                self.store.create(list(message.create), tensors.result())
+                self._acks.put_nowait(message.id)
+            else:
+                self._apply(message)
+
+    async def _load(self, data: bytes) -> None:
+        snap = await asyncio.to_thread(checkpoint.load, io.BytesIO(data), f"snapshot from {self.primary}")
+        if snap.shard != self.shard:
+            raise RuntimeError(
+                f"primary {self.primary} is shard {snap.shard}; this backup is shard {self.shard}"
+            )
+        checkpoint.load_into(snap, self.store, self.mode)
+        self.caught_up = True
+        log.info(
+            "shard %d: caught up with primary %s (%d tensors, %.1f MiB); following",
+            self.shard, self.primary, len(snap.tensors), snap.nbytes / 2**20,
+        )  # fmt: skip
+
+    def _apply(self, message: ps_pb2.ReplicateResponse) -> None:
+        grads = codec.Assembler()
+        for chunk in message.tensors:
+            grads.add(chunk)
+        tensors = grads.result()
+        if len(tensors) != len(message.versions):
+            raise RuntimeError(
+                f"update {message.id}: {len(tensors)} gradients, {len(message.versions)} versions"
+            )
+        self.store.claim(message.worker_id, message.seq)
+        self._remaining[message.id] = len(tensors)
+        for (name, grad), version in zip(tensors.items(), message.versions, strict=True):
+            self._early.setdefault(name, {})[version] = (grad, message.id)
+            self._drain(name)
+
+    def _drain(self, name: str) -> None:
+        """Applies the waiting updates of ``name`` next in version order; acknowledges whole updates."""
+        var = self.store.get(name)
+        early = self._early[name]
+        while early:
+            version = var.version
+            for stale in [v for v in early if v <= version]:  # already in the snapshot
+                self._done(early.pop(stale)[1])
+            entry = early.pop(version + 1, None)
+            if entry is None:
+                return
+            grad, update_id = entry
+            self.store.apply_one(var, grad)
+            self._done(update_id)
+
+    def _done(self, update_id: int) -> None:
+        left = self._remaining[update_id] - 1
+        if left:
+            self._remaining[update_id] = left
+            return
+        del self._remaining[update_id]
+        self.applied += 1
+        self.store.pushes += 1
+        self._acks.put_nowait(update_id)
