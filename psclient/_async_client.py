@@ -489,7 +489,9 @@ class AsyncPSClient:
         if session is None:
             session = self._sessions[shard] = _session.PushSession(
                 lambda: self._stub(shard).PushSession(
-                    timeout=_session.STREAM_DEADLINE_S, metadata=self._metadata(), wait_for_ready=True
+                    timeout=_session.STREAM_DEADLINE_S,
+                    metadata=self._metadata(),
+                    wait_for_ready=len(self._replicas[shard]) == 1,  # replicas: fail fast, fail over
                 )
             )
         return session

@@ -1,0 +1,216 @@
+"""Primary-backup replication with real processes: kill -9 of a primary loses no acknowledged push.
+
+Each shard here is a primary process and a backup process (``psserver
+--backup-of PRIMARY``); clients get ``PRIMARY|BACKUP`` and fail over with no
+code of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+import psclient
+from psclient._retry import RetryPolicy
+from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psserver.config import ConfigError, ServerConfig
+from trainer.cluster import LocalCluster
+
+pytestmark = [pytest.mark.timeout(180)]
+
+TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def _pair(primary_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalCluster, LocalCluster]]:
+    """One shard as a primary process and its backup process (started once the primary serves)."""
+    with (
+        LocalCluster(1, list(primary_args)) as primary,
+        LocalCluster(1, ["--backup-of", primary.addresses[0]]) as backup,
+    ):
+        _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0])
+        yield primary, backup
+
+
+def _status(address: str) -> ps_pb2.GetStatusResponse:
+    with grpc.insecure_channel(address) as channel:
+        return ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=5)
+
+
+def _wait_role(address: str, role: str, peer: str | None = None, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    status = None
+    while time.monotonic() < deadline:  # bounded: the backup attaches within a second
+        status = _status(address)
+        if status.role == role and (peer is None or status.peer == peer):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{address} did not become {role} (peer {peer}): {status}")
+
+
+def _both(primary: LocalCluster, backup: LocalCluster) -> list[str]:
+    return [f"{primary.addresses[0]}|{backup.addresses[0]}"]
+
+
+def test_kill_9_of_the_primary_loses_no_acknowledged_push() -> None:
+    # SGD, learning rate 1, gradients of ones: the value is -(pushes applied), its version their count.
+    n = 1 << 18  # 1 MiB
+    with _pair() as (primary, backup):
+        addresses = _both(primary, backup)
+        with psclient.PSClient(addresses, "init", timeout=TIMEOUT_S) as c:
+            c.create_many(
+                {"a": np.zeros(n, np.float32), "b": np.zeros(16, np.float32)},
+                optimizer=psclient.SGD(1.0, momentum=0.0),
+            )
+        acknowledged = [0] * 3
+        grads = {"a": np.ones(n, np.float32), "b": np.ones(16, np.float32)}
+
+        def push(i: int) -> None:
+            with psclient.PSClient(addresses, f"w{i}", timeout=TIMEOUT_S) as c:
+                while acknowledged[i] < 40 or primary.procs[0].poll() is None:  # bounded by the thread join
+                    c.push(grads)  # applied, or a duplicate of one applied before the kill: once either way
+                    acknowledged[i] += 1
+
+        threads = [threading.Thread(target=push, args=(i,), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        # Freeze the backup: pushes from here on cannot be acknowledged (a primary that answered
+        # without its backup's acknowledgement would lose them to the kill); then kill the primary.
+        backup.procs[0].send_signal(signal.SIGSTOP)
+        time.sleep(0.5)
+        primary.kill_shard(0)
+        backup.procs[0].send_signal(signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        with psclient.PSClient(addresses, "reader", timeout=TIMEOUT_S) as c:
+            values, versions = c.pull_with_versions()
+        total = sum(acknowledged)
+        assert versions == {"a": total, "b": total}
+        np.testing.assert_array_equal(values["a"], np.full(n, -total, np.float32))
+        np.testing.assert_array_equal(values["b"], np.full(16, -total, np.float32))
+        status = _status(backup.addresses[0])
+        assert status.role == "primary"
+        assert "promoted to primary" in backup.log_tail(0, 50)
+
+
+def _hammer(addresses: list[str], worker: str, names: list[str], shapes: dict[str, int], pushes: int) -> None:
+    rng = np.random.default_rng(abs(hash(worker)) % 2**32)
+    with psclient.PSClient(addresses, worker, timeout=TIMEOUT_S) as c:
+        for _ in range(pushes):
+            picked = rng.choice(names, size=rng.integers(1, len(names) + 1), replace=False)
+            c.push({str(k): rng.standard_normal(shapes[str(k)]).astype(np.float32) for k in picked})
+
+
+def test_the_backup_is_bit_identical_after_concurrent_pushes() -> None:
+    """Adam, variables pushed concurrently in varying orders: the backup replays each one in order."""
+    shapes = {"big": 1 << 19, "mid": 4096, "small": 8}  # "big" (2 MiB) is applied off the event loop
+    names = sorted(shapes)
+    with _pair() as (primary, backup):
+        addresses = _both(primary, backup)
+        with psclient.PSClient(addresses, "init", timeout=TIMEOUT_S) as c:
+            c.create_many(
+                {k: np.zeros(s, np.float32) for k, s in shapes.items()}, optimizer=psclient.Adam(0.01)
+            )
+        threads = [
+            threading.Thread(target=_hammer, args=(addresses, f"w{i}", names, shapes, 40)) for i in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        with psclient.PSClient(primary.addresses, "reader", timeout=TIMEOUT_S) as c:
+            on_primary, primary_versions = c.pull_with_versions()
+        primary.kill_shard(0)
+        with psclient.PSClient(addresses, "reader2", timeout=TIMEOUT_S) as c:
+            on_backup, backup_versions = c.pull_with_versions()
+    assert backup_versions == primary_versions
+    assert sum(primary_versions.values()) > 3 * 40  # every worker pushed 1-3 variables 40 times
+    for k in names:
+        np.testing.assert_array_equal(on_backup[k], on_primary[k])  # bit for bit: values and Adam's slots
+
+
+def test_a_standby_backup_refuses_clients_and_names_its_primary() -> None:
+    with _pair() as (primary, backup):
+        with psclient.PSClient(primary.addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(4, np.float32))
+        no_retry = {"retry": RetryPolicy(enabled=False)}
+        with psclient.PSClient(backup.addresses, "w1", timeout=5, **no_retry) as direct:
+            with pytest.raises(
+                psclient.UnavailableError, match=f"standby backup of primary {primary.addresses[0]}"
+            ):
+                direct.push({"v": np.ones(4, np.float32)})
+            with pytest.raises(psclient.UnavailableError, match="standby"):
+                direct.pull(["v"])
+        status = _status(backup.addresses[0])
+        assert (status.role, status.peer) == ("backup", primary.addresses[0])
+        assert status.num_variables == 1  # it follows the primary all the same
+        assert _status(primary.addresses[0]).pushes == 0  # the refused push went nowhere
+
+
+def test_the_primary_goes_on_without_a_dead_backup_and_a_new_backup_catches_up() -> None:
+    with _pair() as (primary, backup):
+        with psclient.PSClient(primary.addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(1000, np.float32), optimizer=psclient.RMSprop(0.01))
+            for i in range(10):
+                c.push({"v": np.full(1000, i + 1, np.float32)})
+            backup.kill_shard(0)
+            for i in range(10):  # acknowledged by the primary alone
+                c.push({"v": np.full(1000, -i, np.float32)})
+            _wait_role(primary.addresses[0], "primary", peer="")
+            backup.start_shard(0)  # a fresh backup: catches up from the primary's snapshot
+            _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0])
+            c.push({"v": np.ones(1000, np.float32)})
+            expected, versions = c.pull_with_versions()
+        assert versions == {"v": 21}
+        assert "backup" in primary.log_tail(0, 50) and "detached" in primary.log_tail(0, 50)
+        primary.kill_shard(0)
+        with psclient.PSClient(_both(primary, backup), "w1", timeout=TIMEOUT_S) as c:
+            values, after = c.pull_with_versions()
+        assert after == versions
+        np.testing.assert_array_equal(values["v"], expected["v"])
+
+
+def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
+    with _pair() as (primary, backup):
+        with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(8, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(8, np.float32)})
+            assert primary.stop() == [0]  # graceful: the backup's stream ends, it takes over
+            c.push({"v": np.ones(8, np.float32)})
+            values, versions = c.pull_with_versions()
+        assert versions == {"v": 2}
+        np.testing.assert_array_equal(values["v"], np.full(8, -2, np.float32))
+
+
+def test_a_backup_of_a_backup_is_refused() -> None:
+    with _pair() as (_, backup), LocalCluster(1, ["--backup-of", backup.addresses[0]]) as second:
+        assert _status(second.addresses[0]).role == "backup"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "refuses a backup" not in second.log_tail(0, 20):
+            time.sleep(0.05)
+        assert "not a primary" in second.log_tail(0, 20)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"mode": "sync", "replicas_to_aggregate": 1, "total_replicas": 1}, "needs --mode async"),
+        ({"backup_of": "nowhere"}, "HOST:PORT"),
+        ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "TLS"),
+        ({"replication_timeout_s": 0.0}, "--replication-timeout"),
+    ],
+)
+def test_backup_flags_are_checked(changes: dict[str, object], message: str) -> None:
+    settings: dict[str, object] = {"shard": 0, "backup_of": "127.0.0.1:1", **changes}
+    with pytest.raises(ConfigError, match=message):
+        ServerConfig(**settings)  # type: ignore[arg-type]
