@@ -108,15 +108,38 @@ def format_status(report: dict[str, Any]) -> str:
     def rate(r: float | None) -> str:
         return "-" if r is None else f"{r:.1f}"
 
-    headers = ["SHARD", "ADDRESS", "HEALTH", "MODE", "VARS", "BYTES", "PUSHES", "PUSH/S", "PULLS", "PULL/S"]
+    def role(s: dict[str, Any]) -> str:
+        if s["error"] is not None:
+            return "-"
+        return "primary+backup" if s["role"] == "primary" and s["peer"] else s["role"]
+
+    headers = [
+        "SHARD",
+        "ADDRESS",
+        "HEALTH",
+        "ROLE",
+        "MODE",
+        "VARS",
+        "BYTES",
+        "PUSHES",
+        "PUSH/S",
+        "PULLS",
+        "PULL/S",
+    ]
     rows = [
-        [s["index"], s["address"], s["health"], s["mode"] or "-", s["num_variables"],
+        [s["index"], s["address"], s["health"], role(s), s["mode"] or "-", s["num_variables"],
          _human_bytes(s["total_bytes"]), s["pushes"], rate(s["push_rate"]), s["pulls"], rate(s["pull_rate"]),
          _duration(s["uptime_s"]) if s["error"] is None else "-"]
         for s in report["shards"]
     ]  # fmt: skip
     lines += ["", table([*headers, "UPTIME"], rows)]
     lines += [f"shard {s['index']} ({s['address']}): {s['error']}" for s in report["shards"] if s["error"]]
+    lines += [
+        f"shard {s['index']} ({s['address']}): "
+        + (f"backed up by {s['peer']}" if s["role"] == "primary" else f"{s['role']} of {s['peer']}")
+        for s in report["shards"]
+        if s["error"] is None and s["peer"]
+    ]
     if report["variables"]:
         vrows = []
         for v in report["variables"]:

@@ -42,6 +42,7 @@ import grpc
 import numpy as np
 
 from psclient import _security, codec
+from psclient._requests import wire_batches
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
 from psserver.errors import FailedPrecondition, Unavailable
@@ -51,6 +52,7 @@ from psserver.store import Store
 log = logging.getLogger(__name__)
 
 SNAPSHOT_PIECE_BYTES = 4 << 20
+UPDATE_PIECE_BYTES = 4 << 20  # updates are cut into messages of about this much tensor data
 DEFAULT_ACK_TIMEOUT_S = 30.0  # covers the catch-up snapshot of a large shard on a slow link
 _ATTACH_RETRY_S = (0.05, 1.0)  # backoff bounds while the primary is not reachable yet
 BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serves (for status and logs)
@@ -155,9 +157,8 @@ class Primary:
         link = self._link
         if link is None:
             return
-        chunks = [codec.WireChunk.of(name, grad) for name, grad in grads.items()]
         header = ps_pb2.ReplicateResponse(worker_id=worker_id, seq=seq, versions=list(versions))
-        await self._forward(link, header, chunks)
+        await self._forward(link, header, list(grads.items()))
 
     async def forward_create(
         self, specs: Sequence[ps_pb2.VariableSpec], values: Mapping[str, np.ndarray]
@@ -166,16 +167,20 @@ class Primary:
         link = self._link
         if link is None or not specs:
             return
-        chunks = [codec.WireChunk.of(s.name, values[s.name]) for s in specs]
-        await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), chunks)
+        tensors = [(s.name, values[s.name]) for s in specs]
+        await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
 
     async def _forward(
-        self, link: _Link, header: ps_pb2.ReplicateResponse, chunks: list[codec.WireChunk]
+        self, link: _Link, header: ps_pb2.ReplicateResponse, tensors: list[tuple[str, np.ndarray]]
     ) -> None:
         header.id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
         link.waiting[header.id] = waiter
-        link.outbox.put_nowait(codec.WireMessage(header, "tensors", chunks))  # in application order
+        batches = list(wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
+        for i, batch in enumerate(batches):  # in application order; no await between the pieces
+            message = header if i == 0 else ps_pb2.ReplicateResponse()
+            message.more = i < len(batches) - 1
+            link.outbox.put_nowait(codec.WireMessage(message, "tensors", batch))
         try:
             async with asyncio.timeout(self.ack_timeout_s):
                 await asyncio.shield(waiter)
@@ -302,6 +307,7 @@ class Backup:
 
     async def _follow(self, stream: grpc.aio.StreamStreamCall) -> None:
         pieces: list[bytes] = []
+        update: tuple[ps_pb2.ReplicateResponse, codec.Assembler] | None = None
         async for message in stream:
             if not self.caught_up:
                 pieces.append(message.snapshot)
@@ -309,14 +315,19 @@ class Backup:
                     await self._load(b"".join(pieces))
                     pieces = []
                 continue
-            if message.create:
-                tensors = codec.Assembler()
-                for chunk in message.tensors:
-                    tensors.add(chunk)
-                self.store.create(list(message.create), tensors.result())
-                self._acks.put_nowait(message.id)
+            if update is None:  # the first message of an update carries its header
+                update = (message, codec.Assembler())
+            for chunk in message.tensors:
+                update[1].add(chunk)
+            if message.more:
+                continue
+            header, tensors = update
+            update = None
+            if header.create:
+                self.store.create(list(header.create), tensors.result())
+                self._acks.put_nowait(header.id)
             else:
-                self._apply(message)
+                self._apply(header, tensors.result())
 
     async def _load(self, data: bytes) -> None:
         snap = await asyncio.to_thread(checkpoint.load, io.BytesIO(data), f"snapshot from {self.primary}")
@@ -331,11 +342,7 @@ class Backup:
             self.shard, self.primary, len(snap.tensors), snap.nbytes / 2**20,
         )  # fmt: skip
 
-    def _apply(self, message: ps_pb2.ReplicateResponse) -> None:
-        grads = codec.Assembler()
-        for chunk in message.tensors:
-            grads.add(chunk)
-        tensors = grads.result()
+    def _apply(self, message: ps_pb2.ReplicateResponse, tensors: dict[str, np.ndarray]) -> None:
         if len(tensors) != len(message.versions):
             raise RuntimeError(
                 f"update {message.id}: {len(tensors)} gradients, {len(message.versions)} versions"

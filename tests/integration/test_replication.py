@@ -112,7 +112,7 @@ def _hammer(addresses: list[str], worker: str, names: list[str], shapes: dict[st
 
 def test_the_backup_is_bit_identical_after_concurrent_pushes() -> None:
     """Adam, variables pushed concurrently in varying orders: the backup replays each one in order."""
-    shapes = {"big": 1 << 19, "mid": 4096, "small": 8}  # "big" (2 MiB) is applied off the event loop
+    shapes = {"big": 3 << 20, "mid": 4096, "small": 8}  # "big": 12 MiB, in 2 partitions, 4 MiB messages
     names = sorted(shapes)
     with _pair() as (primary, backup):
         addresses = _both(primary, backup)
@@ -181,7 +181,7 @@ def test_the_primary_goes_on_without_a_dead_backup_and_a_new_backup_catches_up()
 
 
 def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
-    with _pair() as (primary, backup):
+    with _pair(("--grace", "1")) as (primary, backup):  # streams stay open: the grace runs out
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(8, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(8, np.float32)})
@@ -214,3 +214,14 @@ def test_backup_flags_are_checked(changes: dict[str, object], message: str) -> N
     settings: dict[str, object] = {"shard": 0, "backup_of": "127.0.0.1:1", **changes}
     with pytest.raises(ConfigError, match=message):
         ServerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_psctl_status_shows_the_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    from psserver import ctl
+
+    with _pair() as (primary, backup):
+        p, b = primary.addresses[0], backup.addresses[0]
+        assert ctl.main(["status", p, b]) == 0
+        out = capsys.readouterr().out
+        assert "ROLE" in out and "primary+backup" in out
+        assert f"backed up by {b}" in out and f"backup of {p}" in out

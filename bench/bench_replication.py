@@ -1,0 +1,129 @@
+"""What a backup costs: pushes to a replicated shard (``--backup-of``) beside an unreplicated one.
+
+Two one-shard clusters run side by side, one with a backup process; the same
+client calls alternate between them round by round, so load from other work on
+the machine hits both alike. Per payload size: ``push`` latency (p50, p99) and
+throughput, SGD on the shard, one client, ``--rounds`` rounds of ``--calls``
+pushes each.
+
+Usage::
+
+    python bench/bench_replication.py [--rounds 4] [--calls 100] [--out bench/results/replication]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import psclient
+from bench._common import machine_note, summarize
+from trainer.cluster import LocalCluster
+
+SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
+
+
+def _wait_attached(primary: str, timeout_s: float = 30.0) -> None:
+    import grpc
+
+    from psproto.v1 import ps_pb2, ps_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(primary) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        while time.monotonic() < deadline:
+            if stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=5).peer:
+                return
+            time.sleep(0.05)
+    raise RuntimeError(f"no backup attached to {primary} within {timeout_s:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--calls", type=int, default=100, help="pushes per round (16 MiB: a tenth of it)")
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    args = p.parse_args(argv)
+
+    with (
+        LocalCluster(1) as plain,
+        LocalCluster(1) as primary,
+        LocalCluster(1, ["--backup-of", primary.addresses[0]]) as backup,
+    ):
+        _wait_attached(primary.addresses[0])
+        systems = {
+            "unreplicated": [plain.addresses[0]],
+            "primary+backup": [f"{primary.addresses[0]}|{backup.addresses[0]}"],
+        }
+        clients = {name: psclient.PSClient(a, f"bench-{name}", timeout=60) for name, a in systems.items()}
+        stats = []
+        try:
+            for size in SIZES:
+                n = size // 4
+                name = f"v{size}"
+                for c in clients.values():
+                    c.create(name, np.zeros(n, np.float32), optimizer=psclient.SGD(1e-6, momentum=0.0))
+                grad = {name: np.ones(n, np.float32)}
+                calls = max(5, args.calls // 10) if size >= 16 << 20 else args.calls
+                latencies: dict[str, list[float]] = {s: [] for s in clients}
+                elapsed = dict.fromkeys(clients, 0.0)
+                for c in clients.values():  # warm-up
+                    for _ in range(3):
+                        c.push(grad)
+                for _ in range(args.rounds):
+                    for system, c in clients.items():
+                        start = time.perf_counter()
+                        for _ in range(calls):
+                            t0 = time.perf_counter()
+                            c.push(grad)
+                            latencies[system].append(time.perf_counter() - t0)
+                        elapsed[system] += time.perf_counter() - start
+                for system in clients:
+                    stat = summarize(system, "push", size, 1, latencies[system], elapsed[system])
+                    stats.append(stat)
+                    print(
+                        f"{size / 2**10:>8.0f} KiB  {system:<15} p50 {stat.p50_ms:8.3f} ms  "
+                        f"p99 {stat.p99_ms:8.3f} ms  {stat.ops_s:8.1f} push/s  {stat.gb_s:.3f} GB/s",
+                        flush=True,
+                    )
+        finally:
+            for c in clients.values():
+                c.close()
+
+    if args.out:
+        out = Path(args.out)
+        rows = {(s.nbytes, s.system): s for s in stats}
+        lines = [
+            "# Replication cost: push to a shard with a backup vs without",
+            "",
+            f"`python bench/bench_replication.py --rounds {args.rounds} --calls {args.calls} "
+            f"--out {args.out}` (one client, SGD, 2 cores shared by client, shards and backup)",
+            "",
+            "| payload | unreplicated p50 ms | with backup p50 ms | unreplicated push/s | with backup push/s "
+            "| backup / unreplicated throughput |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for size in SIZES:
+            a, b = rows[(size, "unreplicated")], rows[(size, "primary+backup")]
+            ratio = b.ops_s / a.ops_s if a.ops_s else float("nan")
+            lines.append(
+                f"| {size / 2**10:.0f} KiB | {a.p50_ms:.3f} | {b.p50_ms:.3f} | {a.ops_s:.1f} | {b.ops_s:.1f} "
+                f"| {ratio:.2f}x |"
+            )
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        out.with_suffix(".json").write_text(
+            json.dumps({"machine": machine_note(), "stats": [asdict(s) for s in stats]}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
