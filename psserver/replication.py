@@ -45,7 +45,7 @@ from psclient import _security, codec
 from psclient._requests import wire_batches
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
-from psserver.errors import FailedPrecondition, Unavailable
+from psserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from psserver.modes import Mode
 from psserver.store import Store
 
@@ -91,7 +91,7 @@ class Primary:
         return self._link.peer if self._link is not None else ""
 
     async def serve(
-        self, requests: AsyncIterator[ps_pb2.ReplicateRequest], peer: str
+        self, requests: AsyncIterator[bytes], peer: str
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
         """The body of the ``Replicate`` handler. Raises: FailedPrecondition."""
         if self.mode.name != "async":
@@ -119,23 +119,29 @@ class Primary:
             while True:
                 message = await link.outbox.get()
                 if message is None:  # detached
+                    if link.error is not None:  # raised here: the call ends from its own task
+                        raise InvalidArgument(f"malformed replication stream: {link.error}")
                     return
                 yield message
         finally:
             acks.cancel()
             self._detach(link, "its replication stream ended")
 
-    async def _read_acks(self, requests: AsyncIterator[ps_pb2.ReplicateRequest], link: _Link) -> None:
+    async def _read_acks(self, requests: AsyncIterator[bytes], link: _Link) -> None:
+        # Raw bytes, parsed here: this task is not the handler's, and an abort from it would hang the call.
         try:
-            async for request in requests:
+            async for raw in requests:
+                request = ps_pb2.ReplicateRequest.FromString(raw)
                 for update_id in request.acks:
                     waiter = link.waiting.pop(update_id, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result(True)
         except (grpc.RpcError, asyncio.CancelledError):
             pass
+        except Exception as err:  # a malformed message
+            link.error = err
         finally:
-            self._detach(link, "it closed its stream")
+            self._detach(link, "it closed its stream" if link.error is None else f"bad stream: {link.error}")
 
     def _detach(self, link: _Link, why: str) -> None:
         if self._link is not link:
@@ -195,6 +201,7 @@ class _Link:
         default_factory=asyncio.Queue
     )
     waiting: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
+    error: Exception | None = None  # why the backup's side of the stream failed
 
 
 def _encode(snap: checkpoint.Snapshot) -> bytes:

@@ -330,7 +330,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         )
 
     async def Replicate(
-        self, request_iterator: AsyncIterator[ps_pb2.ReplicateRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
         try:
             with _statuses():
@@ -346,8 +346,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             await self._abort(context, err)
             return
         yield first
-        async for message in updates:
-            yield message
+        try:
+            with _statuses():
+                async for message in updates:
+                    yield message
+        except _Abort as err:
+            await self._abort(context, err)
 
 
 # Tensor-carrying messages are (de)serialized by ``psclient.codec``: the same
@@ -387,6 +391,8 @@ def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) ->
         if name in _WIRE_REQUESTS:
             message, field = _WIRE_REQUESTS[name]
             deserializer = functools.partial(codec.parse, message, field=field)
+        elif name == "Replicate":  # parsed by psserver.replication, in the task that reads the acks
+            deserializer = None
         handlers[name] = h._replace(request_deserializer=deserializer, response_serializer=codec.serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
     server.add_registered_method_handlers(capture.service, handlers)

@@ -54,6 +54,8 @@ METHODS = {
     "PullStream": "unary_stream",
     "Push": "unary_unary",
     "PushStream": "stream_stream",
+    "PushSession": "stream_stream",
+    "Replicate": "stream_stream",  # a fuzzed "backup": attached, sent the snapshot, detached at half-close
     "GetStatus": "unary_unary",
     "SaveCheckpoint": "unary_unary",
 }

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -39,16 +40,20 @@ def _pair(primary_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalCluster, Lo
         yield primary, backup
 
 
-def _status(address: str) -> ps_pb2.GetStatusResponse:
+def _status(address: str, token: str | None = None) -> ps_pb2.GetStatusResponse:
+    metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(address) as channel:
-        return ps_pb2_grpc.ParameterServerStub(channel).GetStatus(ps_pb2.GetStatusRequest(), timeout=5)
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        return stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=5, metadata=metadata)
 
 
-def _wait_role(address: str, role: str, peer: str | None = None, timeout_s: float = 20.0) -> None:
+def _wait_role(
+    address: str, role: str, peer: str | None = None, timeout_s: float = 20.0, token: str | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     status = None
     while time.monotonic() < deadline:  # bounded: the backup attaches within a second
-        status = _status(address)
+        status = _status(address, token)
         if status.role == role and (peer is None or status.peer == peer):
             return
         time.sleep(0.05)
@@ -225,3 +230,24 @@ def test_psctl_status_shows_the_roles(capsys: pytest.CaptureFixture[str]) -> Non
         out = capsys.readouterr().out
         assert "ROLE" in out and "primary+backup" in out
         assert f"backed up by {b}" in out and f"backup of {p}" in out
+
+
+def test_replication_with_token_auth(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    auth = ["--auth-token-file", str(token)]
+    with (
+        LocalCluster(1, auth) as primary,
+        LocalCluster(1, [*auth, "--backup-of", primary.addresses[0]]) as backup,
+    ):
+        addresses = _both(primary, backup)
+        _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0], token="s3cret-token")
+        with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S, auth_token="s3cret-token") as c:
+            c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(4, np.float32)})  # acknowledged by the backup too
+            primary.kill_shard(0)
+            c.push({"v": np.ones(4, np.float32)})
+            values, versions = c.pull_with_versions()
+        assert versions == {"v": 2}
+        np.testing.assert_array_equal(values["v"], np.full(4, -2, np.float32))
+        assert "caught up" in backup.log_tail(0, 50)
