@@ -13,9 +13,8 @@ _EPILOG = """\
 examples:
   psserver --shard 0 --num-shards 2 --port 50051
   psserver --shard 1 --num-shards 2 --port 0 --ready-file /tmp/ps1.addr
+  psserver --shard 0 --num-shards 2 --port 50061 --backup-of ps0:50051   # a backup of shard 0
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222", "ps1:2222"]}, "task": {"type": "ps", "index": 0}}' psserver
-
-  psserver --shard 0 --port 50061 --backup-of ps0:50051     # a backup of shard 0 (async mode)
 
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication: clients given PRIMARY|BACKUP for a shard fail over to the backup when the primary dies;
