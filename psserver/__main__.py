@@ -13,7 +13,8 @@ _EPILOG = """\
 examples:
   psserver --shard 0 --num-shards 2 --port 50051
   psserver --shard 1 --num-shards 2 --port 0 --ready-file /tmp/ps1.addr
-  psserver --shard 0 --num-shards 2 --port 50061 --backup-of ps0:50051   # a backup of shard 0
+  psserver --shard 0 --num-shards 2 --port 50051 --backup-at ps0b:50061   # primary of shard 0 ...
+  psserver --shard 0 --num-shards 2 --port 50061 --backup-of ps0:50051    # ... and its backup
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222", "ps1:2222"]}, "task": {"type": "ps", "index": 0}}' psserver
 
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
@@ -72,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run as the standby backup of this primary shard: follow its updates, take over when it dies",
     )
     p.add_argument(
+        "--backup-at",
+        metavar="HOST:PORT",
+        help="this primary's backup: if that backup has taken over while this process was down, start as "
+        "its backup instead of serving an older checkpoint",
+    )
+    p.add_argument(
         "--replication-timeout",
         type=float,
         default=30.0,
@@ -117,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_client_ca=args.tls_client_ca,
         metrics_port=args.metrics_port,
         backup_of=args.backup_of,
+        backup_at=args.backup_at,
         replication_timeout_s=args.replication_timeout,
     )
 

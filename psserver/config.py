@@ -42,6 +42,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     metrics_port: int | None = None
     backup_of: str | None = None  # HOST:PORT of the primary this process backs up (psserver.replication)
+    backup_at: str | None = None  # a primary's backup: if it has taken over, start as its backup instead
     replication_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -71,15 +72,21 @@ class ServerConfig:
             raise ConfigError("--checkpoint-every needs --checkpoint-dir")
         if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
             raise ConfigError(f"--checkpoint-every must be > 0 seconds, got {self.checkpoint_every_s}")
-        if self.backup_of is not None:
-            host, sep, port = self.backup_of.rpartition(":")
+        if self.backup_of is not None and self.backup_at is not None:
+            raise ConfigError(
+                "--backup-of (this is a backup) and --backup-at (this is a primary) exclude each other"
+            )
+        for flag, address in (("--backup-of", self.backup_of), ("--backup-at", self.backup_at)):
+            if address is None:
+                continue
+            host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
-                raise ConfigError(f"--backup-of must be HOST:PORT, got {self.backup_of!r}")
+                raise ConfigError(f"{flag} must be HOST:PORT, got {address!r}")
             if self.mode != "async":
-                raise ConfigError("--backup-of needs --mode async (sync and ssp state is not replicated)")
+                raise ConfigError(f"{flag} needs --mode async (sync and ssp state is not replicated)")
             if self.tls_cert:
                 raise ConfigError(
-                    "--backup-of does not support TLS yet (the backup dials its primary in plaintext)"
+                    f"{flag} does not support TLS yet (the backup dials its primary in plaintext)"
                 )
         if not self.replication_timeout_s > 0:
             raise ConfigError(f"--replication-timeout must be > 0 seconds, got {self.replication_timeout_s}")

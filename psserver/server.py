@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -16,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from psclient import _security
-from psproto.v1 import ps_pb2
+from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.metrics import MeteredMode, ShardMetrics
@@ -27,6 +28,7 @@ from psserver.store import Store
 
 log = logging.getLogger(__name__)
 
+_PEER_CHECK_TIMEOUT_S = 3.0
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
 
 
@@ -83,8 +85,39 @@ class Shard:
             await hook()
 
 
+async def _took_over(config: ServerConfig) -> bool:
+    """Whether this primary's backup (``--backup-at``) has taken over (or is about to) while we were down."""
+    assert config.backup_at is not None
+    token = _security.read_token_file(config.auth_token_file) if config.auth_token_file else None
+    try:
+        async with grpc.aio.insecure_channel(config.backup_at) as channel:
+            status = await ps_pb2_grpc.ParameterServerStub(channel).GetStatus(
+                ps_pb2.GetStatusRequest(),
+                timeout=_PEER_CHECK_TIMEOUT_S,
+                metadata=_security.auth_metadata(token),
+            )
+    except grpc.RpcError as err:
+        log.info(
+            "shard %d: backup %s not reachable (%s): starting as primary",
+            config.shard, config.backup_at, err.code().name,
+        )  # fmt: skip
+        return False
+    # "orphaned": it followed us and lost us; "primary": a client promoted it. Either way it is newer.
+    return status.role in ("primary", "orphaned") and status.shard == config.shard
+
+
 async def start(config: ServerConfig) -> Shard:
-    """Builds and starts a shard on the running event loop."""
+    """Builds and starts a shard on the running event loop.
+
+    A primary started with ``--backup-at`` whose backup took over while it was
+    down starts as that backup's backup instead (its own checkpoint is older).
+    """
+    if config.backup_at and await _took_over(config):
+        log.warning(
+            "shard %d: %s took over as primary while this process was down: starting as its backup",
+            config.shard, config.backup_at,
+        )  # fmt: skip
+        config = dataclasses.replace(config, backup_of=config.backup_at, backup_at=None)
     store = Store(allow_non_finite=config.allow_non_finite, inline_apply_bytes=config.inline_apply_bytes)
     mode = make_mode(
         config.mode,
@@ -211,7 +244,7 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
     log.info(
         "shard %d/%d (%s mode) listening on %s%s",
         config.shard, config.num_shards, config.mode, shard.address,
-        f" as the backup of {config.backup_of}" if config.backup_of else "",
+        f" as the backup of {shard.config.backup_of}" if shard.config.backup_of else "",
     )  # fmt: skip
     if config.ready_file:
         if shard.metrics is not None and shard.metrics.port is not None:  # for tools: before the ready file

@@ -334,6 +334,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
         try:
             with _statuses():
+                if self.backup is not None and self.backup.role == "orphaned":
+                    self.backup.check_serving("Replicate")  # its old primary is back as its backup: promote
                 if self.primary is None or self.role != "primary":
                     raise FailedPrecondition(
                         f"this shard is a {self.role}, not a primary: it cannot take a backup"

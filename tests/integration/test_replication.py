@@ -213,6 +213,8 @@ def test_a_backup_of_a_backup_is_refused() -> None:
         ({"backup_of": "nowhere"}, "HOST:PORT"),
         ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "TLS"),
         ({"replication_timeout_s": 0.0}, "--replication-timeout"),
+        ({"backup_at": "127.0.0.1:2"}, "exclude each other"),
+        ({"backup_of": None, "backup_at": "x"}, "--backup-at must be HOST:PORT"),
     ],
 )
 def test_backup_flags_are_checked(changes: dict[str, object], message: str) -> None:
@@ -251,3 +253,38 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
         assert versions == {"v": 2}
         np.testing.assert_array_equal(values["v"], np.full(4, -2, np.float32))
         assert "caught up" in backup.log_tail(0, 50)
+
+
+def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> None:
+    """The old primary comes back with its usual flags (``--backup-at``) and defers to the newer state."""
+    from trainer.cluster import reserve_ports
+
+    a, b = reserve_ports(2)
+    a_port, b_port = (int(x.rpartition(":")[2]) for x in (a, b))
+    first = LocalCluster(1, ["--backup-at", b])  # a plain restart of this would serve an older state
+    second = LocalCluster(1, ["--backup-of", a])
+    with contextlib.ExitStack() as stack:
+        stack.callback(first.stop)
+        stack.callback(second.stop)
+        first.start_shard(0, port=a_port)
+        second.start_shard(0, port=b_port)
+        _wait_role(a, "primary", peer=b)
+        both = [f"{a}|{b}"]
+        with psclient.PSClient(both, "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(4, np.float32)})
+            first.kill_shard(0)  # a fails; b takes over on the next call
+            c.push({"v": np.ones(4, np.float32)})
+            assert _status(b).role == "primary"
+            first.start_shard(0, port=a_port)  # same flags as before: --backup-at b
+            _wait_role(b, "primary", peer=a)  # a caught up from b instead of serving its own state
+            assert "took over as primary" in first.log_tail(0, 50)
+            c.push({"v": np.ones(4, np.float32)})
+        with psclient.PSClient(both, "w1", timeout=TIMEOUT_S) as fresh:  # starts with a, is sent to b
+            values, versions = fresh.pull_with_versions()
+            assert versions == {"v": 3}
+            second.kill_shard(0)  # and a, now b's backup, has every update
+            fresh.push({"v": np.ones(4, np.float32)})
+            values, versions = fresh.pull_with_versions()
+        assert versions == {"v": 4}
+        np.testing.assert_array_equal(values["v"], np.full(4, -4, np.float32))
