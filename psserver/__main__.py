@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")
     p.add_argument("--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mTLS)")
+    p.add_argument(
+        "--tls-ca",
+        help="PEM CA bundle trusted when this shard dials another (a backup its primary; default: "
+        "--tls-client-ca); with TLS, --tls-cert/--tls-key are its client certificate there",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument(
         "--backup-of",
@@ -122,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        tls_ca=args.tls_ca,
         metrics_port=args.metrics_port,
         backup_of=args.backup_of,
         backup_at=args.backup_at,

@@ -40,10 +40,16 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    tls_ca: str | None = None  # trusted when this process dials another shard (replication)
     metrics_port: int | None = None
     backup_of: str | None = None  # HOST:PORT of the primary this process backs up (psserver.replication)
     backup_at: str | None = None  # a primary's backup: if it has taken over, start as its backup instead
     replication_timeout_s: float = 30.0
+
+    @property
+    def peer_ca(self) -> str | None:
+        """The CA trusted when this process dials another shard: ``--tls-ca``, else ``--tls-client-ca``."""
+        return self.tls_ca or self.tls_client_ca
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -84,9 +90,9 @@ class ServerConfig:
                 raise ConfigError(f"{flag} must be HOST:PORT, got {address!r}")
             if self.mode != "async":
                 raise ConfigError(f"{flag} needs --mode async (sync and ssp state is not replicated)")
-            if self.tls_cert:
+            if self.tls_cert and not self.peer_ca:
                 raise ConfigError(
-                    f"{flag} does not support TLS yet (the backup dials its primary in plaintext)"
+                    f"{flag} with TLS needs --tls-ca (or --tls-client-ca) to verify the other shard"
                 )
         if not self.replication_timeout_s > 0:
             raise ConfigError(f"--replication-timeout must be > 0 seconds, got {self.replication_timeout_s}")

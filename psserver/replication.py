@@ -34,9 +34,8 @@ import functools
 import io
 import itertools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import numpy as np
@@ -218,7 +217,7 @@ class Backup:
         store, mode: this (empty) shard's state.
         shard: this shard's index (the primary's must match).
         auth_token: sent to the primary when it requires one.
-        channel_options: gRPC options of the channel to the primary (message sizes, keepalive).
+        connect: opens the channel to the primary (TLS, message sizes, keepalive; default: plaintext).
     """
 
     def __init__(
@@ -229,10 +228,10 @@ class Backup:
         *,
         shard: int,
         auth_token: str | None = None,
-        channel_options: Sequence[tuple[str, Any]] = (),
+        connect: Callable[[str], grpc.aio.Channel] | None = None,
     ) -> None:
         self.primary = primary
-        self.channel_options = list(channel_options)
+        self.connect = connect or grpc.aio.insecure_channel
         self.store = store
         self.mode = mode
         self.shard = shard
@@ -272,7 +271,7 @@ class Backup:
     async def run(self) -> None:
         """Attaches to the primary (retrying until it answers), then applies its updates until the end."""
         delay = _ATTACH_RETRY_S[0]
-        async with grpc.aio.insecure_channel(self.primary, options=self.channel_options) as channel:
+        async with self.connect(self.primary) as channel:
             call = channel.stream_stream(
                 "/psproto.v1.ParameterServer/Replicate",
                 request_serializer=ps_pb2.ReplicateRequest.SerializeToString,

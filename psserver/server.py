@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -85,12 +86,28 @@ class Shard:
             await hook()
 
 
+def peer_credentials(config: ServerConfig) -> grpc.ChannelCredentials | None:
+    """How this shard dials another (replication): with TLS, ``--tls-ca`` and its own certificate."""
+    if not config.tls_cert:
+        return None
+    return _security.channel_credentials(config.peer_ca, config.tls_cert, config.tls_key)
+
+
+def peer_channel(config: ServerConfig, address: str) -> grpc.aio.Channel:
+    """A channel from this shard to another one at ``address``."""
+    options = channel_options(config.max_message_bytes)
+    credentials = peer_credentials(config)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 async def _took_over(config: ServerConfig) -> bool:
     """Whether this primary's backup (``--backup-at``) has taken over (or is about to) while we were down."""
     assert config.backup_at is not None
     token = _security.read_token_file(config.auth_token_file) if config.auth_token_file else None
     try:
-        async with grpc.aio.insecure_channel(config.backup_at) as channel:
+        async with peer_channel(config, config.backup_at) as channel:
             status = await ps_pb2_grpc.ParameterServerStub(channel).GetStatus(
                 ps_pb2.GetStatusRequest(),
                 timeout=_PEER_CHECK_TIMEOUT_S,
@@ -173,7 +190,7 @@ async def start(config: ServerConfig) -> Shard:
             mode,
             shard=config.shard,
             auth_token=token,
-            channel_options=channel_options(config.max_message_bytes),
+            connect=functools.partial(peer_channel, config),
         )
     add_to_server(  # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
         ParameterServerServicer(

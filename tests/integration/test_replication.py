@@ -211,7 +211,7 @@ def test_a_backup_of_a_backup_is_refused() -> None:
     [
         ({"mode": "sync", "replicas_to_aggregate": 1, "total_replicas": 1}, "needs --mode async"),
         ({"backup_of": "nowhere"}, "HOST:PORT"),
-        ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "TLS"),
+        ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "with TLS needs --tls-ca"),
         ({"replication_timeout_s": 0.0}, "--replication-timeout"),
         ({"backup_at": "127.0.0.1:2"}, "exclude each other"),
         ({"backup_of": None, "backup_at": "x"}, "--backup-at must be HOST:PORT"),
@@ -288,3 +288,34 @@ def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> N
             values, versions = fresh.pull_with_versions()
         assert versions == {"v": 4}
         np.testing.assert_array_equal(values["v"], np.full(4, -4, np.float32))
+
+
+def test_replication_over_mutual_tls(tmp_path: Path) -> None:
+    from _certs import make_pki  # tests/_certs.py
+
+    pki = make_pki(tmp_path)
+    tls = [
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+    ]
+    with (
+        LocalCluster(1, tls) as primary,
+        LocalCluster(1, [*tls, "--backup-of", primary.addresses[0]]) as backup,  # trusts --tls-client-ca
+    ):
+        tls_client = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+        with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S, **tls_client) as c:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and "caught up" not in backup.log_tail(0, 50):
+                time.sleep(0.05)  # bounded: the backup attaches within a second
+            assert "caught up" in backup.log_tail(0, 50), backup.log_tail(0, 30)
+            c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(4, np.float32)})
+            primary.kill_shard(0)
+            c.push({"v": np.ones(4, np.float32)})
+            values, versions = c.pull_with_versions()
+        assert versions == {"v": 2}, backup.log_tail(0, 30)
+        np.testing.assert_array_equal(values["v"], np.full(4, -2, np.float32))
