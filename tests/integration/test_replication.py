@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _logreg import train
 
 import psclient
 from psclient._retry import RetryPolicy
@@ -319,3 +320,23 @@ def test_replication_over_mutual_tls(tmp_path: Path) -> None:
             values, versions = c.pull_with_versions()
         assert versions == {"v": 2}, backup.log_tail(0, 30)
         np.testing.assert_array_equal(values["v"], np.full(4, -2, np.float32))
+
+
+def test_training_through_two_primary_kills_ends_bit_identical_to_a_fault_free_run() -> None:
+    """With backups, kill -9 of a primary loses nothing: one worker's run equals the fault-free one."""
+    with LocalCluster(2) as ref:
+        reference_accuracy, reference = train(ref.addresses, "ref")
+    with LocalCluster(2) as primaries:
+        p = primaries.addresses
+        backups_args = {i: ["--backup-of", p[i]] for i in range(2)}
+        with LocalCluster(2, shard_args=backups_args) as backups:
+            for i in range(2):
+                _wait_role(p[i], "primary", peer=backups.addresses[i])
+            addresses = [f"{p[i]}|{backups.addresses[i]}" for i in range(2)]
+            faults = {60: lambda: primaries.kill_shard(0), 150: lambda: primaries.kill_shard(1)}
+            accuracy, params = train(addresses, "faulty", faults)
+            roles = [_status(b).role for b in backups.addresses]
+    assert roles == ["primary", "primary"]  # both backups took over
+    assert accuracy == reference_accuracy >= 0.85
+    for name, value in reference.items():
+        np.testing.assert_array_equal(params[name], value)

@@ -16,50 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _logreg import TIMEOUT_S, train
 
 import psclient
 from trainer.cluster import LocalCluster
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.e2e]
 
-TIMEOUT_S = 30.0
 ACCURACY_BOUND = 0.03
 MIN_ACCURACY = 0.85
-STEPS = 240
-BATCH = 64
-
-
-def _data(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    d = 32
-    w_true = rng.standard_normal(d)
-    x = rng.standard_normal((6000, d)).astype(np.float32)
-    y = ((x @ w_true + 0.5 * rng.standard_normal(6000)) > 0).astype(np.float32)
-    return x[:5000], y[:5000], x[5000:], y[5000:]
-
-
-def _accuracy(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> float:
-    logits = x @ params["lr/w"] + params["lr/b"][0]
-    return float(np.mean((logits > 0) == (y > 0.5)))
-
-
-def _train(addresses: list[str], worker: str, on_step: dict[int, object] | None = None) -> float:
-    x, y, xt, yt = _data()
-    rng = np.random.default_rng(1)
-    with psclient.PSClient(addresses, worker, timeout=TIMEOUT_S) as c:
-        c.create_many(
-            {"lr/w": np.zeros(x.shape[1], np.float32), "lr/b": np.zeros(1, np.float32)},
-            optimizer=psclient.Adam(learning_rate=0.05),
-        )
-        for step in range(STEPS):
-            if on_step and step in on_step:
-                on_step[step]()  # type: ignore[operator]
-            idx = rng.integers(0, len(x), BATCH)
-            p = c.pull()
-            logits = x[idx] @ p["lr/w"] + p["lr/b"][0]
-            err = (1 / (1 + np.exp(-logits)) - y[idx]).astype(np.float32)
-            c.push({"lr/w": x[idx].T @ err / BATCH, "lr/b": np.array([err.mean()], np.float32)})
-        return _accuracy(c.pull(), xt, yt)
 
 
 def _kill_and_restart_later(cluster: LocalCluster, shard: int, delay_s: float, threads: list) -> None:
@@ -72,7 +37,7 @@ def _kill_and_restart_later(cluster: LocalCluster, shard: int, delay_s: float, t
 
 def test_training_survives_kill_9_of_shards_with_accuracy_within_bound(tmp_path: Path) -> None:
     with LocalCluster(2) as ref:
-        reference = _train(ref.addresses, "ref")
+        reference, _ = train(ref.addresses, "ref")
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0.1"]
     threads: list[threading.Timer] = []
     with LocalCluster(2, args) as cluster:
@@ -82,7 +47,7 @@ def test_training_survives_kill_9_of_shards_with_accuracy_within_bound(tmp_path:
             200: lambda: _kill_and_restart_later(cluster, 0, 0.2, threads),
         }
         try:
-            accuracy = _train(cluster.addresses, "faulty", faults)
+            accuracy, _ = train(cluster.addresses, "faulty", faults)
         finally:
             for t in threads:
                 t.join(timeout=60)
