@@ -82,6 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
+    demo.add_argument(
+        "--backups",
+        action="store_true",
+        help="async: run a backup process per shard (psserver --backup-of); workers fail over to it",
+    )
+    demo.add_argument(
+        "--kill-primary",
+        type=float,
+        metavar="SECONDS",
+        help="fault drill (needs --backups): kill -9 shard 0's primary this long after the workers start",
+    )
     _add_train_flags(demo)
     add_security_flags(demo)
 

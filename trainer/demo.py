@@ -28,6 +28,9 @@ from trainer.cluster import LocalCluster
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
 
 
+_ATTACH_TIMEOUT_S = 30.0
+
+
 @contextlib.contextmanager
 def native_stderr_held() -> Iterator[None]:
     """Holds back what native code writes to fd 2 in the block; replays it only if the block fails.
@@ -117,6 +120,10 @@ def run_demo(args: argparse.Namespace) -> int:
     """
     if args.workers < 1 or args.shards < 1 or args.epochs < 1:
         raise ValueError("--workers, --shards and --epochs must be >= 1")
+    if getattr(args, "backups", False) and args.mode != "async":
+        raise ValueError("--backups needs --mode async (only async shards are replicated)")
+    if getattr(args, "kill_primary", None) is not None and not getattr(args, "backups", False):
+        raise ValueError("--kill-primary needs --backups (without a backup the shard's state is gone)")
     started = time.perf_counter()
     if args.mode == "local":
         from trainer.__main__ import _train_config
@@ -147,16 +154,24 @@ def run_demo(args: argparse.Namespace) -> int:
         f"{args.model} on {args.data}, {args.epochs} epochs",
         flush=True,
     )
-    with LocalCluster(args.shards, server_args=server_args(args)) as cluster:
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(LocalCluster(args.shards, server_args=server_args(args)))
+        addresses = list(cluster.addresses)
+        if getattr(args, "backups", False):
+            addresses = stack.enter_context(_backups(args, cluster))
         workdir = Path(cluster.workdir)
         procs: list[subprocess.Popen[str]] = []
         tails: list[list[str]] = []
         threads = []
+        drill = None
+        if getattr(args, "kill_primary", None) is not None:
+            drill = threading.Timer(args.kill_primary, _kill_primary, args=(cluster,))
+            stack.callback(drill.cancel)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         env.pop("TF_CONFIG", None)
         try:
             for i in range(args.workers):
-                cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(cluster.addresses),
+                cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
                        "--worker-index", str(i), "--num-workers", str(args.workers), "--mode", args.mode,
                        "--result-json", str(workdir / f"worker{i}.json"), *_train_flags(args)]  # fmt: skip
                 if args.no_overlap:
@@ -169,6 +184,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 t = threading.Thread(target=_relay, args=(proc, tails[-1]), daemon=True)
                 t.start()
                 threads.append(t)
+            if drill is not None:
+                drill.start()
             deadline = time.monotonic() + _WORKER_TIMEOUT_S
             failed = []
             for i, proc in enumerate(procs):
@@ -199,7 +216,8 @@ def run_demo(args: argparse.Namespace) -> int:
         with native_stderr_held():
             from trainer.train import evaluate_from_ps  # imports TensorFlow
 
-            accuracy = evaluate_from_ps(_train_config(args), cluster.addresses)
+            accuracy = evaluate_from_ps(_train_config(args), addresses)
+        killed = drill is not None and cluster.procs[0] is not None and cluster.procs[0].poll() is not None
     _print_result(
         {
             "mode": args.mode,
@@ -212,7 +230,35 @@ def run_demo(args: argparse.Namespace) -> int:
             "stale_steps": sum(w.get("stale_steps", 0) for w in workers),
             "per_worker": workers,
             "wall_seconds": time.perf_counter() - started,
+            "backups": bool(getattr(args, "backups", False)),
+            "primary_killed": killed,  # --kill-primary fired while the workers were training
         },
         args.result_json,
     )
     return 0
+
+
+@contextlib.contextmanager
+def _backups(args: argparse.Namespace, cluster: LocalCluster) -> Iterator[list[str]]:
+    """Starts a backup process per shard; yields the workers' ``PRIMARY|BACKUP`` addresses once all follow."""
+    import asyncio
+
+    from psclient import admin
+
+    extra = {i: ["--backup-of", cluster.addresses[i]] for i in range(args.shards)}
+    with LocalCluster(args.shards, server_args=server_args(args), shard_args=extra) as backups:
+        deadline = time.monotonic() + _ATTACH_TIMEOUT_S
+        while True:  # bounded: a backup attaches within a second
+            statuses = asyncio.run(admin.cluster_status(cluster.addresses))
+            if all(s.peer for s in statuses):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"backups did not attach within {_ATTACH_TIMEOUT_S:.0f}s: {statuses}")
+            time.sleep(0.05)
+        print(f"backups following: {', '.join(backups.addresses)}", flush=True)
+        yield [f"{p}|{b}" for p, b in zip(cluster.addresses, backups.addresses, strict=True)]
+
+
+def _kill_primary(cluster: LocalCluster) -> None:
+    print(f"fault drill: kill -9 of shard 0's primary ({cluster.addresses[0]})", flush=True)
+    cluster.kill_shard(0)

@@ -52,6 +52,27 @@ def test_mode_matches_local_baseline(mode: str, local_accuracy: float, tmp_path:
     assert result["test_accuracy"] >= 0.93
 
 
+def test_async_with_backups_rides_through_a_primary_kill(local_accuracy: float, tmp_path: Path) -> None:
+    result = _demo(tmp_path, "async", "--backups", "--kill-primary", "12")
+    assert result["backups"] is True
+    assert result["primary_killed"] is True  # killed while the workers trained; they failed over
+    assert result["test_accuracy"] >= local_accuracy - 0.02, (result["test_accuracy"], local_accuracy)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mode", "sync", "--backups"], "--backups needs --mode async"),
+        (["--kill-primary", "3"], "--kill-primary needs --backups"),
+    ],
+)
+def test_backup_flags_are_checked(flags: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "demo", *flags], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and message in proc.stderr
+
+
 def test_allreduce_mode_matches_local_baseline(local_accuracy: float, tmp_path: Path) -> None:
     result = _demo(tmp_path, "allreduce")
     assert result["workers"] == 2 and result["shards"] == 0 and len(result["per_worker"]) == 2
