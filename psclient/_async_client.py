@@ -510,6 +510,23 @@ class AsyncPSClient:
                 log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
         return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))
 
+    async def leave(self) -> None:
+        """Tells every shard this worker is done (end of training), so that none waits for it.
+
+        In sync mode a step then needs ``min(N, M - workers left)`` gradients; in
+        ssp mode this worker no longer holds others back. A later push counts it
+        in again. A no-op in async mode.
+
+        Raises:
+            PSError: a shard failed.
+        """
+        request = ps_pb2.LeaveRequest(worker_id=self.worker_id)
+
+        async def one(shard: int) -> None:
+            await self._call(shard, "Leave", lambda: self._stub(shard).Leave(request, **self._kw(shard)))
+
+        await gather(one(s) for s in range(self.num_shards))
+
     # -- checkpoints --------------------------------------------------------
 
     async def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:

@@ -123,6 +123,10 @@ class PSClient:
         """The outer bound, in seconds, the blocking methods wait for one call (a hang guard)."""
         return self.config.timeout * 4 + 60
 
+    def leave(self) -> None:
+        """Tells every shard this worker is done; see ``AsyncPSClient.leave``."""
+        self._run(self._async.leave())
+
     def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
         """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""
         return list(self._run(self._async.save_checkpoint()))

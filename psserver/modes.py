@@ -64,6 +64,9 @@ class Mode(abc.ABC):
     async def before_pull(self, worker_id: str, step: int) -> None:  # noqa: B027 - optional hook
         """Waits until ``worker_id`` at ``step`` may read (bounded-staleness mode)."""
 
+    async def leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
+        """``worker_id`` is done: barriers stop waiting for it (until it pushes again)."""
+
     # -- checkpoints (psserver.checkpoint) --------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -93,6 +96,9 @@ class AsyncMode(Mode):
             self.store.unclaim(worker_id, seq)
             raise
         return PushOutcome(applied=True, versions=tuple(versions))
+
+
+_FINISHED = 1 << 62  # the clock of a worker that left (ssp)
 
 
 def _names(workers: list[str]) -> str:
@@ -136,14 +142,28 @@ class SyncMode(Mode):
         self.step = 0  # the step whose update is being gathered (= updates applied so far)
         self._rounds: dict[int, _Round] = {}
         self._workers: dict[str, int] = {}  # every worker seen -> the last step it pushed (-1: none)
+        self.left: set[str] = set()  # workers done with training (Leave): not waited for
         self.dropped = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "dropped": self.dropped}
+        return {"step": self.step, "dropped": self.dropped, "left": sorted(self.left)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.step = int(state.get("step", 0))
         self.dropped = int(state.get("dropped", 0))
+        self.left = {str(w) for w in state.get("left", ())}
+
+    @property
+    def needed(self) -> int:
+        """Gradients that complete a step: N, or fewer once workers left (never fewer than 1)."""
+        return max(1, min(self.replicas_to_aggregate, self.total_replicas - len(self.left)))
+
+    async def leave(self, worker_id: str) -> None:
+        if worker_id in self.left:
+            return
+        self.left.add(worker_id)
+        log.info("sync: worker %s left; a step now needs %d gradient(s)", worker_id, self.needed)
+        await self._advance()  # a round waiting only for it completes now
 
     def pending_claims(self) -> list[tuple[str, int]]:
         return [(w, seq) for rnd in self._rounds.values() for w, (seq, _) in rnd.contributions.items()]
@@ -168,6 +188,7 @@ class SyncMode(Mode):
                     return PushOutcome(applied=True)
             return PushOutcome(applied=False, reason="duplicate")
         self._seen(worker_id, step)
+        self.left.discard(worker_id)  # pushing again: counted in again
         rnd = self._rounds.get(step)
         if step < self.step or (rnd is not None and rnd.closed):
             self.dropped += 1
@@ -203,7 +224,7 @@ class SyncMode(Mode):
                     del self._rounds[step]
 
     def _timeout_message(self, step: int, rnd: _Round, waited: float) -> str:
-        n, m = self.replicas_to_aggregate, self.total_replicas
+        n, m = self.needed, self.total_replicas
         got = sorted(rnd.contributions)
         if step > self.step:
             return (
@@ -212,7 +233,7 @@ class SyncMode(Mode):
                 f"{len(self._rounds[self.step].contributions) if self.step in self._rounds else 0} of {n} "
                 f"gradients (workers seen: {_names(sorted(self._workers))})"
             )
-        missing = sorted(w for w in self._workers if w not in rnd.contributions)
+        missing = sorted(w for w in self._workers if w not in rnd.contributions and w not in self.left)
         unseen = max(0, m - len(self._workers))
         text = (
             f"sync barrier for step {step} timed out after {waited:.1f}s: has {len(got)} of "
@@ -225,8 +246,8 @@ class SyncMode(Mode):
 
     async def _advance(self) -> None:
         """Applies every complete round, in step order."""
-        n = self.replicas_to_aggregate
         while (rnd := self._rounds.get(self.step)) is not None and not rnd.closed:
+            n = self.needed
             if len(rnd.contributions) < n:
                 return
             rnd.closed = True
@@ -302,19 +323,35 @@ class SSPMode(Mode):
         self.staleness = staleness
         self.barrier_timeout_s = barrier_timeout_s
         self.clocks: dict[str, int] = {}  # pushing worker -> steps pushed
+        self.left: set[str] = set()  # workers done with training (Leave): they hold nobody back
         self._tick = asyncio.Event()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"clocks": dict(self.clocks)}
+        return {"clocks": dict(self.clocks), "left": sorted(self.left)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.clocks = {str(w): int(c) for w, c in dict(state.get("clocks", {})).items()}
+        self.left = {str(w) for w in state.get("left", ())}
 
     def min_clock(self) -> int:
-        """The slowest clock over the M most advanced workers (0 while fewer than M have pushed)."""
-        if len(self.clocks) < self.total_replicas:
+        """The slowest clock over the M most advanced workers (0 while fewer than M have pushed).
+
+        A worker that left counts as infinitely far ahead.
+        """
+        clocks = {**self.clocks, **dict.fromkeys(self.left, _FINISHED)}
+        if len(clocks) < self.total_replicas:
             return 0
-        return sorted(self.clocks.values(), reverse=True)[self.total_replicas - 1]
+        return sorted(clocks.values(), reverse=True)[self.total_replicas - 1]
+
+    async def leave(self, worker_id: str) -> None:
+        if worker_id not in self.left:
+            self.left.add(worker_id)
+            log.info("ssp: worker %s left; it holds nobody back", worker_id)
+            self._wake()
+
+    def _wake(self) -> None:
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
 
     async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
@@ -327,10 +364,10 @@ class SSPMode(Mode):
         except BaseException:
             self.store.unclaim(worker_id, seq)
             raise
+        self.left.discard(worker_id)  # pushing again: counted in again
         if step + 1 > self.clocks.get(worker_id, 0):
             self.clocks[worker_id] = step + 1
-            tick, self._tick = self._tick, asyncio.Event()
-            tick.set()
+            self._wake()
         return PushOutcome(applied=True)
 
     async def before_pull(self, worker_id: str, step: int) -> None:

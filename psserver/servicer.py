@@ -278,6 +278,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             yield codec.WireMessage(response, "values", chunks)
             response = ps_pb2.PushResponse(applied=response.applied, reason=response.reason)
 
+    async def Leave(
+        self, request: ps_pb2.LeaveRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.LeaveResponse:
+        try:
+            with _statuses():
+                self._serving("Leave")
+                if not request.worker_id:
+                    raise InvalidArgument("leave needs a worker_id")
+                await self.mode.leave(request.worker_id)
+                return ps_pb2.LeaveResponse()
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
     async def GetStatus(
         self, request: ps_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.GetStatusResponse:

@@ -210,8 +210,12 @@ class PSWorker:
             self.step = max(versions.values(), default=0)
 
     def finish(self) -> None:
-        """Waits for the in-flight push and loads the final values (end of training)."""
+        """End of training: waits for the in-flight push, tells the shards this worker is done (sync and
+        ssp barriers stop waiting for it), and loads the final values."""
         if self.attached:
+            self._drain()
+            if self.mode != "async":
+                self.client.leave()
             self.refresh()
 
     def close(self) -> None:

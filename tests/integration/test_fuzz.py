@@ -56,6 +56,7 @@ METHODS = {
     "PushStream": "stream_stream",
     "PushSession": "stream_stream",
     "Replicate": "stream_stream",  # a fuzzed "backup": attached, sent the snapshot, detached at half-close
+    "Leave": "unary_unary",
     "GetStatus": "unary_unary",
     "SaveCheckpoint": "unary_unary",
 }

@@ -83,3 +83,24 @@ async def test_plain_pull_never_waits(make_cluster) -> None:
         assert (await w0.pull())["v"].shape == (2,)  # step 0: an evaluator's read
     finally:
         await close_all(clients)
+
+
+async def test_a_worker_that_left_holds_nobody_back(make_cluster) -> None:
+    cluster = make_cluster(num_shards=1, server_args=_ssp_args(2, 1))
+    done, busy = clients = worker_clients(cluster, 2)
+    try:
+        await done.create("v", np.zeros(2, np.float32))
+        g = {"v": np.ones(2, np.float32)}
+        assert await done.push(g, step=0)  # `done` trains one step (fewer examples) and finishes
+        for step in range(2):
+            assert await busy.push(g, step=step)
+        held = asyncio.create_task(busy.pull(step=3))  # 2 ahead of `done`'s clock 1 with S=1: waits
+        await asyncio.sleep(0.5)
+        assert not held.done()
+        await done.leave()
+        await asyncio.wait_for(held, CALL_TIMEOUT_S)
+        for step in range(2, 6):  # and it runs on to the end alone
+            assert await busy.push(g, step=step)
+            await asyncio.wait_for(busy.pull(step=step + 1), CALL_TIMEOUT_S)
+    finally:
+        await close_all(clients)

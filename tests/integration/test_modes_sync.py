@@ -115,3 +115,32 @@ async def test_bad_gradient_is_rejected_without_joining_the_barrier(make_cluster
         np.testing.assert_allclose((await w0.pull())["v"], [-1.0, -1.0])
     finally:
         await close_all(clients)
+
+
+async def test_a_worker_that_left_is_not_waited_for(make_cluster) -> None:
+    """End of training with uneven step counts: the worker still going completes its steps alone."""
+    cluster = make_cluster(num_shards=2, server_args=_sync_args(2, 2, timeout_s=20.0))
+    w0, w1 = clients = worker_clients(cluster, 2)
+    try:
+        await w0.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        assert await asyncio.gather(
+            w0.push({"v": np.ones(4, np.float32)}, step=0), w1.push({"v": 3 * np.ones(4, np.float32)}, step=0)
+        ) == [True, True]  # mean 2
+        waiting = asyncio.create_task(w1.push({"v": np.ones(4, np.float32)}, step=1))  # w0 has no step 1
+        await asyncio.sleep(0.5)
+        assert not waiting.done()
+        await w0.leave()  # w0 is done: step 1 needs only w1's gradient
+        assert await asyncio.wait_for(waiting, 5.0)
+        assert await asyncio.wait_for(w1.push({"v": np.ones(4, np.float32)}, step=2), 5.0)
+        values, versions = await w1.pull_with_versions()
+        np.testing.assert_allclose(values["v"], np.full(4, -4, np.float32))  # -2, -1, -1
+        assert versions == {"v": 3}
+        await w0.leave()  # idempotent
+        # a push from w0 counts it in again: step 3 needs both gradients
+        both = await asyncio.gather(
+            w0.push({"v": np.ones(4, np.float32)}, step=3), w1.push({"v": np.ones(4, np.float32)}, step=3)
+        )
+        assert both == [True, True]
+        assert (await w1.pull_with_versions())[1] == {"v": 4}
+    finally:
+        await close_all(clients)
