@@ -28,8 +28,8 @@ examples:
 """
 
 _TRANSPORT_HELP = (
-    "allreduce: the ring's data plane: grpc (default; TLS-capable) or tcp (raw sockets negotiated over the "
-    "authenticated gRPC service: about 2x less CPU per byte, no TLS)"
+    "allreduce: the ring's data plane: grpc (default) or tcp (raw sockets negotiated over the "
+    "authenticated gRPC service: about 2x less CPU per byte; TLS too with the --tls-* flags)"
 )
 DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
 _NO_LR_SCALING_HELP = (

@@ -33,7 +33,7 @@ from psclient.collective._service import (
     Delivery,
     Mailboxes,
 )
-from psclient.collective._tcp import DataLink, DataListener, tcp_error
+from psclient.collective._tcp import DataLink, DataListener, client_context, server_context, tcp_error
 from psclient.errors import (
     DeadlineExceededError,
     InternalError,
@@ -135,7 +135,7 @@ class AsyncRing:
         grpc_options: extra gRPC channel and server arguments.
         tune_malloc: apply :func:`psclient.memory.tune_malloc` at start (default True).
         transport: ``"grpc"`` (default: frames on the ``Exchange`` stream) or ``"tcp"`` (frames on a
-            raw TCP connection per link, negotiated through the ``DataPort`` call; no TLS).
+            raw TCP connection per link, negotiated through the ``DataPort`` call; TLS with the TLS settings).
 
     Raises:
         ValueError: invalid settings.
@@ -211,12 +211,17 @@ class AsyncRing:
         )
         address = cfg.addresses[cfg.rank]
         if cfg.transport == "tcp":
+            server_tls = None
+            if cfg.tls:  # the data connections are TLS too, with the same certificates
+                assert cfg.tls_cert is not None and cfg.tls_key is not None
+                server_tls = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
             data = DataListener(
                 address.rpartition(":")[0],
                 rank=cfg.rank,
                 prev_rank=cfg.prev_rank,
                 prev_address=cfg.addresses[cfg.prev_rank],
                 max_payload=cfg.chunk_bytes + 64,
+                tls=server_tls,
             )
             try:
                 await data.start()
@@ -268,6 +273,7 @@ class AsyncRing:
                     world=cfg.world,
                     next_rank=cfg.next_rank,
                     next_address=target,
+                    tls=client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls else None,
                 )
         logger.info("ring rank %d/%d serving Collective on %s", cfg.rank, cfg.world, address)
         return self

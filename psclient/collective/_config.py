@@ -36,7 +36,7 @@ class RingConfig:
     stream, or ``"tcp"`` on a raw TCP connection per link to an ephemeral data
     port that each rank advertises through the authenticated ``DataPort`` call
     (see :mod:`psclient.collective._tcp`); every rank must use the same one.
-    ``"tcp"`` does not do TLS, so it refuses TLS settings.
+    With TLS settings, ``"tcp"`` data connections are TLS too (same certificates).
 
     Raises:
         ValueError: an inconsistent or out-of-range setting.
@@ -69,10 +69,6 @@ class RingConfig:
             )
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.transport == "tcp" and self.tls_cert is not None:
-            raise ValueError(
-                'transport="tcp" has no TLS: use transport="grpc" with tls_cert/tls_key, or no TLS'
-            )
         if not self.addresses:
             raise ValueError("a ring needs at least one address")
         for a in self.addresses:

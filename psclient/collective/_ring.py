@@ -57,7 +57,7 @@ class Ring:
             so message buffers are reused instead of page-faulted in) and ``transport``
             (``"grpc"``, the default, or ``"tcp"``: frames on a raw TCP connection per link,
             negotiated through the authenticated ``DataPort`` call; about half the CPU per byte;
-            no TLS; every rank must use the same transport).
+            TLS with the TLS settings; every rank must use the same transport).
 
     Raises:
         ValueError: invalid settings.

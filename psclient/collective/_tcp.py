@@ -12,8 +12,13 @@ Python ``bytes`` per frame, no HTTP/2 framing.
 The receiver reads frames when an operation asks for them (no mailboxes): TCP's
 own flow control holds the previous rank back until then. After a failed
 operation both sockets of this rank are closed, and the next operation starts
-on fresh connections. No TLS: :class:`RingConfig` refuses ``transport="tcp"``
-with TLS settings.
+on fresh connections.
+
+With TLS settings the data connections are TLS too (:class:`TlsConn`: the
+standard library's ``ssl`` over memory BIOs, so the socket stays on the event
+loop's ``sock_*`` calls): the connecting rank verifies the next rank's
+certificate against ``tls_ca`` and presents its own; with ``tls_client_ca`` the
+accepting rank requires it. The nonce exchange then runs inside TLS.
 
 Not thread-safe: used from the ring's event loop only.
 """
@@ -24,6 +29,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import struct
 from typing import Any, Final
 
@@ -64,6 +70,115 @@ async def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+_TLS_RECORD_BYTES: Final[int] = 256 << 10  # plaintext per SSLObject.write; ciphertext read per recv
+
+
+class Conn:
+    """A plain data connection: the socket, driven by the event loop's ``sock_*`` calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def handshake(self) -> None:
+        """Nothing to negotiate on a plain connection."""
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def recv_exactly(self, view: memoryview) -> None:
+        await _recv_exactly(self.sock, view)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TlsConn(Conn):
+    """A TLS data connection: ``ssl.SSLObject`` over memory BIOs on a non-blocking socket.
+
+    Args:
+        sock: the connected socket.
+        context: the side's ``ssl.SSLContext``.
+        server_side: True on the accepting rank.
+        server_hostname: the name the peer's certificate must carry (connecting side).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
+        super().__init__(sock)
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname
+        )
+        self._rbuf = memoryview(bytearray(_TLS_RECORD_BYTES))
+
+    async def handshake(self) -> None:
+        """Runs the TLS handshake. Raises: ssl.SSLError (refused), OSError."""
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        data = self._out.read()
+        if data:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def _fill(self) -> None:
+        n = await asyncio.get_running_loop().sock_recv_into(self.sock, self._rbuf)
+        if n == 0:
+            raise ConnectionResetError("connection closed by the peer")
+        self._in.write(self._rbuf[:n])
+
+    async def sendall(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _TLS_RECORD_BYTES):
+            self._tls.write(view[start : start + _TLS_RECORD_BYTES])
+            await self._flush()
+
+    async def recv_exactly(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self._tls.read(n - got, view[got:])
+            except ssl.SSLWantReadError:
+                await self._fill()
+                continue
+            except ssl.SSLZeroReturnError:
+                k = 0
+            if k == 0:
+                raise ConnectionResetError("connection closed by the peer")
+            got += k
+
+
+def server_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    """The accepting side's TLS context: this rank's certificate; ``client_ca`` requires client certs."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """The connecting side's TLS context: trust ``ca`` (default: system roots), present ``cert``."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context
+
+
 class DataListener:
     """The data port of a rank: hands out nonces and accepts the previous rank's connection.
 
@@ -73,10 +188,21 @@ class DataListener:
         prev_rank: the only rank allowed to connect.
         prev_address: its Collective address (for messages).
         max_payload: the largest frame payload in bytes (sizes the receive buffer).
+        tls: the accepting side's TLS context (``server_context``), or None for plaintext.
     """
 
-    def __init__(self, host: str, *, rank: int, prev_rank: int, prev_address: str, max_payload: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        *,
+        rank: int,
+        prev_rank: int,
+        prev_address: str,
+        max_payload: int,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self._host = host
+        self._tls = tls
         self._rank = rank
         self._prev = prev_rank
         self._prev_address = prev_address
@@ -84,7 +210,7 @@ class DataListener:
         self._accept_task: asyncio.Task[None] | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         self._nonces: list[bytes] = []
-        self._conn: socket.socket | None = None
+        self._conn: Conn | None = None
         self._changed = asyncio.Event()
         self._buf = bytearray(HEADER_BYTES + max_payload + 64)
         self._view = memoryview(self._buf)
@@ -135,21 +261,24 @@ class DataListener:
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
 
-    async def _handshake(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def _handshake(self, sock: socket.socket) -> None:
+        conn: Conn = Conn(sock)
         try:
-            _tune(conn)
+            _tune(sock)
+            if self._tls is not None:
+                conn = TlsConn(sock, self._tls, server_side=True)
             hello = bytearray(_HELLO.size)
             async with asyncio.timeout(_HANDSHAKE_S):
-                await _recv_exactly(conn, memoryview(hello))
+                await conn.handshake()
+                await conn.recv_exactly(memoryview(hello))
             magic, nonce, rank = _HELLO.unpack(hello)
             if magic != _MAGIC or nonce not in self._nonces or rank != self._prev:
                 logger.warning("ring rank %d: refused a data connection without a valid nonce", self._rank)
                 conn.close()
                 return
             self._nonces.remove(nonce)
-            await loop.sock_sendall(conn, _ACK)
-        except (OSError, TimeoutError) as err:
+            await conn.sendall(_ACK)
+        except (OSError, TimeoutError) as err:  # ssl.SSLError is an OSError
             logger.debug("ring rank %d: data handshake failed: %s", self._rank, err)
             conn.close()
             return
@@ -161,7 +290,7 @@ class DataListener:
             old.close()
         self._changed.set()
 
-    async def connection(self) -> socket.socket:
+    async def connection(self) -> Conn:
         """The current connection from the previous rank (waits for one).
 
         Raises:
@@ -182,15 +311,26 @@ class DataListener:
         a writable memoryview of exactly the payload's length to receive the payload
         straight into; the returned frame view is then None.
 
+        A connection that ends between frames is replaced by the previous rank's next
+        one (waited for: the caller bounds the wait with the operation's deadline).
+
         Raises:
-            UnavailableError: the connection broke or closed.
+            UnavailableError: the connection broke inside a frame, or the ring closed.
             InvalidArgumentError: the bytes are not a frame, or one larger than the buffer.
         """
         conn = await self.connection()
         view = self._view
         try:
             while True:
-                await _recv_exactly(conn, view[:HEADER_BYTES])
+                try:
+                    await conn.recv_exactly(view[:HEADER_BYTES])
+                except OSError:
+                    # It ended between frames: the previous rank closes its connection after a failed
+                    # operation and opens a new one for its next; wait for that one. The caller's
+                    # deadline bounds the wait (a dead previous rank is then a deadline error naming it).
+                    self.drop(conn)
+                    conn = await self.connection()
+                    continue
                 header, n = decode_header(view)
                 if n > len(view) - HEADER_BYTES:
                     raise FrameError(
@@ -198,9 +338,9 @@ class DataListener:
                     )
                 target = dest(header, n) if dest is not None and header.seq == seq else None
                 if target is not None:
-                    await _recv_exactly(conn, target)
+                    await conn.recv_exactly(target)
                     return header, None
-                await _recv_exactly(conn, view[HEADER_BYTES : HEADER_BYTES + n])
+                await conn.recv_exactly(view[HEADER_BYTES : HEADER_BYTES + n])
                 if header.seq >= seq:
                     return header, view[: HEADER_BYTES + n]
         except FrameError as err:
@@ -215,7 +355,7 @@ class DataListener:
                 address=self._prev_address,
             ) from None
 
-    def drop(self, conn: socket.socket | None) -> None:
+    def drop(self, conn: Conn | None) -> None:
         """Closes ``conn`` if it is still the current connection (after a failure)."""
         if conn is not None and conn is self._conn:
             self._conn = None
@@ -245,6 +385,7 @@ class DataLink:
         host: the next rank's host.
         rank, world: this rank and the world size.
         next_rank, next_address: the next rank and its Collective address (for messages).
+        tls: the connecting side's TLS context (``client_context``), or None for plaintext.
     """
 
     def __init__(
@@ -257,7 +398,9 @@ class DataLink:
         world: int,
         next_rank: int,
         next_address: str,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        self._tls = tls
         self._method = method
         self._metadata = metadata
         self._host = host.strip("[]")
@@ -265,7 +408,7 @@ class DataLink:
         self._world = world
         self._next = next_rank
         self._next_address = next_address
-        self._sock: socket.socket | None = None
+        self._sock: Conn | None = None
 
     @property
     def connected(self) -> bool:
@@ -296,24 +439,29 @@ class DataLink:
             ) from None
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        conn: Conn = Conn(sock)
         try:
             _tune(sock)
             await loop.sock_connect(sock, (self._host, reply.port))
-            await loop.sock_sendall(sock, _HELLO.pack(_MAGIC, reply.nonce, self._rank))
+            if self._tls is not None:
+                conn = TlsConn(sock, self._tls, server_side=False, server_hostname=self._host)
+                async with asyncio.timeout(max(0.001, deadline - loop.time())):
+                    await conn.handshake()
+            await conn.sendall(_HELLO.pack(_MAGIC, reply.nonce, self._rank))
             ack = bytearray(1)
-            await _recv_exactly(sock, memoryview(ack))
+            await conn.recv_exactly(memoryview(ack))
             if bytes(ack) != _ACK:
                 raise ConnectionRefusedError("bad acknowledgement")
-        except OSError as err:
-            sock.close()
+        except (OSError, TimeoutError) as err:  # ssl.SSLError is an OSError
+            conn.close()
             raise UnavailableError(
                 f"cannot open the data connection to rank {self._next} port {reply.port}: {err}",
                 address=self._next_address,
             ) from None
         except BaseException:
-            sock.close()
+            conn.close()
             raise
-        self._sock = sock
+        self._sock = conn
 
     async def send(self, head: bytes, payload: memoryview) -> None:
         """Sends a frame: the header, then the payload straight from its buffer.
@@ -321,16 +469,15 @@ class DataLink:
         Raises:
             UnavailableError: the connection broke.
         """
-        sock = self._sock
-        if sock is None:
+        conn = self._sock
+        if conn is None:
             raise UnavailableError(f"no data connection to rank {self._next}", address=self._next_address)
-        loop = asyncio.get_running_loop()
         try:
             if len(payload) <= 4096:
-                await loop.sock_sendall(sock, head + bytes(payload))
+                await conn.sendall(head + bytes(payload))
             else:
-                await loop.sock_sendall(sock, head)
-                await loop.sock_sendall(sock, payload)
+                await conn.sendall(head)
+                await conn.sendall(payload)
         except OSError as err:
             raise UnavailableError(
                 f"the data connection to rank {self._next} broke: {type(err).__name__}: {err}",

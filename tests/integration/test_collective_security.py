@@ -60,9 +60,10 @@ async def run_ops(rings: list[Any]) -> list[Any]:
     return list(outs)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
 @pytest.mark.parametrize("mutual", [False, True])
-async def test_tls_ring_works(pki: Pki, mutual: bool) -> None:
-    async with asyncio.timeout(30), async_rings(3, **tls(pki, mutual=mutual)) as rings:
+async def test_tls_ring_works(pki: Pki, mutual: bool, transport: str) -> None:
+    async with asyncio.timeout(30), async_rings(3, transport=transport, **tls(pki, mutual=mutual)) as rings:
         assert all(ring.config.tls for ring in rings)
         outs = await run_ops(rings)
     for out in outs:
@@ -122,11 +123,14 @@ def _refused(results: list[Any]) -> None:
     assert any(isinstance(res, REFUSED) for res in results), results
 
 
-async def test_rank_trusting_the_wrong_ca_fails_in_time(pki: Pki) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_rank_trusting_the_wrong_ca_fails_in_time(pki: Pki, transport: str) -> None:
     per_rank = [{"tls_ca": str(pki.rogue_ca)}, {}, {}]
     async with (
         asyncio.timeout(30),
-        async_rings(3, timeout=REFUSED_TIMEOUT_S, per_rank=per_rank, **tls(pki)) as rings,
+        async_rings(
+            3, timeout=REFUSED_TIMEOUT_S, per_rank=per_rank, transport=transport, **tls(pki)
+        ) as rings,
     ):
         results = await run_ops(rings)
     _refused(results)
@@ -145,11 +149,20 @@ async def test_plaintext_rank_in_a_mutual_tls_ring_fails_in_time(pki: Pki) -> No
     assert isinstance(results[0], REFUSED) and "rank 1" in str(results[0]), results[0]
 
 
-async def test_rank_with_a_certificate_from_another_ca_is_refused_under_mutual_tls(pki: Pki) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+async def test_rank_with_a_certificate_from_another_ca_is_refused_under_mutual_tls(
+    pki: Pki, transport: str
+) -> None:
     rogue = {"tls_cert": str(pki.rogue_client_cert), "tls_key": str(pki.rogue_client_key)}
     async with (
         asyncio.timeout(30),
-        async_rings(3, timeout=REFUSED_TIMEOUT_S, per_rank=[rogue, {}, {}], **tls(pki, mutual=True)) as rings,
+        async_rings(
+            3,
+            timeout=REFUSED_TIMEOUT_S,
+            per_rank=[rogue, {}, {}],
+            transport=transport,
+            **tls(pki, mutual=True),
+        ) as rings,
     ):
         results = await run_ops(rings)
     _refused(results)
@@ -178,6 +191,51 @@ async def test_tcp_data_port_refuses_a_connection_without_a_nonce_from_the_token
         outs = await run_ops(rings)  # the ring itself is unaffected
     for out in outs:
         np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
+
+
+async def test_tcp_data_port_of_a_tls_ring_speaks_only_tls(pki: Pki) -> None:
+    import ssl
+
+    async with asyncio.timeout(60), async_rings(2, transport="tcp", timeout=10.0, **tls(pki)) as rings:
+        data = rings[1]._data  # private: the data port is advertised only by the DataPort call
+        assert data is not None
+        hello = b"PSRING1\n"
+        # A plaintext hello, even with a valid nonce, is not TLS: closed without the ack.
+        reader, writer = await asyncio.open_connection("127.0.0.1", data.port)
+        writer.write(hello + data.issue_nonce() + (0).to_bytes(4, "little"))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(1), 10.0) == b""
+        writer.close()
+        # The same over TLS (verifying the rank's certificate) is acknowledged.
+        context = ssl.create_default_context(cafile=str(pki.ca))
+        reader, writer = await asyncio.open_connection("127.0.0.1", data.port, ssl=context)
+        writer.write(hello + data.issue_nonce() + (0).to_bytes(4, "little"))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(1), 10.0) == b"\x01"
+        writer.close()  # it took the place of rank 0's connection, and is gone: rank 1 waits for the next
+        outs = await run_ops(rings)
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
+
+
+async def test_tcp_ring_goes_on_when_its_data_connection_is_replaced_and_closed() -> None:
+    """A data connection that ends between frames is replaced by the previous rank's next one.
+
+    Before this was handled, rank 1 failed at once on the stale connection while rank 0 timed out,
+    and the two stayed out of step: every later operation failed too.
+    """
+    async with asyncio.timeout(60), async_rings(2, transport="tcp", timeout=10.0) as rings:
+        data = rings[1]._data  # private: the data port is advertised only by the DataPort call
+        assert data is not None
+        reader, writer = await asyncio.open_connection("127.0.0.1", data.port)
+        writer.write(b"PSRING1\n" + data.issue_nonce() + (0).to_bytes(4, "little"))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(1), 10.0) == b"\x01"  # rank 1's current connection
+        writer.close()  # and gone: rank 1 waits for rank 0's
+        for _ in range(3):
+            outs = await run_ops(rings)
+            for out in outs:
+                np.testing.assert_array_equal(out, np.full(3, 3.0, np.float32))
 
 
 async def test_mixed_transports_fail_with_a_typed_error_naming_the_transport() -> None:

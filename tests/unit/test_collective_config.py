@@ -49,8 +49,8 @@ def test_tls_settings() -> None:
     assert cfg.tls and cfg.tls_ca is None
 
 
-def test_tcp_transport_refuses_tls() -> None:
+def test_transports() -> None:
     assert RingConfig(addresses=ADDRS, rank=0, transport="tcp").transport == "tcp"
     assert RingConfig(addresses=ADDRS, rank=0).transport == "grpc"
-    with pytest.raises(ValueError, match="no TLS"):
-        RingConfig(addresses=ADDRS, rank=0, transport="tcp", tls_cert="c.pem", tls_key="k.pem")
+    cfg = RingConfig(addresses=ADDRS, rank=0, transport="tcp", tls_cert="c.pem", tls_key="k.pem")
+    assert cfg.tls  # the tcp data plane does TLS too
