@@ -117,6 +117,52 @@ def test_kubernetes_manifests() -> None:
                                                         if f.name != "kustomization.yaml")  # fmt: skip
 
 
+def _run_script(script: str, **env: str) -> list[str]:
+    """Runs a manifest's shell script with ``exec`` replaced by ``echo``: the commands it would start."""
+    base = {"PATH": "/usr/bin:/bin", "PS_HOSTS": '"ps-0.ps:2222", "ps-1.ps:2222"',
+            "WORKER_HOSTS": '"worker-0.workers:2222", "worker-1.workers:2222"'}  # fmt: skip
+    script = script.replace("exec ", "echo ") + '\necho "TF_CONFIG=$TF_CONFIG"\n'
+    out = subprocess.run(
+        ["sh", "-c", script], env={**base, **env}, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_kubernetes_replicated_overlay() -> None:
+    overlay = DEPLOY / "k8s" / "replicated"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../", "ps-backup.yaml"]
+    for patch in kustomization["patches"]:
+        assert (overlay / patch["path"]).exists()
+    backup = {d["kind"]: d for d in yaml.safe_load_all((overlay / "ps-backup.yaml").read_text())}
+    assert backup["Service"]["spec"]["clusterIP"] == "None"
+    sts = backup["StatefulSet"]
+    assert sts["spec"]["serviceName"] == "ps-backup" and sts["spec"]["replicas"] == 2
+    # Shard 1's three commands, as the pods would run them.
+    backup_cmd, backup_cfg = _run_script(sts["spec"]["template"]["spec"]["containers"][0]["args"][0],
+                                         HOSTNAME="ps-backup-1")  # fmt: skip
+    assert (
+        backup_cmd.split()[:1] == ["psserver"] and '--backup-of "ps-1.ps:2222"'.replace('"', "") in backup_cmd
+    )
+    assert json.loads(backup_cfg.removeprefix("TF_CONFIG="))["task"] == {"type": "ps", "index": 1}
+    primary = yaml.safe_load((overlay / "ps-primary-patch.yaml").read_text())
+    primary_cmd, _ = _run_script(
+        primary["spec"]["template"]["spec"]["containers"][0]["args"][0], HOSTNAME="ps-1"
+    )
+    assert "--backup-at ps-backup-1.ps-backup:2222" in primary_cmd and "--checkpoint-dir" in primary_cmd
+    workers = yaml.safe_load((overlay / "workers-patch.yaml").read_text())
+    worker_cmd, worker_cfg = _run_script(workers["spec"]["template"]["spec"]["containers"][0]["args"][0],
+                                         JOB_COMPLETION_INDEX="1")  # fmt: skip
+    assert (
+        "--ps ps-0.ps:2222|ps-backup-0.ps-backup:2222,ps-1.ps:2222|ps-backup-1.ps-backup:2222" in worker_cmd
+    )
+    assert json.loads(worker_cfg.removeprefix("TF_CONFIG="))["task"] == {"type": "worker", "index": 1}
+    # The patches name what they patch in the base.
+    assert (primary["kind"], primary["metadata"]["name"]) == ("StatefulSet", "ps")
+    assert (workers["kind"], workers["metadata"]["name"]) == ("Job", "worker")
+
+
 def test_kubeflow_tfjob() -> None:
     job = yaml.safe_load((DEPLOY / "kubeflow" / "tfjob.yaml").read_text())
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "TFJob"
