@@ -27,24 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psclient
 from bench._common import machine_note, summarize
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
-
-
-def _wait_attached(primary: str, timeout_s: float = 30.0) -> None:
-    import grpc
-
-    from psproto.v1 import ps_pb2, ps_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(primary) as channel:
-        stub = ps_pb2_grpc.ParameterServerStub(channel)
-        while time.monotonic() < deadline:
-            if stub.GetStatus(ps_pb2.GetStatusRequest(), timeout=5).peer:
-                return
-            time.sleep(0.05)
-    raise RuntimeError(f"no backup attached to {primary} within {timeout_s:.0f}s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,12 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
 
-    with (
-        LocalCluster(1) as plain,
-        LocalCluster(1) as primary,
-        LocalCluster(1, ["--backup-of", primary.addresses[0]]) as backup,
-    ):
-        _wait_attached(primary.addresses[0])
+    with LocalCluster(1) as plain, LocalCluster(1) as primary, backups_of(primary) as backup:
         systems = {
             "unreplicated": [plain.addresses[0]],
             "primary+backup": [f"{primary.addresses[0]}|{backup.addresses[0]}"],

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -168,3 +168,31 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_ATTACH_TIMEOUT_S = 30.0  # a backup attaches within a second; this covers a loaded CI machine
+
+
+@contextlib.contextmanager
+def backups_of(cluster: LocalCluster, server_args: Sequence[str] = ()) -> Iterator[LocalCluster]:
+    """Starts a backup process per shard of ``cluster`` (``psserver --backup-of``); yields them once every
+    primary reports its backup attached. Clients then take ``f"{primary}|{backup}"`` per shard.
+
+    Raises:
+        ClusterError: a backup did not start, or not every primary had its backup within 30 s.
+    """
+    import asyncio
+
+    from psclient import admin
+
+    extra = {i: ["--backup-of", cluster.addresses[i]] for i in range(cluster.num_shards)}
+    with LocalCluster(cluster.num_shards, server_args, shard_args=extra) as backups:
+        deadline = time.monotonic() + _ATTACH_TIMEOUT_S
+        while True:  # bounded by the deadline
+            statuses = asyncio.run(admin.cluster_status(cluster.addresses, variables=False))
+            if [s.peer for s in statuses] == backups.addresses:
+                break
+            if time.monotonic() > deadline:
+                raise ClusterError(f"backups did not attach within {_ATTACH_TIMEOUT_S:.0f}s: {statuses}")
+            time.sleep(0.05)
+        yield backups

@@ -23,12 +23,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
-
-
-_ATTACH_TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
@@ -120,9 +117,9 @@ def run_demo(args: argparse.Namespace) -> int:
     """
     if args.workers < 1 or args.shards < 1 or args.epochs < 1:
         raise ValueError("--workers, --shards and --epochs must be >= 1")
-    if getattr(args, "backups", False) and args.mode != "async":
+    if args.backups and args.mode != "async":
         raise ValueError("--backups needs --mode async (only async shards are replicated)")
-    if getattr(args, "kill_primary", None) is not None and not getattr(args, "backups", False):
+    if args.kill_primary is not None and not args.backups:
         raise ValueError("--kill-primary needs --backups (without a backup the shard's state is gone)")
     started = time.perf_counter()
     if args.mode == "local":
@@ -157,14 +154,16 @@ def run_demo(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(LocalCluster(args.shards, server_args=server_args(args)))
         addresses = list(cluster.addresses)
-        if getattr(args, "backups", False):
-            addresses = stack.enter_context(_backups(args, cluster))
+        if args.backups:
+            backups = stack.enter_context(backups_of(cluster, server_args(args)))
+            print(f"backups following: {', '.join(backups.addresses)}", flush=True)
+            addresses = [f"{p}|{b}" for p, b in zip(cluster.addresses, backups.addresses, strict=True)]
         workdir = Path(cluster.workdir)
         procs: list[subprocess.Popen[str]] = []
         tails: list[list[str]] = []
         threads = []
         drill = None
-        if getattr(args, "kill_primary", None) is not None:
+        if args.kill_primary is not None:
             drill = threading.Timer(args.kill_primary, _kill_primary, args=(cluster,))
             stack.callback(drill.cancel)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -230,33 +229,12 @@ def run_demo(args: argparse.Namespace) -> int:
             "stale_steps": sum(w.get("stale_steps", 0) for w in workers),
             "per_worker": workers,
             "wall_seconds": time.perf_counter() - started,
-            "backups": bool(getattr(args, "backups", False)),
+            "backups": bool(args.backups),
             "primary_killed": killed,  # --kill-primary fired while the workers were training
         },
         args.result_json,
     )
     return 0
-
-
-@contextlib.contextmanager
-def _backups(args: argparse.Namespace, cluster: LocalCluster) -> Iterator[list[str]]:
-    """Starts a backup process per shard; yields the workers' ``PRIMARY|BACKUP`` addresses once all follow."""
-    import asyncio
-
-    from psclient import admin
-
-    extra = {i: ["--backup-of", cluster.addresses[i]] for i in range(args.shards)}
-    with LocalCluster(args.shards, server_args=server_args(args), shard_args=extra) as backups:
-        deadline = time.monotonic() + _ATTACH_TIMEOUT_S
-        while True:  # bounded: a backup attaches within a second
-            statuses = asyncio.run(admin.cluster_status(cluster.addresses))
-            if all(s.peer for s in statuses):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"backups did not attach within {_ATTACH_TIMEOUT_S:.0f}s: {statuses}")
-            time.sleep(0.05)
-        print(f"backups following: {', '.join(backups.addresses)}", flush=True)
-        yield [f"{p}|{b}" for p, b in zip(cluster.addresses, backups.addresses, strict=True)]
 
 
 def _kill_primary(cluster: LocalCluster) -> None:

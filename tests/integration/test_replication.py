@@ -23,7 +23,7 @@ import psclient
 from psclient._retry import RetryPolicy
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ConfigError, ServerConfig
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -33,11 +33,7 @@ TIMEOUT_S = 30.0
 @contextlib.contextmanager
 def _pair(primary_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalCluster, LocalCluster]]:
     """One shard as a primary process and its backup process (started once the primary serves)."""
-    with (
-        LocalCluster(1, list(primary_args)) as primary,
-        LocalCluster(1, ["--backup-of", primary.addresses[0]]) as backup,
-    ):
-        _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0])
+    with LocalCluster(1, list(primary_args)) as primary, backups_of(primary) as backup:
         yield primary, backup
 
 
@@ -80,7 +76,10 @@ def test_kill_9_of_the_primary_loses_no_acknowledged_push() -> None:
 
         def push(i: int) -> None:
             with psclient.PSClient(addresses, f"w{i}", timeout=TIMEOUT_S) as c:
-                while acknowledged[i] < 40 or primary.procs[0].poll() is None:  # bounded by the thread join
+                deadline = time.monotonic() + 90
+                while time.monotonic() < deadline and (
+                    acknowledged[i] < 40 or primary.procs[0].poll() is None
+                ):
                     c.push(grads)  # applied, or a duplicate of one applied before the kill: once either way
                     acknowledged[i] += 1
 
@@ -328,10 +327,7 @@ def test_training_through_two_primary_kills_ends_bit_identical_to_a_fault_free_r
         reference_accuracy, reference = train(ref.addresses, "ref")
     with LocalCluster(2) as primaries:
         p = primaries.addresses
-        backups_args = {i: ["--backup-of", p[i]] for i in range(2)}
-        with LocalCluster(2, shard_args=backups_args) as backups:
-            for i in range(2):
-                _wait_role(p[i], "primary", peer=backups.addresses[i])
+        with backups_of(primaries) as backups:
             addresses = [f"{p[i]}|{backups.addresses[i]}" for i in range(2)]
             faults = {60: lambda: primaries.kill_shard(0), 150: lambda: primaries.kill_shard(1)}
             accuracy, params = train(addresses, "faulty", faults)
