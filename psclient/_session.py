@@ -88,8 +88,10 @@ class PushSession:
                     pending.append(future)
                     try:
                         await call.write(request)
-                    except (grpc.RpcError, asyncio.InvalidStateError) as err:
+                    except grpc.RpcError as err:
                         self._broken(call, pending, err)
+                    except asyncio.InvalidStateError:  # the stream had ended: fail with its status
+                        self._broken(call, pending, await _ended(call))
                     except asyncio.CancelledError:  # the message may be half written: start afresh
                         cancelled = SessionError(grpc.StatusCode.CANCELLED, "write cancelled")
                         self._broken(call, pending, cancelled)
@@ -160,6 +162,21 @@ class PushSession:
         for reader in list(self._readers):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
+
+
+async def _ended(call: Any) -> SessionError:
+    """The error for a push written to a stream that had already ended: its status (OK: UNAVAILABLE).
+
+    Raised as an RpcError with the stream's code, so that the caller's retry policy applies (a
+    stream to a shard that died or refuses, as a standby backup does, is UNAVAILABLE and retried).
+    """
+    try:
+        code, details = await call.code(), await call.details()
+    except Exception:
+        code, details = grpc.StatusCode.UNAVAILABLE, ""
+    if code == grpc.StatusCode.OK:
+        code = grpc.StatusCode.UNAVAILABLE
+    return SessionError(code, details or "the push session ended before the push was sent")
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -83,3 +83,27 @@ async def test_a_shard_without_push_session_gets_unary_pushes(monkeypatch: pytes
             np.testing.assert_array_equal((await c.pull(["v"]))["v"], -2.0)
     finally:
         await shard.stop(0)
+
+
+async def test_a_push_on_a_stream_that_already_ended_fails_with_a_retryable_status() -> None:
+    """The shard went away before the push was written: an UNAVAILABLE RpcError (retried, failed over),
+    not asyncio's InvalidStateError (which escaped the retry policy)."""
+    from psclient import _session, codec
+    from psclient._async_client import _WireStub
+    from psclient._retry import is_retryable
+    from psproto.v1 import ps_pb2
+    from trainer.cluster import reserve_ports
+
+    (nowhere,) = reserve_ports(1)  # nothing listens there
+    async with grpc.aio.insecure_channel(nowhere) as channel:
+        call = _WireStub(channel).PushSession(timeout=TIMEOUT_S, wait_for_ready=False)
+        with pytest.raises(grpc.RpcError):
+            async for _ in call:  # bounded: the connection is refused at once
+                pass
+        assert call.done()
+        session = _session.PushSession(lambda: call)
+        request = codec.WireMessage(ps_pb2.PushRequest(worker_id="w", seq=1), "grads", [])
+        with pytest.raises(grpc.RpcError) as caught:
+            await session.push(request, TIMEOUT_S)
+        await session.close()
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(caught.value)
