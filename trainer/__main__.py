@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_flags(worker)
     add_security_flags(worker)
 
+    from trainer.launch import add_launch_parser
+
+    add_launch_parser(sub)
     local = sub.add_parser("local", help="the single-process baseline (no parameter server)")
     _add_train_flags(local)
     return p
@@ -252,6 +255,17 @@ def _rates(result: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "launch":  # the user's script configures its own logging
+        from trainer.launch import launch
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        try:
+            return launch(cmd, mode=args.mode, workers=args.workers, shards=args.shards,
+                          staleness=args.staleness, barrier_timeout=args.barrier_timeout,
+                          timeout=args.timeout)  # fmt: skip
+        except ValueError as err:
+            print(f"pstrain: error: {err}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s pstrain[%(process)d] %(name)s: %(message)s",

@@ -17,8 +17,11 @@ from psclient.keras._allreduce import (
     ring_from_tf_config,
 )
 from psclient.keras._common import variable_name
+from psclient.keras._env import Distribution, from_env
+from psclient.keras._naming import model_variable_names
 from psclient.keras._ps import (
     MODES,
+    STATE_OPTIMIZER,
     DistributedOptimizer,
     PSCallback,
     PSWorker,
@@ -27,7 +30,20 @@ from psclient.keras._ps import (
 )
 
 __all__ = [
-    "MODES", "AllReduceCallback", "AllReduceOptimizer", "AllReduceWorker", "DistributedOptimizer",
-    "PSCallback", "PSError", "PSWorker", "load_from_ps", "ring_from_tf_config", "server_optimizer",
+    "MODES",
+    "STATE_OPTIMIZER",
+    "AllReduceCallback",
+    "AllReduceOptimizer",
+    "AllReduceWorker",
+    "DistributedOptimizer",
+    "Distribution",
+    "PSCallback",
+    "PSError",
+    "PSWorker",
+    "from_env",
+    "load_from_ps",
+    "model_variable_names",
+    "ring_from_tf_config",
+    "server_optimizer",
     "variable_name",
 ]  # fmt: skip

@@ -5,7 +5,8 @@ in the spirit of Horovod's ``DistributedOptimizer``::
 
     import psclient.keras as psk
 
-    worker = psk.PSWorker(["ps0:50051", "ps1:50051"], worker_index=0, num_workers=2)  # or from TF_CONFIG
+    worker = psk.PSWorker(["ps0:50051", "ps1:50051"])        # index and count from TF_CONFIG, or
+    # worker = psk.PSWorker([...], worker_index=1, num_workers=2)
     model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(1e-3), worker),  # 1
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(ds, epochs=5, callbacks=[worker.callback()])                               # 2
@@ -21,12 +22,20 @@ and for a custom ``GradientTape`` loop::
 
 How it works:
 
-- Variables live on the shards, named by their Keras path (``"cnn/conv1/kernel"``);
-  build the same model, with the same layer names, on every worker. The chief
-  (worker 0) creates them from its model with the Keras optimizer's
-  configuration as the server-side optimizer; the other workers wait for them
-  and attach (idempotently: a restarted worker attaches again). Every worker
-  then starts from the shards' values.
+- All of a model's state lives on the shards, under names relative to the model
+  (``psclient.keras.model_variable_names``: the same for every copy of the model
+  in any process). Trainable variables are updated by the server-side optimizer
+  built from the Keras optimizer's configuration. Non-trainable floating-point
+  state (BatchNorm moving statistics, the weights of frozen layers) is shared too:
+  each step, the change a worker's forward pass made to it (``new - old``) is
+  added to the shard's value (in sync mode, the mean of the step's changes), and
+  the worker continues from the shard's value. Frozen weights never change, so
+  they cost nothing after the first pull. Random generators' states stay local.
+- The chief (worker 0) creates the variables; the other workers wait for them and
+  attach (idempotently: a restarted worker attaches again). Every worker then
+  starts from the shards' values. Variables an optimizer sees first in the train
+  step (a GAN's two optimizers, a layer unfrozen before a second ``fit``) are
+  attached when it first applies them.
 - Each step pushes the gradients and receives new values. The exchange runs
   outside the graph, in a ``tf.numpy_function`` inside Keras's compiled train
   step (so ``fit`` keeps ``tf.function``; XLA ``jit_compile`` must be off).
@@ -36,6 +45,13 @@ How it works:
   ``overlap=False`` turns it off). ``sync`` mode pushes with the global step
   (the push is the barrier), then pulls the step's result; a worker whose
   gradient was dropped as stale resyncs to the shards' current step.
+- Worker side (as Keras does them): ``global_clipnorm`` (it needs all of a step's
+  gradients), ``gradient_accumulation_steps`` (one push per k steps), loss scaling
+  (``LossScaleOptimizer`` / ``mixed_float16``). Shard side: the update rule,
+  learning-rate schedules (evaluated from each variable's update count),
+  ``weight_decay``, ``clipnorm`` and ``clipvalue``. A learning rate set by a
+  callback (``LearningRateScheduler``, ``ReduceLROnPlateau``) is sent to the shards
+  before the next step.
 """
 
 from __future__ import annotations
@@ -44,7 +60,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import keras
 import numpy as np
@@ -52,27 +68,80 @@ import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.errors import NotFoundError
+from psclient.errors import DeadlineExceededError, NotFoundError
 from psclient.keras._common import StepTimer, check_no_jit, variable_name
-from psclient.optimizers import Optimizer, optimizer_from_config
+from psclient.keras._naming import model_variable_names
+from psclient.optimizers import SGD, Optimizer, optimizer_from_config
+from psclient.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
 
 MODES = ("async", "sync", "ssp")
 _ATTACH_POLL_S = 0.2
+# Non-trainable state: a push carries the worker's change to the value, applied by SGD with rate 1
+# (w - 1 * (-delta) = w + delta; in sync mode the mean of the step's changes).
+STATE_OPTIMIZER = SGD(learning_rate=1.0)
+# Keras optimizer settings the worker applies itself (they are not per-variable rules).
+_WORKER_SIDE_KEYS = ("global_clipnorm", "gradient_accumulation_steps")
 
 
-def server_optimizer(optimizer: keras.optimizers.Optimizer | Optimizer) -> Optimizer:
-    """The server-side optimizer spec matching a Keras 3 optimizer's configuration.
+def _keras_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
+    if isinstance(optimizer, str | dict):
+        return keras.optimizers.get(optimizer)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"expected a Keras optimizer or its name, got {type(optimizer)!r}")
+    return optimizer
+
+
+def _unwrap_loss_scale(optimizer: Any) -> Any:
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def server_optimizer(optimizer: Any) -> Optimizer:
+    """The server-side optimizer spec matching a Keras 3 optimizer (or its name, e.g. ``"adam"``).
+
+    Settings the worker applies itself (``global_clipnorm``, ``gradient_accumulation_steps``,
+    loss scaling) are not part of the spec.
 
     Raises:
-        ValueError: an optimizer or setting the shards do not implement (schedules, clipping, ...).
+        ValueError: an optimizer or setting the shards do not implement.
+        TypeError: not an optimizer.
     """
     if isinstance(optimizer, Optimizer):
         return optimizer
     if isinstance(optimizer, DistributedOptimizer):
         return optimizer.server_optimizer
-    return optimizer_from_config(type(optimizer).__name__, optimizer.get_config())
+    inner = _keras_optimizer(_unwrap_loss_scale(optimizer))
+    config = {k: v for k, v in inner.get_config().items() if k not in _WORKER_SIDE_KEYS}
+    return optimizer_from_config(type(inner).__name__, config)
+
+
+def _worker_from_tf_config(worker_index: int | None, num_workers: int | None) -> tuple[int, int]:
+    """This worker's index and the number of workers: given, else from TF_CONFIG, else 0 of 1."""
+    try:
+        cfg = read_tf_config()
+    except ValueError:
+        cfg = None
+    if cfg is not None and cfg.task_type in ("chief", "worker"):
+        rank, count = cfg.worker_rank(), len(cfg.workers)
+        if worker_index is not None and worker_index != rank:
+            log.warning(
+                "worker_index=%d given; TF_CONFIG says %d (using %d)", worker_index, rank, worker_index
+            )
+        return (rank if worker_index is None else worker_index), (
+            count if num_workers is None else num_workers
+        )
+    count = 1 if num_workers is None else num_workers
+    if worker_index is None:
+        if count > 1:
+            raise ValueError(
+                f"num_workers={count} but no worker_index and no TF_CONFIG worker task: give each worker "
+                "its own worker_index (0 is the chief), or set TF_CONFIG"
+            )
+        worker_index = 0
+    return worker_index, count
 
 
 class PSWorker:
@@ -81,24 +150,27 @@ class PSWorker:
     Args:
         addresses: ``HOST:PORT`` of every shard; default: the ``ps`` list of ``TF_CONFIG``.
         worker_index: this worker's index; worker 0 (the chief) creates the variables.
-        num_workers: number of workers (informational; the shards' flags set M).
+            Default: this task's rank in ``TF_CONFIG`` (chief, then workers), else 0.
+        num_workers: number of workers (default: from ``TF_CONFIG``, else 1).
         mode: the shards' mode: ``"async"``, ``"sync"`` or ``"ssp"``.
         overlap: async/ssp: overlap step k's push_pull with step k+1's compute.
-        worker_id: the id the shards know this worker by (default ``worker<index>``).
+        worker_id: the id the shards know this worker by (default ``worker<index>``); unique per worker.
         client: an existing ``PSClient`` to use (its addresses win).
         attach_timeout: seconds a non-chief worker waits for the chief to create the variables.
         **client_options: ``PSClient`` arguments (``timeout``, ``auth_token``, TLS paths, ...).
 
+    Not thread-safe: one worker per training loop.
+
     Raises:
-        ValueError: an unknown mode, or no addresses and no TF_CONFIG.
+        ValueError: an unknown mode, a bad index, or no addresses and no TF_CONFIG.
     """
 
     def __init__(
         self,
         addresses: Sequence[str] | str | None = None,
         *,
-        worker_index: int = 0,
-        num_workers: int = 1,
+        worker_index: int | None = None,
+        num_workers: int | None = None,
         mode: str = "async",
         overlap: bool = True,
         worker_id: str | None = None,
@@ -108,6 +180,7 @@ class PSWorker:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        worker_index, num_workers = _worker_from_tf_config(worker_index, num_workers)
         if not 0 <= worker_index < max(1, num_workers):
             raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
         self.mode = mode
@@ -126,10 +199,15 @@ class PSWorker:
         self.step = 0  # sync: the global step; async/ssp: this worker's clock (steps pushed)
         self.stale_steps = 0  # sync: gradients the shards dropped as stale
         self.steps_done = 0
-        self._names: list[str] | None = None
-        self._variables: list[Any] = []
-        self._optimizer: Optimizer | None = None
+        self._model_names: dict[int, str] = {}  # id(variable) -> stable name, for attached models
+        self._vars: dict[str, Any] = {}  # every attached variable by name
+        self._specs: dict[str, Optimizer] = {}  # its server-side optimizer
+        self._state: list[tuple[str, Any]] = []  # non-trainable shared state, in attach order
+        self._base: dict[str, np.ndarray] = {}  # state: the value last loaded from the shards
+        self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
+        self._sent_lr: dict[int, float] = {}
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
+        self._attached = False
 
     @property
     def is_chief(self) -> bool:
@@ -137,17 +215,34 @@ class PSWorker:
 
     @property
     def attached(self) -> bool:
-        return self._names is not None
+        """Whether ``attach`` was called (by the ``fit`` callback or the training script)."""
+        return self._attached
+
+    @property
+    def optimizers(self) -> list[DistributedOptimizer]:
+        """The ``DistributedOptimizer`` instances that applied gradients through this worker."""
+        return list(self._optimizers.values())
+
+    def name_of(self, variable: Any) -> str:
+        """The variable's name on the shards (stable names for attached models' variables)."""
+        return self._model_names.get(id(variable)) or variable_name(variable)
 
     # -- setup ----------------------------------------------------------------
 
     def attach(self, model_or_variables: Any, optimizer: Any = None) -> None:
         """Creates (chief) or finds (others) the variables on the shards, then loads their values.
 
+        A model's trainable variables get the server-side optimizer; its non-trainable
+        floating-point state (BatchNorm statistics, frozen layers) is shared as described in
+        the module docs. Attaching again (a second ``fit``, after unfreezing a layer) is
+        idempotent for what did not change.
+
         Args:
-            model_or_variables: a built Keras model (its trainable variables) or a list of variables.
-            optimizer: a Keras optimizer, a ``DistributedOptimizer`` or a psclient optimizer spec;
-                default: the model's compiled optimizer.
+            model_or_variables: a built Keras model, or a list of (trainable) variables.
+            optimizer: a Keras optimizer (or its name), a ``DistributedOptimizer`` or a psclient
+                optimizer spec; default: the model's compiled ``DistributedOptimizer``. Without one,
+                only the model's state is attached now, and the trainable variables when a
+                ``DistributedOptimizer`` first applies them.
 
         Raises:
             ValueError: the model is not built, variable names repeat, or the optimizer is unsupported.
@@ -156,32 +251,61 @@ class PSWorker:
         """
         if isinstance(model_or_variables, keras.Model):
             model = model_or_variables
-            if not model.built:
-                raise ValueError("build the model before attaching it (call it on a batch, or model.build)")
-            variables = list(model.trainable_variables)
-            optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+            named = model_variable_names(model)
+            self._model_names.update({id(v): n for v, n in named})
+            trainable = [v for v, _ in named if v.trainable]
+            state = [v for v, _ in named if not v.trainable]
+            if optimizer is None:
+                compiled = _unwrap_loss_scale(getattr(model, "optimizer", None))
+                optimizer = compiled if isinstance(compiled, DistributedOptimizer) else None
         else:
-            variables = list(model_or_variables)
-        if optimizer is None:
-            raise ValueError("attach needs an optimizer (the server-side optimizer is built from its config)")
-        spec = server_optimizer(optimizer)
-        names = [variable_name(v) for v in variables]
+            trainable, state = list(model_or_variables), []
+        groups: list[tuple[list[Any], Optimizer]] = [(state, STATE_OPTIMIZER)]
+        if optimizer is not None:
+            groups.append((trainable, server_optimizer(optimizer)))
+        self._register(groups)
+        self._attached = True
+        if self._vars:
+            self.refresh()
+
+    def _register(self, groups: list[tuple[list[Any], Optimizer]]) -> list[str]:
+        """Creates or finds variables with their specs; returns the names new to this worker."""
+        todo: list[tuple[str, Any, Optimizer]] = []
+        for variables, spec in groups:
+            for var in variables:
+                name = self.name_of(var)
+                if self._specs.get(name) != spec or self._vars.get(name) is not var:
+                    todo.append((name, var, spec))
+        names = [n for n, _, _ in todo]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"variable names repeat: {dup}; give the layers unique names")
-        values = {n: np.asarray(v.numpy()) for n, v in zip(names, variables, strict=True)}
+        if not todo:
+            return []
+        with tf.init_scope():  # eager, also when first seen while tracing the train step
+            values = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v, _ in todo}
         if not self.is_chief:
             self._wait_for_variables(names)
-        created = self.client.create_many(values, optimizer=spec)  # idempotent; checks the spec
-        self._names, self._variables, self._optimizer = names, variables, spec
+        created = 0
+        for spec in {id(s): s for _, _, s in todo}.values():
+            batch = {n: values[n] for n, _, s in todo if s is spec}
+            created += sum(self.client.create_many(batch, optimizer=spec).values())  # idempotent
+        for name, var, spec in todo:
+            self._vars[name], self._specs[name] = var, spec
+            if spec is STATE_OPTIMIZER:
+                if all(n != name for n, _ in self._state):
+                    self._state.append((name, var))
+            else:
+                self._state = [(n, v) for n, v in self._state if n != name]
+                self._base.pop(name, None)
         log.info(
-            "worker %d attached %d variables (%d created here, %s)",
+            "worker %d attached %d variables (%d created here; %d shared non-trainable)",
             self.worker_index,
-            len(names),
-            sum(created.values()),
-            type(spec).__name__,
+            len(todo),
+            created,
+            sum(1 for _, _, s in todo if s is STATE_OPTIMIZER),
         )
-        self.refresh()
+        return names
 
     def _wait_for_variables(self, names: list[str]) -> None:
         deadline = time.monotonic() + self.attach_timeout
@@ -191,28 +315,49 @@ class PSWorker:
                 return
             except NotFoundError as err:
                 if time.monotonic() > deadline:
-                    from psclient.errors import DeadlineExceededError
-
                     raise DeadlineExceededError(
                         f"worker {self.worker_index}: the chief (worker 0) did not create the variables "
                         f"within {self.attach_timeout:.0f}s: {err}"
                     ) from err
                 time.sleep(_ATTACH_POLL_S)
 
-    def refresh(self) -> None:
+    def refresh(self, names: Sequence[str] | None = None) -> None:
         """Loads the shards' current values into the variables (and, in sync mode, the global step)."""
-        names = self._require()
+        self._require()
         self._drain()
-        values, versions = self.client.pull_with_versions(names)
-        for name, var in zip(names, self._variables, strict=True):
-            var.assign(values[name])
-        if self.mode == "sync":
+        wanted = list(self._vars) if names is None else list(names)
+        values, versions = self.client.pull_with_versions(wanted)
+        with tf.init_scope():
+            for name in wanted:
+                self._vars[name].assign(values[name])
+                if self._specs[name] is STATE_OPTIMIZER:
+                    self._base[name] = np.array(values[name])
+        if self.mode == "sync" and names is None:
             self.step = max(versions.values(), default=0)
+
+    def sync_learning_rates(self) -> None:
+        """Sends a learning rate changed on a ``DistributedOptimizer`` (by a callback) to the shards."""
+        for key, opt in self._optimizers.items():
+            if opt.has_schedule:
+                continue
+            lr = float(keras.ops.convert_to_numpy(opt.learning_rate))
+            if self._sent_lr.get(key) == lr:
+                continue
+            names = [
+                n for n, s in self._specs.items() if s is opt.server_optimizer or s == opt.server_optimizer
+            ]
+            if key in self._sent_lr and names:
+                self._drain()
+                self.client.set_learning_rate(lr, names)
+                log.info(
+                    "worker %d: learning rate %g sent to %d variables", self.worker_index, lr, len(names)
+                )
+            self._sent_lr[key] = lr
 
     def finish(self) -> None:
         """End of training: waits for the in-flight push, tells the shards this worker is done (sync and
         ssp barriers stop waiting for it), and loads the final values."""
-        if self.attached:
+        if self._vars:
             self._drain()
             if self.mode != "async":
                 self.client.leave()
@@ -232,13 +377,12 @@ class PSWorker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _require(self) -> list[str]:
-        if self._names is None:
+    def _require(self) -> None:
+        if not self._attached:
             raise RuntimeError(
                 "the worker is not attached to the parameter server: pass worker.callback() to "
                 "model.fit, or call worker.attach(model) before training"
             )
-        return self._names
 
     def _drain(self) -> None:
         fut, self._inflight = self._inflight, None
@@ -254,71 +398,124 @@ class PSWorker:
 
     # -- one step -------------------------------------------------------------
 
-    def exchange(self, names: Sequence[str], grads: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Pushes one step's gradients and returns the values to train on next (eager; numpy in and out).
+    def exchange(
+        self, names: Sequence[str], grads: Sequence[np.ndarray], state: Sequence[np.ndarray] = ()
+    ) -> list[np.ndarray]:
+        """Pushes one step's gradients and state changes; returns the values to train on next.
+
+        Eager; numpy in and out.
+
+        Args:
+            names: the variables the gradients are for.
+            grads: the gradients, parallel to ``names``.
+            state: the current values of the shared non-trainable state, in attach order (or empty).
+
+        Returns:
+            The new values of ``names``, then of the state variables (when ``state`` was given).
 
         Raises:
             PSError: a shard failed, rejected the gradients, or a barrier timed out.
         """
         self._require()
         gmap = {n: np.asarray(g) for n, g in zip(names, grads, strict=True)}
+        state_names = [n for n, _ in self._state] if len(state) else []
+        for name, value in zip(state_names, state, strict=True):
+            delta = np.subtract(value, self._base[name])
+            if np.any(delta):
+                gmap[name] = np.negative(delta)
+        values = self._exchange(gmap)
+        out = [values[n] for n in names]
+        for name in state_names:
+            if name in values:
+                self._base[name] = np.array(values[name])
+            out.append(self._base[name])
+        return out
+
+    def _exchange(self, gmap: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps_done += 1
         if self.mode == "sync":
             step = self.step
             applied = self.client.push(gmap, step=step)
-            values, versions = self.client.pull_with_versions(list(names))
+            values, versions = self.client.pull_with_versions(list(gmap))
             if not applied:
                 self.stale_steps += 1
                 log.info("worker %d: gradient for step %d dropped as stale", self.worker_index, step)
             self.step = max(max(versions.values(), default=0), step + (1 if applied else 0))
-            return [values[n] for n in names]
+            return values
         # Straight onto the client's loop: no helper thread blocks on the call.
         fut = self.client.push_pull_future(gmap, step=self.step)
         self.step += 1
         if not self.overlap:
-            values = self._wait(fut)
-        else:
-            prev, self._inflight = self._inflight, fut
-            if prev is None:  # first step: nothing earlier to take values from
-                values = self._wait(fut)
-            else:
-                values = self._wait(prev)
-                if set(values) != set(names):  # variables without gradients this step
-                    values = {**values, **self._wait(fut)}
-                    self._inflight = None
-        return [values[n] for n in names]
+            return self._wait(fut)
+        prev, self._inflight = self._inflight, fut
+        if prev is None:  # first step: nothing earlier to take values from
+            self._inflight = None
+            return self._wait(fut)
+        values = self._wait(prev)
+        if not set(gmap) <= set(values):  # variables the previous step did not push
+            values = {**values, **self._wait(fut)}
+            self._inflight = None
+        return values
 
-    def apply_gradients(self, grads: Sequence[Any], variables: Sequence[Any] | None = None) -> None:
+    def apply_gradients(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any] | None = None,
+        *,
+        optimizer: DistributedOptimizer | None = None,
+    ) -> None:
         """Exchanges gradients with the shards and assigns the new values; eager or inside ``tf.function``.
+
+        The shared non-trainable state of the attached model goes with them.
 
         Args:
             grads: gradients, parallel to ``variables`` (None entries are skipped).
-            variables: the attached variables (default: all of them, in attach order).
+            variables: the attached variables (default: all trainable attached ones, in attach order).
+            optimizer: the ``DistributedOptimizer`` applying them: variables not attached yet are
+                attached with its server-side optimizer.
 
         Raises:
+            ValueError: a variable that is not attached, and no optimizer to attach it with.
             PSError: see ``exchange`` (wrapped by TensorFlow inside a graph).
         """
-        names = self._require()
+        self._require()
         if variables is None:
-            variables = self._variables
+            variables = [v for n, v in self._vars.items() if self._specs[n] is not STATE_OPTIMIZER]
         pairs = [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None]
         if not pairs:
             return
-        var_names = [variable_name(v) for _, v in pairs]
-        unknown = sorted(set(var_names) - set(names))
-        if unknown:
-            raise ValueError(f"variables {unknown} were not attached to the parameter server")
+        var_names = [self.name_of(v) for _, v in pairs]
+        unknown = [v for n, (_, v) in zip(var_names, pairs, strict=True) if n not in self._vars]
+        if optimizer is not None:
+            self._optimizers.setdefault(id(optimizer), optimizer)
+            spec = optimizer.server_optimizer
+            changed = [v for n, (_, v) in zip(var_names, pairs, strict=True) if self._specs.get(n) != spec]
+            if changed:
+                new = self._register([(changed, spec)])
+                self.refresh(new)
+        elif unknown:
+            raise ValueError(
+                f"variables {sorted(self.name_of(v) for v in unknown)} were not attached to the "
+                "parameter server: attach the model (worker.attach(model, optimizer)) first"
+            )
         tensors = [tf.convert_to_tensor(g) for g, _ in pairs]
+        state_vars = [v for _, v in self._state]
         if tf.executing_eagerly():
-            new = self.exchange(var_names, [t.numpy() for t in tensors])
-            for (_, var), value in zip(pairs, new, strict=True):
+            state = [np.asarray(keras.ops.convert_to_numpy(v)) for v in state_vars]
+            new = self.exchange(var_names, [t.numpy() for t in tensors], state)
+            for var, value in zip([v for _, v in pairs] + state_vars, new, strict=True):
                 var.assign(value)
             return
-        dtypes = [tf.as_dtype(v.dtype) for _, v in pairs]
+        inputs = tensors + [tf.convert_to_tensor(v.value) for v in state_vars]
+        targets = [v for _, v in pairs] + state_vars
         new = tf.numpy_function(
-            _exchange_fn(self, var_names), tensors, Tout=dtypes, stateful=True, name="ps_exchange"
+            _exchange_fn(self, var_names, len(tensors)),
+            inputs,
+            Tout=[tf.as_dtype(v.dtype) for v in targets],
+            stateful=True,
+            name="ps_exchange",
         )
-        for (_, var), value in zip(pairs, new, strict=True):
+        for var, value in zip(targets, new, strict=True):
             value.set_shape(var.shape)
             var.assign(value)
 
@@ -329,9 +526,9 @@ class PSWorker:
         return PSCallback(self)
 
 
-def _exchange_fn(worker: PSWorker, names: list[str]) -> Callable[..., list[np.ndarray]]:
-    def fn(*grads: np.ndarray) -> list[np.ndarray]:
-        return worker.exchange(names, grads)
+def _exchange_fn(worker: PSWorker, names: list[str], num_grads: int) -> Callable[..., list[np.ndarray]]:
+    def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        return worker.exchange(names, arrays[:num_grads], arrays[num_grads:])
 
     return fn
 
@@ -339,58 +536,96 @@ def _exchange_fn(worker: PSWorker, names: list[str]) -> Callable[..., list[np.nd
 def load_from_ps(model_or_variables: Any, client: PSClient) -> None:
     """Assigns the shards' current values to a model's variables (for an evaluator or a final export).
 
+    A model gets all of its shared state (trainable variables, BatchNorm statistics, frozen
+    layers), found by the stable names of ``model_variable_names``: any copy of the model,
+    built in any process, loads.
+
     Raises:
-        NotFoundError: a variable is not on the shards (different model or layer names).
+        NotFoundError: a variable is not on the shards (a different model, or another model name).
         PSError: a shard failed.
     """
     if isinstance(model_or_variables, keras.Model):
-        variables = list(model_or_variables.trainable_variables)
+        named = model_variable_names(model_or_variables)
     else:
-        variables = list(model_or_variables)
-    names = [variable_name(v) for v in variables]
-    values = client.pull(names)
-    for name, var in zip(names, variables, strict=True):
+        named = [(v, variable_name(v)) for v in model_or_variables]
+    values = client.pull([n for _, n in named])
+    for var, name in named:
         var.assign(values[name])
 
 
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer whose updates happen on the parameter server.
 
-    The wrapped optimizer's configuration becomes the server-side optimizer
-    (same update rule and defaults); no optimizer state lives on the worker.
-    Use with ``model.compile(optimizer=...)`` and ``PSCallback``.
+    ``DistributedOptimizer(keras.optimizers.Adam(1e-3), worker)`` is an ``Adam`` (a
+    subclass made for it, with the same name and configuration, so a saved model
+    loads as a plain ``Adam`` without psclient) whose updates are done by the shards
+    with the same rule; it keeps no slots on the worker. A ``LossScaleOptimizer``
+    stays outside: ``DistributedOptimizer(LossScaleOptimizer(Adam()), w)`` returns
+    ``LossScaleOptimizer(DistributedOptimizer(Adam(), w))``. Use with
+    ``model.compile(optimizer=...)`` and ``worker.callback()``.
 
     Args:
-        optimizer: a Keras ``SGD``, ``Adam``, ``Adagrad`` or ``RMSprop`` (constant learning rate).
+        optimizer: a Keras optimizer, or its name (``"adam"``).
         worker: the ``PSWorker`` to train on.
 
     Raises:
         ValueError: an optimizer or setting the shards do not implement.
+        TypeError: not a Keras optimizer, or ``worker`` is not a ``PSWorker``.
     """
 
-    def __init__(
-        self, optimizer: keras.optimizers.Optimizer, worker: PSWorker, name: str | None = None
-    ) -> None:
-        spec = server_optimizer(optimizer)
-        super().__init__(
-            learning_rate=float(spec.params().get("learning_rate", 0.0)), name=name or "ps_optimizer"
-        )
-        self.inner = optimizer
-        self.worker = worker
+    _classes: ClassVar[dict[type, type]] = {}
+
+    def __new__(cls, optimizer: Any = None, worker: Any = None, **kwargs: Any) -> Any:
+        if cls is not DistributedOptimizer:
+            return super().__new__(cls)
+        if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+            config = optimizer.get_config()
+            return keras.mixed_precision.LossScaleOptimizer(
+                DistributedOptimizer(optimizer.inner_optimizer, worker, **kwargs),
+                initial_scale=config["initial_scale"],
+                dynamic_growth_steps=config["dynamic_growth_steps"],
+            )
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("the optimizer is already a DistributedOptimizer")
+        base = type(_keras_optimizer(optimizer))
+        sub = cls._classes.get(base)
+        if sub is None:
+            sub = type(base.__name__, (DistributedOptimizer, base), {"__module__": base.__module__})
+            cls._classes[base] = sub
+        return super().__new__(sub)
+
+    def __init__(self, optimizer: Any, worker: PSWorker, name: str | None = None) -> None:
+        if not isinstance(worker, PSWorker):
+            raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")
+        inner = _keras_optimizer(optimizer)
+        spec = server_optimizer(inner)  # refuses what the shards cannot do, first
+        config = inner.get_config()
+        if name is not None:
+            config["name"] = name
+        super().__init__(**config)
         self.server_optimizer = spec
+        self.worker = worker
 
-    def _backend_apply_gradients(self, grads: list[Any], trainable_variables: list[Any]) -> None:
-        self.worker.apply_gradients(grads, trainable_variables)
+    @property
+    def has_schedule(self) -> bool:
+        """Whether the learning rate is a schedule (evaluated on the shards)."""
+        return isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
 
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        config["inner"] = keras.optimizers.serialize(self.inner)
-        return config
+    def build(self, variables: Sequence[Any]) -> None:
+        # No slots on the worker: the shards hold them (the wrapped class's build would add them).
+        keras.optimizers.Optimizer.build(self, variables)
+
+    def _apply_weight_decay(self, variables: Any) -> None:
+        return None  # on the shards
+
+    def _backend_update_step(self, grads: Any, trainable_variables: Any, learning_rate: Any) -> None:
+        self.worker.apply_gradients(grads, trainable_variables, optimizer=self)
 
 
 class PSCallback(StepTimer):
     """Attaches the model to the parameter server when ``fit`` begins; loads the final values when it ends.
 
+    Before each step it sends a learning rate changed by another callback to the shards.
     Also records throughput: ``steps_per_second`` (steps after the first, which traces the graph).
     """
 
@@ -401,14 +636,21 @@ class PSCallback(StepTimer):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
         check_no_jit(model, "parameter-server training")
-        if not isinstance(model.optimizer, DistributedOptimizer):
+        optimizer = _unwrap_loss_scale(model.optimizer)
+        if not isinstance(optimizer, DistributedOptimizer):
+            optimizer = None  # a custom train_step may apply its own DistributedOptimizers (a GAN)
+        self.worker.attach(model, optimizer)
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.worker.sync_learning_rates()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_batch_end(batch, logs)
+        if self.steps == 1 and not self.worker.optimizers:
             raise ValueError(
-                "compile the model with psclient.keras.DistributedOptimizer(keras_optimizer, worker)"
+                "no psclient.keras.DistributedOptimizer applied gradients in the first step: compile the "
+                "model with DistributedOptimizer(keras_optimizer, worker) (or use it in your train_step)"
             )
-        if self.worker.attached:
-            self.worker.refresh()
-        else:
-            self.worker.attach(model, model.optimizer)
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
@@ -416,5 +658,6 @@ class PSCallback(StepTimer):
 
 
 __all__ = [
-    "MODES", "DistributedOptimizer", "PSCallback", "PSWorker", "load_from_ps", "server_optimizer",
+    "MODES", "STATE_OPTIMIZER", "DistributedOptimizer", "PSCallback", "PSWorker", "load_from_ps",
+    "server_optimizer",
 ]  # fmt: skip

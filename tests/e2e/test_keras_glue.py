@@ -81,9 +81,9 @@ def test_gradient_tape_helper_applies_server_side_sgd(make_cluster, var_name, in
         for b, g, v in zip(before, grads, model.trainable_variables, strict=True):
             np.testing.assert_allclose(v.numpy(), b - 0.5 * g.numpy(), rtol=1e-5, atol=1e-6)
         with psclient.PSClient(cluster.addresses) as client:
-            stored = client.pull([psk.variable_name(v) for v in model.trainable_variables])
+            stored = client.pull([worker.name_of(v) for v in model.trainable_variables])
         for v in model.trainable_variables:
-            np.testing.assert_allclose(stored[psk.variable_name(v)], v.numpy(), rtol=1e-6)
+            np.testing.assert_allclose(stored[worker.name_of(v)], v.numpy(), rtol=1e-6)
 
 
 def test_fit_without_the_callback_says_what_to_do(make_cluster, var_name) -> None:
