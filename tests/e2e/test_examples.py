@@ -1,0 +1,68 @@
+"""``examples/``: each script, unchanged, trains in every mode under ``pstrain launch`` to within a few
+points of the same script run locally (scripts in the style of published Keras examples, not shaped to pass).
+
+Each prints ``RESULT {json}`` from worker 0. In the parameter-server modes the result also holds the
+accuracy of a fresh copy of the model loaded from the shards (``load_from_ps``): all of the model's state,
+BatchNorm statistics and frozen layers included, is on the shards, so it evaluates like the worker.
+The test sets are 360 digits images: one image is 0.28 points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.tf, pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 400  # a run takes 15-40 s on 2 loaded cores
+MARGIN = 0.03  # accuracy points below local that a distributed run may land
+EXAMPLES = {  # script -> the modes it is run in besides local
+    "batchnorm_cnn.py": ("async", "sync", "allreduce"),
+    "custom_train_step.py": ("async", "sync", "allreduce"),
+}
+
+
+def run_example(script: str, mode: str) -> dict[str, Any]:
+    """Runs one example (locally, or under ``pstrain launch --mode``) and returns its RESULT line."""
+    cmd = [sys.executable, str(ROOT / "examples" / script)]
+    if mode != "local":
+        cmd = [sys.executable, "-m", "trainer", "launch", "--mode", mode, "--timeout", str(RUN_TIMEOUT_S),
+               "--", *cmd]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "PSTRAIN_MODE")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 30, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if "RESULT " in ln]
+    assert len(lines) == 1, proc.stdout[-3000:]  # worker 0 only
+    result = json.loads(lines[0])
+    assert result["mode"] == mode
+    return result
+
+
+@pytest.fixture(scope="module")
+def local_results() -> dict[str, float]:
+    return {}
+
+
+def _local(script: str, cache: dict[str, float]) -> float:
+    if script not in cache:
+        cache[script] = float(run_example(script, "local")["test_accuracy"])
+    return cache[script]
+
+
+@pytest.mark.parametrize(("script", "mode"), [(s, m) for s, modes in EXAMPLES.items() for m in modes])
+def test_example_matches_local(script: str, mode: str, local_results: dict[str, float]) -> None:
+    local = _local(script, local_results)
+    result = run_example(script, mode)
+    assert result["test_accuracy"] >= local - MARGIN, (result, local)
+    if "loaded_accuracy" in result:  # an evaluator that loads the model from the shards
+        assert result["loaded_accuracy"] >= local - MARGIN, (result, local)
+    if mode == "sync":  # the shards hold the final model: the evaluator's copy is the same model
+        assert result["loaded_accuracy"] == pytest.approx(result["test_accuracy"], abs=1e-6), result
+        assert result["stale_steps"] == 0, result  # every worker's gradient counted in every step
