@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -83,7 +84,10 @@ class AsyncPSClient:
     Args:
         addresses: ``HOST:PORT`` of every shard, in shard order; ``PRIMARY|BACKUP`` for a replicated
             shard (``psserver --backup-of``): calls fail over to the other address on UNAVAILABLE.
-        worker_id: identifies this worker (makes retried pushes idempotent).
+        worker_id: identifies this worker; unique per worker. Each client also picks a random
+            session id (``session``) once: a push is applied once per ``(worker_id, session, seq)``,
+            a newer client with the same worker_id takes over on the shards (a restarted worker),
+            and the older one's pushes then fail with ``WorkerIdConflictError``.
         auth_token: sent as ``authorization: Bearer <token>`` on every call.
         timeout: deadline of each call, seconds.
         tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
@@ -125,6 +129,8 @@ class AsyncPSClient:
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._seq = itertools.count(1)
+        # Never 0 (0 is "no session": a client from before sessions).
+        self.session = secrets.randbits(64) or 1
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------
@@ -413,15 +419,20 @@ class AsyncPSClient:
 
     # -- push ---------------------------------------------------------------
 
-    async def push(self, grads: Tensors, *, step: int = 0) -> bool:
+    async def push(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> bool:
         """Applies gradients with each variable's server-side optimizer.
 
         Each shard applies its part all-or-nothing. The push carries this
-        worker's id and a fresh sequence number, so a retry is applied once.
+        worker's id, this client's session and a fresh sequence number, so a
+        retry is applied once.
 
         Args:
             grads: name -> gradient (same shape and dtype as the variable).
             step: the worker's step (sync and ssp modes).
+            every_shard: also send an empty push (this step, no gradients) to the shards that
+                hold none of these variables. In sync mode every shard then completes every
+                step, so workers whose steps update different sets of variables (a GAN's two
+                optimizers, frozen layers) keep one step count for all shards.
 
         Returns:
             True if every shard applied it (False: a duplicate or a dropped stale step).
@@ -429,27 +440,37 @@ class AsyncPSClient:
         Raises:
             NotFoundError: an unknown variable.
             InvalidArgumentError: shape or dtype mismatch, or non-finite values.
+            WorkerIdConflictError: another live client uses this worker_id (and took over).
             PSError: a shard failed.
         """
-        applied, _ = await self._push(grads, step=step, return_values=False)
+        applied, _ = await self._push(grads, step=step, return_values=False, every_shard=every_shard)
         return applied
 
-    async def push_pull(self, grads: Tensors, *, step: int = 0) -> dict[str, np.ndarray]:
+    async def push_pull(
+        self, grads: Tensors, *, step: int = 0, every_shard: bool = False
+    ) -> dict[str, np.ndarray]:
         """Pushes gradients and returns the updated values of those variables, in one round trip per shard."""
-        _, values = await self._push(grads, step=step, return_values=True)
+        _, values = await self._push(grads, step=step, return_values=True, every_shard=every_shard)
         return values
 
     async def _push(
-        self, grads: Tensors, *, step: int, return_values: bool
+        self, grads: Tensors, *, step: int, return_values: bool, every_shard: bool = False
     ) -> tuple[bool, dict[str, np.ndarray]]:
         pieces = await self._known(list(grads))
         per_shard = rq.split_by_shard(pieces, grads, "gradient")
+        if every_shard:
+            for shard in range(self.num_shards):
+                per_shard.setdefault(shard, [])
         seq = next(self._seq)
         into = rq.Gather(pieces, self._pool.take) if return_values else None
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             header = ps_pb2.PushRequest(
-                worker_id=self.worker_id, seq=seq, step=step, return_values=return_values
+                worker_id=self.worker_id,
+                seq=seq,
+                session=self.session,
+                step=step,
+                return_values=return_values,
             )
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
@@ -526,6 +547,21 @@ class AsyncPSClient:
             await self._call(shard, "Leave", lambda: self._stub(shard).Leave(request, **self._kw(shard)))
 
         await gather(one(s) for s in range(self.num_shards))
+
+    async def status(self) -> list[ps_pb2.GetStatusResponse]:
+        """Every shard's status (mode, step, counters, role), in shard order.
+
+        Raises:
+            PSError: a shard failed.
+        """
+        request = ps_pb2.GetStatusRequest()
+
+        async def one(shard: int) -> ps_pb2.GetStatusResponse:
+            return await self._call(
+                shard, "GetStatus", lambda: self._stub(shard).GetStatus(request, **self._kw(shard))
+            )
+
+        return await gather(one(s) for s in range(self.num_shards))
 
     # -- checkpoints --------------------------------------------------------
 

@@ -61,6 +61,11 @@ class PSClient:
     def num_shards(self) -> int:
         return self._async.num_shards
 
+    @property
+    def session(self) -> int:
+        """This client's random 64-bit session id (sent with every push; see ``AsyncPSClient``)."""
+        return self._async.session
+
     def _run(self, coro: Any) -> Any:
         # The per-call gRPC deadlines bound the work; this outer bound only guards
         # against a bug that would otherwise hang the caller forever.
@@ -96,13 +101,17 @@ class PSClient:
         )
         return dict(values), dict(versions)
 
-    def push(self, grads: Tensors, *, step: int = 0) -> bool:
+    def push(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> bool:
         """Applies gradients; see ``AsyncPSClient.push``."""
-        return bool(self._run(self._async.push(grads, step=step)))
+        return bool(self._run(self._async.push(grads, step=step, every_shard=every_shard)))
 
-    def push_pull(self, grads: Tensors, *, step: int = 0) -> dict[str, np.ndarray]:
+    def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, np.ndarray]:
         """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
-        return dict(self._run(self._async.push_pull(grads, step=step)))
+        return dict(self._run(self._async.push_pull(grads, step=step, every_shard=every_shard)))
+
+    def status(self) -> list[ps_pb2.GetStatusResponse]:
+        """Every shard's status (mode, step, counters, role); see ``AsyncPSClient.status``."""
+        return list(self._run(self._async.status()))
 
     def push_pull_future(
         self, grads: Tensors, *, step: int = 0

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from psserver.errors import DeadlineExceeded, InvalidArgument
-from psserver.store import Store, Variable
+from psserver.errors import DeadlineExceeded, InvalidArgument, WorkerIdConflict
+from psserver.store import PushKey, Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,16 @@ class Mode(abc.ABC):
         self.store = store
 
     @abc.abstractmethod
-    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+    async def push(
+        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+    ) -> PushOutcome:
         """Applies (or schedules, or drops) one worker's gradients for this shard.
 
+        ``(worker_id, session, seq)`` identifies the push (``Store.claim``).
+
         Raises:
-            ServerError: invalid gradients (nothing is applied), or a barrier that timed out.
+            ServerError: invalid gradients (nothing is applied), a barrier that
+                timed out, or ``WorkerIdConflict`` (an older session of the worker id).
         """
 
     async def before_pull(self, worker_id: str, step: int) -> None:  # noqa: B027 - optional hook
@@ -66,6 +71,10 @@ class Mode(abc.ABC):
 
     async def leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """``worker_id`` is done: barriers stop waiting for it (until it pushes again)."""
+
+    def current_step(self) -> int:
+        """The step a worker that (re)joins pushes for (``GetStatus``): 0 unless the mode counts steps."""
+        return 0
 
     # -- checkpoints (psserver.checkpoint) --------------------------------------
 
@@ -76,24 +85,26 @@ class Mode(abc.ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restores what ``state_dict`` returned (from a checkpoint)."""
 
-    def pending_claims(self) -> list[tuple[str, int]]:
-        """Pushes ``(worker_id, seq)`` claimed in the store, not applied yet (a checkpoint forgets them)."""
+    def pending_claims(self) -> list[PushKey]:
+        """Pushes ``(worker_id, session, seq)`` claimed, not applied yet (a checkpoint forgets them)."""
         return []
 
 
 class AsyncMode(Mode):
-    """Every push is applied on arrival, once (retries of the same ``(worker_id, seq)`` are ignored)."""
+    """Every push is applied on arrival, once (retries of one ``(worker_id, session, seq)`` are ignored)."""
 
     name = "async"
 
-    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+    async def push(
+        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+    ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
-        if not self.store.claim(worker_id, seq):
+        if not self.store.claim(worker_id, seq, session):
             return PushOutcome(applied=False, reason="duplicate")
         try:
             versions = await self.store.apply(pairs)
         except BaseException:
-            self.store.unclaim(worker_id, seq)
+            self.store.unclaim(worker_id, seq, session)
             raise
         return PushOutcome(applied=True, versions=tuple(versions))
 
@@ -110,9 +121,13 @@ class _Round:
     """The gradients gathered so far for one sync step."""
 
     done: asyncio.Future[None]
-    # worker_id -> (seq, validated pairs); insertion order is arrival order.
-    contributions: dict[str, tuple[int, list[tuple[Variable, np.ndarray]]]] = field(default_factory=dict)
+    # worker_id -> ((session, seq), validated pairs); insertion order is arrival order.
+    contributions: dict[str, tuple[tuple[int, int], list[tuple[Variable, np.ndarray]]]] = field(
+        default_factory=dict
+    )
     closed: bool = False  # N gradients are in: later pushes for this step are stale
+    # (worker_id, session, seq) of gradients a newer session of their worker id replaced.
+    replaced: set[PushKey] = field(default_factory=set)
 
 
 class SyncMode(Mode):
@@ -153,6 +168,10 @@ class SyncMode(Mode):
         self.dropped = int(state.get("dropped", 0))
         self.left = {str(w) for w in state.get("left", ())}
 
+    def current_step(self) -> int:
+        """The step being gathered (= steps completed)."""
+        return self.step
+
     @property
     def needed(self) -> int:
         """Gradients that complete a step: N, or fewer once workers left (never fewer than 1)."""
@@ -165,8 +184,12 @@ class SyncMode(Mode):
         log.info("sync: worker %s left; a step now needs %d gradient(s)", worker_id, self.needed)
         await self._advance()  # a round waiting only for it completes now
 
-    def pending_claims(self) -> list[tuple[str, int]]:
-        return [(w, seq) for rnd in self._rounds.values() for w, (seq, _) in rnd.contributions.items()]
+    def pending_claims(self) -> list[PushKey]:
+        return [
+            (w, session, seq)
+            for rnd in self._rounds.values()
+            for w, ((session, seq), _) in rnd.contributions.items()
+        ]
 
     def _seen(self, worker_id: str, step: int = -1) -> None:
         if worker_id:
@@ -175,16 +198,19 @@ class SyncMode(Mode):
     async def before_pull(self, worker_id: str, step: int) -> None:
         self._seen(worker_id)
 
-    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+    async def push(
+        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+    ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
         self._seen(worker_id)
         if step < 0:
             raise InvalidArgument(f"sync mode: step must be >= 0, got {step}")
-        if not self.store.claim(worker_id, seq):
+        key = (session, seq)
+        if not self.store.claim(worker_id, seq, session):
             # A retry: join the original's round if it is still gathering.
             for k, rnd in self._rounds.items():
-                if rnd.contributions.get(worker_id, (None,))[0] == seq:
-                    await self._wait(k, rnd, worker_id, seq)
+                if rnd.contributions.get(worker_id, (None,))[0] == key:
+                    await self._wait(k, rnd, worker_id, key)
                     return PushOutcome(applied=True)
             return PushOutcome(applied=False, reason="duplicate")
         self._seen(worker_id, step)
@@ -199,13 +225,20 @@ class SyncMode(Mode):
         if rnd is None:
             rnd = self._rounds[step] = _Round(done=asyncio.get_running_loop().create_future())
         if worker_id in rnd.contributions:
-            return PushOutcome(applied=False, reason="duplicate")
-        rnd.contributions[worker_id] = (seq, pairs)
+            (old_session, old_seq), _ = rnd.contributions[worker_id]
+            if old_session == session:
+                return PushOutcome(applied=False, reason="duplicate")
+            # A newer session of the worker id (a restarted worker, or a second client that took
+            # over) speaks for it: its gradient replaces the older session's, which is refused.
+            del rnd.contributions[worker_id]
+            self.store.unclaim(worker_id, old_seq, old_session)
+            rnd.replaced.add((worker_id, old_session, old_seq))
+        rnd.contributions[worker_id] = (key, pairs)
         await self._advance()
-        await self._wait(step, rnd, worker_id, seq)
+        await self._wait(step, rnd, worker_id, key)
         return PushOutcome(applied=True)
 
-    async def _wait(self, step: int, rnd: _Round, worker_id: str, seq: int) -> None:
+    async def _wait(self, step: int, rnd: _Round, worker_id: str, key: tuple[int, int]) -> None:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.barrier_timeout_s):
@@ -213,15 +246,21 @@ class SyncMode(Mode):
         except TimeoutError:
             if rnd.done.done():  # completed in the same tick as the timeout
                 rnd.done.result()
-                return
-            raise DeadlineExceeded(self._timeout_message(step, rnd, time.monotonic() - started)) from None
+            else:
+                raise DeadlineExceeded(self._timeout_message(step, rnd, time.monotonic() - started)) from None
         finally:
-            if not rnd.done.done() and rnd.contributions.get(worker_id, (None,))[0] == seq:
+            if not rnd.done.done() and rnd.contributions.get(worker_id, (None,))[0] == key:
                 # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
                 del rnd.contributions[worker_id]
-                self.store.unclaim(worker_id, seq)
+                self.store.unclaim(worker_id, key[1], key[0])
                 if not rnd.contributions and self._rounds.get(step) is rnd:
                     del self._rounds[step]
+        if (worker_id, *key) in rnd.replaced:
+            raise WorkerIdConflict(
+                f"worker id {worker_id!r} is used by two clients at once: session {key[0]:016x}'s "
+                f"gradient for step {step} was replaced by a newer session's, not applied; give each "
+                "worker its own worker_id (TF_CONFIG task index, or PSWorker(worker_index=...))"
+            )
 
     def _timeout_message(self, step: int, rnd: _Round, waited: float) -> str:
         n, m = self.needed, self.total_replicas
@@ -256,8 +295,8 @@ class SyncMode(Mode):
             try:
                 await self.store.apply(await self._mean(chosen))
             except BaseException as err:
-                for worker, (seq, _) in rnd.contributions.items():
-                    self.store.unclaim(worker, seq)
+                for worker, ((session, seq), _) in rnd.contributions.items():
+                    self.store.unclaim(worker, seq, session)
                 del self._rounds[step]
                 if not rnd.done.done():
                     rnd.done.set_exception(err)
@@ -268,7 +307,7 @@ class SyncMode(Mode):
             rnd.done.set_result(None)
 
     async def _mean(
-        self, chosen: list[tuple[int, list[tuple[Variable, np.ndarray]]]]
+        self, chosen: list[tuple[tuple[int, int], list[tuple[Variable, np.ndarray]]]]
     ) -> list[tuple[Variable, np.ndarray]]:
         by_var: dict[str, tuple[Variable, list[np.ndarray]]] = {}
         for _, pairs in chosen:
@@ -333,6 +372,11 @@ class SSPMode(Mode):
         self.clocks = {str(w): int(c) for w, c in dict(state.get("clocks", {})).items()}
         self.left = {str(w) for w in state.get("left", ())}
 
+    def current_step(self) -> int:
+        """The slowest worker's clock."""
+        clock = self.min_clock()
+        return clock if clock < _FINISHED else max(self.clocks.values(), default=0)
+
     def min_clock(self) -> int:
         """The slowest clock over the M most advanced workers (0 while fewer than M have pushed).
 
@@ -353,16 +397,18 @@ class SSPMode(Mode):
         tick, self._tick = self._tick, asyncio.Event()
         tick.set()
 
-    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+    async def push(
+        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+    ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
         if step < 0:
             raise InvalidArgument(f"ssp mode: step must be >= 0, got {step}")
-        if not self.store.claim(worker_id, seq):
+        if not self.store.claim(worker_id, seq, session):
             return PushOutcome(applied=False, reason="duplicate")
         try:
             await self.store.apply(pairs)
         except BaseException:
-            self.store.unclaim(worker_id, seq)
+            self.store.unclaim(worker_id, seq, session)
             raise
         self.left.discard(worker_id)  # pushing again: counted in again
         if step + 1 > self.clocks.get(worker_id, 0):

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from psclient import codec
+from psclient.errors import ERROR_REASON_KEY
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer, CheckpointError
 from psserver.errors import FailedPrecondition, InvalidArgument, ServerError
@@ -32,9 +33,10 @@ _MIN_CHUNK_BYTES = 64 << 10  # the smallest chunk a client may ask for
 
 
 class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.reason = reason  # sent as ps-error-reason (psclient picks a more specific exception)
 
 
 @contextlib.contextmanager
@@ -42,7 +44,7 @@ def _statuses() -> Iterator[None]:
     try:
         yield
     except ServerError as err:
-        raise _Abort(err.code, str(err)) from err
+        raise _Abort(err.code, str(err), err.reason) from err
     except codec.CodecError as err:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
 
@@ -116,7 +118,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.backup.check_serving(what)
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: _Abort) -> None:
-        await context.abort(err.code, f"shard {self.shard}: {err}")
+        trailing = ((ERROR_REASON_KEY, err.reason),) if err.reason else ()
+        await context.abort(err.code, f"shard {self.shard}: {err}", trailing_metadata=trailing)
 
     async def CreateVariables(
         self,
@@ -200,9 +203,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
         self._serving("Push")
-        outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads)
+        outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads, header.session)
         if outcome.applied and self.primary is not None:  # answered once the backup has it too
-            await self.primary.forward_push(header.worker_id, header.seq, grads, outcome.versions)
+            await self.primary.forward_push(
+                header.worker_id, header.seq, grads, outcome.versions, session=header.session
+            )
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1)
         return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
@@ -242,7 +247,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 with _statuses():
                     response = await self._push_one(request)
             except _Abort as err:
-                response = ps_pb2.PushResponse(code=err.code.value[0], message=f"shard {self.shard}: {err}")
+                response = ps_pb2.PushResponse(
+                    code=err.code.value[0], message=f"shard {self.shard}: {err}", reason=err.reason
+                )
             yield response
 
     async def PushStream(
@@ -257,6 +264,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         header = ps_pb2.PushRequest(
                             worker_id=req.worker_id,
                             seq=req.seq,
+                            session=req.session,
                             step=req.step,
                             return_values=req.return_values,
                         )
@@ -306,6 +314,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             uptime_s=time.monotonic() - self.store.started,
             role=self.role,
             peer=self._peer(),
+            step=self.mode.current_step(),
         )
 
     @property

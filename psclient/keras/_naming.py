@@ -57,9 +57,9 @@ def model_variable_names(model: keras.Model) -> list[tuple[Any, str]]:
     states stay on the worker.
 
     Raises:
-        ValueError: the model is not built.
+        ValueError: the model is not built (has no variables yet).
     """
-    if not model.built:
+    if not model.built and not model.variables:  # (a model without call() builds only its parts)
         raise ValueError(
             f"model {model.name!r} is not built: call it on a batch, or model.build(input_shape), first"
         )

@@ -326,14 +326,18 @@ class PSWorker:
         self._require()
         self._drain()
         wanted = list(self._vars) if names is None else list(names)
-        values, versions = self.client.pull_with_versions(wanted)
+        values = self.client.pull(wanted)
         with tf.init_scope():
             for name in wanted:
                 self._vars[name].assign(values[name])
                 if self._specs[name] is STATE_OPTIMIZER:
                     self._base[name] = np.array(values[name])
         if self.mode == "sync" and names is None:
-            self.step = max(versions.values(), default=0)
+            self.step = self._shards_step()
+
+    def _shards_step(self) -> int:
+        """Sync mode: the step the shards gather now (every shard completes every step)."""
+        return max((s.step for s in self.client.status()), default=0)
 
     def sync_learning_rates(self) -> None:
         """Sends a learning rate changed on a ``DistributedOptimizer`` (by a callback) to the shards."""
@@ -434,13 +438,17 @@ class PSWorker:
     def _exchange(self, gmap: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps_done += 1
         if self.mode == "sync":
+            # Every shard takes part in every step (empty pushes to the others), so one step count
+            # holds for all shards whatever variables a step updates.
             step = self.step
-            applied = self.client.push(gmap, step=step)
-            values, versions = self.client.pull_with_versions(list(gmap))
-            if not applied:
+            applied = self.client.push(gmap, step=step, every_shard=True)
+            values = self.client.pull(list(gmap))
+            if applied:
+                self.step = step + 1
+            else:
                 self.stale_steps += 1
+                self.step = max(step + 1, self._shards_step())
                 log.info("worker %d: gradient for step %d dropped as stale", self.worker_index, step)
-            self.step = max(max(versions.values(), default=0), step + (1 if applied else 0))
             return values
         # Straight onto the client's loop: no helper thread blocks on the call.
         fut = self.client.push_pull_future(gmap, step=self.step)
