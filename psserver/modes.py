@@ -201,7 +201,7 @@ class SyncMode(Mode):
     async def push(
         self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
     ) -> PushOutcome:
-        pairs = self.store.validate_grads(grads)
+        pairs = self.store.validate_grads(grads, allow_empty=True)
         self._seen(worker_id)
         if step < 0:
             raise InvalidArgument(f"sync mode: step must be >= 0, got {step}")
@@ -400,7 +400,7 @@ class SSPMode(Mode):
     async def push(
         self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
     ) -> PushOutcome:
-        pairs = self.store.validate_grads(grads)
+        pairs = self.store.validate_grads(grads, allow_empty=True)
         if step < 0:
             raise InvalidArgument(f"ssp mode: step must be >= 0, got {step}")
         if not self.store.claim(worker_id, seq, session):

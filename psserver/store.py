@@ -1,5 +1,15 @@
 """The variables one shard owns: values, optimizer slots, versions, and the push dedup table.
 
+Dedup: a push is identified by ``(worker_id, session, seq)``. Every client
+picks a random 64-bit session once and numbers its pushes from 1, so a retry
+(same session, same seq) is applied once. Per worker id the shard remembers its
+sessions, newest last: a new session takes over (a restarted worker, whose
+seqs start again at 1); a push of an older session is a retry of an applied
+push (a duplicate) or else refused with ``WorkerIdConflict``: two live clients
+share the worker id, and silently deduplicating their pushes against each
+other would drop about half of them. At most ``_RETIRED_SESSIONS`` older
+sessions are remembered per worker id.
+
 Concurrency: everything runs on the shard's event loop. Each variable's update
 is serialised by its ``asyncio.Lock``; values are copy-on-write (an update
 builds a new array and swaps it in with one assignment), so a pull reads a
@@ -22,11 +32,17 @@ import numpy as np
 from psclient import codec
 from psproto.v1 import ps_pb2
 from psserver import optimizers
-from psserver.errors import AlreadyExists, InvalidArgument, NotFound
+from psserver.errors import AlreadyExists, InvalidArgument, NotFound, WorkerIdConflict
 
 log = logging.getLogger(__name__)
 
-_DEDUP_WINDOW = 4096  # sequence numbers remembered per worker; older ones count as already applied
+_DEDUP_WINDOW = 4096  # sequence numbers remembered per session; older ones count as already applied
+_RETIRED_SESSIONS = 4  # older sessions remembered per worker id (beyond the newest); older ones are forgotten
+
+# A push's dedup key: (worker_id, session, seq).
+PushKey = tuple[str, int, int]
+# The dedup table of one worker id as checkpoints hold it: [(session, floor, seen seqs)], oldest first.
+SessionState = list[tuple[int, int, list[int]]]
 
 
 @dataclass(slots=True)
@@ -60,7 +76,7 @@ class Variable:
 
 
 class _SeqWindow:
-    """The sequence numbers of one worker's recent pushes."""
+    """The sequence numbers of one session's recent pushes."""
 
     __slots__ = ("floor", "seen")
 
@@ -99,7 +115,8 @@ class Store:
 
     def __init__(self, *, allow_non_finite: bool = False, inline_apply_bytes: int = 1 << 20) -> None:
         self._vars: dict[str, Variable] = {}
-        self._seqs: dict[str, _SeqWindow] = {}
+        # worker_id -> session -> its window; insertion order is age: the last session is the current one.
+        self._sessions: dict[str, dict[int, _SeqWindow]] = {}
         self.allow_non_finite = allow_non_finite
         self.inline_apply_bytes = inline_apply_bytes
         self.pushes = 0
@@ -111,7 +128,7 @@ class Store:
         self._idle.set()
         self._open = asyncio.Event()
         self._open.set()
-        self._held_claims: set[tuple[str, int]] = set()  # claimed while the gate was closed
+        self._held_claims: set[PushKey] = set()  # claimed while the gate was closed
 
     # -- inspection ---------------------------------------------------------
 
@@ -209,6 +226,13 @@ class Store:
             optimizer = optimizers.from_spec(spec.optimizer)
         except ValueError as err:
             raise InvalidArgument(f"variable {name!r}: {err}") from None
+        if spec.HasField("partition") and optimizer.needs_whole_variable:
+            raise InvalidArgument(
+                f"variable {spec.partition.variable!r} is cut into {spec.partition.count} partitions, but "
+                f"{optimizer.config!r} needs the whole variable on one shard (clipnorm, Adafactor and Lamb "
+                "use norms or means over the whole variable); create it unpartitioned "
+                "(ClientConfig(partition_bytes=0)) or use clipvalue / global_clipnorm"
+            )
         value = np.array(value, dtype=dtype, copy=True)
         return Variable(
             spec=spec,
@@ -221,14 +245,22 @@ class Store:
 
     # -- push ---------------------------------------------------------------
 
-    def validate_grads(self, grads: Mapping[str, np.ndarray]) -> list[tuple[Variable, np.ndarray]]:
+    def validate_grads(
+        self, grads: Mapping[str, np.ndarray], *, allow_empty: bool = False
+    ) -> list[tuple[Variable, np.ndarray]]:
         """Checks every gradient before any is applied.
+
+        Args:
+            grads: name -> gradient.
+            allow_empty: accept a push without gradients (sync and ssp modes: it marks the
+                worker's step on a shard that holds none of the step's variables).
 
         Raises:
             NotFound: an unknown variable.
-            InvalidArgument: a dtype or shape mismatch, or a non-finite gradient.
+            InvalidArgument: no gradients (unless allowed), a dtype or shape mismatch, or a
+                non-finite gradient.
         """
-        if not grads:
+        if not grads and not allow_empty:
             raise InvalidArgument("push carries no gradients")
         pairs = []
         for name, grad in grads.items():
@@ -252,22 +284,59 @@ class Store:
             pairs.append((var, grad))
         return pairs
 
-    def claim(self, worker_id: str, seq: int) -> bool:
-        """Records push ``(worker_id, seq)``; False if it was already recorded (a retry)."""
-        window = self._seqs.setdefault(worker_id, _SeqWindow())
-        if seq in window:
+    def claim(self, worker_id: str, seq: int, session: int = 0) -> bool:
+        """Records push ``(worker_id, session, seq)``; False if it was already recorded (a retry).
+
+        A session not seen before for ``worker_id`` becomes its current one.
+
+        Raises:
+            WorkerIdConflict: a new push (not a retry) of an older session of
+                ``worker_id``: another client with the same id took over.
+                Nothing is recorded.
+        """
+        sessions = self._sessions.setdefault(worker_id, {})
+        window = sessions.get(session)
+        if window is None:
+            window = self._take_over(worker_id, sessions, session)
+        elif seq in window:
             return False
+        elif (current := next(reversed(sessions))) != session:
+            raise WorkerIdConflict(
+                f"worker id {worker_id!r} is used by two clients at once (sessions {session:016x} and "
+                f"{current:016x}, the newer); this push of session {session:016x} is refused, nothing of "
+                "it applied; give each worker its own worker_id (TF_CONFIG task index, or "
+                "PSWorker(worker_index=...))"
+            )
         window.add(seq)
         if not self._open.is_set():
-            self._held_claims.add((worker_id, seq))  # its apply waits at the gate: not in a snapshot
+            self._held_claims.add((worker_id, session, seq))  # its apply waits at the gate: not in a snapshot
         return True
 
-    def unclaim(self, worker_id: str, seq: int) -> None:
+    def record(self, worker_id: str, seq: int, session: int = 0) -> None:
+        """Records a push its primary applied (a backup replaying it): never refuses, never a duplicate."""
+        sessions = self._sessions.setdefault(worker_id, {})
+        window = sessions.get(session)
+        if window is None:
+            window = self._take_over(worker_id, sessions, session)
+        window.add(seq)
+
+    def _take_over(self, worker_id: str, sessions: dict[int, _SeqWindow], session: int) -> _SeqWindow:
+        if sessions:
+            log.info(
+                "worker %s: session %016x takes over from session %016x (a restarted or second client)",
+                worker_id, session, next(reversed(sessions)),
+            )  # fmt: skip
+        window = sessions[session] = _SeqWindow()
+        while len(sessions) > 1 + _RETIRED_SESSIONS:
+            del sessions[next(iter(sessions))]
+        return window
+
+    def unclaim(self, worker_id: str, seq: int, session: int = 0) -> None:
         """Forgets a claimed push that failed before it was applied, so a retry applies it."""
-        window = self._seqs.get(worker_id)
+        window = self._sessions.get(worker_id, {}).get(session)
         if window is not None:
             window.discard(seq)
-        self._held_claims.discard((worker_id, seq))
+        self._held_claims.discard((worker_id, session, seq))
 
     async def apply(self, pairs: list[tuple[Variable, np.ndarray]]) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
@@ -307,7 +376,7 @@ class Store:
         return version + 1
 
     @contextlib.asynccontextmanager
-    async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[tuple[str, int]]]:
+    async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[PushKey]]:
         """Holds new updates back and waits for those in progress (checkpoint snapshots).
 
         Inside the block no ``apply`` runs, so values, slots, versions and the
@@ -336,16 +405,25 @@ class Store:
 
     # -- dedup table (checkpoints) -------------------------------------------
 
-    def dedup_state(self) -> dict[str, tuple[int, list[int]]]:
-        return {w: (s.floor, sorted(s.seen)) for w, s in self._seqs.items()}
+    def dedup_state(self) -> dict[str, SessionState]:
+        """Per worker id, its sessions oldest first (the last is the current one) with their windows."""
+        return {
+            w: [(session, win.floor, sorted(win.seen)) for session, win in sessions.items()]
+            for w, sessions in self._sessions.items()
+        }
 
-    def load_dedup_state(self, state: Mapping[str, tuple[int, list[int]]]) -> None:
-        self._seqs = {}
-        for worker, (floor, seen) in state.items():
-            window = _SeqWindow()
-            window.floor = int(floor)
-            window.seen = {int(s) for s in seen}
-            self._seqs[worker] = window
+    def load_dedup_state(self, state: Mapping[str, SessionState]) -> None:
+        """Replaces the dedup table with what ``dedup_state`` returned."""
+        self._sessions = {}
+        for worker, entries in state.items():
+            sessions: dict[int, _SeqWindow] = {}
+            for session, floor, seen in list(entries)[-(1 + _RETIRED_SESSIONS) :]:
+                window = _SeqWindow()
+                window.floor = int(floor)
+                window.seen = {int(s) for s in seen}
+                sessions.pop(int(session), None)  # listed twice: the later place counts
+                sessions[int(session)] = window
+            self._sessions[worker] = sessions
 
 
 def _describe(spec: ps_pb2.VariableSpec) -> str:

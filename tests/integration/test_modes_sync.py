@@ -144,3 +144,31 @@ async def test_a_worker_that_left_is_not_waited_for(make_cluster) -> None:
         assert (await w1.pull_with_versions())[1] == {"v": 4}
     finally:
         await close_all(clients)
+
+
+async def test_every_shard_push_keeps_one_step_count_across_shards(make_cluster) -> None:
+    """Steps that update variables of one shard only (a GAN's two optimizers, frozen layers) still
+    advance every shard's step, so a later step that touches the other shard is neither stale nor held."""
+    cluster = make_cluster(num_shards=2, server_args=_sync_args(2, 2, timeout_s=5.0))
+    w0, w1 = clients = worker_clients(cluster, 2)
+    try:
+        init = {f"v{i}": np.zeros(4, np.float32) for i in range(4)}
+        await w0.create_many(init, optimizer=psclient.SGD(learning_rate=1.0))
+        assert [(s.mode, s.step) for s in await w0.status()] == [("sync", 0), ("sync", 0)]
+        shard_of = {name: w0.registry.resolve([name])[name][0].shard for name in init}
+        assert len(set(shard_of.values())) == 2
+        a = next(n for n, s in shard_of.items() if s == 0)
+        b = next(n for n, s in shard_of.items() if s == 1)
+        one = np.ones(4, np.float32)
+        for step in range(3):  # steps that touch shard 0 only
+            assert await asyncio.gather(
+                w0.push({a: one}, step=step, every_shard=True), w1.push({a: one}, step=step, every_shard=True)
+            ) == [True, True]
+        assert [s.step for s in await w0.status()] == [3, 3]
+        # step 3 touches shard 1: it completes at once (not held for steps 0-2, not stale)
+        assert await asyncio.gather(w0.push({b: one}, step=3), w1.push({b: one}, step=3)) == [True, True]
+        values = await w0.pull([a, b])
+        np.testing.assert_allclose(values[a], -3 * one)
+        np.testing.assert_allclose(values[b], -one)
+    finally:
+        await close_all(clients)
