@@ -59,6 +59,7 @@ from google.protobuf import json_format
 from psclient import codec
 from psclient.placement import DEFAULT_PARTITION_BYTES, plan
 from psproto.v1 import ps_pb2
+from psserver import optimizers
 from psserver.modes import Mode
 from psserver.store import Store, Variable
 
@@ -152,11 +153,11 @@ def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
     entries = []
     for t in snapshot.tensors:
         key = f"a{len(arrays)}"
-        arrays[key] = np.ascontiguousarray(t.value)
+        arrays[key] = np.asarray(t.value, order="C")  # not ascontiguousarray: it makes a scalar 1-D
         slots = {}
         for slot, arr in sorted(t.slots.items()):
             slots[slot] = f"a{len(arrays)}"
-            arrays[slots[slot]] = np.ascontiguousarray(arr)
+            arrays[slots[slot]] = np.asarray(arr, order="C")
         keys = [key, *slots.values()]
         entries.append(
             {
@@ -318,9 +319,14 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
             f"spec says {dtype}{list(shape)}"
         )
     slots = {str(name): load(key) for name, key in entry["slots"].items()}
+    try:  # most slots have the variable's shape; some (Nadam's u_product, Adafactor's r and c) do not
+        expected = optimizers.from_spec(spec.optimizer).slot_shapes(shape)
+    except ValueError:
+        expected = {}
     for name, arr in slots.items():
-        if arr.shape != shape:
-            raise CheckpointError(f"variable {spec.name!r}: slot {name!r} has shape {arr.shape}, not {shape}")
+        want = expected.get(name, shape)
+        if arr.shape != want:
+            raise CheckpointError(f"variable {spec.name!r}: slot {name!r} has shape {arr.shape}, not {want}")
     return StoredTensor(spec=spec, value=value, version=int(entry["version"]), slots=slots)
 
 
@@ -368,12 +374,25 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
         value = (
             np.concatenate([t.value.reshape(-1) for t in old]) if len(old) > 1 else old[0].value.reshape(-1)
         )
-        slots = {
-            s: np.concatenate([t.slots[s].reshape(-1) for t in old])
-            if len(old) > 1
-            else old[0].slots[s].reshape(-1)
-            for s in slot_names
-        }
+        # Slots of the value's shape are cut like the value; a scalar slot (Nadam's
+        # u_product) is the same in every piece; other shapes (Adafactor's factored
+        # moments) belong to a whole variable and are only carried over whole.
+        slots = {}
+        shaped = {}
+        for s in slot_names:
+            if all(t.slots[s].size == t.value.size for t in old):
+                slots[s] = (
+                    np.concatenate([t.slots[s].reshape(-1) for t in old])
+                    if len(old) > 1
+                    else old[0].slots[s].reshape(-1)
+                )
+            elif len(old) == 1 and (old[0].slots[s].ndim == 0 or len(mine) == len(new_pieces) == 1):
+                shaped[s] = old[0].slots[s]
+            else:
+                raise CheckpointError(
+                    f"variable {name!r}: slot {s!r} of shape {list(old[0].slots[s].shape)} cannot be cut "
+                    f"into partitions for {num_shards} shards"
+                )
         version = max(t.version for t in old)
         for piece in mine:
             spec = ps_pb2.VariableSpec(
@@ -396,7 +415,10 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
                     spec=spec,
                     value=value[sl].reshape(piece.stored_shape).astype(dtype, copy=True),
                     version=version,
-                    slots={s: a[sl].reshape(piece.stored_shape).copy() for s, a in slots.items()},
+                    slots={
+                        **{s: a[sl].reshape(piece.stored_shape).copy() for s, a in slots.items()},
+                        **{s: a.copy() for s, a in shaped.items()},
+                    },
                 )
             )
     dedup: dict[str, tuple[int, set[int]]] = {}
@@ -668,8 +690,15 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
                 f"its optimizer {var.optimizer.name} uses {sorted(var.slots)}"
             )
         store.assign(t.spec.name, t.value, t.version)
+        for k, a in t.slots.items():
+            if a.size != var.slots[k].size:
+                raise CheckpointError(
+                    f"variable {t.spec.name!r}: checkpoint slot {k!r} has shape {list(a.shape)}, "
+                    f"its optimizer {var.optimizer.name} expects {list(var.slots[k].shape)}"
+                )
         var.slots = {
-            k: np.array(a, dtype=var.slots[k].dtype, copy=True).reshape(var.shape) for k, a in t.slots.items()
+            k: np.array(a, dtype=var.slots[k].dtype, copy=True).reshape(var.slots[k].shape)
+            for k, a in t.slots.items()
         }
     store.load_dedup_state(snap.dedup)
     mode.load_state_dict(snap.mode_state)

@@ -9,8 +9,27 @@ Keras's optimizer variables, stable for checkpoints)::
 
     sgd       momentum                      (only when momentum > 0)
     adagrad   accumulator                   (starts at initial_accumulator_value)
-    adam      momentum, velocity, velocity_hat (the last only with amsgrad)
+    adam      momentum, velocity, velocity_hat (the last only with amsgrad; also adamw)
     rmsprop   velocity, momentum (momentum > 0), average_gradient (centered)
+    nadam     momentum, velocity, u_product (a scalar, starts at 1)
+    adamax    momentum, norm
+    adadelta  accumulated_grad, accumulated_delta_var
+    ftrl      accumulator (starts at initial_accumulator_value), linear
+    lion      momentum
+    adafactor r (shape[:-1]) and c (shape[:-2] + shape[-1:]) for rank >= 2, else velocity
+    lamb      momentum, velocity
+
+plus ``gradient_accumulator`` (same shape) with ``gradient_accumulation_steps``.
+Slots that are not of the variable's shape (``u_product``, ``r``, ``c``) are the
+exception; ``slot_shapes`` gives every slot's shape.
+
+Before the update rule, ``apply`` does what Keras's base optimizer does around
+``update_step``: gradient accumulation, per-variable clipping (``clipnorm``,
+``clipvalue``; ``global_clipnorm`` is the worker's job and ignored here), weight
+decay, and the learning rate (a constant or a schedule evaluated at the
+iteration). Rules whose math needs the whole variable (``clipnorm``, Adafactor,
+Lamb: ``needs_whole_variable``) are refused by the store for a variable cut
+into partitions.
 
 ``apply`` never writes to the variable it is given (the store keeps old values
 alive for concurrent readers): it returns a new array and updates the slots in
@@ -32,8 +51,16 @@ from psclient import optimizers as specs
 from psproto.v1 import ps_pb2
 
 __all__ = [
+    "ServerAdadelta",
+    "ServerAdafactor",
     "ServerAdagrad",
     "ServerAdam",
+    "ServerAdamW",
+    "ServerAdamax",
+    "ServerFtrl",
+    "ServerLamb",
+    "ServerLion",
+    "ServerNadam",
     "ServerOptimizer",
     "ServerRMSprop",
     "ServerSGD",
@@ -62,6 +89,8 @@ class ServerOptimizer(abc.ABC):
     name: ClassVar[str]
     # Scratch buffers (each one block long) that _update may use.
     _SCRATCH: ClassVar[int] = 0
+    # The rule itself needs the whole variable (norms, means over axes), not elementwise blocks.
+    _WHOLE: ClassVar[bool] = False
 
     def __init__(self, config: specs.Optimizer) -> None:
         self.config = config
@@ -74,36 +103,74 @@ class ServerOptimizer(abc.ABC):
         """The wire form of this optimizer's configuration."""
         return self.config.to_proto()
 
+    @property
+    def needs_whole_variable(self) -> bool:
+        """Whether the update of one element depends on the whole variable (clipnorm, Adafactor, Lamb).
+
+        Such a variable cannot be cut into partitions on several shards: each
+        shard would see only its part (another norm, other row means).
+        """
+        return self._WHOLE or self.config.clipnorm is not None
+
     @abc.abstractmethod
     def slot_names(self) -> tuple[str, ...]:
-        """The names of the slots ``init_slots`` creates, in a stable order."""
+        """The names of the update rule's slots of the variable's shape, in a stable order."""
 
     def _initial_slot_value(self, slot: str) -> float:
         return 0.0
 
+    def _extra_slot_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Slots of the update rule that are not of the variable's shape (a scalar, factored moments)."""
+        return {}
+
+    def slot_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Every slot a variable of ``shape`` has, with its shape, in a stable order."""
+        shape = tuple(shape)
+        out = {slot: shape for slot in self.slot_names()}
+        out.update(self._extra_slot_shapes(shape))
+        if self.config.gradient_accumulation_steps:
+            out["gradient_accumulator"] = shape
+        return out
+
     def init_slots(self, value: np.ndarray) -> dict[str, np.ndarray]:
-        """Returns fresh slots for a variable: C-contiguous arrays of its shape and dtype.
+        """Returns fresh slots for a variable: C-contiguous arrays of the variable's dtype.
 
         A variable whose dtype is not floating point is not trainable and gets no slots.
         """
         if not np.issubdtype(value.dtype, np.floating):
             return {}
         return {
-            slot: np.full(value.shape, self._initial_slot_value(slot), dtype=value.dtype)
-            for slot in self.slot_names()
+            slot: np.full(shape, self._initial_slot_value(slot), dtype=value.dtype)
+            for slot, shape in self.slot_shapes(value.shape).items()
         }
+
+    def learning_rate(self, iteration: int) -> float:
+        """The learning rate of the update after ``iteration`` pushes: the constant, or the schedule's value.
+
+        Keras evaluates a schedule at ``optimizer.iterations`` before the step
+        increments it, and with gradient accumulation at the count of every
+        call (not only of applied updates); so does the shard.
+        """
+        lr = self.config.learning_rate  # type: ignore[attr-defined]
+        if isinstance(lr, specs.LearningRateSchedule):
+            return lr(iteration)
+        return float(lr)
 
     def apply(
         self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], iteration: int
     ) -> np.ndarray:
         """Applies one gradient and returns the new value; ``value`` itself is left untouched.
 
+        In Keras's order: gradient accumulation (a push that only accumulates
+        returns a copy of ``value``), clipping, weight decay, then the update rule.
+
         Args:
             value: the current variable (read only).
             grad: its gradient, same shape; cast to ``value``'s dtype first, as Keras does.
             slots: the variable's slots (from ``init_slots`` or a checkpoint), updated in place.
-            iteration: how many updates were applied to this variable before this one
-                (Keras's ``optimizer.iterations`` before the step), >= 0.
+            iteration: how many pushes were applied to this variable before this one
+                (Keras's ``optimizer.iterations`` before the step, counting every
+                call with gradient accumulation), >= 0.
 
         Returns:
             A new C-contiguous array with ``value``'s shape and dtype.
@@ -115,11 +182,48 @@ class ServerOptimizer(abc.ABC):
         """
         self._check(value, grad, slots, iteration)
         dtype = value.dtype
-        out = np.empty(value.shape, dtype=dtype)
         if value.size == 0:
-            return out
+            return np.empty(value.shape, dtype=dtype)
+        iteration = int(iteration)
+        if grad.dtype != dtype:
+            grad = grad.astype(dtype)
+        c = self.config
+        step = iteration
+        if c.gradient_accumulation_steps:
+            k = c.gradient_accumulation_steps
+            acc = slots["gradient_accumulator"]
+            with np.errstate(all="ignore"):
+                if (iteration + 1) % k:
+                    acc += grad
+                    return np.array(value, dtype=dtype, order="C", copy=True)
+                grad = (grad + acc) / dtype.type(k)
+            acc[...] = 0
+            step = iteration // k  # Keras's `iterations` with accumulation: applied updates
         compute = _F32 if dtype == _F16 else dtype
-        consts = self._constants(compute, int(iteration))
+        lr = self.learning_rate(iteration)
+        with np.errstate(all="ignore"):
+            if c.clipnorm is not None:
+                g = grad.astype(compute, copy=False)
+                l2sum = np.sum(np.square(g))
+                l2norm = np.sqrt(l2sum) if l2sum > 0 else l2sum
+                clip = compute.type(c.clipnorm)
+                grad = (g * clip / np.maximum(l2norm, clip)).astype(dtype, copy=False)
+            elif c.clipvalue is not None:
+                grad = np.clip(grad, -c.clipvalue, c.clipvalue).astype(dtype, copy=False)
+            if c.weight_decay is not None:
+                v = value.astype(compute, copy=False)
+                decay = v * compute.type(c.weight_decay) * compute.type(lr)
+                value = (v - decay).astype(dtype, copy=False)
+        return self._apply_rule(value, grad, slots, step, lr)
+
+    def _apply_rule(
+        self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], step: int, lr: float
+    ) -> np.ndarray:
+        """The update rule (Keras's ``update_step``), blockwise; ``step`` is the 0-based update count."""
+        dtype = value.dtype
+        out = np.empty(value.shape, dtype=dtype)
+        compute = _F32 if dtype == _F16 else dtype
+        consts = self._constants(compute, step, compute.type(lr), slots)
         flat_value = value.reshape(-1)
         flat_grad = grad.reshape(-1)
         flat_out = out.reshape(-1)
@@ -142,8 +246,6 @@ class ServerOptimizer(abc.ABC):
                 n = stop - start
                 v = flat_value[start:stop]
                 g = flat_grad[start:stop]
-                if g.dtype != dtype:
-                    g = g.astype(dtype)
                 s = {k: a[start:stop] for k, a in flat_slots.items()}
                 tmp = [t[:n] for t in scratch]
                 if direct:
@@ -171,22 +273,23 @@ class ServerOptimizer(abc.ABC):
             raise ValueError(f"{self.name}: gradient shape {grad.shape} != variable shape {value.shape}")
         if isinstance(iteration, bool) or not isinstance(iteration, int | np.integer) or iteration < 0:
             raise ValueError(f"{self.name}: iteration must be an int >= 0, got {iteration!r}")
-        for slot in self.slot_names():
+        for slot, shape in self.slot_shapes(value.shape).items():
             arr = slots.get(slot)
             if arr is None:
                 raise ValueError(f"{self.name}: slot {slot!r} is missing (have {sorted(slots)})")
-            if arr.shape != value.shape:
-                raise ValueError(f"{self.name}: slot {slot!r} has shape {arr.shape}, expected {value.shape}")
+            if arr.shape != shape:
+                raise ValueError(f"{self.name}: slot {slot!r} has shape {arr.shape}, expected {shape}")
             if not np.issubdtype(arr.dtype, np.floating):
                 raise ValueError(f"{self.name}: slot {slot!r} has non-float dtype {arr.dtype.name}")
             if not arr.flags.writeable:
                 raise ValueError(f"{self.name}: slot {slot!r} is read-only")
 
-    @abc.abstractmethod
-    def _constants(self, dtype: np.dtype, iteration: int) -> tuple[np.floating, ...]:
-        """The scalar factors of one step, in the compute dtype."""
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        """The scalar factors of one step, in the compute dtype (may update scalar slots)."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
     def _update(
         self,
         value: np.ndarray,
@@ -202,6 +305,7 @@ class ServerOptimizer(abc.ABC):
         ``out`` never overlaps the other arrays and may serve as scratch space
         before it receives the result; ``tmp`` are ``_SCRATCH`` scratch blocks.
         """
+        raise NotImplementedError
 
 
 class ServerSGD(ServerOptimizer):
@@ -214,8 +318,10 @@ class ServerSGD(ServerOptimizer):
     def slot_names(self) -> tuple[str, ...]:
         return ("momentum",) if self.config.momentum > 0 else ()
 
-    def _constants(self, dtype: np.dtype, iteration: int) -> tuple[np.floating, ...]:
-        return dtype.type(self.config.learning_rate), dtype.type(self.config.momentum)
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        return lr, dtype.type(self.config.momentum)
 
     def _update(
         self,
@@ -255,8 +361,10 @@ class ServerAdagrad(ServerOptimizer):
     def _initial_slot_value(self, slot: str) -> float:
         return self.config.initial_accumulator_value
 
-    def _constants(self, dtype: np.dtype, iteration: int) -> tuple[np.floating, ...]:
-        return dtype.type(self.config.learning_rate), dtype.type(self.config.epsilon)
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        return lr, dtype.type(self.config.epsilon)
 
     def _update(
         self,
@@ -289,14 +397,16 @@ class ServerAdam(ServerOptimizer):
         names = ("momentum", "velocity")
         return (*names, "velocity_hat") if self.config.amsgrad else names
 
-    def _constants(self, dtype: np.dtype, iteration: int) -> tuple[np.floating, ...]:
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
         c = self.config
-        t = dtype.type(iteration + 1)
+        t = dtype.type(step + 1)
         one = dtype.type(1)
         beta_1_power = np.power(dtype.type(c.beta_1), t)
         beta_2_power = np.power(dtype.type(c.beta_2), t)
         with np.errstate(all="ignore"):
-            alpha = dtype.type(c.learning_rate) * np.sqrt(one - beta_2_power) / (one - beta_1_power)
+            alpha = lr * np.sqrt(one - beta_2_power) / (one - beta_1_power)
         return alpha, dtype.type(1 - c.beta_1), dtype.type(1 - c.beta_2), dtype.type(c.epsilon)
 
     def _update(
@@ -329,6 +439,13 @@ class ServerAdam(ServerOptimizer):
         np.subtract(value, out, out=out)
 
 
+class ServerAdamW(ServerAdam):
+    """``keras.optimizers.AdamW``: Adam, with the base optimizer's weight decay (always set)."""
+
+    name: ClassVar[str] = "adamw"
+    config: specs.AdamW  # type: ignore[assignment]
+
+
 class ServerRMSprop(ServerOptimizer):
     """``keras.optimizers.RMSprop`` (centered and with momentum)."""
 
@@ -344,10 +461,12 @@ class ServerRMSprop(ServerOptimizer):
             names.append("average_gradient")
         return tuple(names)
 
-    def _constants(self, dtype: np.dtype, iteration: int) -> tuple[np.floating, ...]:
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
         c = self.config
         return (
-            dtype.type(c.learning_rate),
+            lr,
             dtype.type(c.rho),
             dtype.type(1 - c.rho),
             dtype.type(c.momentum),
@@ -391,11 +510,344 @@ class ServerRMSprop(ServerOptimizer):
             np.subtract(value, out, out=out)
 
 
+class ServerNadam(ServerOptimizer):
+    """``keras.optimizers.Nadam``; Keras's optimizer-wide ``u_product`` is the per-variable scalar slot."""
+
+    name: ClassVar[str] = "nadam"
+    config: specs.Nadam
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "velocity")
+
+    def _extra_slot_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        return {"u_product": ()}
+
+    def _initial_slot_value(self, slot: str) -> float:
+        return 1.0 if slot == "u_product" else 0.0
+
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        c = self.config
+        one, half = dtype.type(1), dtype.type(0.5)
+        beta_1, beta_2, decay = dtype.type(c.beta_1), dtype.type(c.beta_2), dtype.type(0.96)
+        local_step, next_step = dtype.type(step + 1), dtype.type(step + 2)
+        with np.errstate(all="ignore"):
+            u_product = (
+                dtype.type(slots["u_product"][()]) * beta_1 * (one - half * np.power(decay, local_step))
+            )
+            slots["u_product"][()] = u_product
+            u_t = beta_1 * (one - half * np.power(decay, local_step))
+            u_t_1 = beta_1 * (one - half * np.power(decay, next_step))
+            u_product_t_1 = u_product * u_t_1
+            beta_2_power = np.power(beta_2, local_step)
+        return (
+            lr,
+            one - beta_1,
+            one - beta_2,
+            u_t_1,
+            one - u_product_t_1,
+            one - u_t,
+            one - u_product,
+            one - beta_2_power,
+            dtype.type(c.epsilon),
+        )
+
+    def _update(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        lr, one_minus_beta_1, one_minus_beta_2, u_t_1, den_1, one_minus_u_t, den_0, bias_2, epsilon = consts
+        m = slots["momentum"]
+        v = slots["velocity"]
+        m += (grad - m) * one_minus_beta_1
+        v += (np.square(grad) - v) * one_minus_beta_2
+        m_hat = u_t_1 * m / den_1 + one_minus_u_t * grad / den_0
+        np.subtract(value, m_hat * lr / (np.sqrt(v / bias_2) + epsilon), out=out)
+
+
+class ServerAdamax(ServerOptimizer):
+    """``keras.optimizers.Adamax``."""
+
+    name: ClassVar[str] = "adamax"
+    config: specs.Adamax
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "norm")
+
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        c = self.config
+        beta_1_power = np.power(dtype.type(c.beta_1), dtype.type(step + 1))
+        return (
+            lr,
+            dtype.type(1 - c.beta_1),
+            dtype.type(c.beta_2),
+            dtype.type(1) - beta_1_power,
+            dtype.type(c.epsilon),
+        )
+
+    def _update(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        lr, one_minus_beta_1, beta_2, bias_1, epsilon = consts
+        m = slots["momentum"]
+        u = slots["norm"]
+        m += (grad - m) * one_minus_beta_1
+        np.maximum(u * beta_2, np.abs(grad), out=u)
+        np.subtract(value, lr * m / (bias_1 * (u + epsilon)), out=out)
+
+
+class ServerAdadelta(ServerOptimizer):
+    """``keras.optimizers.Adadelta``."""
+
+    name: ClassVar[str] = "adadelta"
+    config: specs.Adadelta
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulated_grad", "accumulated_delta_var")
+
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        c = self.config
+        return lr, dtype.type(c.rho), dtype.type(1 - c.rho), dtype.type(c.epsilon)
+
+    def _update(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        lr, rho, one_minus_rho, epsilon = consts
+        acc_grad = slots["accumulated_grad"]
+        acc_delta = slots["accumulated_delta_var"]
+        acc_grad[...] = rho * acc_grad + one_minus_rho * np.square(grad)
+        delta = -(np.sqrt(acc_delta + epsilon) * grad) / np.sqrt(acc_grad + epsilon)
+        acc_delta[...] = rho * acc_delta + one_minus_rho * np.square(delta)
+        np.add(value, lr * delta, out=out)
+
+
+class ServerFtrl(ServerOptimizer):
+    """``keras.optimizers.Ftrl``."""
+
+    name: ClassVar[str] = "ftrl"
+    config: specs.Ftrl
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("accumulator", "linear")
+
+    def _initial_slot_value(self, slot: str) -> float:
+        return self.config.initial_accumulator_value if slot == "accumulator" else 0.0
+
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        c = self.config
+        with np.errstate(all="ignore"):
+            l2_reg = dtype.type(c.l2_regularization_strength) + dtype.type(c.beta) / (dtype.type(2.0) * lr)
+        return (
+            lr,
+            dtype.type(-c.learning_rate_power),
+            dtype.type(2 * c.l2_shrinkage_regularization_strength),
+            dtype.type(2) * l2_reg,
+            dtype.type(c.l1_regularization_strength),
+        )
+
+    def _update(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        lr, power, shrinkage, two_l2_reg, l1 = consts
+        accum = slots["accumulator"]
+        linear = slots["linear"]
+        grad_to_use = grad + shrinkage * value
+        new_accum = accum + np.square(grad)
+        new_accum_power = np.power(new_accum, power)
+        linear += grad_to_use - (new_accum_power - np.power(accum, power)) / lr * value
+        quadratic = new_accum_power / lr + two_l2_reg
+        np.divide(np.clip(linear, -l1, l1) - linear, quadratic, out=out)
+        accum[...] = new_accum
+
+
+class ServerLion(ServerOptimizer):
+    """``keras.optimizers.Lion``."""
+
+    name: ClassVar[str] = "lion"
+    config: specs.Lion
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum",)
+
+    def _constants(
+        self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
+    ) -> tuple[np.floating, ...]:
+        c = self.config
+        beta_1, beta_2, one = dtype.type(c.beta_1), dtype.type(c.beta_2), dtype.type(1.0)
+        return lr, beta_1, one - beta_1, beta_2, one - beta_2
+
+    def _update(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        lr, beta_1, one_minus_beta_1, beta_2, one_minus_beta_2 = consts
+        m = slots["momentum"]
+        np.subtract(value, lr * np.sign(m * beta_1 + grad * one_minus_beta_1), out=out)
+        m[...] = m * beta_2 + grad * one_minus_beta_2
+
+
+def _rms(x: np.ndarray) -> np.floating:
+    return np.sqrt(np.mean(np.square(x)))
+
+
+class _WholeVariableOptimizer(ServerOptimizer):
+    """A rule computed on the whole variable at once (in float32 for float16 variables)."""
+
+    _WHOLE: ClassVar[bool] = True
+
+    def _apply_rule(
+        self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], step: int, lr: float
+    ) -> np.ndarray:
+        dtype = value.dtype
+        compute = _F32 if dtype == _F16 else dtype
+        work = {k: a.astype(compute, copy=True) for k, a in slots.items() if k != "gradient_accumulator"}
+        with np.errstate(all="ignore"):
+            new = self._rule(
+                value.astype(compute), grad.astype(compute), work, step, compute.type(lr), compute
+            )
+        for k, a in work.items():
+            slots[k][...] = a
+        return np.ascontiguousarray(new, dtype=dtype)
+
+    @abc.abstractmethod
+    def _rule(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        step: int,
+        lr: np.floating,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """Returns the new value and updates ``slots`` (compute-dtype copies) in place."""
+
+
+class ServerAdafactor(_WholeVariableOptimizer):
+    """``keras.optimizers.Adafactor``: factored second moments for rank >= 2."""
+
+    name: ClassVar[str] = "adafactor"
+    config: specs.Adafactor
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ()
+
+    def _extra_slot_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        if len(shape) < 2:
+            return {"velocity": shape}
+        return {"r": shape[:-1], "c": shape[:-2] + shape[-1:]}
+
+    def _rule(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        step: int,
+        lr: np.floating,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        c = self.config
+        one = dtype.type(1.0)
+        local_step = dtype.type(step + 1)
+        if not c.has_schedule and c.relative_step:
+            lr = np.minimum(lr, one / np.sqrt(local_step))
+        rho_t = np.minimum(lr, one / np.sqrt(local_step))
+        alpha_t = np.maximum(dtype.type(c.epsilon_2), _rms(value)) * rho_t
+        regulated_grad_square = np.square(grad) + dtype.type(c.epsilon_1)
+        beta_2_t = one - np.power(local_step, dtype.type(c.beta_2_decay))
+        if value.ndim >= 2:
+            r, col = slots["r"], slots["c"]
+            r[...] = beta_2_t * r + (one - beta_2_t) * np.mean(regulated_grad_square, axis=-1)
+            col[...] = beta_2_t * col + (one - beta_2_t) * np.mean(regulated_grad_square, axis=-2)
+            v = np.expand_dims(r / np.mean(r, axis=-1, keepdims=True), -1) * np.expand_dims(col, -2)
+        else:
+            v = slots["velocity"]
+            v[...] = beta_2_t * v + (one - beta_2_t) * regulated_grad_square
+        u_t = grad / np.sqrt(v)
+        u_t_hat = u_t / np.maximum(one, _rms(u_t) / dtype.type(c.clip_threshold))
+        return value - alpha_t * u_t_hat
+
+
+class ServerLamb(_WholeVariableOptimizer):
+    """``keras.optimizers.Lamb``: Adam's step scaled by the trust ratio ``||w|| / ||step||``."""
+
+    name: ClassVar[str] = "lamb"
+    config: specs.Lamb
+
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum", "velocity")
+
+    def _rule(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        step: int,
+        lr: np.floating,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        c = self.config
+        one = dtype.type(1.0)
+        local_step = dtype.type(step + 1)
+        beta_1_power = np.power(dtype.type(c.beta_1), local_step)
+        beta_2_power = np.power(dtype.type(c.beta_2), local_step)
+        m, v = slots["momentum"], slots["velocity"]
+        m += (grad - m) * dtype.type(1 - c.beta_1)
+        v += (np.square(grad) - v) * dtype.type(1 - c.beta_2)
+        update = (m / (one - beta_1_power)) / (np.sqrt(v / (one - beta_2_power)) + dtype.type(c.epsilon))
+        w_norm = np.sqrt(np.sum(np.square(value)))
+        g_norm = np.sqrt(np.sum(np.square(update)))
+        ratio = w_norm / g_norm if w_norm > 0 and g_norm > 0 else one
+        return value - ratio * lr * update
+
+
 _SERVER_CLASSES: Final[dict[type[specs.Optimizer], type[ServerOptimizer]]] = {
     specs.SGD: ServerSGD,
     specs.Adagrad: ServerAdagrad,
     specs.Adam: ServerAdam,
+    specs.AdamW: ServerAdamW,
     specs.RMSprop: ServerRMSprop,
+    specs.Nadam: ServerNadam,
+    specs.Adamax: ServerAdamax,
+    specs.Adadelta: ServerAdadelta,
+    specs.Ftrl: ServerFtrl,
+    specs.Lion: ServerLion,
+    specs.Adafactor: ServerAdafactor,
+    specs.Lamb: ServerLamb,
 }
 
 

@@ -32,6 +32,16 @@ def test_public_api_has_the_contract_names() -> None:
     assert set(psclient.__all__) >= CONTRACT
 
 
+def test_public_api_exports_every_server_side_optimizer() -> None:
+    optimizers = {
+        "SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Nadam", "Adamax", "Adadelta", "Ftrl", "Lion",
+        "Adafactor", "Lamb",
+    }  # fmt: skip
+    assert set(psclient.__all__) >= optimizers
+    for name in optimizers:
+        assert issubclass(getattr(psclient, name), psclient.Optimizer)
+
+
 def test_public_api_errors_are_ps_errors_with_a_status_code() -> None:
     for name in psclient.__all__:
         obj = getattr(psclient, name)

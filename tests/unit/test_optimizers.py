@@ -386,24 +386,24 @@ def test_specs_are_frozen_hashable_and_canonical() -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: specs.SGD(learning_rate=0.0), "learning_rate must be > 0"),
-        (lambda: specs.SGD(learning_rate=-1.0), "learning_rate must be > 0"),
-        (lambda: specs.SGD(learning_rate=math.nan), "learning_rate must be finite"),
-        (lambda: specs.Adam(learning_rate=math.inf), "learning_rate must be finite"),
-        (lambda: specs.SGD(learning_rate="0.1"), "learning_rate must be a number"),
-        (lambda: specs.SGD(learning_rate=True), "learning_rate must be a number"),
-        (lambda: specs.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
-        (lambda: specs.SGD(momentum=-0.1), r"momentum must be in \[0, 1\)"),
-        (lambda: specs.SGD(nesterov=1), "nesterov must be a bool"),
-        (lambda: specs.Adagrad(initial_accumulator_value=-1.0), "initial_accumulator_value must be >= 0"),
-        (lambda: specs.Adagrad(epsilon=-1e-7), "epsilon must be >= 0"),
+        (lambda: specs.SGD(learning_rate=0.0), "`learning_rate` must be > 0"),
+        (lambda: specs.SGD(learning_rate=-1.0), "`learning_rate` must be > 0"),
+        (lambda: specs.SGD(learning_rate=math.nan), "`learning_rate` must be finite"),
+        (lambda: specs.Adam(learning_rate=math.inf), "`learning_rate` must be finite"),
+        (lambda: specs.SGD(learning_rate="0.1"), "`learning_rate` must be a number"),
+        (lambda: specs.SGD(learning_rate=True), "`learning_rate` must be a number"),
+        (lambda: specs.SGD(momentum=1.0), r"`momentum` must be in \[0, 1\)"),
+        (lambda: specs.SGD(momentum=-0.1), r"`momentum` must be in \[0, 1\)"),
+        (lambda: specs.SGD(nesterov=1), "`nesterov` must be a bool"),
+        (lambda: specs.Adagrad(initial_accumulator_value=-1.0), "`initial_accumulator_value` must be >= 0"),
+        (lambda: specs.Adagrad(epsilon=-1e-7), "`epsilon` must be >= 0"),
         (lambda: specs.Adagrad(initial_accumulator_value=0.0, epsilon=0.0), "cannot both be 0"),
-        (lambda: specs.Adam(beta_1=1.0), r"beta_1 must be in \[0, 1\)"),
-        (lambda: specs.Adam(beta_2=-0.5), r"beta_2 must be in \[0, 1\)"),
-        (lambda: specs.Adam(amsgrad="yes"), "amsgrad must be a bool"),
-        (lambda: specs.RMSprop(rho=1.5), r"rho must be in \[0, 1\)"),
-        (lambda: specs.RMSprop(momentum=1.0), r"momentum must be in \[0, 1\)"),
-        (lambda: specs.RMSprop(centered=None), "centered must be a bool"),
+        (lambda: specs.Adam(beta_1=1.0), r"`beta_1` must be in \[0, 1\)"),
+        (lambda: specs.Adam(beta_2=-0.5), r"`beta_2` must be in \[0, 1\)"),
+        (lambda: specs.Adam(amsgrad="yes"), "`amsgrad` must be a bool"),
+        (lambda: specs.RMSprop(rho=1.5), r"`rho` must be in \[0, 1\)"),
+        (lambda: specs.RMSprop(momentum=1.0), r"`momentum` must be in \[0, 1\)"),
+        (lambda: specs.RMSprop(centered=None), "`centered` must be a bool"),
     ],
 )
 def test_spec_validation(make, match: str) -> None:
@@ -414,12 +414,13 @@ def test_spec_validation(make, match: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        (ps_pb2.OptimizerSpec(name="nadam"), "unknown optimizer 'nadam'"),
+        (ps_pb2.OptimizerSpec(name="adamq"), "unknown optimizer 'adamq'"),
+        (ps_pb2.OptimizerSpec(name="muon"), "Muon is not supported server-side"),
         (ps_pb2.OptimizerSpec(name=""), "unknown optimizer"),
         (ps_pb2.OptimizerSpec(name="sgd", params={"beta_1": 0.9}), "no parameter 'beta_1'"),
-        (ps_pb2.OptimizerSpec(name="adam", params={"amsgrad": 0.5}), "amsgrad must be 0 or 1"),
-        (ps_pb2.OptimizerSpec(name="rmsprop", params={"rho": 2.0}), r"rho must be in \[0, 1\)"),
-        (ps_pb2.OptimizerSpec(name="adagrad", params={"learning_rate": -1.0}), "learning_rate must be > 0"),
+        (ps_pb2.OptimizerSpec(name="adam", params={"amsgrad": 0.5}), "`amsgrad` must be 0 or 1"),
+        (ps_pb2.OptimizerSpec(name="rmsprop", params={"rho": 2.0}), r"`rho` must be in \[0, 1\)"),
+        (ps_pb2.OptimizerSpec(name="adagrad", params={"learning_rate": -1.0}), "`learning_rate` must be > 0"),
     ],
 )
 def test_bad_wire_specs(spec: ps_pb2.OptimizerSpec, match: str) -> None:
@@ -504,31 +505,372 @@ def test_optimizer_from_keras_config(name: str, config: dict, expected: specs.Op
 @pytest.mark.parametrize(
     ("name", "config", "match"),
     [
-        ("Nadam", {}, "unknown optimizer 'nadam'"),
+        ("Muon", {}, "Muon is not supported server-side.*use AdamW or Lion"),
+        ("LossScaleOptimizer", {}, "loss scaling is done on the worker"),
+        ("ScheduleFreeAdamW", {}, "ScheduleFreeAdamW is not supported"),
         (
             "Adam",
             {
                 "learning_rate": {
-                    "module": "keras.optimizers.schedules",
-                    "class_name": "ExponentialDecay",
-                    "config": {"initial_learning_rate": 0.1, "decay_steps": 10, "decay_rate": 0.9},
-                    "registered_name": None,
+                    "module": None,
+                    "class_name": "MySchedule",
+                    "config": {},
+                    "registered_name": "MySchedule",
                 }
             },
-            "ExponentialDecay.*learning-rate schedules",
+            r"'MySchedule \(user-written\)' is not supported server-side",
         ),
-        ("Adam", {"weight_decay": 0.004}, "weight_decay=0.004 is not supported"),
-        ("SGD", {"clipnorm": 1.0}, "clipnorm=1.0 is not supported"),
-        ("SGD", {"global_clipnorm": 1.0}, "global_clipnorm"),
-        ("SGD", {"clipvalue": 0.5}, "clipvalue"),
-        ("SGD", {"use_ema": True}, "use_ema=True is not supported"),
-        ("SGD", {"loss_scale_factor": 128.0}, "loss_scale_factor"),
-        ("SGD", {"gradient_accumulation_steps": 4}, "gradient_accumulation_steps"),
+        (
+            "Adam",
+            {"learning_rate": {"module": "keras.optimizers.schedules", "class_name": "Warmup", "config": {}}},
+            "learning-rate schedule 'Warmup' is not supported server-side",
+        ),
+        ("SGD", {"clipnorm": 1.0, "clipvalue": 0.5}, "only one of `clipnorm`, `clipvalue`"),
+        ("SGD", {"clipnorm": 0.0}, "`clipnorm` must be > 0 or None"),
+        ("SGD", {"use_ema": True}, "use_ema=True is not supported.*EMA"),
+        ("SGD", {"loss_scale_factor": 128.0}, "loss_scale_factor=128.0 is not supported.*worker"),
+        ("SGD", {"gradient_accumulation_steps": 1}, "`gradient_accumulation_steps` must be an integer >= 2"),
+        ("SGD", {"gradient_accumulation_steps": 2.5}, "`gradient_accumulation_steps` must be an integer"),
+        ("AdamW", {"weight_decay": None}, "`weight_decay` must be a float"),
         ("SGD", {"beta_1": 0.9}, "unknown config key 'beta_1'"),
-        ("SGD", {"learning_rate": "fast"}, "learning_rate must be a number"),
-        ("SGD", {"momentum": 1.5}, r"momentum must be in \[0, 1\)"),
+        ("SGD", {"learning_rate": "fast"}, "`learning_rate` must be a number"),
+        ("SGD", {"momentum": 1.5}, r"`momentum` must be in \[0, 1\)"),
     ],
 )
 def test_optimizer_from_config_rejects_unsupported(name: str, config: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         specs.optimizer_from_config(name, config)
+
+
+# ---------------------------------------------------------------------------
+# The optimizers added for issue 9: generic contract, base-optimizer features, schedules, wire
+# ---------------------------------------------------------------------------
+
+NEW_VARIANTS: list[specs.Optimizer] = [
+    specs.AdamW(),
+    specs.Nadam(learning_rate=0.01),
+    specs.Adamax(learning_rate=0.01, beta_1=0.8),
+    specs.Adadelta(learning_rate=1.0),
+    specs.Ftrl(learning_rate=0.1, l1_regularization_strength=0.01, l2_shrinkage_regularization_strength=0.1),
+    specs.Lion(learning_rate=0.01),
+    specs.Adafactor(learning_rate=0.1),
+    specs.Lamb(learning_rate=0.01),
+    specs.SGD(learning_rate=0.1, momentum=0.9, weight_decay=0.01, clipnorm=0.5),
+    specs.Adam(learning_rate=0.01, clipvalue=0.2, gradient_accumulation_steps=2),
+    specs.Nadam(learning_rate=specs.CosineDecay(0.01, 10, warmup_target=0.1, warmup_steps=2)),
+    specs.RMSprop(
+        learning_rate=specs.PiecewiseConstantDecay((1, 2), (0.1, 0.01, 0.001)), global_clipnorm=1.0
+    ),
+    specs.Lion(learning_rate=specs.ExponentialDecay(0.01, 3, 0.5, staircase=True)),
+    specs.Adagrad(learning_rate=specs.PolynomialDecay(0.1, 5, cycle=True)),
+    specs.Ftrl(learning_rate=specs.InverseTimeDecay(0.1, 2, 0.5)),
+    specs.Lamb(learning_rate=specs.CosineDecayRestarts(0.1, 2, t_mul=1.5, m_mul=0.9, alpha=0.1)),
+]
+
+
+@pytest.mark.parametrize("opt", NEW_VARIANTS, ids=_ids)
+def test_new_spec_round_trip_client_proto_server(opt: specs.Optimizer) -> None:
+    wire = ps_pb2.OptimizerSpec.FromString(opt.to_proto().SerializeToString())
+    assert specs.optimizer_from_proto(wire) == opt
+    assert hash(specs.optimizer_from_proto(wire)) == hash(opt)
+    assert type(opt).from_proto(wire) == opt
+    assert server.from_spec(wire).config == opt
+    assert server.from_spec(wire).name == opt.name
+    # Deterministic bytes: the store compares specs by their serialization.
+    again = specs.optimizer_from_proto(wire).to_proto()
+    assert again.SerializeToString(deterministic=True) == wire.SerializeToString(deterministic=True)
+
+
+@pytest.mark.parametrize("opt", NEW_VARIANTS, ids=_ids)
+def test_new_blocks_give_the_same_result_as_one_pass(opt: specs.Optimizer, monkeypatch) -> None:
+    rng = np.random.default_rng(11)
+    w0 = rng.standard_normal((7, 9)).astype(np.float32)
+    grads = [rng.standard_normal((7, 9)).astype(np.float32) for _ in range(4)]
+    whole, whole_slots = _run(opt, w0, grads)
+    monkeypatch.setattr(server, "BLOCK_ELEMENTS", 5)
+    blocked, blocked_slots = _run(opt, w0, grads)
+    for a, b in zip(whole, blocked, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for name in whole_slots:
+        np.testing.assert_array_equal(whole_slots[name], blocked_slots[name])
+
+
+@pytest.mark.parametrize("opt", NEW_VARIANTS, ids=_ids)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_new_apply_contract(opt: specs.Optimizer, dtype) -> None:
+    rng = np.random.default_rng(5)
+    value = rng.standard_normal((3, 4)).astype(dtype)
+    before = value.copy()
+    value.flags.writeable = False
+    impl = server.from_config(opt)
+    slots = impl.init_slots(value)
+    assert tuple(slots) == tuple(impl.slot_shapes(value.shape))
+    assert all(slots[k].shape == shape for k, shape in impl.slot_shapes(value.shape).items())
+    new = value
+    for step in range(2):
+        new = impl.apply(new, rng.standard_normal((3, 4)).astype(dtype), slots, step)
+    np.testing.assert_array_equal(value, before)
+    assert new.dtype == value.dtype and new.shape == value.shape and new.flags.c_contiguous
+    assert np.isfinite(new).all()
+    assert not np.array_equal(new, value)
+
+
+def test_slot_shapes_of_the_new_optimizers() -> None:
+    shape = (2, 3, 4)
+    assert server.from_config(specs.Nadam()).slot_shapes(shape) == {
+        "momentum": shape,
+        "velocity": shape,
+        "u_product": (),
+    }
+    assert server.from_config(specs.Adafactor()).slot_shapes(shape) == {"r": (2, 3), "c": (2, 4)}
+    assert server.from_config(specs.Adafactor()).slot_shapes((5,)) == {"velocity": (5,)}
+    assert server.from_config(specs.Ftrl(initial_accumulator_value=0.5)).init_slots(np.zeros(2))[
+        "accumulator"
+    ].tolist() == [0.5, 0.5]
+    assert server.from_config(specs.SGD(gradient_accumulation_steps=2)).slot_shapes((3,)) == {
+        "gradient_accumulator": (3,)
+    }
+    assert server.from_config(specs.Adafactor()).needs_whole_variable
+    assert server.from_config(specs.Lamb()).needs_whole_variable
+    assert server.from_config(specs.Adam(clipnorm=1.0)).needs_whole_variable
+    assert not server.from_config(specs.Adam(clipvalue=1.0)).needs_whole_variable
+
+
+def test_weight_decay_clipping_and_accumulation_by_hand() -> None:
+    one = np.ones(4)
+    # weight decay first (w - w * wd * lr), then the rule: 1 - 0.5 * 0.1 - 0.1 * 1
+    impl = server.from_config(specs.SGD(learning_rate=0.1, weight_decay=0.5))
+    np.testing.assert_allclose(impl.apply(one, one, {}, 0), np.full(4, 0.85))
+    # clipnorm: ||g|| = 2 clipped to 1, so g = 0.5 each
+    impl = server.from_config(specs.SGD(learning_rate=1.0, clipnorm=1.0))
+    np.testing.assert_allclose(impl.apply(one, one, {}, 0), np.full(4, 0.5))
+    # a gradient already inside the norm is left alone
+    np.testing.assert_allclose(impl.apply(one, one * 0.1, {}, 0), np.full(4, 0.9))
+    # clipvalue
+    impl = server.from_config(specs.SGD(learning_rate=1.0, clipvalue=0.25))
+    np.testing.assert_allclose(
+        impl.apply(one, np.array([-1.0, 0.1, 2.0, 0.0]), {}, 0), [1.25, 0.9, 0.75, 1.0]
+    )
+    # global_clipnorm is the worker's: the shard ignores it
+    impl = server.from_config(specs.SGD(learning_rate=1.0, global_clipnorm=0.001))
+    np.testing.assert_allclose(impl.apply(one, one, {}, 0), np.zeros(4))
+    # accumulation: pushes 0 and 1 accumulate, push 2 applies the mean of the three
+    impl = server.from_config(specs.SGD(learning_rate=1.0, gradient_accumulation_steps=3))
+    slots = impl.init_slots(one)
+    w = one
+    for i, g in enumerate([1.0, 2.0, 6.0]):
+        w = impl.apply(w, np.full(4, g), slots, i)
+        expected = 1.0 if i < 2 else 1.0 - 3.0
+        np.testing.assert_allclose(w, np.full(4, expected))
+    np.testing.assert_array_equal(slots["gradient_accumulator"], np.zeros(4))
+
+
+def test_accumulated_adam_counts_applied_updates_for_bias_correction() -> None:
+    plain = server.from_config(specs.Adam(learning_rate=0.1, epsilon=0.0))
+    accumulated = server.from_config(
+        specs.Adam(learning_rate=0.1, epsilon=0.0, gradient_accumulation_steps=2)
+    )
+    w = np.array([1.0])
+    s1, s2 = plain.init_slots(w), accumulated.init_slots(w)
+    a = plain.apply(w, np.array([0.5]), s1, 0)
+    b = accumulated.apply(accumulated.apply(w, np.array([0.2]), s2, 0), np.array([0.8]), s2, 1)
+    np.testing.assert_allclose(b, a, rtol=1e-12)  # mean 0.5 at bias-correction step 1
+
+
+def test_schedules_by_hand() -> None:
+    assert specs.ExponentialDecay(1.0, 2, 0.5)(4) == 0.25
+    assert specs.ExponentialDecay(1.0, 2, 0.5, staircase=True)(3) == 0.5
+    pcd = specs.PiecewiseConstantDecay((2, 4.9), (1.0, 0.5, 0.25))
+    assert [pcd(s) for s in range(6)] == [1.0, 1.0, 1.0, 0.5, 0.5, 0.25]  # 4.9 truncates to 4
+    assert specs.PolynomialDecay(1.0, 10, end_learning_rate=0.0)(5) == 0.5
+    assert specs.PolynomialDecay(1.0, 10, end_learning_rate=0.0)(50) == 0.0
+    assert specs.PolynomialDecay(1.0, 10, end_learning_rate=0.0, cycle=True)(15) == pytest.approx(0.25)
+    assert specs.InverseTimeDecay(1.0, 1, 1.0)(3) == 0.25
+    cosine = specs.CosineDecay(1.0, 10, alpha=0.0)
+    assert cosine(0) == 1.0 and cosine(5) == pytest.approx(0.5) and cosine(10) == pytest.approx(0.0, abs=1e-7)
+    warm = specs.CosineDecay(0.0, 10, warmup_target=1.0, warmup_steps=4)
+    assert [warm(s) for s in (0, 2, 4)] == [0.0, 0.5, 1.0]
+    restarts = specs.CosineDecayRestarts(1.0, 2, t_mul=1.0, m_mul=0.5)
+    assert restarts(2) == 0.5 and restarts(4) == 0.25
+    # the shard uses the schedule at the iteration (before the step), as Keras does
+    impl = server.from_config(specs.SGD(learning_rate=specs.ExponentialDecay(1.0, 1, 0.5)))
+    assert [impl.learning_rate(i) for i in range(3)] == [1.0, 0.5, 0.25]
+    np.testing.assert_allclose(impl.apply(np.ones(2), np.ones(2), {}, 2), [0.75, 0.75])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: specs.ExponentialDecay(0.1, 0, 0.5), "ExponentialDecay: Argument `decay_steps` must be > 0"),
+        (lambda: specs.PolynomialDecay(0.1, -1), "`decay_steps` must be > 0"),
+        (lambda: specs.InverseTimeDecay(0.1, 0, 1.0), "`decay_steps` must be > 0"),
+        (lambda: specs.CosineDecay(0.1, 0), "`decay_steps` must be > 0"),
+        (lambda: specs.CosineDecay(0.1, 10, warmup_steps=-1), "`warmup_steps` must be >= 0"),
+        (lambda: specs.CosineDecayRestarts(0.1, 0), "`first_decay_steps` must be > 0"),
+        (lambda: specs.PiecewiseConstantDecay((), (1.0,)), "`boundaries` must be a non-empty sequence"),
+        (lambda: specs.PiecewiseConstantDecay((1,), (1.0,)), "`values` must be one longer"),
+        (lambda: specs.PiecewiseConstantDecay("ab", (1.0,)), "`boundaries` must be a sequence of numbers"),
+        (lambda: specs.ExponentialDecay(math.nan, 1, 0.5), "`initial_learning_rate` must be finite"),
+        (
+            lambda: specs.SGD(learning_rate="fast"),
+            "`learning_rate` must be a number or a LearningRateSchedule",
+        ),
+        (lambda: specs.SGD(weight_decay=-0.1), "`weight_decay` must be >= 0 or None"),
+        (lambda: specs.SGD(clipvalue=-1.0), "`clipvalue` must be > 0 or None"),
+        (lambda: specs.SGD(global_clipnorm=0.0), "`global_clipnorm` must be > 0 or None"),
+        (lambda: specs.SGD(clipnorm=1.0, global_clipnorm=1.0), "only one of"),
+        (
+            lambda: specs.SGD(gradient_accumulation_steps=1),
+            "`gradient_accumulation_steps` must be an integer >= 2",
+        ),
+        (
+            lambda: specs.SGD(gradient_accumulation_steps=True),
+            "`gradient_accumulation_steps` must be an integer",
+        ),
+        (lambda: specs.AdamW(weight_decay=None), "AdamW: Argument `weight_decay` must be a float"),
+        (lambda: specs.Nadam(beta_1=1.0), r"Nadam: Argument `beta_1` must be in \[0, 1\)"),
+        (lambda: specs.Adamax(epsilon=-1.0), "Adamax: Argument `epsilon` must be >= 0"),
+        (lambda: specs.Adadelta(rho=1.0), r"Adadelta: Argument `rho` must be in \[0, 1\)"),
+        (lambda: specs.Ftrl(learning_rate_power=0.5), "Ftrl: Argument `learning_rate_power` must be <= 0"),
+        (lambda: specs.Ftrl(l1_regularization_strength=-1), "`l1_regularization_strength` must be >= 0"),
+        (lambda: specs.Ftrl(beta=-1), "Ftrl: Argument `beta` must be >= 0"),
+        (lambda: specs.Lion(beta_1=0.0), r"Lion: Argument `beta_1` must be in \(0, 1\]"),
+        (lambda: specs.Lion(beta_2=1.5), r"`beta_2` must be in \[0, 1\]"),
+        (lambda: specs.Adafactor(clip_threshold=0), "Adafactor: Argument `clip_threshold` must be > 0"),
+        (lambda: specs.Adafactor(beta_2_decay=0.5), "`beta_2_decay` must be <= 0"),
+        (lambda: specs.Adafactor(relative_step=1), "`relative_step` must be a bool"),
+        (lambda: specs.Lamb(beta_2=1.0), r"Lamb: Argument `beta_2` must be in \[0, 1\)"),
+    ],
+)
+def test_new_spec_validation_names_the_field(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_abstract_bases_cannot_be_built() -> None:
+    with pytest.raises(TypeError, match="abstract"):
+        specs.Optimizer()
+    with pytest.raises(TypeError, match="abstract"):
+        specs.LearningRateSchedule()
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        (
+            ps_pb2.OptimizerSpec(
+                name="sgd",
+                params={"learning_rate": 0.1},
+                learning_rate_schedule=ps_pb2.LearningRateSchedule(
+                    name="ExponentialDecay",
+                    params={"initial_learning_rate": 0.1, "decay_steps": 1, "decay_rate": 1},
+                ),
+            ),
+            "are both set",
+        ),
+        (
+            ps_pb2.OptimizerSpec(
+                name="sgd", learning_rate_schedule=ps_pb2.LearningRateSchedule(name="Halving")
+            ),
+            "'Halving' is not supported server-side",
+        ),
+        (
+            ps_pb2.OptimizerSpec(
+                name="sgd",
+                learning_rate_schedule=ps_pb2.LearningRateSchedule(name="CosineDecay", params={"x": 1}),
+            ),
+            "no parameter 'x'",
+        ),
+        (
+            ps_pb2.OptimizerSpec(
+                name="sgd",
+                learning_rate_schedule=ps_pb2.LearningRateSchedule(
+                    name="CosineDecay", params={"initial_learning_rate": 0.1}
+                ),
+            ),
+            "CosineDecay.*decay_steps",
+        ),
+        (
+            ps_pb2.OptimizerSpec(
+                name="sgd",
+                learning_rate_schedule=ps_pb2.LearningRateSchedule(
+                    name="ExponentialDecay",
+                    params={"initial_learning_rate": 0.1, "decay_steps": 1, "decay_rate": 1},
+                    boundaries=[1.0],
+                ),
+            ),
+            "takes no boundaries",
+        ),
+        (ps_pb2.OptimizerSpec(name="sgd", params={"gradient_accumulation_steps": 2.5}), "must be an integer"),
+        (ps_pb2.OptimizerSpec(name="sgd", params={"clipnorm": 1, "clipvalue": 1}), "only one of"),
+    ],
+)
+def test_bad_wire_schedules_and_options(spec: ps_pb2.OptimizerSpec, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        specs.optimizer_from_proto(spec)
+    with pytest.raises(ValueError, match=match):
+        server.from_spec(spec)
+
+
+def test_old_specs_keep_their_wire_bytes() -> None:
+    # Options that are off are left out, so specs from before issue 9 (and their checkpoints) are unchanged.
+    assert set(specs.SGD().to_proto().params) == {"learning_rate", "momentum", "nesterov"}
+    assert not specs.SGD().to_proto().HasField("learning_rate_schedule")
+
+
+def test_optimizer_from_keras_names_dicts_and_specs() -> None:
+    assert specs.optimizer_from_keras("adam") == specs.Adam()
+    assert specs.optimizer_from_keras("Nadam") == specs.Nadam()
+    assert specs.optimizer_from_keras("adam_w") == specs.AdamW()
+    assert specs.optimizer_from_keras({"class_name": "SGD", "config": {"momentum": 0.5}}) == specs.SGD(
+        momentum=0.5
+    )
+    opt = specs.Lion()
+    assert specs.optimizer_from_keras(opt) is opt
+    config = {
+        "learning_rate": {
+            "module": "keras.optimizers.schedules",
+            "class_name": "CosineDecay",
+            "config": {
+                "initial_learning_rate": 0.1,
+                "decay_steps": 10,
+                "alpha": 0.0,
+                "name": "CosineDecay",
+                "warmup_target": None,
+                "warmup_steps": 0,
+            },
+            "registered_name": None,
+        },
+        "weight_decay": 0.01,
+        "clipnorm": 1.0,
+        "gradient_accumulation_steps": 4,
+    }
+    assert specs.optimizer_from_config("Adam", config) == specs.Adam(
+        learning_rate=specs.CosineDecay(0.1, 10),
+        weight_decay=0.01,
+        clipnorm=1.0,
+        gradient_accumulation_steps=4,
+    )
+    with pytest.raises(ValueError, match="unknown optimizer 'adamq'"):
+        specs.optimizer_from_keras("adamq")
+    with pytest.raises(ValueError, match="Muon is not supported"):
+        specs.optimizer_from_keras("muon")
+    with pytest.raises(ValueError, match="needs a 'class_name'"):
+        specs.optimizer_from_keras({"config": {}})
+    with pytest.raises(TypeError, match="Argument `optimizer` must be"):
+        specs.optimizer_from_keras(3)
+
+
+def test_clip_by_global_norm() -> None:
+    grads = [np.array([3.0], np.float32), None, np.array([[4.0]], np.float32)]
+    out = specs.clip_by_global_norm(grads, 1.0)
+    assert out[1] is None
+    np.testing.assert_allclose(out[0], [0.6], rtol=1e-6)
+    np.testing.assert_allclose(out[2], [[0.8]], rtol=1e-6)
+    assert out[0].dtype == np.float32
+    np.testing.assert_array_equal(specs.clip_by_global_norm(grads, 10.0)[0], grads[0])  # inside: unchanged
+    zeros = specs.clip_by_global_norm([np.zeros(2)], 1.0)
+    np.testing.assert_array_equal(zeros[0], np.zeros(2))
+    assert np.isnan(specs.clip_by_global_norm([np.array([np.inf, 1.0])], 1.0)[0]).all()
+    with pytest.raises(ValueError, match="`clipnorm` must be > 0"):
+        specs.clip_by_global_norm(grads, 0.0)
