@@ -21,6 +21,7 @@ from psclient.errors import (
     UnavailableError,
     UnimplementedError,
     UnknownError,
+    WorkerIdConflictError,
 )
 from psclient.optimizers import (
     SGD,
@@ -72,4 +73,5 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "UnknownError",
+    "WorkerIdConflictError",
 ]  # fmt: skip

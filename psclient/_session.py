@@ -7,7 +7,7 @@ pushes (the per-step gradients of most models) therefore go over a
 response answers the oldest unanswered one. A failed push comes back as its
 response's ``code``/``message`` and is raised as that status; a broken stream
 fails every push in flight with the stream's status (UNAVAILABLE is retried by
-the caller, as for a unary call: pushes are idempotent by ``(worker_id, seq)``).
+the caller, as for a unary call: pushes are idempotent by ``(worker_id, session, seq)``).
 
 The stream has a long deadline (every RPC has one) and is replaced by a fresh
 one well before it runs out.
@@ -25,6 +25,8 @@ from typing import Any
 
 import grpc
 
+from psclient.errors import ERROR_REASON_KEY
+
 log = logging.getLogger(__name__)
 
 STREAM_DEADLINE_S = 3600.0  # deadline of one session stream
@@ -38,16 +40,21 @@ class SessionUnsupported(Exception):
 class SessionError(grpc.RpcError):
     """One push's failure, as reported in its PushSession response (reads like an aio RpcError)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
         super().__init__(details)
         self._code = code
         self._details = details
+        self._reason = reason
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
         return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The response's ``reason`` as a unary call's ``ps-error-reason`` trailing metadata."""
+        return ((ERROR_REASON_KEY, self._reason),) if self._reason else ()
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -102,7 +109,8 @@ class PushSession:
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to the push within {timeout:.3g} s"
             ) from None
         if response.code:
-            raise SessionError(_CODES.get(response.code, grpc.StatusCode.UNKNOWN), response.message)
+            code = _CODES.get(response.code, grpc.StatusCode.UNKNOWN)
+            raise SessionError(code, response.message, response.reason)
         return response
 
     def _rotate(self) -> None:

@@ -12,6 +12,7 @@ The tree (names as in ``tf.errors``; every class carries ``.code``)::
     ├── PermissionDeniedError          PERMISSION_DENIED
     ├── ResourceExhaustedError         RESOURCE_EXHAUSTED message too large, overloaded
     ├── FailedPreconditionError        FAILED_PRECONDITION
+    │   └── WorkerIdConflictError                         two live clients push with one worker_id
     ├── AbortedError                   ABORTED            e.g. a stale step dropped in sync mode
     ├── OutOfRangeError                OUT_OF_RANGE
     ├── UnimplementedError             UNIMPLEMENTED
@@ -21,6 +22,10 @@ The tree (names as in ``tf.errors``; every class carries ``.code``)::
     └── UnauthenticatedError           UNAUTHENTICATED    missing or wrong auth token
 
 ``PSError.retryable`` says whether retrying the same call can succeed.
+
+A more specific class than the code's is chosen by the reason the server sends
+with the status (trailing metadata ``ps-error-reason``; in a PushSession, the
+response's ``reason``), never by the message text.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from collections.abc import Iterator
 from typing import ClassVar
 
 import grpc
+
+ERROR_REASON_KEY = "ps-error-reason"  # trailing metadata: a machine-readable reason for the status
+WORKER_ID_CONFLICT = "worker_id_conflict"
 
 
 class PSError(Exception):
@@ -91,6 +99,15 @@ class FailedPreconditionError(PSError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class WorkerIdConflictError(FailedPreconditionError):
+    """Two live clients push with the same ``worker_id`` (this one is the older session).
+
+    The shard applies pushes once per ``(worker_id, session, seq)``; a newer
+    client with the same id took over, and this client's pushes are refused
+    (nothing of them applied). Not retryable: give each worker its own id.
+    """
+
+
 class AbortedError(PSError):
     code = grpc.StatusCode.ABORTED
 
@@ -143,16 +160,34 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[PSError]] = {
 }
 
 
-def error_class(code: grpc.StatusCode) -> type[PSError]:
-    """The exception class for a status code (``UnknownError`` for any code without one)."""
-    return _STATUS_TO_ERROR.get(code, UnknownError)
+_REASON_TO_ERROR: dict[tuple[grpc.StatusCode, str], type[PSError]] = {
+    (WorkerIdConflictError.code, WORKER_ID_CONFLICT): WorkerIdConflictError,
+}
+
+
+def error_class(code: grpc.StatusCode, reason: str = "") -> type[PSError]:
+    """The exception class for a status code and the server's reason (``UnknownError``: unknown code)."""
+    return _REASON_TO_ERROR.get((code, reason)) or _STATUS_TO_ERROR.get(code, UnknownError)
+
+
+def error_reason(err: grpc.RpcError) -> str:
+    """The ``ps-error-reason`` trailing metadata of a failed call ("" when absent)."""
+    trailing = getattr(err, "trailing_metadata", None)
+    try:
+        metadata = trailing() if callable(trailing) else None
+    except Exception:  # a call object that cannot report it
+        return ""
+    for key, value in metadata or ():
+        if key == ERROR_REASON_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def from_rpc_error(err: grpc.RpcError, *, method: str | None = None, address: str | None = None) -> PSError:
     """Converts a ``grpc.RpcError`` (sync or aio) into the matching ``PSError``."""
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
-    return error_class(code)(details or code.name, method=method, address=address)
+    return error_class(code, error_reason(err))(details or code.name, method=method, address=address)
 
 
 @contextlib.contextmanager

@@ -11,10 +11,19 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
 
       {"format": "psserver-checkpoint", "format_version": 1, "id": 7,
        "created_unix": 1700000000.0, "shard": 0, "num_shards": 2, "mode": "async",
-       "mode_state": {...}, "dedup": {"<worker_id>": [floor, [seq, ...]]},
+       "mode_state": {...},
+       "dedup_sessions": {"<worker_id>": [[session, floor, [seq, ...]], ...]},
+       "dedup": {"<worker_id>": [floor, [seq, ...]]},
        "variables": [{"spec": <VariableSpec as protobuf JSON>, "version": 42,
                       "value": "a0", "slots": {"momentum": "a1"},
                       "crc32": {"a0": 123, "a1": 456}}, ...]}
+
+  ``dedup_sessions`` is the push dedup table: per worker id its client
+  sessions, oldest first (the last is the current one), each with its window of
+  applied sequence numbers. ``dedup`` is the current session's window alone,
+  what files written before sessions existed hold (such a file loads as session
+  0, the session of clients that send none; a newer client's session then
+  takes over).
 
 - ``a0``, ``a1``, ...: the stored tensors (values and optimizer slots, shaped as
   stored: partitions are 1-D) named by the manifest.
@@ -61,7 +70,7 @@ from psclient.placement import DEFAULT_PARTITION_BYTES, plan
 from psproto.v1 import ps_pb2
 from psserver import optimizers
 from psserver.modes import Mode
-from psserver.store import Store, Variable
+from psserver.store import SessionState, Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +113,7 @@ class Snapshot:
     num_shards: int
     mode: str
     tensors: list[StoredTensor]
-    dedup: dict[str, tuple[int, list[int]]]
+    dedup: dict[str, SessionState]  # worker_id -> [(session, floor, seqs)], oldest first
     mode_state: dict[str, Any]
     id: int = 0
     created_unix: float = 0.0
@@ -177,7 +186,15 @@ def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
         "num_shards": snapshot.num_shards,
         "mode": snapshot.mode,
         "mode_state": snapshot.mode_state,
-        "dedup": {w: [int(floor), [int(s) for s in seen]] for w, (floor, seen) in snapshot.dedup.items()},
+        "dedup_sessions": {
+            w: [[int(session), int(floor), [int(s) for s in seen]] for session, floor, seen in entries]
+            for w, entries in snapshot.dedup.items()
+        },
+        "dedup": {  # for readers from before sessions: the current session's window
+            w: [int(entries[-1][1]), [int(s) for s in entries[-1][2]]]
+            for w, entries in snapshot.dedup.items()
+            if entries
+        },
         "variables": entries,
     }
     arrays["manifest"] = np.frombuffer(json.dumps(manifest, sort_keys=True).encode(), dtype=np.uint8)
@@ -279,7 +296,7 @@ def load(f: BinaryIO, label: str) -> Snapshot:
         with np.load(f, allow_pickle=False) as z:
             manifest = _parse_manifest(z, path)
             tensors = [_read_tensor(z, entry) for entry in manifest["variables"]]
-        dedup = {str(w): (int(fl), [int(s) for s in seen]) for w, (fl, seen) in manifest["dedup"].items()}
+        dedup = _read_dedup(manifest)
         snap = Snapshot(
             shard=int(manifest["shard"]),
             num_shards=int(manifest["num_shards"]),
@@ -421,11 +438,6 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
                     },
                 )
             )
-    dedup: dict[str, tuple[int, set[int]]] = {}
-    for snap in snapshots:
-        for worker, (floor, seen) in snap.dedup.items():
-            f0, s0 = dedup.get(worker, (-1, set()))
-            dedup[worker] = (max(f0, floor), s0 | set(seen))
     by_index = {s.shard: s for s in snapshots}
     source = by_index.get(shard, snapshots[0])
     return Snapshot(
@@ -433,9 +445,38 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
         num_shards=num_shards,
         mode=source.mode,
         tensors=tensors,
-        dedup={w: (f, sorted(s for s in seen if s > f)) for w, (f, seen) in dedup.items()},
+        dedup=_merge_dedup([source, *(s for s in snapshots if s is not source)]),
         mode_state=source.mode_state,
     )
+
+
+def _merge_dedup(snapshots: list[Snapshot]) -> dict[str, SessionState]:
+    """The union of dedup tables (windows of one session merged); ``snapshots[0]`` orders the sessions.
+
+    A worker id's sessions keep the order of their first appearance, the first
+    snapshot's first, so its current session stays the current one.
+    """
+    merged: dict[str, dict[int, tuple[int, set[int]]]] = {}
+    for snap in reversed(snapshots):  # the first snapshot last: its order wins
+        for worker, entries in snap.dedup.items():
+            sessions = merged.setdefault(worker, {})
+            for session, floor, seen in entries:
+                f0, s0 = sessions.pop(session, (-1, set()))
+                sessions[session] = (max(f0, floor), s0 | set(seen))
+    return {
+        w: [(session, f, sorted(s for s in seen if s > f)) for session, (f, seen) in sessions.items()]
+        for w, sessions in merged.items()
+    }
+
+
+def _read_dedup(manifest: Mapping[str, Any]) -> dict[str, SessionState]:
+    if "dedup_sessions" in manifest:
+        return {
+            str(w): [(int(session), int(fl), [int(s) for s in seen]) for session, fl, seen in entries]
+            for w, entries in manifest["dedup_sessions"].items()
+        }
+    # Written before client sessions existed: one window per worker id, as session 0.
+    return {str(w): [(0, int(fl), [int(s) for s in seen])] for w, (fl, seen) in manifest["dedup"].items()}
 
 
 # -- the shard's checkpointer -----------------------------------------------------
@@ -461,9 +502,13 @@ async def take_snapshot(
         variables = store.variables()
         states = [(v.spec, *v.state) for v in variables]
         exclude = set(held) | set(mode.pending_claims())
-        dedup = {}
-        for worker, (floor, seen) in store.dedup_state().items():
-            dedup[worker] = (floor, [s for s in seen if (worker, s) not in exclude])
+        dedup = {
+            worker: [
+                (session, floor, [s for s in seen if (worker, session, s) not in exclude])
+                for session, floor, seen in entries
+            ]
+            for worker, entries in store.dedup_state().items()
+        }
         mode_state = mode.state_dict()
         if while_quiesced is not None:
             while_quiesced()

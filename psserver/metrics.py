@@ -519,10 +519,12 @@ class MeteredMode:
     def wrapped(self) -> Mode:
         return self._mode
 
-    async def push(self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray]) -> PushOutcome:
+    async def push(
+        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+    ) -> PushOutcome:
         token = self._metrics.wait_begin("push", worker_id, step)
         try:
-            return await self._mode.push(worker_id, seq, step, grads)
+            return await self._mode.push(worker_id, seq, step, grads, session)
         finally:
             self._metrics.wait_end(token)
 

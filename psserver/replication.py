@@ -6,7 +6,7 @@ taken at the instant the backup is attached, then with every update it applies
 from then on: creates, and each push's gradients with the version each one
 produced. The backup applies them with the same optimizer code, per variable in
 version order, so its values and slots stay bit-identical to the primary's, and
-records each push's ``(worker_id, seq)`` in its dedup table. The primary
+records each push's ``(worker_id, session, seq)`` in its dedup table. The primary
 answers a push only after the backup has acknowledged its update, so an
 acknowledged update is on both processes: ``kill -9`` of the primary loses none.
 
@@ -156,13 +156,21 @@ class Primary:
         link.outbox.put_nowait(None)
 
     async def forward_push(
-        self, worker_id: str, seq: int, grads: Mapping[str, np.ndarray], versions: Sequence[int]
+        self,
+        worker_id: str,
+        seq: int,
+        grads: Mapping[str, np.ndarray],
+        versions: Sequence[int],
+        *,
+        session: int = 0,
     ) -> None:
         """Sends an applied push to the backup and waits for its acknowledgement (no-op without one)."""
         link = self._link
         if link is None:
             return
-        header = ps_pb2.ReplicateResponse(worker_id=worker_id, seq=seq, versions=list(versions))
+        header = ps_pb2.ReplicateResponse(
+            worker_id=worker_id, seq=seq, session=session, versions=list(versions)
+        )
         await self._forward(link, header, list(grads.items()))
 
     async def forward_create(
@@ -353,7 +361,9 @@ class Backup:
             raise RuntimeError(
                 f"update {message.id}: {len(tensors)} gradients, {len(message.versions)} versions"
             )
-        self.store.claim(message.worker_id, message.seq)
+        # Recorded, not claimed: the primary already decided (its order of claims may differ from
+        # this order of applied updates, so a takeover must not refuse anything here).
+        self.store.record(message.worker_id, message.seq, message.session)
         self._remaining[message.id] = len(tensors)
         for (name, grad), version in zip(tensors.items(), message.versions, strict=True):
             self._early.setdefault(name, {})[version] = (grad, message.id)

@@ -50,6 +50,12 @@ def test_public_api_errors_are_ps_errors_with_a_status_code() -> None:
             assert isinstance(obj.code, grpc.StatusCode)
 
 
+def test_public_api_worker_id_conflict_is_a_failed_precondition() -> None:
+    assert issubclass(psclient.WorkerIdConflictError, psclient.FailedPreconditionError)
+    assert psclient.WorkerIdConflictError.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not psclient.WorkerIdConflictError.retryable
+
+
 def test_public_api_sync_and_async_clients_have_the_same_methods_and_signatures() -> None:
     for method in CLIENT_METHODS:
         sync, aio = getattr(psclient.PSClient, method), getattr(psclient.AsyncPSClient, method)

@@ -222,11 +222,11 @@ def test_truncated_and_foreign_files_are_rejected(tmp_path: Path) -> None:
         shard=0, num_shards=1, mode="async",
         tensors=[checkpoint.StoredTensor(ps_pb2.VariableSpec(name="v", dtype=ps_pb2.DTYPE_FLOAT32, shape=[3]),
                                          np.arange(3, dtype=np.float32), 2, {})],
-        dedup={"w": (-1, [1, 2])}, mode_state={},
+        dedup={"w": [(7, -1, [1, 2])]}, mode_state={},
     )  # fmt: skip
     path = checkpoint.write(snap, tmp_path, 1)
     back = checkpoint.read(path)
-    assert back.tensors[0].version == 2 and back.dedup == {"w": (-1, [1, 2])}
+    assert back.tensors[0].version == 2 and back.dedup == {"w": [(7, -1, [1, 2])]}
     whole = path.read_bytes()
     for cut in (0, 10, len(whole) // 2, len(whole) - 1):
         path.write_bytes(whole[:cut])
