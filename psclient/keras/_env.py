@@ -70,11 +70,17 @@ class Distribution:
             return AllReduceOptimizer(keras.optimizers.get(optimizer), self.worker)
         return optimizer
 
-    def callbacks(self) -> list[Any]:
-        """The callbacks ``fit`` needs in this mode (a new one per call; none when local)."""
+    def callbacks(self, *chief_only: Any) -> list[Any]:
+        """The callbacks ``fit`` needs in this mode (new ones per call; none when local).
+
+        Args:
+            *chief_only: callbacks to run on worker 0 only (``ModelCheckpoint``, ``TensorBoard``,
+                ``CSVLogger``: one writer per file, not one per worker).
+        """
+        mine = list(chief_only) if self.is_chief else []
         if self.worker is None:
-            return []
-        return [self.worker.callback()]
+            return mine
+        return [*mine, self.worker.callback()]
 
     def close(self) -> None:
         """Closes the worker's client or ring. Idempotent."""

@@ -152,7 +152,8 @@ class PSWorker:
         worker_index: this worker's index; worker 0 (the chief) creates the variables.
             Default: this task's rank in ``TF_CONFIG`` (chief, then workers), else 0.
         num_workers: number of workers (default: from ``TF_CONFIG``, else 1).
-        mode: the shards' mode: ``"async"``, ``"sync"`` or ``"ssp"``.
+        mode: the shards' mode: ``"async"``, ``"sync"`` or ``"ssp"``; default: asked from the shards
+            (a mode given that differs from theirs is refused when attaching).
         overlap: async/ssp: overlap step k's push_pull with step k+1's compute.
         worker_id: the id the shards know this worker by (default ``worker<index>``); unique per worker.
         client: an existing ``PSClient`` to use (its addresses win).
@@ -171,22 +172,24 @@ class PSWorker:
         *,
         worker_index: int | None = None,
         num_workers: int | None = None,
-        mode: str = "async",
+        mode: str | None = None,
         overlap: bool = True,
         worker_id: str | None = None,
         client: PSClient | None = None,
         attach_timeout: float = 120.0,
         **client_options: Any,
     ) -> None:
-        if mode not in MODES:
+        if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         worker_index, num_workers = _worker_from_tf_config(worker_index, num_workers)
         if not 0 <= worker_index < max(1, num_workers):
             raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
-        self.mode = mode
+        self._given_mode = mode
+        self.mode = mode or "async"  # until the shards are asked (attach)
+        self._overlap = overlap
         self.worker_index = worker_index
         self.num_workers = num_workers
-        self.overlap = overlap and mode != "sync"
+        self.overlap = overlap and self.mode != "sync"
         self.attach_timeout = attach_timeout
         if client is None:
             if addresses is None:
@@ -249,6 +252,8 @@ class PSWorker:
             DeadlineExceededError: a non-chief worker waited ``attach_timeout`` for the chief.
             PSError: a shard failed, or the variables exist with a different spec.
         """
+        if not self._attached:
+            self._check_mode()
         if isinstance(model_or_variables, keras.Model):
             model = model_or_variables
             named = model_variable_names(model)
@@ -267,6 +272,19 @@ class PSWorker:
         self._attached = True
         if self._vars:
             self.refresh()
+
+    def _check_mode(self) -> None:
+        """Takes the mode from the shards; refuses a given mode that differs (it would train wrongly)."""
+        modes = sorted({s.mode for s in self.client.status()})
+        if len(modes) != 1:
+            raise ValueError(f"the shards run in different modes ({', '.join(modes)}); restart them alike")
+        if self._given_mode is not None and modes[0] != self._given_mode:
+            raise ValueError(
+                f"this worker was started for {self._given_mode!r} mode but the shards run in {modes[0]!r} "
+                f"mode: start the shards with --mode {self._given_mode}, or the worker with mode={modes[0]!r}"
+            )
+        self.mode = modes[0]
+        self.overlap = self._overlap and self.mode != "sync"
 
     def _register(self, groups: list[tuple[list[Any], Optimizer]]) -> list[str]:
         """Creates or finds variables with their specs; returns the names new to this worker."""
