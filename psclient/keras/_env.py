@@ -82,6 +82,25 @@ class Distribution:
             return mine
         return [*mine, self.worker.callback()]
 
+    def attach(self, model: keras.Model, optimizer: Any = None) -> None:
+        """For a ``GradientTape`` loop, before the first step: the parameter server's variables are
+        created or found and loaded (``PSWorker.attach``); on the ring, rank 0's weights are broadcast.
+
+        Args:
+            model: the built model.
+            optimizer: the optimizer the loop applies (``dist.optimizer(...)``'s result).
+        """
+        if isinstance(self.worker, PSWorker):
+            self.worker.attach(model, optimizer)
+        elif isinstance(self.worker, AllReduceWorker):
+            self.worker.broadcast_variables(model)
+
+    def finish(self) -> None:
+        """For a ``GradientTape`` loop, after the last step: the parameter server's final values are
+        loaded (and sync/ssp barriers stop waiting for this worker)."""
+        if isinstance(self.worker, PSWorker):
+            self.worker.finish()
+
     def close(self) -> None:
         """Closes the worker's client or ring. Idempotent."""
         if self.worker is not None:
