@@ -18,7 +18,7 @@ from psclient import _requests as rq
 from psclient import _retry, _session, codec
 from psclient.config import ClientConfig
 from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
-from psclient.optimizers import SGD, Optimizer
+from psclient.optimizers import SGD, Optimizer, optimizer_from_proto
 from psclient.placement import plan
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 
@@ -563,6 +563,87 @@ class AsyncPSClient:
 
         return await gather(one(s) for s in range(self.num_shards))
 
+    # -- optimizer hyper-parameters -------------------------------------------
+
+    async def set_learning_rate(self, learning_rate: float, names: Iterable[str] | None = None) -> list[str]:
+        """Sets the learning rate of existing variables on the shards, keeping their optimizer slots.
+
+        For Keras callbacks that change the rate during training
+        (``LearningRateScheduler``, ``ReduceLROnPlateau``): the next push to each
+        variable uses ``learning_rate`` exactly. The change is saved in
+        checkpoints and made on a shard's backup too. Afterwards
+        ``create`` is idempotent only with the new rate in the spec.
+
+        >>> await client.set_learning_rate(1e-4, ["dense/kernel", "dense/bias"])  # doctest: +SKIP
+
+        Args:
+            learning_rate: the new constant rate, > 0.
+            names: the variables (user-visible names); None: every variable on
+                the shards whose learning rate is a constant (those with a
+                schedule are left alone).
+
+        Returns:
+            The names of the variables changed, sorted.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: the rate is not > 0, or a named variable's
+                learning rate is a schedule (a schedule's rate cannot be set, as in Keras).
+            PSError: a shard failed.
+        """
+        return await self.update_optimizer({"learning_rate": learning_rate}, names)
+
+    async def update_optimizer(
+        self, params: Mapping[str, float], names: Iterable[str] | None = None
+    ) -> list[str]:
+        """Sets optimizer hyper-parameters (by Keras name) of existing variables, keeping their slots.
+
+        All or nothing per shard: a shard checks every one of its variables
+        before it changes any. The optimizer class and its slots cannot change
+        (SGD's momentum from 0, Adam's amsgrad and gradient_accumulation_steps
+        would change the slots).
+
+        Args:
+            params: e.g. ``{"learning_rate": 1e-4, "beta_1": 0.8}``.
+            names: the variables (user-visible names); None: every variable.
+
+        Returns:
+            The names of the variables changed, sorted.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: an unknown parameter, a value out of range, a
+                change of the slots, or a learning rate set on a schedule.
+            PSError: a shard failed.
+        """
+        params = {str(k): float(v) for k, v in params.items()}
+        if not params:
+            raise InvalidArgumentError("update_optimizer needs at least one hyper-parameter")
+        if names is None:
+            per_shard: dict[int, list[str]] = {s: [] for s in range(self.num_shards)}
+        else:
+            names = list(names)
+            per_shard = {}
+            for pieces in (await self._known(names)).values():
+                for piece in pieces:
+                    per_shard.setdefault(piece.shard, []).append(piece.stored_name)
+            # Checked here too, so that a change refused on one shard is not made on another.
+            for name, infos in (await self.list_variables(names)).items():
+                _check_optimizer_update(name, infos[0].spec.optimizer, params)
+        variable_of = {p.stored_name: p.variable for ps in self.registry.pieces.values() for p in ps}
+
+        async def one(shard: int, stored: list[str]) -> list[str]:
+            request = ps_pb2.UpdateOptimizerRequest(names=stored, params=params)
+            resp = await self._call(
+                shard,
+                "UpdateOptimizer",
+                lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
+            )
+            return list(resp.names)
+
+        changed = [n for names_ in await _each(one, per_shard) for n in names_]
+        return sorted({variable_of.get(n, n) for n in changed})
+
     # -- checkpoints --------------------------------------------------------
 
     async def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
@@ -580,6 +661,22 @@ class AsyncPSClient:
             )
 
         return await gather(one(s) for s in range(self.num_shards))
+
+
+def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mapping[str, float]) -> None:
+    """Raises InvalidArgumentError where a shard would refuse ``params`` for a variable with ``spec``."""
+    if "learning_rate" in params and spec.HasField("learning_rate_schedule"):
+        raise InvalidArgumentError(
+            f"variable {name!r}: its learning rate is a schedule ({spec.learning_rate_schedule.name}), "
+            "which cannot be set (as in Keras)"
+        )
+    new = ps_pb2.OptimizerSpec()
+    new.CopyFrom(spec)
+    new.params.update(params)
+    try:
+        optimizer_from_proto(new)
+    except ValueError as err:
+        raise InvalidArgumentError(f"variable {name!r}: {err}") from None
 
 
 _EMPTY_PUSH = ps_pb2.PushRequest()

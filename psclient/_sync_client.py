@@ -136,6 +136,26 @@ class PSClient:
         """Tells every shard this worker is done; see ``AsyncPSClient.leave``."""
         self._run(self._async.leave())
 
+    def set_learning_rate(self, learning_rate: float, names: Iterable[str] | None = None) -> list[str]:
+        """Sets the learning rate of variables, keeping their slots; see ``AsyncPSClient.set_learning_rate``.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: a rate that is not > 0, or a variable whose learning rate is a schedule.
+        """
+        return list(
+            self._run(self._async.set_learning_rate(learning_rate, None if names is None else list(names)))
+        )
+
+    def update_optimizer(self, params: Mapping[str, float], names: Iterable[str] | None = None) -> list[str]:
+        """Sets optimizer hyper-parameters of existing variables; see ``AsyncPSClient.update_optimizer``.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: an invalid parameter, or a change of the slots.
+        """
+        return list(self._run(self._async.update_optimizer(params, None if names is None else list(names))))
+
     def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
         """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""
         return list(self._run(self._async.save_checkpoint()))

@@ -34,7 +34,7 @@ import functools
 import io
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,10 +43,10 @@ import numpy as np
 from psclient import _security, codec
 from psclient._requests import wire_batches
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, optimizers
 from psserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from psserver.modes import Mode
-from psserver.store import Store
+from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,33 @@ class Primary:
         tensors = [(s.name, values[s.name]) for s in specs]
         await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
 
+    def send_optimizer_update(self, variables: Sequence[Variable]) -> Awaitable[None] | None:
+        """Queues an UpdateOptimizer for the backup now; returns what waits for its acknowledgement.
+
+        Queued synchronously (call it with the variables' locks held), so every
+        update the primary applies after the change reaches the backup after it.
+        None without a backup.
+        """
+        link = self._link
+        if link is None or not variables:
+            return None
+        header = ps_pb2.ReplicateResponse(
+            id=next(self._ids),
+            optimizer_updates=[v.spec for v in variables],
+            versions=[v.version for v in variables],
+        )
+        waiter = asyncio.get_running_loop().create_future()
+        link.waiting[header.id] = waiter
+        link.outbox.put_nowait(header)
+        return self._await_ack(link, header.id, waiter)
+
+    async def _await_ack(self, link: _Link, update_id: int, waiter: asyncio.Future[bool]) -> None:
+        try:
+            async with asyncio.timeout(self.ack_timeout_s):
+                await asyncio.shield(waiter)
+        except TimeoutError:
+            self._detach(link, f"update {update_id} not acknowledged within {self.ack_timeout_s:g}s")
+
     async def _forward(
         self, link: _Link, header: ps_pb2.ReplicateResponse, tensors: list[tuple[str, np.ndarray]]
     ) -> None:
@@ -253,6 +280,9 @@ class Backup:
         self._remaining: dict[int, int] = {}  # update id -> gradients not applied yet
         self._acks: asyncio.Queue[int | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        # UpdateOptimizer changes not applied yet: per variable, (version, spec, update id) in order.
+        self._swaps: dict[str, list[tuple[int, ps_pb2.OptimizerSpec, int]]] = {}
+        self._swaps_left: dict[int, int] = {}  # update id -> changes not applied yet
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run())
@@ -340,6 +370,8 @@ class Backup:
             if header.create:
                 self.store.create(list(header.create), tensors.result())
                 self._acks.put_nowait(header.id)
+            elif header.optimizer_updates:
+                self._update_optimizers(header)
             else:
                 self._apply(header, tensors.result())
 
@@ -383,6 +415,43 @@ class Backup:
             grad, update_id = entry
             self.store.apply_one(var, grad)
             self._done(update_id)
+            self._swap_when_due(name)
+
+    def _update_optimizers(self, message: ps_pb2.ReplicateResponse) -> None:
+        """An UpdateOptimizer of the primary: each change takes effect at the version it was made at.
+
+        A change whose version is ahead of this backup waits for the updates
+        before it (``_swap_when_due``). A variable already past that version
+        was updated with the old optimizer where the primary used the new one:
+        the backup refuses to go on (the stream fails) rather than diverge.
+        """
+        if len(message.optimizer_updates) != len(message.versions):
+            raise RuntimeError(f"update {message.id}: optimizer updates and versions do not pair up")
+        self._swaps_left[message.id] = len(message.optimizer_updates)
+        for spec, version in zip(message.optimizer_updates, message.versions, strict=True):
+            var = self.store.get(spec.name)
+            if var.version > version:
+                raise RuntimeError(
+                    f"variable {spec.name!r}: the primary changed its optimizer at version {version}, "
+                    f"this backup is already at {var.version}; refusing to diverge"
+                )
+            self._swaps.setdefault(spec.name, []).append((version, spec.optimizer, message.id))
+            self._swap_when_due(spec.name)
+
+    def _swap_when_due(self, name: str) -> None:
+        pending = self._swaps.get(name)
+        var = self.store.get(name)
+        while pending and pending[0][0] == var.version:
+            _, spec, update_id = pending.pop(0)
+            self.store.set_optimizer(var, optimizers.from_spec(spec))
+            left = self._swaps_left[update_id] - 1
+            if left:
+                self._swaps_left[update_id] = left
+            else:
+                del self._swaps_left[update_id]
+                self._acks.put_nowait(update_id)
+        if not pending:
+            self._swaps.pop(name, None)
 
     def _done(self, update_id: int) -> None:
         left = self._remaining[update_id] - 1

@@ -300,6 +300,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             await self._abort(context, err)
             raise AssertionError("unreachable") from None
 
+    async def UpdateOptimizer(
+        self, request: ps_pb2.UpdateOptimizerRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.UpdateOptimizerResponse:
+        try:
+            with _statuses():
+                self._serving("UpdateOptimizer")
+                spec = request.optimizer if request.HasField("optimizer") else None
+                pending = None
+                async with self.store.update_optimizer(request.names, dict(request.params), spec) as changed:
+                    if self.primary is not None:  # queued with the locks held: no update overtakes it
+                        pending = self.primary.send_optimizer_update(changed)
+                if pending is not None:
+                    await pending
+                return ps_pb2.UpdateOptimizerResponse(names=[v.name for v in changed])
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
     async def GetStatus(
         self, request: ps_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.GetStatusResponse:

@@ -403,6 +403,91 @@ class Store:
         var = self.get(name)
         var.state = (_freeze(np.array(value, dtype=var.dtype, copy=True).reshape(var.shape)), version)
 
+    # -- optimizer updates (UpdateOptimizer) ----------------------------------
+
+    @contextlib.asynccontextmanager
+    async def update_optimizer(
+        self,
+        names: Iterable[str],
+        params: Mapping[str, float],
+        spec: ps_pb2.OptimizerSpec | None = None,
+    ) -> AsyncIterator[list[Variable]]:
+        """Changes the optimizer hyper-parameters of variables, keeping values, versions and slots.
+
+        All or nothing: every variable is checked before any changes. The
+        change is made with each variable's lock held, between two of its
+        updates, and the block runs with the locks still held and the changed
+        variables yielded (a primary queues the change for its backup there,
+        so no later update can overtake it).
+
+        Args:
+            names: stored names; empty: every variable whose learning rate is
+                not a schedule (the others are skipped).
+            params: hyper-parameters to set by Keras name, merged into each spec.
+            spec: instead of ``params``, the whole new spec (same optimizer class).
+
+        Raises:
+            NotFound: an unknown name.
+            InvalidArgument: neither or both of params and spec, another optimizer
+                class, an invalid or unknown parameter, a change of the slots, or
+                a learning rate for a variable whose learning rate is a schedule.
+        """
+        names = list(names)
+        if (spec is None) == (not params):
+            raise InvalidArgument("UpdateOptimizer needs either params or an optimizer spec (not both)")
+        staged: list[tuple[Variable, optimizers.ServerOptimizer]] = []
+        for var in self.lookup(names):
+            old = var.spec.optimizer
+            if spec is not None:
+                if spec.name.lower() != old.name.lower():
+                    raise InvalidArgument(
+                        f"variable {var.name!r} has optimizer {old.name!r}; the new spec names {spec.name!r} "
+                        "(UpdateOptimizer keeps the optimizer class and its slots)"
+                    )
+                new = ps_pb2.OptimizerSpec()
+                new.CopyFrom(spec)
+            else:
+                if "learning_rate" in params and old.HasField("learning_rate_schedule"):
+                    if not names:
+                        continue
+                    raise InvalidArgument(
+                        f"variable {var.name!r}: its learning rate is a schedule "
+                        f"({old.learning_rate_schedule.name}), which cannot be set (as in Keras)"
+                    )
+                new = ps_pb2.OptimizerSpec()
+                new.CopyFrom(old)
+                new.params.update(params)
+            try:
+                optimizer = optimizers.from_spec(new)
+            except ValueError as err:
+                raise InvalidArgument(f"variable {var.name!r}: {err}") from None
+            before, after = var.optimizer.slot_shapes(var.shape), optimizer.slot_shapes(var.shape)
+            if var.dtype.kind == "f" and before != after:
+                raise InvalidArgument(
+                    f"variable {var.name!r}: {optimizer.config!r} would change its slots from "
+                    f"{sorted(before)} to {sorted(after)}; UpdateOptimizer keeps the slots"
+                )
+            if var.spec.HasField("partition") and optimizer.needs_whole_variable:
+                raise InvalidArgument(
+                    f"variable {var.name!r} is a partition; {optimizer.config!r} needs the whole variable"
+                )
+            staged.append((var, optimizer))
+        async with contextlib.AsyncExitStack() as locks:
+            for var, _ in staged:
+                await locks.enter_async_context(var.lock)
+            for var, optimizer in staged:
+                self.set_optimizer(var, optimizer)
+            yield [var for var, _ in staged]
+
+    def set_optimizer(self, var: Variable, optimizer: optimizers.ServerOptimizer) -> None:
+        """Swaps a variable's optimizer (and the optimizer in its spec); its slots stay as they are."""
+        spec = ps_pb2.VariableSpec()
+        spec.CopyFrom(var.spec)
+        spec.optimizer.CopyFrom(optimizer.spec)
+        var.spec = spec
+        var.optimizer = optimizer
+        log.info("variable %s: optimizer is now %r", var.name, optimizer.config)
+
     # -- dedup table (checkpoints) -------------------------------------------
 
     def dedup_state(self) -> dict[str, SessionState]:

@@ -15,7 +15,10 @@ CONTRACT = {
     "ResourceExhaustedError", "FailedPreconditionError", "InternalError",
 }  # fmt: skip
 
-CLIENT_METHODS = ("create", "create_many", "pull", "pull_with_versions", "push", "push_pull", "close")
+CLIENT_METHODS = (
+    "create", "create_many", "pull", "pull_with_versions", "push", "push_pull", "close",
+    "set_learning_rate", "update_optimizer",
+)  # fmt: skip
 
 
 def test_public_api_all_matches_the_public_names() -> None:
