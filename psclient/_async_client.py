@@ -577,7 +577,7 @@ class AsyncPSClient:
         >>> await client.set_learning_rate(1e-4, ["dense/kernel", "dense/bias"])  # doctest: +SKIP
 
         Args:
-            learning_rate: the new constant rate, > 0.
+            learning_rate: the new constant rate, >= 0.
             names: the variables (user-visible names); None: every variable on
                 the shards whose learning rate is a constant (those with a
                 schedule are left alone).
@@ -587,7 +587,7 @@ class AsyncPSClient:
 
         Raises:
             NotFoundError: a named variable does not exist.
-            InvalidArgumentError: the rate is not > 0, or a named variable's
+            InvalidArgumentError: the rate is negative, or a named variable's
                 learning rate is a schedule (a schedule's rate cannot be set, as in Keras).
             PSError: a shard failed.
         """

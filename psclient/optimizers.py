@@ -597,7 +597,8 @@ class Optimizer(_Spec):
     def _validate_base(self) -> None:
         lr = getattr(self, "learning_rate", None)
         if not isinstance(lr, LearningRateSchedule):
-            self._check("learning_rate", lr is not None and lr > 0, "> 0")
+            # >= 0 as in Keras: a callback may set 0 to hold the weights (LearningRateScheduler).
+            self._check("learning_rate", lr is not None and lr >= 0, ">= 0")
         if self.weight_decay is not None:
             self._check("weight_decay", self.weight_decay >= 0, ">= 0 or None")
         for field in ("clipnorm", "clipvalue", "global_clipnorm"):
@@ -645,7 +646,7 @@ class SGD(Optimizer):
     """Gradient descent with optional (Nesterov) momentum, as ``keras.optimizers.SGD``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         momentum: in [0, 1); 0 is plain gradient descent.
         nesterov: use Nesterov momentum (only matters when momentum > 0).
     """
@@ -665,7 +666,7 @@ class Adagrad(Optimizer):
     """Adagrad, as ``keras.optimizers.Adagrad``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         initial_accumulator_value: starting value of the accumulator, >= 0.
         epsilon: added to the accumulator under the square root, >= 0.
     """
@@ -688,7 +689,7 @@ class Adam(Optimizer):
     """Adam (optionally AMSGrad), as ``keras.optimizers.Adam``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         beta_1: decay rate of the first moment, in [0, 1).
         beta_2: decay rate of the second moment, in [0, 1).
         epsilon: added to ``sqrt(v)`` in the denominator, >= 0.
@@ -732,7 +733,7 @@ class RMSprop(Optimizer):
     """RMSprop (optionally centered, with plain momentum), as ``keras.optimizers.RMSprop``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         rho: decay rate of the moving averages, in [0, 1).
         momentum: in [0, 1); 0 disables momentum.
         epsilon: added to the second moment under the square root, >= 0.
@@ -762,7 +763,7 @@ class Nadam(Optimizer):
     ``u_product``, a scalar).
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         beta_1: in [0, 1).
         beta_2: in [0, 1).
         epsilon: >= 0.
@@ -786,7 +787,7 @@ class Adamax(Optimizer):
     """Adam with the infinity norm, as ``keras.optimizers.Adamax``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         beta_1: in [0, 1).
         beta_2: in [0, 1).
         epsilon: >= 0.
@@ -810,7 +811,7 @@ class Adadelta(Optimizer):
     """Adadelta, as ``keras.optimizers.Adadelta``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         rho: decay rate, in [0, 1).
         epsilon: >= 0.
     """
@@ -831,7 +832,7 @@ class Ftrl(Optimizer):
     """FTRL-proximal, as ``keras.optimizers.Ftrl``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         learning_rate_power: <= 0.
         initial_accumulator_value: >= 0.
         l1_regularization_strength: >= 0.
@@ -867,7 +868,7 @@ class Lion(Optimizer):
     """Lion (sign of an interpolated momentum), as ``keras.optimizers.Lion``.
 
     Attributes:
-        learning_rate: step size, > 0, or a schedule.
+        learning_rate: step size, >= 0, or a schedule.
         beta_1: in (0, 1].
         beta_2: in [0, 1].
     """

@@ -626,6 +626,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner = _keras_optimizer(optimizer)
         spec = server_optimizer(inner)  # refuses what the shards cannot do, first
         config = inner.get_config()
+        if isinstance(config.get("learning_rate"), dict):  # a schedule: the object, as from_config does
+            config["learning_rate"] = keras.optimizers.schedules.deserialize(config["learning_rate"])
         if name is not None:
             config["name"] = name
         super().__init__(**config)

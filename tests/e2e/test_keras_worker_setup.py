@@ -105,3 +105,42 @@ def test_saved_model_loads_without_psclient(make_cluster, var_name, tmp_path) ->
     assert out.returncode == 0, out.stderr[-2000:]
     expected = float(model.predict(np.ones((1, 4), np.float32), verbose=0).sum())
     assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-6)
+
+
+def test_learning_rate_callbacks_reach_the_shards(make_cluster, var_name) -> None:
+    """LearningRateScheduler sets the rate on the worker's optimizer; the shards use it from the next step."""
+    cluster = make_cluster(num_shards=2)
+    model = _bn_model(var_name)
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    y = np.random.default_rng(1).normal(size=(64, 2)).astype(np.float32)
+    with psk.PSWorker(cluster.addresses) as worker, psclient.PSClient(cluster.addresses) as client:
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[worker.callback()])
+        names = [worker.name_of(v) for v in model.trainable_variables]
+        before = {n: v.copy() for n, v in client.pull(names).items()}
+        hold = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.0)
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[hold, worker.callback()])
+        after = client.pull(names)
+        for name in names:  # rate 0 from the first step of the second fit: nothing moved
+            np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+        assert worker.steps_done == 4 + 8
+        infos = client.list_variables(names)
+        assert {info[0].spec.optimizer.params["learning_rate"] for info in infos.values()} == {0.0}
+
+
+def test_schedules_and_worker_side_settings_train(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=1)
+    model = _bn_model(var_name)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, decay_steps=4, decay_rate=0.5)
+    opt = keras.optimizers.Adam(schedule, global_clipnorm=1.0, gradient_accumulation_steps=2)
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    with psk.PSWorker(cluster.addresses) as worker, psclient.PSClient(cluster.addresses) as client:
+        model.compile(optimizer=psk.DistributedOptimizer(opt, worker), loss="mse")
+        history = model.fit(x, x[:, :2] * 2, batch_size=8, epochs=4, verbose=0, callbacks=[worker.callback()])
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        assert worker.steps_done == 4 * 8 // 2  # one push per two steps: accumulated on the worker
+        spec = client.list_variables([worker.name_of(model.trainable_variables[0])])
+        assert (
+            next(iter(spec.values()))[0].spec.optimizer.learning_rate_schedule.name.lower()
+            == "exponentialdecay"
+        )

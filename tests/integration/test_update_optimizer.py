@@ -77,7 +77,7 @@ def test_bad_changes_are_typed_errors_and_change_nothing(client: psclient.PSClie
         client.set_learning_rate(0.5, [plain, "no_such_variable"])
     with pytest.raises(psclient.InvalidArgumentError, match="learning rate is a schedule"):
         client.set_learning_rate(0.5, [plain, scheduled])
-    with pytest.raises(psclient.InvalidArgumentError, match="`learning_rate` must be > 0"):
+    with pytest.raises(psclient.InvalidArgumentError, match="`learning_rate` must be >= 0"):
         client.set_learning_rate(-1.0, [plain])
     with pytest.raises(psclient.InvalidArgumentError, match="would change its slots"):
         client.update_optimizer({"momentum": 0.9}, [plain])  # SGD momentum from 0 adds a slot
