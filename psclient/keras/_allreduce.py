@@ -12,23 +12,53 @@ lines::
                   loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(ds, epochs=5, callbacks=[worker.callback()])                                # 2
 
-and a ``GradientTape`` loop calls ``worker.broadcast_variables(model.variables)``
-once, then ``optimizer.apply(worker.allreduce_gradients(grads), model.trainable_variables)``.
+and a ``GradientTape`` loop calls ``worker.broadcast_variables(model)`` and
+``optimizer.attach(model)`` once, then ``optimizer.apply(grads, model.trainable_variables)``
+each step.
 
 How it works:
 
 - Every rank holds a whole replica of the model and trains on its own shard of
   the data. ``worker.callback()`` broadcasts rank 0's weights (and the optimizer's
   state, when already built) to every rank when ``fit`` begins, so the replicas
-  start equal.
+  start equal. A model that ``fit`` builds lazily (a ``Sequential`` without an
+  ``Input``) has no weights yet at that point: its weights and the optimizer's
+  state are broadcast at the end of the first step instead (as Horovod's
+  ``BroadcastGlobalVariablesCallback`` does), so the first step's update is rank 0's.
 - ``AllReduceOptimizer`` is the wrapped Keras optimizer's own class (an ``Adam``
-  stays an ``Adam``: same update, same saved state) with one change: ``apply``
-  first averages the gradients over all ranks with one fused ring all-reduce
+  stays an ``Adam``: same update, same saved state, and it serializes as a plain
+  ``Adam``, so a saved model loads without psclient) with one change: ``apply``
+  (and so ``apply_gradients``, Keras's ``fit`` and a custom ``train_step``) first
+  averages the gradients over all ranks with one fused ring all-reduce
   (``op="mean"``), in a ``tf.numpy_function`` inside Keras's compiled train step
   (``fit`` keeps ``tf.function``; XLA ``jit_compile`` must be off). Every rank then
-  applies the same averaged gradient to the same weights: the replicas stay equal,
-  bit for bit (the ring gives every rank the same bits, and the update is
-  deterministic). The callback checks that at the end of training.
+  applies the same averaged gradient to the same weights with the same settings
+  (learning-rate schedule, clipping and weight decay of the averaged gradient,
+  gradient accumulation, EMA): the replicas stay equal, bit for bit (the ring
+  gives every rank the same bits, and the update is deterministic). The callback
+  checks that at the end of training.
+- Non-trainable state that the forward pass updates (BatchNormalization's moving
+  mean and variance) is averaged too, in the same fused all-reduce of each step:
+  the current values of the float non-trainable variables of the model's
+  trainable layers (layers frozen with ``trainable=False`` hold constants and are
+  left out) travel with the gradients and every rank assigns the means back.
+  Such a variable that the step does not change (a ``Normalization`` layer's
+  adapted mean) gets the mean of equal values: itself with 2 ranks, possibly an
+  ulp away with more (the same bits on every rank either way).
+  This is not SyncBatchNorm: each rank still normalizes its batch with its own
+  batch statistics; only the moving statistics (used at inference) are averaged
+  after every step, so all replicas hold identical statistics, which are the mean
+  of the ranks' updates (with momentum ``m``, ``m * old + (1 - m) * mean of the
+  ranks' batch means``; the moving variance averages the per-rank batch variances
+  and so leaves out the spread between the ranks' batch means). The callback
+  tells the compiled optimizer which model to average; a ``GradientTape`` loop
+  calls ``optimizer.attach(model)``.
+- Loss scaling (``mixed_float16``): the scaled gradients are averaged before the
+  ``LossScaleOptimizer`` checks them for inf/NaN, so every rank takes the same
+  decision. ``AllReduceOptimizer(LossScaleOptimizer(opt), worker)`` is a
+  ``LossScaleOptimizer`` that does this; the other order, which ``compile`` makes
+  under a ``mixed_float16`` policy, is converted by the callback when ``fit``
+  begins.
 - Every rank must run the same number of steps (equal data shards); a rank that
   stops early makes the others fail with a deadline error naming it, never hang.
 """
@@ -38,6 +68,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -149,6 +180,7 @@ class AllReduceWorker:
         self._check_same_layout(variables, "broadcast_variables")
         if self.world == 1 or not variables:
             return
+        # NOTE: np.ascontiguousarray makes a 0-d array 1-d; the variable's own shape is restored below.
         values = [np.ascontiguousarray(v.numpy()) for v in variables]
         blob = np.concatenate([a.reshape(-1).view(np.uint8) for a in values])
         blob = self.ring.broadcast(blob, root=root)
@@ -156,7 +188,7 @@ class AllReduceWorker:
         for var, a in zip(variables, values, strict=True):
             part = blob[offset : offset + a.nbytes]
             offset += a.nbytes
-            var.assign(part.view(a.dtype).reshape(a.shape))
+            var.assign(part.view(a.dtype).reshape(tuple(var.shape)))
 
     def weights_checksums(self, model_or_variables: Any) -> np.ndarray:
         """Every rank's checksum (CRC-32 of the bytes) of its variables, in rank order.
@@ -243,71 +275,256 @@ class AllReduceWorker:
         return AllReduceCallback(self, check_sync=check_sync)
 
 
+def _keras_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
+    if isinstance(optimizer, str | dict):
+        return keras.optimizers.get(optimizer)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"AllReduceOptimizer wraps a keras.optimizers.Optimizer or its name, got {type(optimizer)!r}"
+        )
+    return optimizer
+
+
+def _constructor_kwargs(optimizer: keras.optimizers.Optimizer) -> dict[str, Any]:
+    """The keyword arguments that make a fresh copy of a (non loss-scale) Keras optimizer."""
+    config = optimizer.get_config()
+    # get_config serializes a schedule (or callable) to a dict that the constructor refuses; pass the
+    # object itself (a user-written schedule need not be registered for serialization).
+    lr = getattr(optimizer, "_learning_rate", None)
+    if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule) or (
+        callable(lr) and not isinstance(lr, keras.Variable)
+    ):
+        config["learning_rate"] = lr
+    elif isinstance(config.get("learning_rate"), dict):
+        config["learning_rate"] = keras.optimizers.schedules.deserialize(config["learning_rate"])
+    return config
+
+
+def _trainable_layers_stats(model: keras.layers.Layer) -> list[Any]:
+    """The float non-trainable variables that the model's trainable layers create (BatchNorm statistics).
+
+    A frozen layer's weights (trainable variables of a ``trainable=False`` layer) and the state of frozen
+    layers (a frozen BatchNorm does not update its statistics) are left out: they do not change.
+    """
+    out, seen = [], set()
+    # NOTE: Keras 3 has no public API for a layer's own variables created with trainable=False.
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if not layer.trainable:
+            continue
+        for v in layer._non_trainable_variables:
+            if id(v) not in seen and _is_float(v.dtype):
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def _is_float(dtype: Any) -> bool:
+    return bool(tf.as_dtype(keras.backend.standardize_dtype(dtype)).is_floating)
+
+
+class _AveragedState:
+    """What an ``AllReduceOptimizer`` averages besides the gradients (kept out of Keras/TF tracking)."""
+
+    def __init__(self, source: Any) -> None:
+        if isinstance(source, keras.layers.Layer):
+            self._model: Any = weakref.ref(source)
+            self._variables: list[Any] = []
+        else:
+            self._model = None
+            self._variables = [v for v in source if _is_float(v.dtype)]
+
+    def variables(self) -> list[Any]:
+        if self._model is None:
+            return list(self._variables)
+        model = self._model()
+        return [] if model is None else _trainable_layers_stats(model)
+
+
 class AllReduceOptimizer(keras.optimizers.Optimizer):
     """A Keras 3 optimizer that averages the gradients over all ranks before it applies them.
 
     ``AllReduceOptimizer(keras.optimizers.Adam(1e-3), worker)`` is an ``Adam`` (a
-    subclass made for it, with the same name and configuration) whose ``apply``
-    (and so ``apply_gradients`` and Keras's ``fit``) all-reduces first. Every
-    setting of the wrapped optimizer works (schedules, clipping of the averaged
-    gradient, weight decay, EMA).
+    subclass made for it, with the same name and configuration, which serializes as
+    a plain ``Adam``: a saved model loads without psclient) whose ``apply`` (and so
+    ``apply_gradients``, Keras's ``fit`` and a custom ``train_step``) all-reduces
+    first. Every setting of the wrapped optimizer works and acts on the averaged
+    gradient: learning-rate schedules, ``clipnorm``/``clipvalue``/``global_clipnorm``,
+    weight decay, ``gradient_accumulation_steps`` (each micro-step's gradient is
+    averaged), EMA. ``AllReduceOptimizer(LossScaleOptimizer(opt), worker)`` is a
+    ``LossScaleOptimizer`` that averages the scaled gradients before its inf/NaN
+    check, so every rank skips or applies the same steps (``fit`` with the callback
+    also converts ``LossScaleOptimizer(AllReduceOptimizer(opt))``, which ``compile``
+    makes under ``mixed_float16``; a ``GradientTape`` loop uses this order).
+
+    With ``attach(model)`` (the callback does it in ``fit``), each step also averages
+    the model's non-trainable statistics (BatchNorm moving mean and variance) in the
+    same fused all-reduce; see the module docstring.
 
     Args:
-        optimizer: the Keras optimizer to wrap (its configuration is copied; it is not used).
+        optimizer: the Keras optimizer to wrap, or its name (``"adam"``); its configuration is copied,
+            the object itself is not used.
         worker: the ``AllReduceWorker`` whose ring averages the gradients.
 
     Raises:
-        TypeError: ``optimizer`` is not a Keras 3 optimizer, or ``worker`` not an ``AllReduceWorker``.
+        TypeError: ``optimizer`` is not a Keras 3 optimizer (or is already an ``AllReduceOptimizer``), or
+            ``worker`` is not an ``AllReduceWorker``.
     """
 
     _classes: ClassVar[dict[type, type]] = {}
 
+    @classmethod
+    def _subclass_for(cls, base: type) -> type:
+        sub = cls._classes.get(base)
+        if sub is None:
+            # NOTE: __class__ answers the wrapped class, so Keras serializes the optimizer as the plain class
+            # (get_config, registered name); isinstance(opt, AllReduceOptimizer) still holds (type(opt)).
+            sub = type(
+                base.__name__,
+                (AllReduceOptimizer, base),
+                {
+                    "__module__": base.__module__,
+                    "__qualname__": base.__qualname__,
+                    "__class__": property(lambda _: base),
+                },
+            )
+            cls._classes[base] = sub
+        return sub
+
     def __new__(cls, optimizer: Any = None, worker: Any = None, **kwargs: Any) -> AllReduceOptimizer:
         if cls is not AllReduceOptimizer:
             return super().__new__(cls)
-        if isinstance(optimizer, AllReduceOptimizer):
+        optimizer = _keras_optimizer(optimizer)
+        if isinstance(optimizer, AllReduceOptimizer) or isinstance(
+            getattr(optimizer, "inner_optimizer", None), AllReduceOptimizer
+        ):
             raise TypeError("the optimizer is already an AllReduceOptimizer")
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise TypeError(f"AllReduceOptimizer wraps a keras.optimizers.Optimizer, got {type(optimizer)!r}")
-        base = type(optimizer)
-        sub = cls._classes.get(base)
-        if sub is None:
-            sub = type(base.__name__, (AllReduceOptimizer, base), {"__module__": base.__module__})
-            cls._classes[base] = sub
-        return super().__new__(sub)
+        return super().__new__(cls._subclass_for(type(optimizer)))
 
-    def __init__(self, optimizer: keras.optimizers.Optimizer, worker: AllReduceWorker) -> None:
+    def __init__(self, optimizer: Any, worker: AllReduceWorker) -> None:
         if not isinstance(worker, AllReduceWorker):
             raise TypeError(f"worker must be a psclient.keras.AllReduceWorker, got {type(worker)!r}")
-        super().__init__(**optimizer.get_config())
+        optimizer = _keras_optimizer(optimizer)
+        if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+            config = optimizer.get_config()
+            inner = optimizer.inner_optimizer
+            super().__init__(
+                type(inner)(**_constructor_kwargs(inner)),
+                initial_scale=config["initial_scale"],
+                dynamic_growth_steps=config["dynamic_growth_steps"],
+                name=config["name"],
+            )
+        else:
+            super().__init__(**_constructor_kwargs(optimizer))
+        self._init_allreduce(worker)
+
+    def _init_allreduce(self, worker: AllReduceWorker) -> None:
         self.allreduce_worker = worker
+        self._averaged: _AveragedState | None = None
+        self._reduces = True  # False: an enclosing AllReduceOptimizer (a LossScaleOptimizer) reduces
+
+    def attach(self, model_or_variables: Any) -> None:
+        """Also averages these non-trainable variables over the ranks in each step (``apply``).
+
+        Given a model, the float non-trainable variables of its trainable layers, looked up when the step
+        is traced (so a model built lazily, by its first call, works): BatchNorm's moving mean and
+        variance, and the like. Given variables, those (float ones). ``fit`` with ``worker.callback()``
+        attaches the model for you; a ``GradientTape`` loop calls this once before training. Every rank
+        must attach the same model.
+
+        Raises:
+            TypeError: neither a Keras layer/model nor a sequence of variables.
+        """
+        source = model_or_variables
+        if not isinstance(source, keras.layers.Layer):
+            source = list(source)
+            if not all(hasattr(v, "assign") and hasattr(v, "dtype") for v in source):
+                raise TypeError("attach takes a Keras model or a sequence of variables")
+        self._averaged = _AveragedState(source)
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> Any:
-        return super().apply(self.allreduce_worker.allreduce_gradients(grads), trainable_variables)
+        if not self._reduces or len(grads) == 0:
+            return super().apply(grads, trainable_variables)
+        grads = list(grads)
+        state = self._averaged.variables() if self._averaged is not None else []
+        values = [v.value if isinstance(v, keras.Variable) else tf.convert_to_tensor(v) for v in state]
+        reduced = self.allreduce_worker.allreduce_gradients(grads + values)
+        for var, mean in zip(state, reduced[len(grads) :], strict=True):
+            var.assign(mean)
+        return super().apply(reduced[: len(grads)], trainable_variables)
+
+
+def _collective_optimizer(optimizer: Any) -> AllReduceOptimizer | None:
+    """The model's optimizer as the ``AllReduceOptimizer`` that reduces, or None if there is none.
+
+    ``LossScaleOptimizer(AllReduceOptimizer(opt))`` (what ``compile`` makes under ``mixed_float16``) is turned
+    into an ``AllReduceOptimizer`` in place (its state kept): the loss-scale optimizer must see the averaged
+    gradients, or ranks would skip different steps.
+    """
+    if isinstance(optimizer, AllReduceOptimizer):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer) and isinstance(
+        inner, AllReduceOptimizer
+    ):
+        object.__setattr__(optimizer, "__class__", AllReduceOptimizer._subclass_for(type(optimizer)))
+        optimizer._init_allreduce(inner.allreduce_worker)
+        inner._reduces = False
+        return optimizer
+    return None
 
 
 class AllReduceCallback(StepTimer):
     """Broadcasts rank 0's weights when ``fit`` begins; checks that the replicas agree when it ends.
 
-    Also records throughput: ``steps_per_second`` (steps after the first, which traces the graph).
+    A model not built when ``fit`` begins (built by its first step) is broadcast, with the optimizer's
+    state, at the end of the first step. The compiled optimizer is attached to the model (its
+    non-trainable statistics are averaged each step). Also records throughput: ``steps_per_second``
+    (steps after the first, which traces the graph).
 
     Args:
         worker: the ``AllReduceWorker``.
         check_sync: at train end, compare a checksum of every rank's weights (raise if they differ).
+
+    Raises:
+        ValueError: (in ``fit``) the model is not compiled with an ``AllReduceOptimizer``, or uses XLA.
+        InternalError: (at the end of ``fit``) the replicas' weights differ.
     """
 
     def __init__(self, worker: AllReduceWorker, *, check_sync: bool = True) -> None:
         super().__init__()
         self.worker = worker
         self.check_sync = check_sync
+        self._broadcast_pending = False
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         model = self.model
         check_no_jit(model, "all-reduce training")
-        if not isinstance(model.optimizer, AllReduceOptimizer):
+        optimizer = _collective_optimizer(model.optimizer)
+        if optimizer is None:
             raise ValueError(
-                "compile the model with psclient.keras.AllReduceOptimizer(keras_optimizer, worker)"
+                "compile the model with psclient.keras.AllReduceOptimizer(keras_optimizer, worker), got "
+                f"{type(model.optimizer).__name__}"
             )
+        optimizer.attach(model)
+        if not model.built or not model.variables:
+            # Built by the first step (a Sequential without Input): broadcast after it.
+            self._broadcast_pending = True
+            log.info(
+                "rank %d/%d: model not built yet, broadcast after the first step",
+                self.worker.rank,
+                self.worker.world,
+            )
+            return
+        self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_batch_end(batch, logs)
+        if self._broadcast_pending:
+            self._broadcast_pending = False
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        model = self.model
         variables = list(model.variables)
         if model.optimizer.built:
             variables += list(model.optimizer.variables)

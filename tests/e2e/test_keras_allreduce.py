@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +21,8 @@ import _allreduce_worker as w  # noqa: E402
 import psclient  # noqa: E402
 import psclient.keras as psk  # noqa: E402
 from trainer.cluster import reserve_ports  # noqa: E402
+
+SCENARIOS = list(w.scenarios())
 
 WORKER = Path(__file__).with_name("_allreduce_worker.py")
 RUN_TIMEOUT_S = 300
@@ -91,7 +95,9 @@ def test_optimizer_keeps_its_class_and_config() -> None:
         with pytest.raises(TypeError):
             psk.AllReduceOptimizer(opt, worker)
         with pytest.raises(TypeError):
-            psk.AllReduceOptimizer("adam", worker)
+            psk.AllReduceOptimizer(42, worker)
+        by_name = psk.AllReduceOptimizer("adam", worker)  # issue 9: a name, as compile accepts
+        assert type(by_name).__name__ == "Adam" and isinstance(by_name, psk.AllReduceOptimizer)
         # one rank: the average is the gradient itself
         g = [np.arange(6, dtype=np.float32).reshape(2, 3), None]
         out = worker.allreduce_gradients(g)
@@ -136,3 +142,153 @@ def test_public_names() -> None:
     for name in names:
         assert hasattr(psk, name), name
     assert psk.PSError is psclient.PSError
+
+
+# -- issue 9: what the wrapped optimizer and the model do must keep working on 2 ranks ---------------------
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], Path]:
+    """Every scenario of _allreduce_worker.py on 2 ranks, each on its own ring (one pair of processes)."""
+    out = tmp_path_factory.mktemp("scenarios")
+    world = 2
+    addresses = ",".join(reserve_ports(world * len(SCENARIOS)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), addresses, str(r), "scenarios", ",".join(SCENARIOS), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=RUN_TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    results = {}
+    for name in SCENARIOS:
+        results[name] = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+    return results, out
+
+
+def _ranks(scenarios: tuple[dict[str, list[dict]], Path], name: str) -> list[dict]:
+    ranks = scenarios[0][name]
+    for rank, r in enumerate(ranks):
+        assert r["error"] is None, f"{name}, rank {rank}: {r['error']}"
+        assert r["in_sync"], f"{name}, rank {rank}: replicas differ"
+    return ranks
+
+
+def _loss_goes_down(name: str, ranks: list[dict]) -> None:
+    for rank, r in enumerate(ranks):
+        first, last = r["losses"][0], r["losses"][-1]
+        assert math.isfinite(last) and last < 0.95 * first, f"{name}, rank {rank}: losses {r['losses']}"
+
+
+@pytest.mark.parametrize("name", ["batchnorm_fit", "batchnorm_tape", "custom_train_step", "lazy"])
+def test_batchnorm_statistics_are_averaged_so_replicas_stay_identical(scenarios: Any, name: str) -> None:
+    ranks = _ranks(scenarios, name)
+    _loss_goes_down(name, ranks)
+    if "moving_mean" in ranks[0]:
+        assert ranks[0]["moving_mean"] == ranks[1]["moving_mean"]
+        assert any(abs(m) > 1e-3 for m in ranks[0]["moving_mean"])  # the statistics did move
+
+
+def test_lazily_built_model_is_broadcast_after_the_first_step(scenarios: Any) -> None:
+    _ranks(scenarios, "lazy")  # a Sequential without Input, different seeds per rank; the callback checks
+
+
+def test_broadcast_keeps_a_scalar_variable_scalar_and_a_second_fit_works(scenarios: Any) -> None:
+    for r in _ranks(scenarios, "scalar_variable"):
+        assert r["shape"] == [] and r["value"] == 1.0  # rank 0's keras.Variable(1.0), still 0-d
+        assert r["iterations"] == (w.S_EPOCHS + 1) * w.S_STEPS
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["schedule", "loss_scale_inner", "mixed_float16", "weight_decay", "clipnorm", "global_clipnorm",
+     "accumulation", "ema", "name"],
+)  # fmt: skip
+def test_optimizer_settings_train_and_keep_replicas_identical(scenarios: Any, name: str) -> None:
+    _loss_goes_down(name, _ranks(scenarios, name))
+
+
+def test_mixed_float16_is_a_loss_scale_optimizer_that_serializes_as_keras(scenarios: Any) -> None:
+    config = _ranks(scenarios, "mixed_float16")[0]["serialized"]
+    assert (config["module"], config["class_name"]) == ("keras.optimizers", "LossScaleOptimizer")
+    inner = config["config"]["inner_optimizer"]
+    assert (inner["module"], inner["class_name"]) == ("keras.optimizers", "Adam")
+
+
+def test_loss_scale_skips_the_same_steps_on_every_rank(scenarios: Any) -> None:
+    """LossScaleOptimizer(AllReduceOptimizer(...)); rank 1's first batch of each epoch overflows."""
+    ranks = _ranks(scenarios, "loss_scale_outer")
+    skipped = w.S_EPOCHS
+    for r in ranks:
+        assert r["iterations"] == w.S_EPOCHS * w.S_STEPS - skipped
+        assert r["scale"] == 2.0**15 / 2**skipped
+    _loss_goes_down("loss_scale_outer", ranks[:1])
+
+
+def test_transfer_learning_freeze_fit_unfreeze_recompile_fit(scenarios: Any) -> None:
+    ranks = _ranks(scenarios, "transfer")
+    assert ranks[0]["frozen_after_first"] == ranks[1]["frozen_after_first"]
+    assert len(ranks[0]["losses"]) == 2 * w.S_EPOCHS
+
+
+def test_frozen_layer_stays_identical_and_frozen(scenarios: Any) -> None:
+    ranks = _ranks(scenarios, "frozen_layer")
+    _loss_goes_down("frozen_layer", ranks)
+    assert ranks[0]["frozen"] == ranks[1]["frozen"] == ranks[0]["initial"]  # rank 0's, unchanged
+    assert ranks[1]["initial"] != ranks[0]["initial"]  # the ranks did start apart
+
+
+def test_saved_model_loads_with_the_plain_optimizer_class(scenarios: Any) -> None:
+    ranks = _ranks(scenarios, "save_load")
+    out = scenarios[1]
+    custom = w.custom_optimizer()
+    for name, cls in (("adam", keras.optimizers.Adam), ("custom", custom)):
+        for r in ranks:
+            got, plain = r[f"{name}_serialized"], r[f"{name}_plain_serialized"]
+            for key in ("module", "class_name", "registered_name"):
+                assert got[key] == plain[key], (name, key)
+        model = keras.models.load_model(out / f"{name}.keras")
+        assert type(model.optimizer) is cls
+        assert not isinstance(model.optimizer, psk.AllReduceOptimizer)
+        with np.load(out / f"{name}.npz") as saved:
+            for i, v in enumerate(model.get_weights()):
+                np.testing.assert_array_equal(v, saved[f"arr_{i}"])
+
+
+def test_optimizer_wraps_a_loss_scale_optimizer_and_a_schedule() -> None:
+    with psk.AllReduceWorker([reserve_ports(1)[0]], 0) as worker:
+        schedule = keras.optimizers.schedules.CosineDecay(1e-3, 1000)
+        opt = psk.AllReduceOptimizer(keras.optimizers.Adam(schedule), worker)
+        assert (
+            opt.get_config()["learning_rate"] == keras.optimizers.Adam(schedule).get_config()["learning_rate"]
+        )
+        lso = psk.AllReduceOptimizer(
+            keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=8.0), worker
+        )
+        assert isinstance(lso, keras.mixed_precision.LossScaleOptimizer)
+        assert isinstance(lso.inner_optimizer, keras.optimizers.SGD)
+        assert not isinstance(lso.inner_optimizer, psk.AllReduceOptimizer)
+        assert lso.get_config()["initial_scale"] == 8.0
+        with pytest.raises(TypeError):
+            psk.AllReduceOptimizer(keras.mixed_precision.LossScaleOptimizer(opt), worker)
+        with pytest.raises(TypeError):
+            opt.attach([1, 2])
+        # one rank: attached variables keep their values (the mean of one)
+        v = keras.Variable(np.arange(3, dtype=np.float32))
+        var = keras.Variable(np.ones((2, 2), np.float32))
+        opt.attach([v])
+        opt.apply([np.full((2, 2), 0.5, np.float32)], [var])
+        np.testing.assert_array_equal(v.numpy(), np.arange(3, dtype=np.float32))
+        assert worker.steps_done == 1  # gradients and statistics in one fused all-reduce
