@@ -15,7 +15,7 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
        "dedup_sessions": {"<worker_id>": [[session, floor, [seq, ...]], ...]},
        "dedup": {"<worker_id>": [floor, [seq, ...]]},
        "variables": [{"spec": <VariableSpec as protobuf JSON>, "version": 42,
-                      "value": "a0", "slots": {"momentum": "a1"},
+                      "iterations": 40, "value": "a0", "slots": {"momentum": "a1"},
                       "crc32": {"a0": 123, "a1": 456}}, ...]}
 
   ``dedup_sessions`` is the push dedup table: per worker id its client
@@ -23,7 +23,9 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
   applied sequence numbers. ``dedup`` is the current session's window alone,
   what files written before sessions existed hold (such a file loads as session
   0, the session of clients that send none; a newer client's session then
-  takes over).
+  takes over). ``iterations`` is the optimizer's step count (``Variable.iterations``:
+  pushes since the optimizer was last replaced); files without it were written
+  when it always equalled the version, and load so.
 
 - ``a0``, ``a1``, ...: the stored tensors (values and optimizer slots, shaped as
   stored: partitions are 1-D) named by the manifest.
@@ -103,6 +105,12 @@ class StoredTensor:
     value: np.ndarray
     version: int
     slots: dict[str, np.ndarray]
+    iterations: int | None = None  # the optimizer's step count; None: equal to ``version``
+
+    @property
+    def step(self) -> int:
+        """The optimizer's step count (``iterations``, or the version for older snapshots)."""
+        return self.version if self.iterations is None else self.iterations
 
 
 @dataclasses.dataclass(slots=True)
@@ -172,6 +180,7 @@ def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
             {
                 "spec": json_format.MessageToDict(t.spec, preserving_proto_field_name=True),
                 "version": int(t.version),
+                "iterations": int(t.step),
                 "value": key,
                 "slots": slots,
                 "crc32": {k: _crc(arrays[k]) for k in keys},
@@ -344,7 +353,14 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
         want = expected.get(name, shape)
         if arr.shape != want:
             raise CheckpointError(f"variable {spec.name!r}: slot {name!r} has shape {arr.shape}, not {want}")
-    return StoredTensor(spec=spec, value=value, version=int(entry["version"]), slots=slots)
+    iterations = entry.get("iterations")  # absent in files from before optimizer replacement
+    return StoredTensor(
+        spec=spec,
+        value=value,
+        version=int(entry["version"]),
+        slots=slots,
+        iterations=None if iterations is None else int(iterations),
+    )
 
 
 # -- resharding -------------------------------------------------------------------
@@ -411,6 +427,7 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
                     f"into partitions for {num_shards} shards"
                 )
         version = max(t.version for t in old)
+        iterations = max(t.step for t in old)
         for piece in mine:
             spec = ps_pb2.VariableSpec(
                 name=piece.stored_name, dtype=old[0].spec.dtype, shape=piece.stored_shape
@@ -432,6 +449,7 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
                     spec=spec,
                     value=value[sl].reshape(piece.stored_shape).astype(dtype, copy=True),
                     version=version,
+                    iterations=iterations,
                     slots={
                         **{s: a[sl].reshape(piece.stored_shape).copy() for s, a in slots.items()},
                         **{s: a.copy() for s, a in shaped.items()},
@@ -500,7 +518,7 @@ async def take_snapshot(
     """
     async with store.quiesced() as held:
         variables = store.variables()
-        states = [(v.spec, *v.state) for v in variables]
+        states = [(v.spec, *v.state, v.iterations) for v in variables]
         exclude = set(held) | set(mode.pending_claims())
         dedup = {
             worker: [
@@ -519,8 +537,8 @@ async def take_snapshot(
         num_shards=num_shards,
         mode=mode.name,
         tensors=[
-            StoredTensor(spec=spec, value=value, version=version, slots=s)
-            for (spec, value, version), s in zip(states, slots, strict=True)
+            StoredTensor(spec=spec, value=value, version=version, slots=s, iterations=iterations)
+            for (spec, value, version, iterations), s in zip(states, slots, strict=True)
         ],
         dedup=dedup,
         mode_state=mode_state,
@@ -561,7 +579,7 @@ class Checkpointer:
         self.num_shards = num_shards
         self.keep = max(1, keep)
         self._lock = asyncio.Lock()
-        self._saved_at: tuple[int, int] | None = None  # (pushes, variables) at the last save
+        self._saved_at: tuple[int, int] | None = None  # (store.changes, variables) at the last save
         self._pending_marker: tuple[int, int] | None = None
         self.on_saved: Callable[[float], None] | None = None  # called with time.time() after each save
         self._next_id = 1 + max((f.id for f in list_files(self.directory)), default=0)
@@ -573,14 +591,14 @@ class Checkpointer:
         """Takes a consistent snapshot: no update runs while values, slots and dedup table are read."""
 
         def mark() -> None:
-            self._pending_marker = (self.store.pushes, len(self.store))
+            self._pending_marker = (self.store.changes, len(self.store))
 
         return await take_snapshot(self.store, self.mode, self.shard, self.num_shards, while_quiesced=mark)
 
     @property
     def dirty(self) -> bool:
-        """True when variables were created or updated since the last save."""
-        return self._saved_at != (self.store.pushes, len(self.store))
+        """True when variables were created, updated, assigned or given an optimizer since the last save."""
+        return self._saved_at != (self.store.changes, len(self.store))
 
     async def save(self) -> SaveResult:
         """Writes a checkpoint now; returns once it is durable. Saves run one at a time.
@@ -684,7 +702,7 @@ class Checkpointer:
             log.info("shard %d: no checkpoint in %s; starting empty", self.shard, self.directory)
             return False
         load_into(snap, self.store, self.mode)
-        self._saved_at = (self.store.pushes, len(self.store))
+        self._saved_at = (self.store.changes, len(self.store))
         resharded = snap.id == 0  # re-placed from another shard count's files
         log.info(
             "shard %d: restored %d tensors (%.1f MiB) from %s",
@@ -735,6 +753,7 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
                 f"its optimizer {var.optimizer.name} uses {sorted(var.slots)}"
             )
         store.assign(t.spec.name, t.value, t.version)
+        var.iterations = t.step
         for k, a in t.slots.items():
             if a.size != var.slots[k].size:
                 raise CheckpointError(

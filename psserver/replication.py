@@ -4,9 +4,11 @@ The backup opens a ``Replicate`` stream to its primary. The primary answers
 with a consistent snapshot of its state (the checkpoint format, in pieces),
 taken at the instant the backup is attached, then with every update it applies
 from then on: creates, and each push's gradients with the version each one
-produced. The backup applies them with the same optimizer code, per variable in
-version order, so its values and slots stay bit-identical to the primary's, and
-records each push's ``(worker_id, session, seq)`` in its dedup table. The primary
+produced, each Assign's values with the version each one produced, and each
+UpdateOptimizer with the version it took effect at. The backup applies them
+with the same optimizer code, per variable in version order, so its values,
+slots and step counts stay bit-identical to the primary's, and records each
+push's ``(worker_id, session, seq)`` in its dedup table. The primary
 answers a push only after the backup has acknowledged its update, so an
 acknowledged update is on both processes: ``kill -9`` of the primary loses none.
 
@@ -183,12 +185,23 @@ class Primary:
         tensors = [(s.name, values[s.name]) for s in specs]
         await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
 
-    def send_optimizer_update(self, variables: Sequence[Variable]) -> Awaitable[None] | None:
+    async def forward_assign(self, values: Mapping[str, np.ndarray], versions: Sequence[int]) -> None:
+        """Sends an Assign (the values and the version each produced) and waits for its acknowledgement."""
+        link = self._link
+        if link is None or not values:
+            return
+        header = ps_pb2.ReplicateResponse(assign=True, versions=list(versions))
+        await self._forward(link, header, list(values.items()))
+
+    def send_optimizer_update(
+        self, variables: Sequence[Variable], *, reset: bool = False
+    ) -> Awaitable[None] | None:
         """Queues an UpdateOptimizer for the backup now; returns what waits for its acknowledgement.
 
         Queued synchronously (call it with the variables' locks held), so every
         update the primary applies after the change reaches the backup after it.
-        None without a backup.
+        ``reset``: the optimizer was replaced (fresh slots, step count 0). None
+        without a backup.
         """
         link = self._link
         if link is None or not variables:
@@ -197,6 +210,7 @@ class Primary:
             id=next(self._ids),
             optimizer_updates=[v.spec for v in variables],
             versions=[v.version for v in variables],
+            reset=reset,
         )
         waiter = asyncio.get_running_loop().create_future()
         link.waiting[header.id] = waiter
@@ -275,13 +289,15 @@ class Backup:
         self.address = ""  # this backup's own HOST:PORT (set once it serves): the primary shows it
         self.caught_up = False
         self.applied = 0
-        # Per variable: updates that arrived before their predecessor (target version -> (grad, update id)).
-        self._early: dict[str, dict[int, tuple[np.ndarray, int]]] = {}
-        self._remaining: dict[int, int] = {}  # update id -> gradients not applied yet
+        # Per variable: updates that arrived before their predecessor
+        # (target version -> (gradient or assigned value, update id, whether it is an assignment)).
+        self._early: dict[str, dict[int, tuple[np.ndarray, int, bool]]] = {}
+        self._remaining: dict[int, int] = {}  # update id -> gradients (or assigned values) not applied yet
+        self._assigns: set[int] = set()  # ids of the Assigns among them (not counted as pushes)
         self._acks: asyncio.Queue[int | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        # UpdateOptimizer changes not applied yet: per variable, (version, spec, update id) in order.
-        self._swaps: dict[str, list[tuple[int, ps_pb2.OptimizerSpec, int]]] = {}
+        # UpdateOptimizer changes not applied yet: per variable, (version, spec, update id, reset) in order.
+        self._swaps: dict[str, list[tuple[int, ps_pb2.OptimizerSpec, int, bool]]] = {}
         self._swaps_left: dict[int, int] = {}  # update id -> changes not applied yet
 
     def start(self) -> None:
@@ -372,6 +388,8 @@ class Backup:
                 self._acks.put_nowait(header.id)
             elif header.optimizer_updates:
                 self._update_optimizers(header)
+            elif header.assign:
+                self._apply(header, tensors.result(), assign=True)
             else:
                 self._apply(header, tensors.result())
 
@@ -388,17 +406,25 @@ class Backup:
             self.shard, self.primary, len(snap.tensors), snap.nbytes / 2**20,
         )  # fmt: skip
 
-    def _apply(self, message: ps_pb2.ReplicateResponse, tensors: dict[str, np.ndarray]) -> None:
+    def _apply(
+        self, message: ps_pb2.ReplicateResponse, tensors: dict[str, np.ndarray], *, assign: bool = False
+    ) -> None:
+        """A push (gradients) or, with ``assign``, an Assign (values) of the primary."""
         if len(tensors) != len(message.versions):
             raise RuntimeError(
-                f"update {message.id}: {len(tensors)} gradients, {len(message.versions)} versions"
+                f"update {message.id}: {len(tensors)} tensors, {len(message.versions)} versions"
             )
-        # Recorded, not claimed: the primary already decided (its order of claims may differ from
-        # this order of applied updates, so a takeover must not refuse anything here).
-        self.store.record(message.worker_id, message.seq, message.session)
+        if not assign:
+            # Recorded, not claimed: the primary already decided (its order of claims may differ from
+            # this order of applied updates, so a takeover must not refuse anything here).
+            self.store.record(message.worker_id, message.seq, message.session)
         self._remaining[message.id] = len(tensors)
-        for (name, grad), version in zip(tensors.items(), message.versions, strict=True):
-            self._early.setdefault(name, {})[version] = (grad, message.id)
+        if assign:
+            self._assigns.add(message.id)
+        for (name, tensor), version in zip(tensors.items(), message.versions, strict=True):
+            if assign:  # kept by the store: its own copy, not a view of the message
+                tensor = np.array(tensor, copy=True, order="C")
+            self._early.setdefault(name, {})[version] = (tensor, message.id, assign)
             self._drain(name)
 
     def _drain(self, name: str) -> None:
@@ -412,8 +438,11 @@ class Backup:
             entry = early.pop(version + 1, None)
             if entry is None:
                 return
-            grad, update_id = entry
-            self.store.apply_one(var, grad)
+            tensor, update_id, assign = entry
+            if assign:
+                self.store.assign_one(var, tensor)
+            else:
+                self.store.apply_one(var, tensor)
             self._done(update_id)
             self._swap_when_due(name)
 
@@ -435,15 +464,15 @@ class Backup:
                     f"variable {spec.name!r}: the primary changed its optimizer at version {version}, "
                     f"this backup is already at {var.version}; refusing to diverge"
                 )
-            self._swaps.setdefault(spec.name, []).append((version, spec.optimizer, message.id))
+            self._swaps.setdefault(spec.name, []).append((version, spec.optimizer, message.id, message.reset))
             self._swap_when_due(spec.name)
 
     def _swap_when_due(self, name: str) -> None:
         pending = self._swaps.get(name)
         var = self.store.get(name)
         while pending and pending[0][0] == var.version:
-            _, spec, update_id = pending.pop(0)
-            self.store.set_optimizer(var, optimizers.from_spec(spec))
+            _, spec, update_id, reset = pending.pop(0)
+            self.store.set_optimizer(var, optimizers.from_spec(spec), reset=reset)
             left = self._swaps_left[update_id] - 1
             if left:
                 self._swaps_left[update_id] = left
@@ -460,5 +489,8 @@ class Backup:
             return
         del self._remaining[update_id]
         self.applied += 1
-        self.store.pushes += 1
+        if update_id in self._assigns:
+            self._assigns.discard(update_id)
+        else:
+            self.store.pushes += 1
         self._acks.put_nowait(update_id)

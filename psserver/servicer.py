@@ -156,7 +156,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             await self._abort(context, err)
         wanted = set(request.names)
         infos = [
-            ps_pb2.VariableInfo(spec=v.spec, version=v.version)
+            ps_pb2.VariableInfo(spec=v.spec, version=v.version, iterations=v.iterations)
             for v in self.store.variables()
             if not wanted
             or v.name in wanted
@@ -308,12 +308,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._serving("UpdateOptimizer")
                 spec = request.optimizer if request.HasField("optimizer") else None
                 pending = None
-                async with self.store.update_optimizer(request.names, dict(request.params), spec) as changed:
+                async with self.store.update_optimizer(
+                    request.names, dict(request.params), spec, reset=request.reset
+                ) as changed:
                     if self.primary is not None:  # queued with the locks held: no update overtakes it
-                        pending = self.primary.send_optimizer_update(changed)
+                        pending = self.primary.send_optimizer_update(changed, reset=request.reset)
                 if pending is not None:
                     await pending
                 return ps_pb2.UpdateOptimizerResponse(names=[v.name for v in changed])
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
+
+    async def Assign(
+        self, request_iterator: AsyncIterator[ps_pb2.AssignRequest], context: grpc.aio.ServicerContext
+    ) -> ps_pb2.AssignResponse:
+        try:
+            with _statuses():
+                values = codec.Assembler()
+                async for req in request_iterator:
+                    for chunk in req.values:
+                        values.add(chunk)
+                self._serving("Assign")
+                tensors = values.result()
+                # Not through the mode: applied at once, outside sync barriers and ssp clocks.
+                versions = await self.store.set_values(self.store.validate_values(tensors))
+                if self.primary is not None:  # answered once the backup has it too
+                    await self.primary.forward_assign(tensors, versions)
+                return ps_pb2.AssignResponse(names=list(tensors), versions=versions)
         except _Abort as err:
             await self._abort(context, err)
             raise AssertionError("unreachable") from None
@@ -401,6 +423,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 # wire bytes as ps.proto, with tensor data kept out of protobuf's copies.
 _WIRE_REQUESTS = {
     "CreateVariables": (ps_pb2.CreateVariablesRequest, "values"),
+    "Assign": (ps_pb2.AssignRequest, "values"),
     "Push": (ps_pb2.PushRequest, "grads"),
     "PushStream": (ps_pb2.PushRequest, "grads"),
     "PushSession": (ps_pb2.PushRequest, "grads"),

@@ -56,6 +56,10 @@ class Variable:
     slots: dict[str, np.ndarray]
     # (value, version): replaced as a whole, never mutated, so readers need no lock.
     state: tuple[np.ndarray, int]
+    # Pushes applied with the current optimizer (Keras's optimizer.iterations): the step of bias
+    # correction and schedules. Unlike the version, an assignment does not count and a
+    # replacement of the optimizer (UpdateOptimizer with reset) restarts it at 0.
+    iterations: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -121,6 +125,7 @@ class Store:
         self.inline_apply_bytes = inline_apply_bytes
         self.pushes = 0
         self.pulls = 0
+        self.changes = 0  # creates, updates, assignments, optimizer changes: what a checkpoint must save
         self.started = time.monotonic()
         # Checkpoint gate (see ``quiesced``): updates in progress, and whether new ones may start.
         self._updating = 0
@@ -196,6 +201,7 @@ class Store:
         for var in staged:
             if var is not None:
                 self._vars[var.name] = var
+                self.changes += 1
                 log.info(
                     "created %s %s%s (%s)", var.name, var.dtype.name, list(var.shape), var.optimizer.name
                 )
@@ -344,25 +350,34 @@ class Store:
         Waits while a checkpoint snapshot is being taken (``quiesced``), so a
         snapshot never holds half of one update.
         """
+        async with self._updates():
+            versions = []
+            for var, grad in pairs:
+                async with var.lock:
+                    value, version = var.state
+                    step = var.iterations
+                    if value.nbytes > self.inline_apply_bytes:
+                        new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, step)
+                    else:
+                        new = var.optimizer.apply(value, grad, var.slots, step)
+                    var.state = (_freeze(new), version + 1)
+                    var.iterations = step + 1
+                    versions.append(version + 1)
+            self.pushes += 1
+            return versions
+
+    @contextlib.asynccontextmanager
+    async def _updates(self) -> AsyncIterator[None]:
+        """Counts an update in progress; waits first while a checkpoint snapshot is taken (``quiesced``)."""
         while not self._open.is_set():
             await self._open.wait()
         self._updating += 1
         self._idle.clear()
         try:
-            versions = []
-            for var, grad in pairs:
-                async with var.lock:
-                    value, version = var.state
-                    if value.nbytes > self.inline_apply_bytes:
-                        new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, version)
-                    else:
-                        new = var.optimizer.apply(value, grad, var.slots, version)
-                    var.state = (_freeze(new), version + 1)
-                    versions.append(version + 1)
-            self.pushes += 1
-            return versions
+            yield
         finally:
             self._updating -= 1
+            self.changes += 1
             if not self._updating:
                 self._idle.set()
 
@@ -372,17 +387,81 @@ class Store:
         Returns the new version.
         """
         value, version = var.state
-        var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, version)), version + 1)
+        var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, var.iterations)), version + 1)
+        var.iterations += 1
+        self.changes += 1
         return version + 1
+
+    # -- assign (Assign) -------------------------------------------------------
+
+    def validate_values(self, values: Mapping[str, np.ndarray]) -> list[tuple[Variable, np.ndarray]]:
+        """Checks every value of an Assign before any is set.
+
+        Raises:
+            NotFound: an unknown variable.
+            InvalidArgument: no values, a dtype or shape mismatch, or a non-finite
+                value of a floating-point variable (unless the shard allows them).
+        """
+        if not values:
+            raise InvalidArgument("assign carries no values")
+        pairs = []
+        for name, value in values.items():
+            var = self.get(name)
+            if value.dtype != var.dtype:
+                raise InvalidArgument(
+                    f"value for {name!r} has dtype {value.dtype.name}; variable has dtype {var.dtype.name}"
+                )
+            if value.shape != var.shape:
+                raise InvalidArgument(
+                    f"value for {name!r} has shape {tuple(value.shape)}; variable has shape {var.shape}"
+                )
+            if var.dtype.kind == "f" and not self.allow_non_finite and not np.isfinite(value).all():
+                bad = int(value.size - np.count_nonzero(np.isfinite(value)))
+                raise InvalidArgument(
+                    f"value for {name!r} has {bad} non-finite (NaN or Inf) elements; rejected "
+                    "(start the shard with --allow-non-finite to assign them)"
+                )
+            pairs.append((var, value))
+        return pairs
+
+    async def set_values(self, pairs: list[tuple[Variable, np.ndarray]]) -> list[int]:
+        """Sets validated values (``validate_values``), keeping slots and step counts; returns new versions.
+
+        Each variable is set under its lock (between two of its updates), its
+        version + 1. Like ``apply``, waits while a checkpoint snapshot is taken.
+        """
+        copies = []
+        for _, value in pairs:  # own copies: ``value`` may be a view of the request's bytes
+            if value.nbytes > self.inline_apply_bytes:
+                copies.append(await asyncio.to_thread(_owned, value))
+            else:
+                copies.append(_owned(value))
+        async with self._updates():
+            versions = []
+            for (var, _), new in zip(pairs, copies, strict=True):
+                async with var.lock:
+                    versions.append(self.assign_one(var, new))
+            return versions
+
+    def assign_one(self, var: Variable, value: np.ndarray) -> int:
+        """Sets one validated value now (a backup replaying its primary's Assign); returns the new version.
+
+        ``value`` is kept (frozen), not copied.
+        """
+        version = var.version + 1
+        var.state = (_freeze(value.reshape(var.shape)), version)
+        self.changes += 1
+        return version
 
     @contextlib.asynccontextmanager
     async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[PushKey]]:
         """Holds new updates back and waits for those in progress (checkpoint snapshots).
 
-        Inside the block no ``apply`` runs, so values, slots, versions and the
-        dedup table agree. Pulls and creates go on. Yields the pushes claimed
-        while the gate was closed (their updates are not applied yet, so a
-        snapshot must not count them as seen). Not reentrant.
+        Inside the block no ``apply`` (nor assignment, nor optimizer change)
+        runs, so values, slots, versions and the dedup table agree. Pulls and
+        creates go on. Yields the pushes claimed while the gate was closed
+        (their updates are not applied yet, so a snapshot must not count them
+        as seen). Not reentrant.
 
         Raises:
             TimeoutError: updates in progress did not finish within ``timeout_s``.
@@ -411,8 +490,15 @@ class Store:
         names: Iterable[str],
         params: Mapping[str, float],
         spec: ps_pb2.OptimizerSpec | None = None,
+        *,
+        reset: bool = False,
     ) -> AsyncIterator[list[Variable]]:
         """Changes the optimizer hyper-parameters of variables, keeping values, versions and slots.
+
+        With ``reset``, replaces the optimizer instead: ``spec`` may name any
+        class, and each variable gets fresh slots (as at creation) and a step
+        count (``Variable.iterations``) of 0, as a Keras model compiled with a
+        new optimizer has.
 
         All or nothing: every variable is checked before any changes. The
         change is made with each variable's lock held, between two of its
@@ -424,21 +510,30 @@ class Store:
             names: stored names; empty: every variable whose learning rate is
                 not a schedule (the others are skipped).
             params: hyper-parameters to set by Keras name, merged into each spec.
-            spec: instead of ``params``, the whole new spec (same optimizer class).
+            spec: instead of ``params``, the whole new spec (same optimizer class
+                unless ``reset``).
+            reset: replace the optimizer (needs ``spec`` and ``names``).
 
         Raises:
             NotFound: an unknown name.
             InvalidArgument: neither or both of params and spec, another optimizer
                 class, an invalid or unknown parameter, a change of the slots, or
-                a learning rate for a variable whose learning rate is a schedule.
+                a learning rate for a variable whose learning rate is a schedule;
+                with ``reset``: no spec or no names, an invalid spec, or an
+                optimizer that needs the whole variable for a partition.
         """
         names = list(names)
         if (spec is None) == (not params):
             raise InvalidArgument("UpdateOptimizer needs either params or an optimizer spec (not both)")
+        if reset and (spec is None or not names):
+            raise InvalidArgument("UpdateOptimizer with reset needs an optimizer spec and variable names")
         staged: list[tuple[Variable, optimizers.ServerOptimizer]] = []
         for var in self.lookup(names):
             old = var.spec.optimizer
-            if spec is not None:
+            if spec is not None and reset:
+                new = ps_pb2.OptimizerSpec()
+                new.CopyFrom(spec)
+            elif spec is not None:
                 if spec.name.lower() != old.name.lower():
                     raise InvalidArgument(
                         f"variable {var.name!r} has optimizer {old.name!r}; the new spec names {spec.name!r} "
@@ -462,7 +557,7 @@ class Store:
             except ValueError as err:
                 raise InvalidArgument(f"variable {var.name!r}: {err}") from None
             before, after = var.optimizer.slot_shapes(var.shape), optimizer.slot_shapes(var.shape)
-            if var.dtype.kind == "f" and before != after:
+            if not reset and var.dtype.kind == "f" and before != after:
                 raise InvalidArgument(
                     f"variable {var.name!r}: {optimizer.config!r} would change its slots from "
                     f"{sorted(before)} to {sorted(after)}; UpdateOptimizer keeps the slots"
@@ -472,21 +567,32 @@ class Store:
                     f"variable {var.name!r} is a partition; {optimizer.config!r} needs the whole variable"
                 )
             staged.append((var, optimizer))
-        async with contextlib.AsyncExitStack() as locks:
+        # Through the checkpoint gate: a snapshot never holds a new spec with the old slots.
+        async with self._updates(), contextlib.AsyncExitStack() as locks:
             for var, _ in staged:
                 await locks.enter_async_context(var.lock)
             for var, optimizer in staged:
-                self.set_optimizer(var, optimizer)
+                self.set_optimizer(var, optimizer, reset=reset)
             yield [var for var, _ in staged]
 
-    def set_optimizer(self, var: Variable, optimizer: optimizers.ServerOptimizer) -> None:
-        """Swaps a variable's optimizer (and the optimizer in its spec); its slots stay as they are."""
+    def set_optimizer(
+        self, var: Variable, optimizer: optimizers.ServerOptimizer, *, reset: bool = False
+    ) -> None:
+        """Swaps a variable's optimizer (and the optimizer in its spec).
+
+        Its slots and step count stay as they are, or with ``reset`` start afresh
+        (slots as at creation, step count 0).
+        """
         spec = ps_pb2.VariableSpec()
         spec.CopyFrom(var.spec)
         spec.optimizer.CopyFrom(optimizer.spec)
+        if reset:
+            var.slots = optimizer.init_slots(var.value)
+            var.iterations = 0
         var.spec = spec
         var.optimizer = optimizer
-        log.info("variable %s: optimizer is now %r", var.name, optimizer.config)
+        self.changes += 1
+        log.info("variable %s: optimizer is now %r%s", var.name, optimizer.config, " (reset)" * reset)
 
     # -- dedup table (checkpoints) -------------------------------------------
 
@@ -509,6 +615,10 @@ class Store:
                 sessions.pop(int(session), None)  # listed twice: the later place counts
                 sessions[int(session)] = window
             self._sessions[worker] = sessions
+
+
+def _owned(value: np.ndarray) -> np.ndarray:
+    return np.array(value, copy=True, order="C")
 
 
 def _describe(spec: ps_pb2.VariableSpec) -> str:
