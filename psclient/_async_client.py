@@ -18,7 +18,7 @@ from psclient import _requests as rq
 from psclient import _retry, _session, codec
 from psclient.config import ClientConfig
 from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
-from psclient.optimizers import SGD, Optimizer, optimizer_from_proto
+from psclient.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
 from psclient.placement import plan
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 
@@ -644,6 +644,115 @@ class AsyncPSClient:
         changed = [n for names_ in await _each(one, per_shard) for n in names_]
         return sorted({variable_of.get(n, n) for n in changed})
 
+    async def replace_optimizer(self, optimizer: Optimizer, names: Iterable[str]) -> list[str]:
+        """Replaces the optimizer of existing variables by ``optimizer``, of any class, with fresh slots.
+
+        What compiling a Keras model with a new optimizer does: e.g. a frozen
+        layer's variables, created with ``SGD(learning_rate=1.0)``, train with
+        ``Adam(1e-4)`` once the layer is unfrozen. Each variable's slots start
+        as at creation and the optimizer's step count (bias correction,
+        schedules; ``VariableInfo.iterations``) restarts at 0; values and
+        versions are kept. All or nothing per shard; every piece of a
+        partitioned variable is changed. Saved in checkpoints and made on a
+        shard's backup too. Afterwards ``create`` is idempotent only with
+        ``optimizer``. A retry replaces (and resets) again.
+
+        >>> await client.replace_optimizer(psclient.Adam(1e-4), ["dense/kernel"])  # doctest: +SKIP
+
+        Args:
+            optimizer: the new server-side optimizer.
+            names: the variables (user-visible names).
+
+        Returns:
+            The names of the variables changed, sorted.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: ``optimizer`` is not a psclient optimizer, or
+                needs the whole variable (clipnorm, Adafactor, Lamb) for one cut
+                into partitions.
+            PSError: a shard failed.
+        """
+        if not isinstance(optimizer, Optimizer):
+            raise InvalidArgumentError(
+                f"replace_optimizer needs a psclient optimizer (psclient.Adam(...)), got {optimizer!r}"
+            )
+        names = list(dict.fromkeys(names))
+        if not names:
+            return []
+        spec = optimizer.to_proto()
+        pieces = await self._known(names)
+        # Checked here too, so that a replacement refused on one shard is not made on another.
+        whole = isinstance(optimizer, (Adafactor, Lamb)) or optimizer.clipnorm is not None
+        for name, group in pieces.items():
+            if whole and len(group) > 1:
+                raise InvalidArgumentError(
+                    f"variable {name!r} is cut into {len(group)} partitions, but {optimizer!r} needs the "
+                    "whole variable on one shard (clipnorm, Adafactor and Lamb use norms or means over it)"
+                )
+        per_shard: dict[int, list[str]] = {}
+        for group in pieces.values():
+            for piece in group:
+                per_shard.setdefault(piece.shard, []).append(piece.stored_name)
+
+        async def one(shard: int, stored: list[str]) -> None:
+            request = ps_pb2.UpdateOptimizerRequest(names=stored, optimizer=spec, reset=True)
+            await self._call(
+                shard,
+                "UpdateOptimizer",
+                lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
+            )
+
+        await _each(one, per_shard)
+        return sorted(pieces)
+
+    # -- assign -------------------------------------------------------------
+
+    async def assign(self, values: Mapping[str, np.ndarray]) -> None:
+        """Sets variables to the given values, keeping their optimizer slots and step counts.
+
+        For a worker whose values must win on the shards (Keras's
+        ``EarlyStopping(restore_best_weights=True)``, loading weights into a
+        running job). Each variable's version goes up by one. Applied at once in
+        every mode (not part of a sync step or an ssp clock), all or nothing per
+        shard, and made on a shard's backup before the call returns. Values of
+        any size travel in chunks; a partitioned variable is split like a push.
+        A retry sets the same values again, which is harmless.
+
+        Shards that get non-finite values are sent theirs first, one at a
+        time, so that a shard that refuses them leaves every other shard
+        unchanged.
+
+        >>> await client.assign({"dense/kernel": best_kernel})  # doctest: +SKIP
+
+        Args:
+            values: name -> value (same shape and dtype as the variable).
+
+        Raises:
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: a shape or dtype mismatch, or non-finite values
+                of a floating-point variable (unless the shards allow them).
+            PSError: a shard failed.
+        """
+        if not values:
+            return
+        pieces = await self._known(list(values))
+        per_shard = rq.split_by_shard(pieces, values, "value")
+
+        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
+            def messages() -> Iterable[codec.WireMessage]:
+                for batch in rq.wire_batches(tensors, self.config.chunk_bytes):
+                    yield codec.WireMessage(_EMPTY_ASSIGN, "values", batch)
+
+            await self._call(
+                shard, "Assign", lambda: self._stub(shard).Assign(_aiter(messages()), **self._kw(shard))
+            )
+
+        risky = {s: t for s, t in per_shard.items() if not all(_finite(a) for _, a in t)}
+        for shard, tensors in risky.items():
+            await one(shard, tensors)
+        await _each(one, {s: t for s, t in per_shard.items() if s not in risky})
+
     # -- checkpoints --------------------------------------------------------
 
     async def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
@@ -680,6 +789,12 @@ def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mappi
 
 
 _EMPTY_PUSH = ps_pb2.PushRequest()
+_EMPTY_ASSIGN = ps_pb2.AssignRequest()
+
+
+def _finite(arr: np.ndarray) -> bool:
+    """Whether every element is finite (always, for a dtype that is not floating point)."""
+    return arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
 
 
 class _WireStub(ps_pb2_grpc.ParameterServerStub):
@@ -701,6 +816,9 @@ class _WireStub(ps_pb2_grpc.ParameterServerStub):
         )
         self.PushSession = channel.stream_stream(
             prefix + "PushSession", request_serializer=ser, response_deserializer=push
+        )
+        self.Assign = channel.stream_unary(
+            prefix + "Assign", request_serializer=ser, response_deserializer=ps_pb2.AssignResponse.FromString
         )
 
 

@@ -1,8 +1,10 @@
 """Retries of idempotent RPCs: exponential backoff with full jitter, bounded by one overall deadline.
 
 Every psclient RPC is safe to repeat: pulls and listings read, creates are
-idempotent for an equal spec, and a push carries ``(worker_id, session, seq)`` chosen
-once before the first attempt, so a shard applies a retried push once. A call
+idempotent for an equal spec, a push carries ``(worker_id, session, seq)`` chosen
+once before the first attempt, so a shard applies a retried push once, an
+assign sets the same values again and an optimizer change (or replacement) makes
+the same change again. A call
 that fails with ``UNAVAILABLE`` (the shard is down, restarting or shutting
 down, or the connection broke mid-call; a broken stream may also surface as
 INTERNAL/UNKNOWN with a transport message from gRPC core, see

@@ -156,6 +156,33 @@ class PSClient:
         """
         return list(self._run(self._async.update_optimizer(params, None if names is None else list(names))))
 
+    def replace_optimizer(self, optimizer: Optimizer, names: Iterable[str]) -> list[str]:
+        """Replaces the optimizer of variables (any class, fresh slots, step count 0).
+
+        See ``AsyncPSClient.replace_optimizer``.
+
+        Returns:
+            The names of the variables changed, sorted.
+
+        Raises:
+            NotFoundError: a named variable does not exist.
+            InvalidArgumentError: not a psclient optimizer, or one that needs the
+                whole variable for a partitioned variable.
+            PSError: a shard failed.
+        """
+        return list(self._run(self._async.replace_optimizer(optimizer, list(names))))
+
+    def assign(self, values: Mapping[str, np.ndarray]) -> None:
+        """Sets variables to the given values, keeping their optimizer slots; see ``AsyncPSClient.assign``.
+
+        Raises:
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: a shape or dtype mismatch, or non-finite values
+                (unless the shards allow them).
+            PSError: a shard failed.
+        """
+        self._run(self._async.assign(values))
+
     def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
         """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""
         return list(self._run(self._async.save_checkpoint()))

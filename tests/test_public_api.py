@@ -17,7 +17,7 @@ CONTRACT = {
 
 CLIENT_METHODS = (
     "create", "create_many", "pull", "pull_with_versions", "push", "push_pull", "close",
-    "set_learning_rate", "update_optimizer",
+    "set_learning_rate", "update_optimizer", "replace_optimizer", "assign",
 )  # fmt: skip
 
 
