@@ -500,12 +500,15 @@ class AllReduceCallback(StepTimer):
         model = self.model
         check_no_jit(model, "all-reduce training")
         optimizer = _collective_optimizer(model.optimizer)
-        if optimizer is None:
+        # A custom train_step may apply its own optimizers (a GAN's d_optimizer and g_optimizer).
+        own = [o for o in (_collective_optimizer(v) for v in vars(model).values()) if o is not None]
+        if optimizer is None and not own:
             raise ValueError(
                 "compile the model with psclient.keras.AllReduceOptimizer(keras_optimizer, worker), got "
                 f"{type(model.optimizer).__name__}"
             )
-        optimizer.attach(model)
+        for opt in {id(o): o for o in [optimizer, *own] if o is not None}.values():
+            opt.attach(model)
         if not model.built or not model.variables:
             # Built by the first step (a Sequential without Input): broadcast after it.
             self._broadcast_pending = True

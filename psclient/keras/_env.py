@@ -94,6 +94,8 @@ class Distribution:
             self.worker.attach(model, optimizer)
         elif isinstance(self.worker, AllReduceWorker):
             self.worker.broadcast_variables(model)
+            if isinstance(optimizer, AllReduceOptimizer):
+                optimizer.attach(model)  # its moving statistics are averaged with the gradients
 
     def finish(self) -> None:
         """For a ``GradientTape`` loop, after the last step: the parameter server's final values are

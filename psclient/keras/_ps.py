@@ -56,6 +56,7 @@ How it works:
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import time
@@ -68,7 +69,7 @@ import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.errors import DeadlineExceededError, NotFoundError
+from psclient.errors import DeadlineExceededError, PSError
 from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.keras._naming import model_variable_names
 from psclient.optimizers import SGD, Optimizer, optimizer_from_config
@@ -116,6 +117,17 @@ def server_optimizer(optimizer: Any) -> Optimizer:
     inner = _keras_optimizer(_unwrap_loss_scale(optimizer))
     config = {k: v for k, v in inner.get_config().items() if k not in _WORKER_SIDE_KEYS}
     return optimizer_from_config(type(inner).__name__, config)
+
+
+def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
+    """Whether a stored ``OptimizerSpec`` equals ``spec`` except for a constant learning rate."""
+    mine = spec.to_proto()
+    if stored.HasField("learning_rate_schedule") or mine.HasField("learning_rate_schedule"):
+        return bool(stored == mine)
+    a, b = dict(stored.params), dict(mine.params)
+    a.pop("learning_rate", None)
+    b.pop("learning_rate", None)
+    return stored.name == mine.name and a == b
 
 
 def _worker_from_tf_config(worker_index: int | None, num_workers: int | None) -> tuple[int, int]:
@@ -211,6 +223,9 @@ class PSWorker:
         self._sent_lr: dict[int, float] = {}
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
         self._attached = False
+        self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
+        self._closed = False
+        atexit.register(self.close)  # a script that never closes the worker still leaves the barriers
 
     @property
     def is_chief(self) -> bool:
@@ -268,7 +283,7 @@ class PSWorker:
         groups: list[tuple[list[Any], Optimizer]] = [(state, STATE_OPTIMIZER)]
         if optimizer is not None:
             groups.append((trainable, server_optimizer(optimizer)))
-        self._register(groups)
+        self._register(groups, check=True)
         self._attached = True
         if self._vars:
             self.refresh()
@@ -286,13 +301,19 @@ class PSWorker:
         self.mode = modes[0]
         self.overlap = self._overlap and self.mode != "sync"
 
-    def _register(self, groups: list[tuple[list[Any], Optimizer]]) -> list[str]:
-        """Creates or finds variables with their specs; returns the names new to this worker."""
+    def _register(self, groups: list[tuple[list[Any], Optimizer]], *, check: bool = False) -> list[str]:
+        """Creates or finds variables with their specs; returns the names it (re)attached.
+
+        Args:
+            groups: variables, each group with its server-side optimizer.
+            check: compare with the shards also what this worker attached before (a new ``fit``,
+                a new optimizer: a callback may have changed the shards' learning rate).
+        """
         todo: list[tuple[str, Any, Optimizer]] = []
         for variables, spec in groups:
             for var in variables:
                 name = self.name_of(var)
-                if self._specs.get(name) != spec or self._vars.get(name) is not var:
+                if check or self._specs.get(name) != spec or self._vars.get(name) is not var:
                     todo.append((name, var, spec))
         names = [n for n, _, _ in todo]
         if len(set(names)) != len(names):
@@ -302,12 +323,7 @@ class PSWorker:
             return []
         with tf.init_scope():  # eager, also when first seen while tracing the train step
             values = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v, _ in todo}
-        if not self.is_chief:
-            self._wait_for_variables(names)
-        created = 0
-        for spec in {id(s): s for _, _, s in todo}.values():
-            batch = {n: values[n] for n, _, s in todo if s is spec}
-            created += sum(self.client.create_many(batch, optimizer=spec).values())  # idempotent
+        created = self._reconcile({n: s for n, _, s in todo}, values)
         for name, var, spec in todo:
             self._vars[name], self._specs[name] = var, spec
             if spec is STATE_OPTIMIZER:
@@ -325,19 +341,60 @@ class PSWorker:
         )
         return names
 
-    def _wait_for_variables(self, names: list[str]) -> None:
+    def _reconcile(self, wanted: dict[str, Optimizer], values: dict[str, np.ndarray]) -> int:
+        """Makes the shards hold ``wanted`` variables with these optimizers; returns how many it created.
+
+        The chief creates what is missing and, where a variable exists with another optimizer
+        (a recompiled model, a layer frozen or unfrozen), gives it the new one: a learning rate
+        that differs alone is set (a callback may have changed it; slots kept), any other change
+        replaces the optimizer with fresh slots, as compiling with a new Keras optimizer does.
+        The other workers wait until the shards hold the variables with their optimizers (up to
+        the learning rate).
+
+        Raises:
+            DeadlineExceededError: a non-chief worker waited ``attach_timeout`` for the chief.
+        """
+        names = list(wanted)
         deadline = time.monotonic() + self.attach_timeout
         while True:
-            try:
-                self.client.pull_with_versions(names)
-                return
-            except NotFoundError as err:
-                if time.monotonic() > deadline:
-                    raise DeadlineExceededError(
-                        f"worker {self.worker_index}: the chief (worker 0) did not create the variables "
-                        f"within {self.attach_timeout:.0f}s: {err}"
-                    ) from err
-                time.sleep(_ATTACH_POLL_S)
+            listed = self.client.list_variables(names)
+            missing = [n for n in names if n not in listed]
+            stored = {n: listed[n][0].spec.optimizer for n in names if n in listed}
+            differ = [n for n in stored if stored[n] != wanted[n].to_proto()]
+            if self.is_chief:
+                break
+            pending = missing + [n for n in differ if not _same_but_rate(stored[n], wanted[n])]
+            if not pending:
+                return 0
+            if time.monotonic() > deadline:
+                got = ", ".join(
+                    f"{n}: {stored[n].name}" if n in stored else f"{n}: missing" for n in pending[:5]
+                )
+                raise DeadlineExceededError(
+                    f"worker {self.worker_index}: the chief (worker 0) did not create or update "
+                    f"{len(pending)} variable(s) within {self.attach_timeout:.0f}s ({got}); "
+                    "is worker 0 running the same model and optimizer?"
+                )
+            time.sleep(_ATTACH_POLL_S)
+        created = 0
+        for spec in {id(wanted[n]): wanted[n] for n in missing}.values():
+            batch = {n: values[n] for n in missing if wanted[n] is spec}
+            created += sum(self.client.create_many(batch, optimizer=spec).values())
+        rates: dict[float, list[str]] = {}
+        replaced: dict[Optimizer, list[str]] = {}
+        for n in differ:
+            if _same_but_rate(stored[n], wanted[n]):
+                rates.setdefault(float(wanted[n].params()["learning_rate"]), []).append(n)
+            else:
+                replaced.setdefault(wanted[n], []).append(n)
+        for rate, group in rates.items():
+            self.client.set_learning_rate(rate, group)
+        for spec, group in replaced.items():
+            log.info(
+                "worker %d: %d variable(s) get a new optimizer (%s)", self.worker_index, len(group), spec.name
+            )
+            self.client.replace_optimizer(spec, group)
+        return created
 
     def refresh(self, names: Sequence[str] | None = None) -> None:
         """Loads the shards' current values into the variables (and, in sync mode, the global step)."""
@@ -376,19 +433,37 @@ class PSWorker:
                 )
             self._sent_lr[key] = lr
 
-    def finish(self) -> None:
+    def finish(self, *, leave: bool = True) -> None:
         """End of training: waits for the in-flight push, tells the shards this worker is done (sync and
-        ssp barriers stop waiting for it), and loads the final values."""
+        ssp barriers stop waiting for it; ``leave=False`` keeps it expected), and loads the final values.
+
+        The ``fit`` callback calls ``finish(leave=False)`` at the end of each ``fit``: a script may
+        ``fit`` again (fine-tuning), and a worker that had left would let the others run the first
+        steps of the next ``fit`` without it. It leaves when it is closed.
+        """
         if self._vars:
             self._drain()
-            if self.mode != "async":
-                self.client.leave()
+            if leave:
+                self._leave()
             self.refresh()
 
+    def _leave(self) -> None:
+        if self.mode != "async" and self._attached and not self._left:
+            self.client.leave()
+            self._left = True
+
     def close(self) -> None:
-        """Drains the in-flight exchange, closes the client (if this worker made it). Idempotent."""
+        """Drains the in-flight exchange, tells sync/ssp shards this worker is done, and closes the
+        client (if this worker made it). Idempotent; also run at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         try:
             self._drain()
+            self._leave()
+        except PSError as err:  # the shards are gone: nothing waits for this worker there anyway
+            log.warning("worker %d: could not tell the shards it is done: %s", self.worker_index, err)
         finally:
             if self._owns_client:
                 self.client.close()
@@ -455,6 +530,7 @@ class PSWorker:
 
     def _exchange(self, gmap: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps_done += 1
+        self._left = False
         if self.mode == "sync":
             # Every shard takes part in every step (empty pushes to the others), so one step count
             # holds for all shards whatever variables a step updates.
@@ -513,11 +589,14 @@ class PSWorker:
         var_names = [self.name_of(v) for _, v in pairs]
         unknown = [v for n, (_, v) in zip(var_names, pairs, strict=True) if n not in self._vars]
         if optimizer is not None:
+            first = id(optimizer) not in self._optimizers  # a new optimizer: its rate, not the shards'
             self._optimizers.setdefault(id(optimizer), optimizer)
             spec = optimizer.server_optimizer
-            changed = [v for n, (_, v) in zip(var_names, pairs, strict=True) if self._specs.get(n) != spec]
+            changed = [
+                v for n, (_, v) in zip(var_names, pairs, strict=True) if first or self._specs.get(n) != spec
+            ]
             if changed:
-                new = self._register([(changed, spec)])
+                new = self._register([(changed, spec)], check=first)
                 self.refresh(new)
         elif unknown:
             raise ValueError(
@@ -682,7 +761,7 @@ class PSCallback(StepTimer):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
-        self.worker.finish()
+        self.worker.finish(leave=False)
 
 
 __all__ = [

@@ -28,6 +28,8 @@ EXAMPLES = {  # script -> the modes it is run in besides local
     "custom_train_step.py": ("async", "sync", "allreduce"),
     "gan.py": ("async", "sync", "allreduce"),
     "gradient_tape.py": ("async", "sync", "allreduce"),
+    "text_classification.py": ("async", "sync", "allreduce"),
+    "transfer_learning.py": ("async", "sync", "allreduce"),
 }
 # The GAN's score (1.0: generated and real distributions equal) moves +-0.15 between runs of any mode;
 # an untrained generator scores about 0.1, one that learned the mixture 0.65-0.9.
