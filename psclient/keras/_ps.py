@@ -224,6 +224,9 @@ class PSWorker:
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
         self._attached = False
         self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
+        self._fit_running = False  # between the fit callback's train begin and end
+        self._fit_ended = False  # after a fit, until the next
+        self._restored = False  # model.set_weights during the fit (EarlyStopping restoring the best)
         self._closed = False
         atexit.register(self.close)  # a script that never closes the worker still leaves the barriers
 
@@ -272,6 +275,7 @@ class PSWorker:
         if isinstance(model_or_variables, keras.Model):
             model = model_or_variables
             named = model_variable_names(model)
+            self._watch_set_weights(model)
             self._model_names.update({id(v): n for v, n in named})
             trainable = [v for v, _ in named if v.trainable]
             state = [v for v, _ in named if not v.trainable]
@@ -287,6 +291,56 @@ class PSWorker:
         self._attached = True
         if self._vars:
             self.refresh()
+
+    def _watch_set_weights(self, model: keras.Model) -> None:
+        """Notices ``model.set_weights`` (``EarlyStopping(restore_best_weights=True)`` restores the best
+        weights with it when ``fit`` ends) so that the shards get those weights too."""
+        if getattr(model, "_psclient_watched", False):
+            return
+        original = model.set_weights
+
+        def set_weights(weights: Any) -> None:
+            original(weights)
+            self._weights_set(model)
+
+        model.set_weights = set_weights
+        model._psclient_watched = True
+
+    def _weights_set(self, model: keras.Model) -> None:
+        if self._fit_running:  # a callback before ours, at the end of fit: we push them in on_train_end
+            self._restored = True
+        elif self._fit_ended and self.is_chief:  # after our on_train_end: push them now
+            self.assign_from(model)
+
+    def assign_from(self, model_or_variables: Any) -> None:
+        """Sets the shards' values to this worker's (the chief's best weights after early stopping).
+
+        Optimizer slots on the shards are kept, as Keras keeps them when weights are restored.
+
+        Raises:
+            PSError: a shard failed.
+        """
+        self._drain()
+        variables = (
+            [v for v, _ in model_variable_names(model_or_variables)]
+            if isinstance(model_or_variables, keras.Model)
+            else list(model_or_variables)
+        )
+        values = {}
+        with tf.init_scope():
+            for var in variables:
+                name = self.name_of(var)
+                if name in self._vars:
+                    values[name] = np.array(keras.ops.convert_to_numpy(var))
+        self.client.assign(values)
+        for name, value in values.items():
+            if name in self._base:
+                self._base[name] = value
+        log.info(
+            "worker %d: the shards now hold this worker's weights (%d variables)",
+            self.worker_index,
+            len(values),
+        )
 
     def _check_mode(self) -> None:
         """Takes the mode from the shards; refuses a given mode that differs (it would train wrongly)."""
@@ -747,6 +801,7 @@ class PSCallback(StepTimer):
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer = None  # a custom train_step may apply its own DistributedOptimizers (a GAN)
         self.worker.attach(model, optimizer)
+        self.worker._fit_running, self.worker._fit_ended, self.worker._restored = True, False, False
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.worker.sync_learning_rates()
@@ -761,7 +816,12 @@ class PSCallback(StepTimer):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
-        self.worker.finish(leave=False)
+        worker = self.worker
+        worker._fit_running = False
+        if worker._restored and worker.is_chief:  # EarlyStopping restored the best weights before us
+            worker.assign_from(self.model)
+        worker.finish(leave=False)
+        worker._fit_ended = True
 
 
 __all__ = [

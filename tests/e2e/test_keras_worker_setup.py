@@ -144,3 +144,24 @@ def test_schedules_and_worker_side_settings_train(make_cluster, var_name) -> Non
             next(iter(spec.values()))[0].spec.optimizer.learning_rate_schedule.name.lower()
             == "exponentialdecay"
         )
+
+
+@pytest.mark.parametrize("ours_first", [False, True])
+def test_early_stopping_restore_best_weights_leaves_the_shards_equal(
+    make_cluster, var_name, ours_first
+) -> None:
+    cluster = make_cluster(num_shards=2)
+    model = _bn_model(var_name)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype(np.float32), rng.normal(size=(96, 2)).astype(np.float32)
+    with psk.PSWorker(cluster.addresses) as worker, psclient.PSClient(cluster.addresses) as client:
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
+        stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True)
+        callbacks = [worker.callback(), stop] if ours_first else [stop, worker.callback()]
+        model.fit(x, y, batch_size=8, epochs=8, validation_split=0.25, verbose=0, callbacks=callbacks)
+        named = psk.model_variable_names(model)
+        stored = client.pull([n for _, n in named])
+        for var, name in named:  # the shards hold what the worker holds
+            np.testing.assert_array_equal(stored[name], var.numpy(), err_msg=name)
+        for var, best in zip(model.weights, stop.best_weights, strict=True):
+            np.testing.assert_array_equal(var.numpy(), best, err_msg=var.path)  # the worker holds the best
