@@ -20,7 +20,8 @@ examples:
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication: clients given PRIMARY|BACKUP for a shard fail over to the backup when the primary dies;
 an update is acknowledged once the backup has applied it too (see the README's "Replication").
-SIGTERM: stop taking new work, finish in-flight requests, exit 0.
+SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
+in-flight requests (up to --grace), write a checkpoint (with --checkpoint-dir), exit 0.
 """
 
 

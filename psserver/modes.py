@@ -17,7 +17,9 @@ push is applied and when a pull may proceed.
   the ``M`` workers waits in its pull.
 
 Every wait is bounded by the barrier timeout; a timeout is DEADLINE_EXCEEDED
-naming the step and the workers waited for.
+naming the step and the workers waited for. When the shard shuts down
+(``Mode.shutdown``), every wait ends at once with UNAVAILABLE and its gradient
+is withdrawn: the worker's retry applies it on the restarted shard.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from psserver.errors import DeadlineExceeded, InvalidArgument, WorkerIdConflict
+from psserver.errors import DeadlineExceeded, InvalidArgument, Unavailable, WorkerIdConflict
 from psserver.store import PushKey, Store, Variable
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,20 @@ class Mode(abc.ABC):
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.stopping = False  # set by shutdown(): waits end, new pushes are refused
+
+    def shutdown(self) -> None:
+        """The shard is shutting down: ends every wait with UNAVAILABLE and refuses later pushes.
+
+        Waiting pushes are withdrawn (nothing half-applied); their workers retry
+        them on the restarted shard.
+        """
+        self.stopping = True
+
+    def _check_serving(self) -> None:
+        """Raises Unavailable once the shard is shutting down."""
+        if self.stopping:
+            raise Unavailable("the shard is shutting down; retry on its restart")
 
     @abc.abstractmethod
     async def push(
@@ -191,6 +207,18 @@ class SyncMode(Mode):
             for w, ((session, seq), _) in rnd.contributions.items()
         ]
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        for rnd in self._rounds.values():
+            if not rnd.closed and not rnd.done.done():  # a round being applied completes
+                rnd.done.set_exception(
+                    Unavailable(
+                        f"the shard is shutting down: the sync step {self.step} barrier was left "
+                        f"with {len(rnd.contributions)} of {self.needed} gradients; retry on its restart"
+                    )
+                )
+                rnd.done.exception()  # retrieved: waiters re-raise it
+
     def _seen(self, worker_id: str, step: int = -1) -> None:
         if worker_id:
             self._workers[worker_id] = max(self._workers.get(worker_id, -1), step)
@@ -202,6 +230,7 @@ class SyncMode(Mode):
         self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads, allow_empty=True)
+        self._check_serving()  # a barrier gathered now would never complete
         self._seen(worker_id)
         if step < 0:
             raise InvalidArgument(f"sync mode: step must be >= 0, got {step}")
@@ -249,7 +278,7 @@ class SyncMode(Mode):
             else:
                 raise DeadlineExceeded(self._timeout_message(step, rnd, time.monotonic() - started)) from None
         finally:
-            if not rnd.done.done() and rnd.contributions.get(worker_id, (None,))[0] == key:
+            if not rnd.closed and rnd.contributions.get(worker_id, (None,))[0] == key:
                 # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
                 del rnd.contributions[worker_id]
                 self.store.unclaim(worker_id, key[1], key[0])
@@ -416,6 +445,10 @@ class SSPMode(Mode):
             self._wake()
         return PushOutcome(applied=True)
 
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._wake()
+
     async def before_pull(self, worker_id: str, step: int) -> None:
         if step - self.min_clock() <= self.staleness:
             return
@@ -423,6 +456,7 @@ class SSPMode(Mode):
         try:
             async with asyncio.timeout(self.barrier_timeout_s):
                 while step - self.min_clock() > self.staleness:
+                    self._check_serving()
                     await self._tick.wait()
         except TimeoutError:
             raise DeadlineExceeded(

@@ -144,13 +144,24 @@ class Primary:
         finally:
             self._detach(link, "it closed its stream" if link.error is None else f"bad stream: {link.error}")
 
-    def _detach(self, link: _Link, why: str) -> None:
+    def close(self, why: str) -> None:
+        """Ends the attached backup's ``Replicate`` stream (shutdown: no update is in flight any more).
+
+        The backup sees its primary's stream end and takes over on the next client call.
+        """
+        link = self._link
+        if link is not None:
+            log.info("shard %d: ending the replication stream of backup %s (%s)", self.shard, link.peer, why)
+            self._detach(link, why, quiet=True)
+
+    def _detach(self, link: _Link, why: str, *, quiet: bool = False) -> None:
         if self._link is not link:
             return
         self._link = None
-        log.warning(
-            "shard %d: backup %s detached (%s); going on without a backup", self.shard, link.peer, why
-        )
+        if not quiet:
+            log.warning(
+                "shard %d: backup %s detached (%s); going on without a backup", self.shard, link.peer, why
+            )
         for waiter in link.waiting.values():
             if not waiter.done():
                 waiter.set_result(False)

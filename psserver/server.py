@@ -77,11 +77,21 @@ class Shard:
     checkpointer: Checkpointer | None = None
     primary: Primary | None = None
     backup: Backup | None = None
+    servicer: ParameterServerServicer | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks."""
+        """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks.
+
+        Long-lived streams that are idle (clients' ``PushSession``, a backup's
+        ``Replicate``) end at once with UNAVAILABLE (``ParameterServerServicer.drain``),
+        so an idle shard stops in about a second whatever the grace.
+        """
+        grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.grace_s if grace_s is None else grace_s)
+        stopping = asyncio.create_task(self.server.stop(grace))  # refuses new calls from now on
+        if self.servicer is not None:
+            await self.servicer.drain(grace)
+        await stopping
         for hook in self.on_shutdown:
             await hook()
 
@@ -192,18 +202,17 @@ async def start(config: ServerConfig) -> Shard:
             auth_token=token,
             connect=functools.partial(peer_channel, config),
         )
-    add_to_server(  # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
-        ParameterServerServicer(
-            store,
-            MeteredMode(mode, metrics),  # type: ignore[arg-type]
-            shard=config.shard,
-            num_shards=config.num_shards,
-            checkpointer=checkpointer,
-            primary=primary,
-            backup=backup,
-        ),
-        server,
+    servicer = ParameterServerServicer(
+        store,
+        MeteredMode(mode, metrics),  # type: ignore[arg-type]
+        shard=config.shard,
+        num_shards=config.num_shards,
+        checkpointer=checkpointer,
+        primary=primary,
+        backup=backup,
     )
+    # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
+    add_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -216,7 +225,7 @@ async def start(config: ServerConfig) -> Shard:
     address = f"{host}:{port}"
     shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
     shard.checkpointer = checkpointer
-    shard.primary, shard.backup = primary, backup
+    shard.primary, shard.backup, shard.servicer = primary, backup, servicer
     if backup is not None:
         backup.address = address
         backup.start()

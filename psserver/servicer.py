@@ -7,6 +7,7 @@ gRPC reports UNKNOWN (and logs it).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -111,6 +112,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.checkpointer = checkpointer
         self.primary = primary  # forwards updates to an attached backup
         self.backup = backup  # set when this process started as a backup (--backup-of)
+        self.stopping = False  # drain() began: idle PushSession streams end, barriers give up
+        self._idle_sessions: set[asyncio.Task[Any]] = set()  # PushSession handlers waiting for a push
+        self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
+        self._quiet = asyncio.Event()  # set while _updating == 0
+        self._quiet.set()
+
+    @contextlib.contextmanager
+    def _update(self) -> Iterator[None]:
+        """Marks a state-changing call in progress (``drain`` waits for it before detaching a backup)."""
+        self._updating += 1
+        self._quiet.clear()
+        try:
+            yield
+        finally:
+            self._updating -= 1
+            if not self._updating:
+                self._quiet.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown (SIGTERM), once the server takes no new calls: ends what would hold it open.
+
+        Idle ``PushSession`` streams end at once with UNAVAILABLE (a busy one
+        after the push it is applying), sync barriers and ssp waits give up
+        with UNAVAILABLE, and once no update is in flight (at most ``grace_s``
+        seconds) the backup's ``Replicate`` stream ends, so that every update
+        acknowledged to a client is on the backup too. Clients retry (or fail
+        over) as for any UNAVAILABLE.
+        """
+        self.stopping = True
+        self.mode.shutdown()
+        for task in list(self._idle_sessions):
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self._quiet.wait()
+        if self.primary is not None:
+            self.primary.close("this shard is shutting down")
 
     def _serving(self, what: str) -> None:
         """Raises Unavailable while this process is a standby backup (clients then go to the primary)."""
@@ -136,11 +174,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         values.add(chunk)
                 self._serving("CreateVariables")
                 tensors = values.result()
-                created = self.store.create(specs, tensors)
-                if self.primary is not None:
-                    await self.primary.forward_create(
-                        [s for s, c in zip(specs, created, strict=True) if c], tensors
-                    )
+                with self._update():
+                    created = self.store.create(specs, tensors)
+                    if self.primary is not None:
+                        await self.primary.forward_create(
+                            [s for s, c in zip(specs, created, strict=True) if c], tensors
+                        )
                 return ps_pb2.CreateVariablesResponse(created=created)
         except _Abort as err:
             await self._abort(context, err)
@@ -203,6 +242,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
         self._serving("Push")
+        with self._update():
+            return await self._push_updating(header, grads)
+
+    async def _push_updating(
+        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]
+    ) -> ps_pb2.PushResponse:
         outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads, header.session)
         if outcome.applied and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
@@ -241,8 +286,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.PushResponse | codec.WireMessage]:
         # One push per message, answered in order; a failed push is reported in
-        # its response (code, message) and the stream goes on.
-        async for request in request_iterator:
+        # its response (code, message) and the stream goes on. On shutdown the
+        # stream ends with UNAVAILABLE as soon as it is idle (``drain``).
+        task = asyncio.current_task()
+        assert task is not None
+        requests = aiter(request_iterator)
+        while not self.stopping:
+            self._idle_sessions.add(task)
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not self.stopping:  # the call itself was cancelled
+                    raise
+                task.uncancel()  # drain() ended the wait for a push that may never come
+                break
+            finally:
+                self._idle_sessions.discard(task)
             try:
                 with _statuses():
                     response = await self._push_one(request)
@@ -251,6 +312,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     code=err.code.value[0], message=f"shard {self.shard}: {err}", reason=err.reason
                 )
             yield response
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"shard {self.shard} is shutting down; retry on its restart"
+        )
 
     async def PushStream(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
@@ -308,13 +372,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._serving("UpdateOptimizer")
                 spec = request.optimizer if request.HasField("optimizer") else None
                 pending = None
-                async with self.store.update_optimizer(
-                    request.names, dict(request.params), spec, reset=request.reset
-                ) as changed:
-                    if self.primary is not None:  # queued with the locks held: no update overtakes it
-                        pending = self.primary.send_optimizer_update(changed, reset=request.reset)
-                if pending is not None:
-                    await pending
+                with self._update():
+                    async with self.store.update_optimizer(
+                        request.names, dict(request.params), spec, reset=request.reset
+                    ) as changed:
+                        if self.primary is not None:  # queued with the locks held: no update overtakes it
+                            pending = self.primary.send_optimizer_update(changed, reset=request.reset)
+                    if pending is not None:
+                        await pending
                 return ps_pb2.UpdateOptimizerResponse(names=[v.name for v in changed])
         except _Abort as err:
             await self._abort(context, err)
@@ -332,9 +397,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._serving("Assign")
                 tensors = values.result()
                 # Not through the mode: applied at once, outside sync barriers and ssp clocks.
-                versions = await self.store.set_values(self.store.validate_values(tensors))
-                if self.primary is not None:  # answered once the backup has it too
-                    await self.primary.forward_assign(tensors, versions)
+                with self._update():
+                    versions = await self.store.set_values(self.store.validate_values(tensors))
+                    if self.primary is not None:  # answered once the backup has it too
+                        await self.primary.forward_assign(tensors, versions)
                 return ps_pb2.AssignResponse(names=list(tensors), versions=versions)
         except _Abort as err:
             await self._abort(context, err)

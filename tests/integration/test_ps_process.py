@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from psclient._retry import RetryPolicy
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 
@@ -121,3 +122,52 @@ def test_ps_process_shard_starts_from_tf_config_without_shard_flag(tmp_path: Pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ps_process_sigterm_ends_idle_push_sessions_and_checkpoints_well_within_grace(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    # A client that pushed keeps its PushSession stream open; the shard must not wait out the grace for it.
+    import numpy as np
+
+    import psclient
+
+    ckpt = tmp_path / "ckpt"
+    cluster = make_cluster(num_shards=1, server_args=["--checkpoint-dir", str(ckpt), "--grace", "30"])
+    proc = cluster.procs[0]
+    assert proc is not None
+    with psclient.PSClient(cluster.addresses, worker_id="w0", timeout=20) as client:
+        client.create_many({"a": np.zeros(3, np.float32), "b": np.zeros(4, np.float32)})
+        assert client.push({"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0  # the grace is 30 s: only an idle stream ended at once gets here
+    log = cluster.log_path(0).read_text()
+    assert "checkpoint 1 written" in log, log
+    assert list(ckpt.glob("ckpt-*.npz")), list(ckpt.iterdir())
+
+
+async def test_ps_process_sigterm_releases_a_sync_barrier_with_unavailable(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    # A push waiting at a barrier that can no longer complete is told UNAVAILABLE (retried by the client),
+    # not held until the grace runs out.
+    import asyncio
+
+    import numpy as np
+
+    import psclient
+
+    sync = ["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2", "--grace", "30"]
+    cluster = make_cluster(num_shards=1, server_args=sync)
+    proc = cluster.procs[0]
+    assert proc is not None
+    policy = RetryPolicy(enabled=False)  # see the first error itself
+    async with psclient.AsyncPSClient(cluster.addresses, worker_id="w0", timeout=20, retry=policy) as w0:
+        await w0.create("v", np.zeros(2, np.float32))
+        waiting = asyncio.create_task(w0.push({"v": np.ones(2, np.float32)}, step=0))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # waits for the second worker
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(psclient.UnavailableError, match="shutting down"):
+            await asyncio.wait_for(waiting, 20)
+    assert await asyncio.to_thread(proc.wait, 20) == 0

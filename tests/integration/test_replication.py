@@ -186,7 +186,9 @@ def test_the_primary_goes_on_without_a_dead_backup_and_a_new_backup_catches_up()
 
 
 def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
-    with _pair(("--grace", "1")) as (primary, backup):  # streams stay open: the grace runs out
+    # Grace 30 s, longer than LocalCluster waits before SIGKILL (15 s): the open PushSession and
+    # Replicate streams must end at once for the exit status to be 0.
+    with _pair(("--grace", "30")) as (primary, backup):
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(8, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(8, np.float32)})
