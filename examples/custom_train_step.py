@@ -81,7 +81,7 @@ def main() -> None:
     x_train, y_train = x_train[mine], y_train[mine]  # dist
 
     model = make_model()
-    model.compile(optimizer=dist.optimizer(keras.optimizers.SGD(0.05, momentum=0.9)))  # dist
+    model.compile(optimizer=dist.optimizer(keras.optimizers.SGD(0.05 * dist.lr_scale, momentum=0.9)))  # dist
     started = time.perf_counter()
     model.fit(x_train, y_train, batch_size=32, epochs=EPOCHS, verbose=0, callbacks=dist.callbacks())  # dist
     seconds = time.perf_counter() - started

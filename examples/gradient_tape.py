@@ -48,7 +48,7 @@ def main() -> None:
     train = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).shuffle(2048, seed=0).batch(32)
 
     model = make_model()
-    optimizer = dist.optimizer(keras.optimizers.Adam(1e-3))  # dist
+    optimizer = dist.optimizer(keras.optimizers.Adam(1e-3 * dist.lr_scale))  # dist
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     dist.attach(model, optimizer)  # dist
 

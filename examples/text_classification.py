@@ -66,7 +66,7 @@ def main() -> None:
 
     model = make_model()
     model.compile(
-        optimizer=dist.optimizer(keras.optimizers.Adam(2e-3)),  # dist
+        optimizer=dist.optimizer(keras.optimizers.Adam(2e-3 * dist.lr_scale)),  # dist
         loss="binary_crossentropy",
         metrics=["accuracy"],
     )

@@ -82,7 +82,7 @@ def main() -> None:
     started = time.perf_counter()
 
     model.compile(
-        optimizer=dist.optimizer(keras.optimizers.Adam(1e-3)),  # dist
+        optimizer=dist.optimizer(keras.optimizers.Adam(1e-3 * dist.lr_scale)),  # dist
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
@@ -91,7 +91,7 @@ def main() -> None:
 
     base.trainable = True  # fine-tuning: everything trains, slowly
     model.compile(
-        optimizer=dist.optimizer(keras.optimizers.Adam(1e-4)),  # dist
+        optimizer=dist.optimizer(keras.optimizers.Adam(1e-4 * dist.lr_scale)),  # dist
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )

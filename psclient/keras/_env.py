@@ -58,6 +58,13 @@ class Distribution:
         return self.worker.world if self.worker is not None else 1
 
     @property
+    def lr_scale(self) -> int:
+        """How many workers' batches one update averages: ``num_workers`` in sync and all-reduce modes
+        (each update sees a batch that many times larger), else 1. Multiply the learning rate by it
+        (the linear scaling rule, as Horovod's examples do with ``hvd.size()``)."""
+        return self.num_workers if self.mode in ("sync", "allreduce") else 1
+
+    @property
     def is_chief(self) -> bool:
         """Whether this is worker 0 (the one that should write checkpoints and print summaries)."""
         return self.index == 0
