@@ -521,12 +521,15 @@ class AsyncPSClient:
         """One whole push in one message: over the shard's PushSession stream, else a unary Push."""
         if self._session(shard).supported:
             timeout = self.config.timeout
+
+            async def attempt() -> Any:  # each attempt: the session of the shard's current replica
+                left = _retry.attempt_timeout(timeout)
+                # The stream's deadline is not this push's: the shard bounds its waits by this one.
+                request.header.timeout_s = left
+                return await self._session(shard).push(request, left)
+
             try:
-                return await self._call(  # each attempt: the session of the shard's current replica
-                    shard,
-                    "PushSession",
-                    lambda: self._session(shard).push(request, _retry.attempt_timeout(timeout)),
-                )
+                return await self._call(shard, "PushSession", attempt)
             except _session.SessionUnsupported:
                 log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
         return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))

@@ -520,18 +520,24 @@ class MeteredMode:
         return self._mode
 
     async def push(
-        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int = 0,
+        deadline: float | None = None,
     ) -> PushOutcome:
         token = self._metrics.wait_begin("push", worker_id, step)
         try:
-            return await self._mode.push(worker_id, seq, step, grads, session)
+            return await self._mode.push(worker_id, seq, step, grads, session, deadline)
         finally:
             self._metrics.wait_end(token)
 
-    async def before_pull(self, worker_id: str, step: int) -> None:
+    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         token = self._metrics.wait_begin("pull", worker_id, step)
         try:
-            await self._mode.before_pull(worker_id, step)
+            await self._mode.before_pull(worker_id, step, deadline)
         finally:
             self._metrics.wait_end(token)
 

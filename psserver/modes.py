@@ -16,7 +16,9 @@ push is applied and when a pull may proceed.
   whose clock (steps pushed so far) is more than ``S`` ahead of the slowest of
   the ``M`` workers waits in its pull.
 
-Every wait is bounded by the barrier timeout; a timeout is DEADLINE_EXCEEDED
+Every wait is bounded by the barrier timeout and by the caller's own deadline
+(``deadline``: a wait gives up a little before it, so that the caller reads the
+shard's diagnosis, not a bare deadline of its own); either is DEADLINE_EXCEEDED
 naming the step and the workers waited for. When the shard shuts down
 (``Mode.shutdown``), every wait ends at once with UNAVAILABLE and its gradient
 is withdrawn: the worker's retry applies it on the restarted shard.
@@ -71,19 +73,34 @@ class Mode(abc.ABC):
 
     @abc.abstractmethod
     async def push(
-        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int = 0,
+        deadline: float | None = None,
     ) -> PushOutcome:
         """Applies (or schedules, or drops) one worker's gradients for this shard.
 
         ``(worker_id, session, seq)`` identifies the push (``Store.claim``).
+        ``deadline`` (``time.monotonic()`` clock): the caller's; a wait gives up
+        just before it, as at the barrier timeout.
 
         Raises:
             ServerError: invalid gradients (nothing is applied), a barrier that
                 timed out, or ``WorkerIdConflict`` (an older session of the worker id).
         """
 
-    async def before_pull(self, worker_id: str, step: int) -> None:  # noqa: B027 - optional hook
-        """Waits until ``worker_id`` at ``step`` may read (bounded-staleness mode)."""
+    async def before_pull(  # noqa: B027 - optional hook
+        self, worker_id: str, step: int, deadline: float | None = None
+    ) -> None:
+        """Waits until ``worker_id`` at ``step`` may read (ssp mode), at most until about ``deadline``.
+
+        Raises:
+            DeadlineExceeded: the wait timed out (or the caller's deadline came near).
+            Unavailable: the shard is shutting down.
+        """
 
     async def leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """``worker_id`` is done: barriers stop waiting for it (until it pushes again)."""
@@ -112,7 +129,13 @@ class AsyncMode(Mode):
     name = "async"
 
     async def push(
-        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int = 0,
+        deadline: float | None = None,
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
         if not self.store.claim(worker_id, seq, session):
@@ -126,6 +149,35 @@ class AsyncMode(Mode):
 
 
 _FINISHED = 1 << 62  # the clock of a worker that left (ssp)
+# A wait bounded by the caller's deadline answers this long before it (at most a quarter of the time
+# left), so that the answer reaches the caller before its own deadline fires.
+_DEADLINE_MARGIN_S = (0.25, 1.0)
+
+
+def wait_limit(barrier_timeout_s: float, deadline: float | None) -> tuple[float, bool]:
+    """How long a wait may last: ``(seconds, whether the caller's deadline is what bounds it)``.
+
+    Args:
+        barrier_timeout_s: the shard's ``--barrier-timeout``.
+        deadline: the caller's deadline (``time.monotonic()`` clock), or None when unknown.
+
+    >>> wait_limit(60.0, None)
+    (60.0, False)
+    """
+    if deadline is None:
+        return barrier_timeout_s, False
+    left = deadline - time.monotonic()
+    margin = min(max(_DEADLINE_MARGIN_S[0], 0.1 * left), _DEADLINE_MARGIN_S[1], max(left, 0.0) / 4)
+    by_caller = max(left - margin, 0.0)
+    if by_caller < barrier_timeout_s:
+        return by_caller, True
+    return barrier_timeout_s, False
+
+
+def _why(barrier_timeout_s: float, by_caller: bool) -> str:
+    if by_caller:
+        return f" (the caller's deadline is near; barrier timeout {barrier_timeout_s:g}s)"
+    return ""
 
 
 def _names(workers: list[str]) -> str:
@@ -144,6 +196,7 @@ class _Round:
     closed: bool = False  # N gradients are in: later pushes for this step are stale
     # (worker_id, session, seq) of gradients a newer session of their worker id replaced.
     replaced: set[PushKey] = field(default_factory=set)
+    withdrawn: set[str] = field(default_factory=set)  # workers whose push gave up waiting (timed out)
 
 
 class SyncMode(Mode):
@@ -223,11 +276,17 @@ class SyncMode(Mode):
         if worker_id:
             self._workers[worker_id] = max(self._workers.get(worker_id, -1), step)
 
-    async def before_pull(self, worker_id: str, step: int) -> None:
+    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         self._seen(worker_id)
 
     async def push(
-        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int = 0,
+        deadline: float | None = None,
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads, allow_empty=True)
         self._check_serving()  # a barrier gathered now would never complete
@@ -239,7 +298,7 @@ class SyncMode(Mode):
             # A retry: join the original's round if it is still gathering.
             for k, rnd in self._rounds.items():
                 if rnd.contributions.get(worker_id, (None,))[0] == key:
-                    await self._wait(k, rnd, worker_id, key)
+                    await self._wait(k, rnd, worker_id, key, deadline)
                     return PushOutcome(applied=True)
             return PushOutcome(applied=False, reason="duplicate")
         self._seen(worker_id, step)
@@ -264,23 +323,28 @@ class SyncMode(Mode):
             rnd.replaced.add((worker_id, old_session, old_seq))
         rnd.contributions[worker_id] = (key, pairs)
         await self._advance()
-        await self._wait(step, rnd, worker_id, key)
+        await self._wait(step, rnd, worker_id, key, deadline)
         return PushOutcome(applied=True)
 
-    async def _wait(self, step: int, rnd: _Round, worker_id: str, key: tuple[int, int]) -> None:
+    async def _wait(
+        self, step: int, rnd: _Round, worker_id: str, key: tuple[int, int], deadline: float | None
+    ) -> None:
         started = time.monotonic()
+        limit, by_caller = wait_limit(self.barrier_timeout_s, deadline)
         try:
-            async with asyncio.timeout(self.barrier_timeout_s):
+            async with asyncio.timeout(limit):
                 await asyncio.shield(rnd.done)
         except TimeoutError:
             if rnd.done.done():  # completed in the same tick as the timeout
                 rnd.done.result()
             else:
-                raise DeadlineExceeded(self._timeout_message(step, rnd, time.monotonic() - started)) from None
+                waited = time.monotonic() - started
+                raise DeadlineExceeded(self._timeout_message(step, rnd, waited, by_caller)) from None
         finally:
             if not rnd.closed and rnd.contributions.get(worker_id, (None,))[0] == key:
                 # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
                 del rnd.contributions[worker_id]
+                rnd.withdrawn.add(worker_id)
                 self.store.unclaim(worker_id, key[1], key[0])
                 if not rnd.contributions and self._rounds.get(step) is rnd:
                     del self._rounds[step]
@@ -291,25 +355,31 @@ class SyncMode(Mode):
                 "worker its own worker_id (TF_CONFIG task index, or PSWorker(worker_index=...))"
             )
 
-    def _timeout_message(self, step: int, rnd: _Round, waited: float) -> str:
+    def _timeout_message(self, step: int, rnd: _Round, waited: float, by_caller: bool = False) -> str:
         n, m = self.needed, self.total_replicas
         got = sorted(rnd.contributions)
+        why = _why(self.barrier_timeout_s, by_caller)
         if step > self.step:
             return (
-                f"sync barrier timed out after {waited:.1f}s: a push for step {step} waits for step "
+                f"sync barrier timed out after {waited:.1f}s{why}: a push for step {step} waits for step "
                 f"{self.step} to complete first; step {self.step} has "
                 f"{len(self._rounds[self.step].contributions) if self.step in self._rounds else 0} of {n} "
                 f"gradients (workers seen: {_names(sorted(self._workers))})"
             )
-        missing = sorted(w for w in self._workers if w not in rnd.contributions and w not in self.left)
+        gave_up = sorted(w for w in rnd.withdrawn if w not in rnd.contributions)
+        missing = sorted(
+            w for w in self._workers if w not in rnd.contributions and w not in self.left and w not in gave_up
+        )
         unseen = max(0, m - len(self._workers))
         text = (
-            f"sync barrier for step {step} timed out after {waited:.1f}s: has {len(got)} of "
+            f"sync barrier for step {step} timed out after {waited:.1f}s{why}: has {len(got)} of "
             f"{n} gradients needed (from {_names(got)}); "
             f"no gradient for step {step} from worker(s) {_names(missing)}"
         )
         if unseen:
             text += f" and {unseen} of {m} worker(s) never seen"
+        if gave_up:
+            text += f"; withdrawn when their pushes timed out too: {_names(gave_up)}"
         return text
 
     async def _advance(self) -> None:
@@ -427,7 +497,13 @@ class SSPMode(Mode):
         tick.set()
 
     async def push(
-        self, worker_id: str, seq: int, step: int, grads: Mapping[str, np.ndarray], session: int = 0
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int = 0,
+        deadline: float | None = None,
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads, allow_empty=True)
         if step < 0:
@@ -449,28 +525,30 @@ class SSPMode(Mode):
         super().shutdown()
         self._wake()
 
-    async def before_pull(self, worker_id: str, step: int) -> None:
+    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         if step - self.min_clock() <= self.staleness:
             return
         started = time.monotonic()
+        limit, by_caller = wait_limit(self.barrier_timeout_s, deadline)
         try:
-            async with asyncio.timeout(self.barrier_timeout_s):
+            async with asyncio.timeout(limit):
                 while step - self.min_clock() > self.staleness:
                     self._check_serving()
                     await self._tick.wait()
         except TimeoutError:
             raise DeadlineExceeded(
-                self._timeout_message(worker_id, step, time.monotonic() - started)
+                self._timeout_message(worker_id, step, time.monotonic() - started, by_caller)
             ) from None
 
-    def _timeout_message(self, worker_id: str, step: int, waited: float) -> str:
+    def _timeout_message(self, worker_id: str, step: int, waited: float, by_caller: bool = False) -> str:
         floor = self.min_clock()
         slow = sorted(w for w, c in self.clocks.items() if c <= floor)
         unseen = max(0, self.total_replicas - len(self.clocks))
+        why = _why(self.barrier_timeout_s, by_caller)
         text = (
-            f"ssp wait timed out after {waited:.1f}s: worker {worker_id or '(anonymous)'} at step {step} "
-            f"may run at most {self.staleness} step(s) ahead of the slowest worker, which has pushed "
-            f"{floor} step(s); slowest: {_names(slow)}"
+            f"ssp wait timed out after {waited:.1f}s{why}: worker {worker_id or '(anonymous)'} "
+            f"at step {step} may run at most {self.staleness} step(s) ahead of the slowest worker, "
+            f"which has pushed {floor} step(s); slowest: {_names(slow)}"
         )
         if unseen:
             text += f"; {unseen} of {self.total_replicas} worker(s) have not pushed yet"

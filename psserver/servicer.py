@@ -86,6 +86,19 @@ def _stream_values(
         yield chunks, versions
 
 
+def _deadline(context: grpc.aio.ServicerContext | None, timeout_s: float = 0.0) -> float | None:
+    """The caller's deadline (``time.monotonic()`` clock): the call's own, or sooner the push's ``timeout_s``.
+
+    A PushSession stream has one long deadline for all its pushes; each push
+    carries the time its caller still waits (``PushRequest.timeout_s``).
+    """
+    now = time.monotonic()
+    left = context.time_remaining() if context is not None else None
+    if timeout_s > 0:
+        left = timeout_s if left is None else min(left, timeout_s)
+    return None if left is None else now + left
+
+
 def _header_ok(worker_id: str) -> None:
     if not worker_id:
         raise InvalidArgument("push needs a worker_id (it makes retried pushes idempotent)")
@@ -209,7 +222,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             with _statuses():
                 self._serving("Pull")
-                await self.mode.before_pull(request.worker_id, request.step)
+                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
                 snapshot = _snapshot(self.store.lookup(request.names))
                 self.store.pulls += 1
                 return codec.WireMessage(
@@ -227,7 +240,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             with _statuses():
                 self._serving("PullStream")
-                await self.mode.before_pull(request.worker_id, request.step)
+                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
                 snapshot = _snapshot(self.store.lookup(request.names))
                 self.store.pulls += 1
         except _Abort as err:
@@ -239,22 +252,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for chunks, versions in _stream_values(snapshot, chunk_bytes):
             yield codec.WireMessage(ps_pb2.PullResponse(versions=versions), "values", chunks)
 
-    async def _push(self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]) -> ps_pb2.PushResponse:
+    async def _push(
+        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray], deadline: float | None
+    ) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
         self._serving("Push")
         with self._update():
-            return await self._push_updating(header, grads)
+            return await self._push_updating(header, grads, deadline)
 
     async def _push_updating(
-        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray]
+        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray], deadline: float | None
     ) -> ps_pb2.PushResponse:
-        outcome = await self.mode.push(header.worker_id, header.seq, header.step, grads, header.session)
+        outcome = await self.mode.push(
+            header.worker_id, header.seq, header.step, grads, header.session, deadline
+        )
         if outcome.applied and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
                 header.worker_id, header.seq, grads, outcome.versions, session=header.session
             )
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
-            await self.mode.before_pull(header.worker_id, header.step + 1)
+            await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
         return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
 
     async def Push(
@@ -262,18 +279,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     ) -> ps_pb2.PushResponse:
         try:
             with _statuses():
-                return await self._push_one(request)
+                return await self._push_one(request, _deadline(context, request.timeout_s))
         except _Abort as err:
             await self._abort(context, err)
             raise AssertionError("unreachable") from None
 
-    async def _push_one(self, request: ps_pb2.PushRequest) -> ps_pb2.PushResponse | codec.WireMessage:
+    async def _push_one(
+        self, request: ps_pb2.PushRequest, deadline: float | None
+    ) -> ps_pb2.PushResponse | codec.WireMessage:
         """One whole push (Push, or a message of PushSession). Raises: ServerError, CodecError."""
         grads = codec.Assembler()
         for chunk in request.grads:
             grads.add(chunk)
         tensors = grads.result()
-        response = await self._push(request, tensors)
+        response = await self._push(request, tensors, deadline)
         if request.return_values:
             snapshot = _snapshot(self.store.lookup(list(tensors)))
             response.versions.extend(version for _, _, version in snapshot)
@@ -306,7 +325,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 self._idle_sessions.discard(task)
             try:
                 with _statuses():
-                    response = await self._push_one(request)
+                    response = await self._push_one(request, _deadline(context, request.timeout_s))
             except _Abort as err:
                 response = ps_pb2.PushResponse(
                     code=err.code.value[0], message=f"shard {self.shard}: {err}", reason=err.reason
@@ -331,13 +350,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                             session=req.session,
                             step=req.step,
                             return_values=req.return_values,
+                            timeout_s=req.timeout_s,
                         )
                     for chunk in req.grads:
                         grads.add(chunk)
                 if header is None:
                     raise InvalidArgument("push stream carried no messages")
                 tensors = grads.result()
-                response = await self._push(header, tensors)
+                response = await self._push(header, tensors, _deadline(context, header.timeout_s))
                 snapshot = _snapshot(self.store.lookup(list(tensors))) if header.return_values else []
         except _Abort as err:
             await self._abort(context, err)

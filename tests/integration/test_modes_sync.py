@@ -104,6 +104,36 @@ async def test_barrier_timeout_names_missing_workers_and_step(make_cluster) -> N
         await close_all(clients)
 
 
+async def test_a_caller_deadline_below_the_barrier_timeout_names_the_missing_worker(make_cluster) -> None:
+    """N = M = 3, two workers push, w2 is alive but never pushes; the clients' deadline (5 s) comes
+    before the barrier timeout (60 s): each worker is told the step and who is missing, not just
+    that its own deadline passed (the pushes go over PushSession streams, whose deadline is long)."""
+    cluster = make_cluster(num_shards=1, server_args=_sync_args(3, 3, timeout_s=60.0))
+    clients = [psclient.AsyncPSClient(cluster.addresses, worker_id=f"w{i}", timeout=5.0) for i in range(3)]
+    w0, w1, w2 = clients
+    try:
+        await w0.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        await w2.pull()  # w2 is known to the shard, but never pushes
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                w0.push({"v": np.ones(2, np.float32)}, step=0),
+                w1.push({"v": np.ones(2, np.float32)}, step=0),
+                return_exceptions=True,
+            ),
+            CALL_TIMEOUT_S,
+        )
+        for err in results:
+            assert isinstance(err, psclient.DeadlineExceededError), repr(err)
+            message = str(err)
+            # the missing worker, named (the other pusher, which gave up at the same moment, is told apart)
+            assert "no gradient for step 0 from worker(s) w2" in message, message
+            assert "deadline" in message, message
+        # nothing half-applied: the value is unchanged
+        np.testing.assert_array_equal((await w2.pull())["v"], np.zeros(2, np.float32))
+    finally:
+        await close_all(clients)
+
+
 async def test_bad_gradient_is_rejected_without_joining_the_barrier(make_cluster) -> None:
     cluster = make_cluster(num_shards=1, server_args=_sync_args(1, 1))
     (w0,) = clients = worker_clients(cluster, 1)
