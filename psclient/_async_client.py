@@ -8,16 +8,17 @@ import functools
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from psclient import _reach, _retry, _session, codec
 from psclient import _requests as rq
-from psclient import _retry, _session, codec
 from psclient.config import ClientConfig
-from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, from_rpc_error
+from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
 from psclient.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
 from psclient.placement import plan
 from psproto.v1 import ps_pb2, ps_pb2_grpc
@@ -128,6 +129,7 @@ class AsyncPSClient:
         self._stubs: list[list[ps_pb2_grpc.ParameterServerStub]] = []
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
+        self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
         self._seq = itertools.count(1)
         # Never 0 (0 is "no session": a client from before sessions).
         self.session = secrets.randbits(64) or 1
@@ -194,6 +196,9 @@ class AsyncPSClient:
         ``config.timeout`` has passed (see ``psclient._retry``).
         """
         address = self.config.addresses[shard]
+        watch = self._watch(shard)
+        watch.enter()  # a shard that does not answer is reported within seconds (see psclient._reach)
+        started = time.monotonic()
         try:
             return await _retry.call_with_retry(
                 fn,
@@ -203,7 +208,29 @@ class AsyncPSClient:
                 on_retry=functools.partial(self._failover, shard),
             )
         except grpc.RpcError as err:
+            if err.code() in _UNREACHABLE_CODES:
+                why = await self._watch(shard).describe(time.monotonic() - started)
+                if why is not None:  # say what happened, not just "Deadline Exceeded"
+                    error = error_class(err.code())(f"{why}; {err.details()}", method=method, address=address)
+                    raise error from err
             raise from_rpc_error(err, method=method, address=address) from err
+        finally:
+            watch.leave()
+
+    def _watch(self, shard: int) -> _reach.Watch:
+        """The reachability watch of ``shard``'s current replica."""
+        key = (shard, self._current[shard])
+        watch = self._watches.get(key)
+        if watch is None:
+            address = self._replicas[shard][key[1]]
+            watch = self._watches[key] = _reach.Watch(address, functools.partial(self._connected, *key))
+        return watch
+
+    def _connected(self, shard: int, replica: int) -> bool:
+        if not self._channels:
+            return False
+        state = self._channels[shard][replica].get_state(try_to_connect=False)
+        return state == grpc.ChannelConnectivity.READY
 
     def _kw(self, shard: int) -> dict[str, Any]:
         return {
@@ -791,6 +818,7 @@ def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mappi
         raise InvalidArgumentError(f"variable {name!r}: {err}") from None
 
 
+_UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 

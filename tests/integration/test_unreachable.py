@@ -1,0 +1,56 @@
+"""A shard that is down: the client says so (address, connection refused) within seconds and in its error."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+import psclient
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def closed_address() -> Iterator[str]:
+    """``127.0.0.1:PORT`` of a port held bound (nobody else takes it) but not listening: refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_a_shard_that_is_down_is_named_as_refused_in_a_warning_and_the_error(
+    closed_address: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="psclient")
+    async with psclient.AsyncPSClient([closed_address], worker_id="w0", timeout=4.0) as client:
+        with pytest.raises((psclient.DeadlineExceededError, psclient.UnavailableError)) as info:
+            await client.pull()
+    message = str(info.value)
+    assert f"shard {closed_address} unreachable" in message, message
+    assert "connection refused" in message, message
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(closed_address in w and "connection refused" in w for w in warnings), warnings
+
+
+def test_a_short_call_to_a_shard_that_is_down_still_says_refused(closed_address: str) -> None:
+    # Shorter than the first warning: the error alone says what happened.
+    with (
+        psclient.PSClient([closed_address], worker_id="w0", timeout=1.0) as client,
+        pytest.raises((psclient.DeadlineExceededError, psclient.UnavailableError)) as info,
+    ):
+        client.pull()
+    assert "connection refused" in str(info.value) and closed_address in str(info.value)
+
+
+async def test_a_replicated_shard_that_is_down_says_refused_after_its_retries(closed_address: str) -> None:
+    # PRIMARY|BACKUP: calls fail fast (no wait_for_ready) and are retried until the deadline.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        backup = f"127.0.0.1:{other.getsockname()[1]}"
+        async with psclient.AsyncPSClient([f"{closed_address}|{backup}"], timeout=2.0) as client:
+            with pytest.raises(psclient.UnavailableError) as info:
+                await client.status()
+    assert "connection refused" in str(info.value) and "unreachable" in str(info.value)
