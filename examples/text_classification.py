@@ -22,7 +22,7 @@ import numpy as np
 
 import psclient.keras as psk  # dist
 
-EPOCHS = int(os.environ.get("EPOCHS", "8"))
+EPOCHS = int(os.environ.get("EPOCHS", "10"))
 VOCAB, LENGTH = 5000, 64
 
 
@@ -72,7 +72,7 @@ def main() -> None:
     )
     callbacks = [
         keras.callbacks.LearningRateScheduler(schedule),
-        keras.callbacks.EarlyStopping(monitor="val_loss", patience=3),
+        keras.callbacks.EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True),
     ]
     started = time.perf_counter()
     model.fit(
