@@ -1,0 +1,133 @@
+# ruff: noqa: E501 - the migration table is pasted into README.md as it is
+"""Horovod's TensorFlow API on the ring: ``import psclient.horovod as hvd`` in place of ``horovod.tensorflow``.
+
+Horovod users move over by changing one import (``psclient.horovod.keras`` for
+``horovod.tensorflow.keras``) and starting with ``psrun`` in place of ``horovodrun``::
+
+    psrun -np 2 python train.py
+
+Everything is built on ``psclient.keras.AllReduceWorker`` (``hvd.init`` makes one from the
+``TF_CONFIG`` that ``psrun`` sets), ``psclient.keras.AllReduceOptimizer`` (``hvd.DistributedOptimizer``
+is one) and ``psclient.collective.Ring``. ``hvd.worker()`` returns the process's
+``AllReduceWorker`` for mixing with the ``psclient.keras`` API.
+
+Migration table
+---------------
+
+| Horovod | psclient | Differences |
+| --- | --- | --- |
+| `horovodrun -np 4 python train.py` | `psrun -np 4 python train.py` | Output prefixed `[rank]<stdout>:`/`[rank]<stderr>:` as horovodrun's; a failing rank's exit status is psrun's and the other ranks are stopped (SIGTERM, then SIGKILL after 5 s); `--timeout` (default 1800 s) ends a hung job with status 124. |
+| `horovodrun -np 4 -H h1:2,h2:2 python train.py` | on each host: `psrun -np 4 -H h1:2,h2:2 --host-index I --base-port P python train.py` | No ssh: start one psrun per host (`I` = the host's index in `-H`, the same `P` on every host); ranks listen on `host:P+local_rank`. Without `--host-index`, psrun prints these commands and exits. |
+| `horovod.run(fn, np=2)` | `psrun -np 2 python script.py` | `hvd.run` raises, naming psrun. |
+| `import horovod.tensorflow as hvd` | `import psclient.horovod as hvd` | |
+| `import horovod.tensorflow.keras as hvd` | `import psclient.horovod.keras as hvd` | |
+| `hvd.init()` | `hvd.init()` | The layout comes from `TF_CONFIG` (set by psrun, `pstrain launch --mode allreduce`, Kubeflow); a world of size 1 without it. `comm=` and `process_sets=` raise `UnsupportedError`. |
+| `size()`, `rank()`, `local_size()`, `local_rank()`, `cross_size()`, `cross_rank()`, `is_homogeneous()` | same | Hosts are told apart by the host names of the ring addresses. |
+| `shutdown()`, `is_initialized()` | same | `shutdown` also runs at exit. |
+| `Average`, `Sum`, `Min`, `Max` | same | `Adasum` and `Product` raise `UnsupportedError`. |
+| `Compression.none`, `Compression.fp16` | same | fp16: float tensors travel and are summed as float16. |
+| `DistributedOptimizer(opt, compression=, op=, backward_passes_per_step=, average_aggregated_gradients=, sparse_as_dense=)` | same (Keras 3 optimizers) | A `psclient.keras.AllReduceOptimizer`: the optimizer's own class (saves as a plain `Adam`). `backward_passes_per_step` uses Keras's `gradient_accumulation_steps` (the ring runs every pass, not every N-th; same result). Sparse gradients are always densified. `groups`, `num_groups`, `device_*` are accepted and ignored (one fused all-reduce per step). With the broadcast callback, BatchNorm moving statistics are averaged every step too, so replicas stay identical. Legacy `tf.compat.v1` optimizers are not supported. |
+| `DistributedGradientTape(tape, ...)` | same | Eager and in `tf.function`; `register_local_source` works; sparse gradients are densified. |
+| `broadcast_variables(variables, root_rank)` | same | Also inside a `tf.function` (e.g. on the first step); one broadcast for all the variables. |
+| `broadcast_global_variables(root_rank)` | `broadcast_variables(model.variables, 0)` or the callback | TF2 has no global variables: raises `RuntimeError` naming the alternatives. |
+| `allreduce`, `grouped_allreduce` | same | `tf.IndexedSlices` are all-gathered, as in Horovod; differentiable for `Average`/`Sum`. |
+| `allgather`, `grouped_allgather`, `broadcast` | same | Not differentiable. |
+| `reducescatter`, `grouped_reducescatter` | same | Horovod's blocks (the first `n % size` ranks get one row more); an all-reduce then a slice (twice the traffic). |
+| `broadcast_object`, `allgather_object` | same | pickle, not cloudpickle; eager only. |
+| `join()` | same | A barrier that returns the last rank to join. Joined ranks do not stand in for the others' all-reduces: every rank must run the same number of steps. |
+| `callbacks.BroadcastGlobalVariablesCallback(0)` | same | After the first batch (lazily built models work), once; at the end of `fit` it checks that every rank holds the same weights. |
+| `callbacks.MetricAverageCallback()` | same | One fused all-reduce of every metric per epoch. |
+| `callbacks.LearningRateWarmupCallback(initial_lr, warmup_epochs)` | same | `momentum_correction` has no effect (a Keras 3 optimizer's momentum is a constant of the compiled step); needs a float learning rate. |
+| `callbacks.LearningRateScheduleCallback(initial_lr, multiplier)` | same | As above. |
+| `callbacks.BestModelCheckpoint(monitor=)` | same, plus `filepath=` | Horovod's Spark estimator set the path; here give it. |
+| `hvd.load_model(path)` | `keras.models.load_model(path)`, compile with `DistributedOptimizer` | Raises, naming the alternative. |
+| `global_process_set` | same | The only process set; `ProcessSet`, `add_process_set`, `remove_process_set` raise: start one psrun job per group. |
+| `hvd.elastic` | `keras.callbacks.BackupAndRestore` + a new psrun | Any use raises, naming the alternative. |
+| `start_timeline`, `stop_timeline` | `keras.callbacks.TensorBoard(profile_batch=...)` | Raise. |
+| `alltoall`, `SyncBatchNormalization`, `PartialDistributedGradientTape` | `allgather`; `BatchNormalization`; `register_local_source` | Raise, naming the alternative. |
+| `mpi_built()`, `gloo_built()`, `nccl_built()`, ... | same | All `False` (the ring is gRPC or TCP). |
+
+Every rank must call the same collectives in the same order; a rank that stops early makes
+the others fail with a deadline error naming it (never a hang). XLA (``jit_compile=True``) is
+not supported: the ring runs as host code in the step.
+"""
+
+from typing import Any, NoReturn
+
+from psclient.horovod._compression import Compression, Compressor
+from psclient.horovod._ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    broadcast,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    reducescatter,
+)
+from psclient.horovod._optimizer import (
+    DistributedGradientTape,
+    DistributedOptimizer,
+    PartialDistributedGradientTape,
+    broadcast_global_variables,
+)
+from psclient.horovod._state import (
+    ProcessSet,
+    UnsupportedError,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+    worker,
+)
+from psclient.horovod.keras._unsupported import elastic
+
+_ELSEWHERE = {
+    "alltoall": "not supported; use allgather and slice",
+    "SyncBatchNormalization": "not supported; use keras.layers.BatchNormalization (with the broadcast callback "
+    "its moving statistics are averaged every step)",
+}
+
+
+def __getattr__(name: str) -> NoReturn:
+    if name in _ELSEWHERE:
+        raise AttributeError(f"psclient.horovod.{name}: {_ELSEWHERE[name]}")
+    raise AttributeError(f"module 'psclient.horovod' has no attribute {name!r}")
+
+
+def run(*args: Any, **kwargs: Any) -> NoReturn:
+    """Not supported (raises UnsupportedError): start scripts with ``psrun -np N python script.py``."""
+    raise UnsupportedError(
+        "horovod.run is not supported by psclient.horovod; use psrun -np N python script.py"
+    )

@@ -1,0 +1,251 @@
+"""``psrun``: starts the ranks of an all-reduce job on this host, in the place of ``horovodrun``.
+
+    psrun -np 2 python train.py --epochs 3
+
+Each of the N ranks gets ``TF_CONFIG`` (the ring addresses in rank order and its index:
+what ``psclient.horovod.init`` and ``psclient.keras.AllReduceWorker`` read) and
+``PSTRAIN_MODE=allreduce``. Every output line is prefixed with the rank and stream, as
+horovodrun does (``[1]<stdout>:loss 0.3``). The first rank to fail stops the others
+(SIGTERM, then SIGKILL after a grace period) and its exit status is psrun's; ``--timeout``
+stops a job that runs too long (status 124). Imports no TensorFlow.
+
+Several hosts (``-H host1:2,host2:2``): psrun does not start ranks over ssh. Run one psrun per
+host with the same ``-np``, ``-H`` and ``--base-port`` and that host's ``--host-index``; the
+ring addresses are then ``host:base_port + local_rank`` on every host, with no rendezvous.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from trainer.cluster import reserve_ports
+from trainer.launch import _wait_all
+
+_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
+_DEFAULT_BASE_PORT = 29500
+_LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One ``-H`` entry: a host name and its number of slots."""
+
+    name: str
+    slots: int
+
+
+def parse_hosts(spec: str) -> list[Host]:
+    """Parses horovodrun's ``-H host1:2,host2:2`` (a host without ``:slots`` has one slot).
+
+    >>> parse_hosts("a:2,b")
+    [Host(name='a', slots=2), Host(name='b', slots=1)]
+
+    Raises:
+        ValueError: an empty, malformed or repeated entry.
+    """
+    hosts: list[Host] = []
+    for item in spec.split(","):
+        name, sep, slots = item.strip().rpartition(":")
+        if not sep:
+            name, slots = slots, "1"
+        if not name or not slots.isdigit() or int(slots) < 1:
+            raise ValueError(f"-H entry {item!r} is not HOST or HOST:SLOTS (SLOTS >= 1)")
+        if any(h.name == name for h in hosts):
+            raise ValueError(f"-H lists {name!r} twice")
+        hosts.append(Host(name, int(slots)))
+    return hosts
+
+
+def assign_ranks(np_: int, hosts: Sequence[Host]) -> list[list[int]]:
+    """The global ranks each host runs: hosts filled in order, as horovodrun does.
+
+    >>> assign_ranks(3, [Host("a", 2), Host("b", 2)])
+    [[0, 1], [2]]
+
+    Raises:
+        ValueError: fewer slots than ranks.
+    """
+    total = sum(h.slots for h in hosts)
+    if np_ > total:
+        raise ValueError(f"-np {np_} needs {np_} slots; -H gives {total}")
+    out, next_rank = [], 0
+    for h in hosts:
+        n = min(h.slots, np_ - next_rank)
+        out.append(list(range(next_rank, next_rank + n)))
+        next_rank += n
+    return out
+
+
+def _is_local(name: str) -> bool:
+    return name in _LOCAL_NAMES or name in (socket.gethostname(), socket.getfqdn())
+
+
+def rank_environments(
+    np_: int, hosts: Sequence[Host] | None = None, host_index: int | None = None, base_port: int | None = None
+) -> list[tuple[int, dict[str, str]]]:
+    """``(rank, extra environment)`` of each rank this psrun starts.
+
+    Without ``hosts`` (or with one local host), all ranks on 127.0.0.1 at ports free now. With
+    ``host_index``, the ranks of ``hosts[host_index]``, every rank at ``host:base_port + local_rank``.
+
+    Raises:
+        ValueError: bad counts, or several hosts without ``host_index`` (the message gives the commands).
+    """
+    if np_ < 1:
+        raise ValueError("-np must be >= 1")
+    if host_index is None:
+        if hosts and (len(hosts) > 1 or not _is_local(hosts[0].name)):
+            raise ValueError(_several_hosts_hint(np_, hosts))
+        if hosts:
+            assign_ranks(np_, hosts)  # enough slots
+        addresses = reserve_ports(np_)
+        mine = list(range(np_))
+    else:
+        if not hosts:
+            raise ValueError("--host-index needs -H")
+        if not 0 <= host_index < len(hosts):
+            raise ValueError(f"--host-index {host_index} is not in [0, {len(hosts)})")
+        port = _DEFAULT_BASE_PORT if base_port is None else base_port
+        ranks = assign_ranks(np_, hosts)
+        addresses = [
+            f"{h.name}:{port + i}" for h, rs in zip(hosts, ranks, strict=True) for i in range(len(rs))
+        ]
+        mine = ranks[host_index]
+    out = []
+    for r in mine:
+        tf_config = {"cluster": {"worker": addresses}, "task": {"type": "worker", "index": r}}
+        out.append(
+            (r, {"TF_CONFIG": json.dumps(tf_config), "PSTRAIN_MODE": "allreduce", "PYTHONUNBUFFERED": "1"})
+        )
+    return out
+
+
+def _several_hosts_hint(np_: int, hosts: Sequence[Host]) -> str:
+    spec = ",".join(f"{h.name}:{h.slots}" for h in hosts)
+    port = _DEFAULT_BASE_PORT
+    lines = [
+        "psrun: starting ranks on other hosts (over ssh) is not supported yet: start one psrun per host "
+        "with the same -np, -H and --base-port and that host's --host-index:"
+    ]
+    lines += [
+        f"  on {h.name}: psrun -np {np_} -H {spec} --host-index {i} --base-port {port} <command>"
+        for i, h in enumerate(hosts)
+    ]
+    return "\n".join(lines)
+
+
+_write_lock = threading.Lock()
+
+
+def _relay(rank: int, stream_name: str, source: IO[str], sink: IO[str]) -> None:
+    """Copies ``source`` to ``sink`` line by line, each prefixed ``[rank]<stream>:`` (horovodrun's format)."""
+    for line in source:
+        with _write_lock:
+            sink.write(f"[{rank}]<{stream_name}>:{line}")
+            sink.flush()
+
+
+def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run(
+    cmd: Sequence[str],
+    np_: int,
+    *,
+    hosts: Sequence[Host] | None = None,
+    host_index: int | None = None,
+    base_port: int | None = None,
+    timeout: float = 1800.0,
+) -> int:
+    """Runs ``cmd`` as this host's ranks; returns 0, the first failing rank's status, or 124 on timeout.
+
+    Raises:
+        ValueError: bad arguments (see ``rank_environments``).
+    """
+    if not cmd:
+        raise ValueError("give the command to run, e.g. psrun -np 2 python train.py")
+    ranks = rank_environments(np_, hosts, host_index, base_port)
+    procs: list[subprocess.Popen[str]] = []
+    relays: list[threading.Thread] = []
+    try:
+        for r, extra in ranks:
+            env = {**os.environ, **extra}
+            proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    errors="replace", env=env)  # fmt: skip
+            procs.append(proc)
+            for name, source, sink in (
+                ("stdout", proc.stdout, sys.stdout),
+                ("stderr", proc.stderr, sys.stderr),
+            ):
+                t = threading.Thread(target=_relay, args=(r, name, source, sink), daemon=True)
+                t.start()
+                relays.append(t)
+        code = _wait_all(procs, timeout)
+    finally:
+        _stop(procs)
+        for t in relays:
+            t.join(timeout=5)
+    return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + signal number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="psrun", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
+    p.add_argument("-H", "--hosts", default=None, help="HOST:SLOTS,... (one psrun per host: --host-index)")
+    p.add_argument("--host-index", type=int, default=None, help="this host's index in -H")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help=f"with --host-index: a rank's port is BASE + its local rank (default {_DEFAULT_BASE_PORT})",
+    )
+    p.add_argument("--timeout", type=float, default=1800.0, help="stop the job after this many seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    return p
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the ranks when psrun is stopped
+    try:
+        hosts = parse_hosts(args.hosts) if args.hosts else None
+        return run(cmd, args.np, hosts=hosts, host_index=args.host_index, base_port=args.base_port,
+                   timeout=args.timeout)  # fmt: skip
+    except ValueError as err:
+        msg = str(err)
+        print(msg if msg.startswith("psrun:") else f"psrun: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
