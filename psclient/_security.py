@@ -23,9 +23,11 @@ This module imports only grpc, so psclient, psserver and the ring all use it.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import inspect
 import os
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -106,19 +108,56 @@ def channel_credentials(
     )
 
 
+class BindError(OSError):
+    """An address a server could not bind; the message says why ("address already in use")."""
+
+
 def add_port(server: grpc.aio.Server, bind: str, credentials: grpc.ServerCredentials | None = None) -> int:
     """Binds ``bind`` (TLS when ``credentials`` are given); returns the port.
 
     Raises:
-        OSError: the address could not be bound.
+        BindError: the address could not be bound, e.g.
+            ``cannot bind 127.0.0.1:50051: address already in use``.
     """
-    if credentials is None:
-        port = server.add_insecure_port(bind)
-    else:
-        port = server.add_secure_port(bind, credentials)
+    if not bind.endswith(":0") and errno_of_bind(bind) == errno.EADDRINUSE:
+        # Checked first: gRPC core would also log its own error line to stderr.
+        raise BindError(errno.EADDRINUSE, f"cannot bind {bind}: address already in use")
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(bind)
+        else:
+            port = server.add_secure_port(bind, credentials)
+    except RuntimeError:  # grpc's "Failed to bind to address ...", without the reason
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {bind}")
+        raise BindError(errno_of_bind(bind), f"cannot bind {bind}: {why_not_bindable(bind)}")
     return port
+
+
+def why_not_bindable(bind: str) -> str:
+    """Why ``HOST:PORT`` cannot be bound, found by binding a plain TCP socket there (gRPC does not say)."""
+    code = errno_of_bind(bind)
+    if code == errno.EADDRINUSE:
+        return "address already in use"
+    return os.strerror(code).lower() if code else "gRPC refused it (GRPC_VERBOSITY=debug says why)"
+
+
+def errno_of_bind(bind: str) -> int:
+    """The errno of binding a plain TCP socket to ``HOST:PORT`` (0: it binds)."""
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError):
+        return errno.EADDRNOTAVAIL
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as err:
+            return err.errno or 0
+    return 0
 
 
 def _denied(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:

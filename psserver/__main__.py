@@ -20,6 +20,8 @@ examples:
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication: clients given PRIMARY|BACKUP for a shard fail over to the backup when the primary dies;
 an update is acknowledged once the backup has applied it too (see the README's "Replication").
+Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags or an address that cannot be bound (one line on stderr:
+"psserver: error: cannot bind 127.0.0.1:50051: address already in use").
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
 in-flight requests (up to --grace), write a checkpoint (with --checkpoint-dir), exit 0.
 """
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s psserver[shard={config.shard} pid=%(process)d] "
         "%(name)s: %(message)s",
     )
+    from psclient._security import BindError
     from psclient.memory import tune_malloc
     from psserver.server import serve  # after arg parsing: --help stays instant
 
@@ -157,9 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
         import asyncio
 
-        asyncio.run(serve(config))
+        run = asyncio.run
     else:
-        uvloop.run(serve(config))
+        run = uvloop.run
+    try:
+        run(serve(config))
+    except BindError as err:  # a port in use: one line, as for a bad flag
+        print(f"psserver: error: {err.strerror}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -235,9 +236,11 @@ async def start(config: ServerConfig) -> Shard:
     if config.metrics_port is not None:
         try:
             metrics_port = metrics.serve(config.host, config.metrics_port)
-        except OSError:
+        except OSError as err:
             await server.stop(0)
-            raise
+            bind = f"{config.host}:{config.metrics_port}"
+            why = "address already in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
+            raise _security.BindError(err.errno or 0, f"cannot bind --metrics-port {bind}: {why}") from err
         shard.on_shutdown.append(metrics.aclose)
         log.info("shard %d: metrics on http://%s:%d/metrics", config.shard, host, metrics_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

@@ -171,3 +171,21 @@ async def test_ps_process_sigterm_releases_a_sync_barrier_with_unavailable(
         with pytest.raises(psclient.UnavailableError, match="shutting down"):
             await asyncio.wait_for(waiting, 20)
     assert await asyncio.to_thread(proc.wait, 20) == 0
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_ps_process_port_in_use_is_one_line_and_exit_2(flag: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "psserver", "--shard", "0", "--host", "127.0.0.1", flag, str(port)],
+            capture_output=True, text=True, timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"psserver: error: cannot bind {'--metrics-port ' if flag == '--metrics-port' else ''}"
+        f"127.0.0.1:{port}: address already in use"
+    ], out.stderr
