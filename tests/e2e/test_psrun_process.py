@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer.cluster import reserve_ports
+
 pytestmark = [pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,3 +59,26 @@ def test_psrun_without_command_or_with_remote_hosts_explains(tmp_path: Path) -> 
     assert proc.returncode == 2 and "give the command" in proc.stderr
     proc = _psrun("-np", "2", "-H", "h1:1,h2:1", "python", "x.py")
     assert proc.returncode == 2 and "start one psrun per host" in proc.stderr
+
+
+def test_psrun_one_per_host_with_host_index_forms_one_ring(tmp_path: Path) -> None:
+    # Two "hosts" on loopback (127.0.0.1 and 127.0.0.2), one psrun each, as on two machines.
+    script = _script(
+        tmp_path,
+        "from psclient.collective import Ring\n"
+        "from psclient.tf_config import read_tf_config\n"
+        "cfg = read_tf_config()\n"
+        "with Ring(cfg.workers, cfg.worker_rank(), timeout=30) as ring:\n"
+        "    print('sum', ring.allreduce([rank + 1.0], op='sum').tolist())\n",
+    )
+    base_port = reserve_ports(1)[0].rpartition(":")[2]
+    args = ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "--base-port", base_port]
+    cmds = [[sys.executable, "-m", "trainer.psrun", *args, "--host-index", str(i), sys.executable, script]
+            for i in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert outs[0][0].strip() == "[0]<stdout>:sum [3.0]"
+    assert outs[1][0].strip() == "[1]<stdout>:sum [3.0]"
