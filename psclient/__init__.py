@@ -3,6 +3,7 @@
 from psclient._async_client import AsyncPSClient
 from psclient._sync_client import PSClient
 from psclient.config import ClientConfig
+from psclient.embedding import Rows
 from psclient.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -69,6 +70,7 @@ __all__ = [
     "PermissionDeniedError",
     "RMSprop",
     "ResourceExhaustedError",
+    "Rows",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

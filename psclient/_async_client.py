@@ -15,18 +15,19 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from psclient import _reach, _retry, _session, codec
+from psclient import _reach, _retry, _session, codec, embedding
 from psclient import _requests as rq
 from psclient.config import ClientConfig
+from psclient.embedding import Rows
 from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
 from psclient.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
-from psclient.placement import plan
+from psclient.placement import global_row, plan, table_pieces
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Tensors = Mapping[str, Any]  # name -> array-like
+Tensors = Mapping[str, Any]  # name -> array-like, or psclient.Rows for an embedding table
 
 
 async def gather(coros: Iterable[Awaitable[T]]) -> list[T]:
@@ -454,7 +455,12 @@ class AsyncPSClient:
         retry is applied once.
 
         Args:
-            grads: name -> gradient (same shape and dtype as the variable).
+            grads: name -> gradient (same shape and dtype as the variable); for an
+                embedding table, ``psclient.Rows(ids, values)``: only those rows are
+                updated (duplicate ids summed, ``values`` cast to the table's dtype).
+                In sync mode a table's update is the mean over the step's workers
+                of their summed rows, a row absent from a worker's push counting as
+                zero.
             step: the worker's step (sync and ssp modes).
             every_shard: also send an empty push (this step, no gradients) to the shards that
                 hold none of these variables. In sync mode every shard then completes every
@@ -466,30 +472,60 @@ class AsyncPSClient:
 
         Raises:
             NotFoundError: an unknown variable.
-            InvalidArgumentError: shape or dtype mismatch, or non-finite values.
+            InvalidArgumentError: shape or dtype mismatch, or non-finite values; for
+                ``Rows``: non-integer ids, an id out of range (the message names the
+                table and the first bad id), values whose shape is not
+                ``ids.shape + (dim,)``, or Rows for a variable that is not a table
+                (or an array for one that is). Nothing is applied anywhere.
             WorkerIdConflictError: another live client uses this worker_id (and took over).
             PSError: a shard failed.
         """
         applied, _ = await self._push(grads, step=step, return_values=False, every_shard=every_shard)
         return applied
 
-    async def push_pull(
-        self, grads: Tensors, *, step: int = 0, every_shard: bool = False
-    ) -> dict[str, np.ndarray]:
-        """Pushes gradients and returns the updated values of those variables, in one round trip per shard."""
+    async def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, Any]:
+        """Pushes gradients and returns the updated values of those variables, in one round trip per shard.
+
+        Returns:
+            name -> the variable's new value (read-only array); for a ``Rows``
+            gradient, ``psclient.Rows(ids, values)``: the distinct ids pushed
+            (int64, sorted) and their rows after the update, shape ``[n, dim]``.
+        """
         _, values = await self._push(grads, step=step, return_values=True, every_shard=every_shard)
         return values
 
     async def _push(
         self, grads: Tensors, *, step: int, return_values: bool, every_shard: bool = False
-    ) -> tuple[bool, dict[str, np.ndarray]]:
-        pieces = await self._known(list(grads))
-        per_shard = rq.split_by_shard(pieces, grads, "gradient")
+    ) -> tuple[bool, dict[str, Any]]:
+        known = await self._known(list(grads))
+        pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
+        for name, group in known.items():
+            if group[0].table != isinstance(grads[name], Rows):
+                raise InvalidArgumentError(
+                    f"gradient for {name!r}: push psclient.Rows(ids, values) for an embedding table, "
+                    "and arrays for other variables"
+                    if group[0].table
+                    else f"gradient for {name!r} is psclient.Rows, but {name!r} is not an embedding table"
+                )
+        per_shard = rq.split_by_shard(pieces, {n: grads[n] for n in pieces}, "gradient")
+        for name, group in known.items():
+            if name not in pieces:
+                for shard, tensors in _row_tensors(name, group, grads[name]).items():
+                    per_shard.setdefault(shard, []).extend(tensors)
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
         seq = next(self._seq)
         into = rq.Gather(pieces, self._pool.take) if return_values else None
+        row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
+
+        def add(shard: int, chunk: Any) -> None:
+            if into is None:
+                return
+            if "\x00" in chunk.name:
+                row_parts.setdefault(shard, codec.Assembler()).add(chunk)
+            else:
+                into.add(chunk)
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             header = ps_pb2.PushRequest(
@@ -502,9 +538,8 @@ class AsyncPSClient:
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
                 resp = await self._push_small(shard, request)
-                if into is not None:
-                    for c in resp.values:
-                        into.add(c)
+                for c in resp.values:
+                    add(shard, c)
                 return resp.applied
 
             def messages() -> Iterable[codec.WireMessage]:
@@ -520,17 +555,21 @@ class AsyncPSClient:
                 applied = True  # a retried attempt starts over
                 if into is not None:
                     into.restart(p for group in pieces.values() for p in group if p.shard == shard)
+                    row_parts.pop(shard, None)
                 async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
                     applied = applied and resp.applied
-                    if into is not None:
-                        for c in resp.values:
-                            into.add(c)
+                    for c in resp.values:
+                        add(shard, c)
 
             await self._call(shard, "PushStream", stream)
             return applied
 
-        results = await _each(one, per_shard)
-        return all(results), (into.result() if into is not None else {})
+        results = await _each(one, per_shard) if per_shard else []
+        if into is None:
+            return all(results), {}
+        values: dict[str, Any] = dict(into.result())
+        values.update(_returned_rows([n for n in known if n not in pieces], known, row_parts))
+        return all(results), values
 
     def _session(self, shard: int) -> _session.PushSession:
         session = self._sessions.get(shard)
@@ -560,6 +599,198 @@ class AsyncPSClient:
             except _session.SessionUnsupported:
                 log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
         return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))
+
+    # -- embedding tables -----------------------------------------------------
+
+    async def create_embedding(
+        self,
+        name: str,
+        num_rows: int,
+        dim: int,
+        *,
+        dtype: Any = np.float32,
+        optimizer: Optimizer | None = None,
+        initializer: embedding.Initializer = "uniform",
+    ) -> bool:
+        """Creates an embedding table of ``num_rows`` rows of ``dim``, spread by row over every shard.
+
+        Row ``i`` lives on shard ``i % num_shards`` (``psclient.placement``). The
+        initial values are a function of (``name``, row id) only, so every
+        process creates the same table; a table of any size is sent in chunks.
+        Idempotent like ``create``: an existing table with an equal spec (rows,
+        dim, dtype, optimizer) is left as it is (its current rows win) and False
+        returned.
+
+        >>> await client.create_embedding("users", 10**6, 32, optimizer=psclient.Adagrad())  # doctest: +SKIP
+
+        Args:
+            name: the table's name.
+            num_rows: rows, >= 1 (ids are ``0 .. num_rows - 1``).
+            dim: row width, >= 1.
+            dtype: a floating-point dtype.
+            optimizer: the server-side optimizer (default ``SGD()``), applied row by
+                row (the lazy rule: see ``psserver.optimizers.apply_rows``); not
+                Adafactor, Lamb, clipnorm or gradient accumulation.
+            initializer: ``"uniform"`` (Keras's Embedding default, U(-0.05, 0.05)),
+                ``("uniform", minval, maxval)``, ``"normal"`` / ``("normal", stddev)``
+                / ``("normal", mean, stddev)``, ``"zeros"``, ``"ones"``, or a callable
+                ``f(row_ids, dim, dtype) -> [len(row_ids), dim]`` that is
+                deterministic per row.
+
+        Returns:
+            True if this call created the table.
+
+        Raises:
+            AlreadyExistsError: ``name`` exists with a different spec (or is not a table).
+            InvalidArgumentError: a bad name, size, dtype, initializer or optimizer.
+        """
+        optimizer = optimizer or SGD()
+        if not name or "\x00" in name:
+            raise InvalidArgumentError(f"invalid table name {name!r}")
+        if not isinstance(num_rows, int | np.integer) or not isinstance(dim, int | np.integer):
+            raise InvalidArgumentError(
+                f"table {name!r}: num_rows and dim must be ints, got {num_rows!r}, {dim!r}"
+            )
+        num_rows, dim = int(num_rows), int(dim)
+        if num_rows < 1 or dim < 1:
+            raise InvalidArgumentError(f"table {name!r}: num_rows ({num_rows}) and dim ({dim}) must be >= 1")
+        try:
+            dt = np.dtype(dtype)
+            codec.wire_dtype(dt)
+        except (codec.CodecError, TypeError) as err:
+            raise InvalidArgumentError(f"table {name!r}: {err}") from None
+        if dt.kind != "f":
+            raise InvalidArgumentError(f"table {name!r}: dtype {dt.name} is not floating point")
+        if not isinstance(optimizer, Optimizer):
+            raise InvalidArgumentError(
+                f"table {name!r}: optimizer must be a psclient optimizer, got {optimizer!r}"
+            )
+        if isinstance(optimizer, (Adafactor, Lamb)) or optimizer.clipnorm is not None:
+            raise InvalidArgumentError(
+                f"table {name!r}: {optimizer!r} needs the whole variable; a table is updated row by row "
+                "(use clipvalue, or another optimizer)"
+            )
+        if optimizer.gradient_accumulation_steps:
+            raise InvalidArgumentError(
+                f"table {name!r}: gradient_accumulation_steps is not supported for tables"
+            )
+        try:
+            embedding.check_initializer(initializer)
+        except ValueError as err:
+            raise InvalidArgumentError(str(err)) from None
+        wanted = optimizer.to_proto()
+        existing = await self.list_variables([name])
+        if name in existing:
+            for info in existing[name]:
+                t = info.spec.table
+                if (
+                    not info.spec.HasField("table")
+                    or (t.num_rows, t.dim) != (num_rows, dim)
+                    or (codec.numpy_dtype(info.spec.dtype) != dt or info.spec.optimizer != wanted)
+                ):
+                    raise AlreadyExistsError(
+                        f"{name!r} already exists with a different spec: "
+                        + (
+                            f"a table of {t.num_rows} x {t.dim} {codec.numpy_dtype(info.spec.dtype).name} "
+                            f"with {info.spec.optimizer.name}{dict(info.spec.optimizer.params)}"
+                            if info.spec.HasField("table")
+                            else "it is not an embedding table"
+                        )
+                        + f"; asked for {num_rows} x {dim} {dt.name} with {wanted.name}{dict(wanted.params)}"
+                    )
+            if self.registry.complete(name):
+                return False
+        pieces = table_pieces(name, num_rows, dim, dt, self.num_shards)
+
+        async def one(piece: rq.Piece) -> bool:
+            rows, _ = piece.stored_shape
+            spec = ps_pb2.VariableSpec(
+                name=piece.stored_name,
+                dtype=codec.wire_dtype(dt),
+                shape=piece.stored_shape,
+                optimizer=wanted,
+                table=ps_pb2.TableRows(
+                    table=name, num_rows=num_rows, dim=dim, index=piece.index, count=piece.count, rows=rows
+                ),
+            )
+            ids = global_row(np.arange(rows, dtype=np.int64), piece.index, piece.count)
+            if piece.nbytes > _INLINE_INIT_BYTES:
+                value = await asyncio.to_thread(embedding.init_rows, name, ids, dim, dt, initializer)
+            else:
+                value = embedding.init_rows(name, ids, dim, dt, initializer)
+
+            def messages() -> Iterable[ps_pb2.CreateVariablesRequest]:
+                yield ps_pb2.CreateVariablesRequest(variables=[spec])
+                for batch in rq.chunked_messages([(spec.name, value)], self.config.chunk_bytes):
+                    yield ps_pb2.CreateVariablesRequest(values=batch)
+
+            resp = await self._call(
+                piece.shard,
+                "CreateVariables",
+                lambda: self._stub(piece.shard).CreateVariables(_aiter(messages()), **self._kw(piece.shard)),
+            )
+            return bool(resp.created[0])
+
+        created = await gather(one(p) for p in pieces)
+        self.registry.add(pieces)
+        return all(created)
+
+    async def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:
+        """Reads rows of an embedding table: the result has shape ``ids.shape + (dim,)``.
+
+        One request per shard that holds any of the ids, carrying only its
+        distinct ids (split further when the rows would exceed
+        ``config.unary_max_bytes``).
+
+        >>> v = await client.lookup("users", np.array([[3, 7], [7, 0]]))  # (2, 2, dim)  # doctest: +SKIP
+
+        Args:
+            name: the table.
+            ids: integer ids of any shape (int32 or int64), each in ``[0, num_rows)``.
+            step: the worker's step (ssp mode waits as for ``pull``).
+
+        Returns:
+            A new array of the table's dtype.
+
+        Raises:
+            NotFoundError: no such table.
+            InvalidArgumentError: ``name`` is not a table, ids that are not
+                integers, or an id out of range (the message names the table and
+                the first bad id).
+            PSError: a shard failed.
+        """
+        group = (await self._known([name]))[name]
+        if not group[0].table:
+            raise InvalidArgumentError(f"lookup: {name!r} is not an embedding table")
+        num_rows, dim = group[0].full_shape
+        arr = _table_ids(name, ids, num_rows, "lookup")
+        unique, inverse = np.unique(arr.reshape(-1), return_inverse=True)
+        out = np.empty((unique.size, dim), dtype=group[0].dtype)
+        shard_of = unique % self.num_shards
+        per_shard = {}
+        for piece in group:
+            where = np.flatnonzero(shard_of == piece.shard) if self.num_shards > 1 else np.arange(unique.size)
+            if where.size:
+                per_shard[piece.shard] = (piece, where)
+        batch_rows = max(1, self.config.unary_max_bytes // max(1, dim * out.itemsize))
+
+        async def one(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
+            piece, where = work
+            for start in range(0, where.size, batch_rows):
+                part = where[start : start + batch_rows]
+                request = ps_pb2.LookupRequest(
+                    ids=[codec.encode(piece.stored_name, unique[part])], worker_id=self.worker_id, step=step
+                )
+                resp = await self._call(
+                    shard, "Lookup", lambda r=request: self._stub(shard).Lookup(r, **self._kw(shard))
+                )
+                rows = codec.decode(resp.values[0]) if len(resp.values) == 1 else None
+                if rows is None or rows.shape != (part.size, dim):
+                    raise codec.CodecError(f"table {name!r}: shard {shard} returned rows of the wrong shape")
+                out[part] = rows
+
+        await _each(one, per_shard) if per_shard else None
+        return out[inverse].reshape((*arr.shape, dim))
 
     async def leave(self) -> None:
         """Tells every shard this worker is done (end of training), so that none waits for it.
@@ -818,6 +1049,83 @@ def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mappi
         raise InvalidArgumentError(f"variable {name!r}: {err}") from None
 
 
+def _table_ids(name: str, ids: Any, num_rows: int, what: str) -> np.ndarray:
+    """Checked ids of table ``name`` as an int64 array (their shape kept).
+
+    Raises:
+        InvalidArgumentError: not integers, or an id out of ``[0, num_rows)`` (the first one is named).
+    """
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{what} in table {name!r}: ids have dtype {arr.dtype.name}, not an integer"
+        )
+    arr = arr.astype(np.int64, copy=False)
+    bad = (arr < 0) | (arr >= num_rows)
+    if bad.any():
+        first = int(arr.reshape(-1)[int(np.argmax(bad.reshape(-1)))])
+        raise InvalidArgumentError(f"{what} in table {name!r}: id {first} is out of range [0, {num_rows})")
+    return arr
+
+
+def _row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list[tuple[str, np.ndarray]]]:
+    """A ``Rows`` gradient as wire tensors per shard: every shard of the table gets its ids (maybe none).
+
+    Duplicates are summed here; values are cast to the table's dtype.
+
+    Raises:
+        InvalidArgumentError: see ``_table_ids``; values not floating point, or not of
+            shape ``ids.shape + (dim,)``.
+    """
+    num_rows, dim = group[0].full_shape
+    ids = _table_ids(name, grad.ids, num_rows, "row gradient")
+    values = np.asarray(grad.values)
+    if values.dtype.kind != "f":
+        raise InvalidArgumentError(f"row gradient for table {name!r}: values have dtype {values.dtype.name}")
+    if values.shape != (*ids.shape, dim):
+        raise InvalidArgumentError(
+            f"row gradient for table {name!r}: values have shape {values.shape}; ids have shape {ids.shape}, "
+            f"so values must have shape {(*ids.shape, dim)} (one row of dim {dim} per id)"
+        )
+    unique, summed = embedding.sum_duplicates(ids.reshape(-1), values.reshape(-1, dim))
+    summed = codec.as_wire_array(summed.astype(group[0].dtype, copy=False))
+    out = {}
+    for piece in group:
+        if len(group) == 1:
+            mine_ids, mine = unique, summed
+        else:
+            mask = unique % piece.count == piece.index
+            mine_ids, mine = unique[mask], summed[mask]
+        out[piece.shard] = [
+            (embedding.ids_name(piece.stored_name), np.ascontiguousarray(mine_ids)),
+            (embedding.values_name(piece.stored_name), np.ascontiguousarray(mine)),
+        ]
+    return out
+
+
+def _returned_rows(
+    names: list[str], known: Mapping[str, list[rq.Piece]], parts: Mapping[int, codec.Assembler]
+) -> dict[str, Rows]:
+    """The rows push_pull returned for each table, ids sorted. Raises: CodecError for a missing piece."""
+    got = {shard: a.result() for shard, a in parts.items()}
+    out = {}
+    for name in names:
+        ids, values = [], []
+        for piece in known[name]:
+            tensors = got.get(piece.shard, {})
+            i = tensors.get(embedding.ids_name(piece.stored_name))
+            v = tensors.get(embedding.values_name(piece.stored_name))
+            if i is None or v is None:
+                raise codec.CodecError(f"table {name!r}: shard {piece.shard} did not return its rows")
+            ids.append(i)
+            values.append(v)
+        all_ids = np.concatenate(ids)
+        order = np.argsort(all_ids, kind="stable")
+        out[name] = Rows(all_ids[order], np.concatenate(values)[order])
+    return out
+
+
+_INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
@@ -847,6 +1155,11 @@ class _WireStub(ps_pb2_grpc.ParameterServerStub):
         )
         self.PushSession = channel.stream_stream(
             prefix + "PushSession", request_serializer=ser, response_deserializer=push
+        )
+        self.Lookup = channel.unary_unary(
+            prefix + "Lookup",
+            request_serializer=ser,
+            response_deserializer=functools.partial(codec.parse, ps_pb2.LookupResponse, field="values"),
         )
         self.Assign = channel.stream_unary(
             prefix + "Assign", request_serializer=ser, response_deserializer=ps_pb2.AssignResponse.FromString

@@ -52,6 +52,11 @@ class Registry:
 
 def piece_from_spec(spec: ps_pb2.VariableSpec, shard: int) -> Piece:
     dtype = codec.numpy_dtype(spec.dtype)
+    if spec.HasField("table"):
+        t = spec.table
+        return Piece(
+            t.table, spec.name, shard, (t.num_rows, t.dim), dtype, t.index, t.count, 0, t.rows * t.dim, True
+        )
     if spec.HasField("partition"):
         p = spec.partition
         return Piece(
@@ -83,7 +88,9 @@ def spec_of(piece: Piece, optimizer: Optimizer) -> ps_pb2.VariableSpec:
 
 
 def piece_view(piece: Piece, value: np.ndarray) -> np.ndarray:
-    """The part of a whole-variable array that ``piece`` stores (a view, no copy)."""
+    """The part of a whole-variable array that ``piece`` stores (a view, no copy; a copy for a table)."""
+    if piece.table:
+        return np.ascontiguousarray(value[piece.index :: piece.count])
     if not piece.partitioned:
         return value
     return value.reshape(-1)[piece.offset : piece.offset + piece.size]
@@ -229,6 +236,13 @@ class Gather:
             )
         name, var = piece.stored_name, piece.variable
         flat = self._flat.get(var)
+        if piece.table and piece.count > 1:  # rows index, index + count, ... of the whole table
+            if flat is None or not flat.flags.writeable:
+                flat = self._flat[var] = self._alloc(math.prod(piece.full_shape), piece.dtype)
+            rows = flat.reshape(piece.full_shape)[piece.index :: piece.count]
+            rows.flat[chunk.offset : chunk.offset + elems.size] = elems
+            self._filled[name] = self._filled.get(name, 0) + elems.size
+            return
         if flat is None and piece.count == 1 and chunk.offset == 0 and elems.size == piece.size:
             self._flat[var] = elems  # whole in one chunk: keep the view, no copy
             self._filled[name] = elems.size

@@ -11,6 +11,7 @@ import numpy as np
 from psclient._async_client import AsyncPSClient, Tensors
 from psclient._loop import BackgroundLoop
 from psclient.config import ClientConfig
+from psclient.embedding import Initializer
 from psclient.optimizers import Optimizer
 from psproto.v1 import ps_pb2
 
@@ -105,9 +106,29 @@ class PSClient:
         """Applies gradients; see ``AsyncPSClient.push``."""
         return bool(self._run(self._async.push(grads, step=step, every_shard=every_shard)))
 
-    def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, np.ndarray]:
+    def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, Any]:
         """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
         return dict(self._run(self._async.push_pull(grads, step=step, every_shard=every_shard)))
+
+    def create_embedding(
+        self,
+        name: str,
+        num_rows: int,
+        dim: int,
+        *,
+        dtype: Any = np.float32,
+        optimizer: Optimizer | None = None,
+        initializer: Initializer = "uniform",
+    ) -> bool:
+        """Creates an embedding table spread by row; see ``AsyncPSClient.create_embedding``."""
+        coro = self._async.create_embedding(
+            name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer
+        )
+        return bool(self._run(coro))
+
+    def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:
+        """Reads rows of a table, shape ``ids.shape + (dim,)``; see ``AsyncPSClient.lookup``."""
+        return np.asarray(self._run(self._async.lookup(name, ids, step=step)))
 
     def status(self) -> list[ps_pb2.GetStatusResponse]:
         """Every shard's status (mode, step, counters, role); see ``AsyncPSClient.status``."""

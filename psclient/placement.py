@@ -14,6 +14,20 @@ Rules (the same on every worker, with no coordination):
 A client that did not create a variable learns its placement from the shards
 (``ListVariables``), never by recomputing it.
 
+Embedding tables (``create_embedding``) are spread by row over every shard,
+whatever their size, outside the byte balance above: row ``i`` of a table
+lives on shard ``i % num_shards`` at local row ``i // num_shards``, so shard
+``s`` holds rows ``s, s + S, s + 2S, ...`` in a piece named
+``"<table>/rows_<s>"`` of shape ``[table_rows(num_rows, s, S), dim]``. The
+modulo keeps shards balanced in rows and, as ids are usually numbered by
+frequency, in hot rows too. Checkpoints restore a table into another shard
+count by re-cutting its rows with the new ``S``.
+
+>>> row_shard(np.array([0, 1, 2, 3, 4]), 2), local_row(np.array([0, 1, 2, 3, 4]), 2)
+(array([0, 1, 0, 1, 0]), array([0, 0, 1, 1, 2]))
+>>> [table_rows(5, s, 2) for s in range(2)], global_row(np.array([0, 1, 2]), 1, 2)
+([3, 2], array([1, 3, 5]))
+
 >>> p = plan({"a": ((10,), "float32"), "b": ((1000,), "float32")}, num_shards=2, partition_bytes=1 << 20)
 >>> sorted((piece.stored_name, piece.shard) for pieces in p.values() for piece in pieces)
 [('a', 0), ('b', 1)]
@@ -44,13 +58,16 @@ class Piece:
     count: int = 1
     offset: int = 0  # flat index of the first element
     size: int = 0  # number of elements
+    table: bool = False  # one shard's rows of an embedding table (index: the shard, count: shards)
 
     @property
     def partitioned(self) -> bool:
-        return self.count > 1
+        return self.count > 1 and not self.table
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
+        if self.table:
+            return (table_rows(self.full_shape[0], self.index, self.count), self.full_shape[1])
         return (self.size,) if self.partitioned else self.full_shape
 
     @property
@@ -61,6 +78,47 @@ class Piece:
 def partition_name(variable: str, index: int) -> str:
     """The stored name of partition ``index`` of ``variable``."""
     return f"{variable}/part_{index}"
+
+
+def table_piece_name(table: str, shard: int) -> str:
+    """The stored name of shard ``shard``'s rows of embedding table ``table``."""
+    return f"{table}/rows_{shard}"
+
+
+def row_shard(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each (global) row id."""
+    return ids % num_shards
+
+
+def local_row(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """Each (global) row id's index among its shard's rows."""
+    return ids // num_shards
+
+
+def global_row(local: np.ndarray, shard: int, num_shards: int) -> np.ndarray:
+    """The global row ids of ``shard``'s local rows ``local``."""
+    return local * num_shards + shard
+
+
+def table_rows(num_rows: int, shard: int, num_shards: int) -> int:
+    """How many of a table's ``num_rows`` rows shard ``shard`` of ``num_shards`` holds."""
+    return max(0, (num_rows - shard + num_shards - 1) // num_shards)
+
+
+def table_pieces(table: str, num_rows: int, dim: int, dtype: np.dtype | str, num_shards: int) -> list[Piece]:
+    """The pieces of an embedding table, one per shard, in shard order.
+
+    >>> [(p.stored_name, p.shard, p.stored_shape) for p in table_pieces("e", 5, 3, "float32", 2)]
+    [('e/rows_0', 0, (3, 3)), ('e/rows_1', 1, (2, 3))]
+    """
+    dt = np.dtype(dtype)
+    pieces = []
+    for s in range(num_shards):
+        size = table_rows(num_rows, s, num_shards) * dim
+        pieces.append(
+            Piece(table, table_piece_name(table, s), s, (num_rows, dim), dt, s, num_shards, 0, size, True)
+        )
+    return pieces
 
 
 def split(

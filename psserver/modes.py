@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from psserver import tables
 from psserver.errors import DeadlineExceeded, InvalidArgument, Unavailable, WorkerIdConflict
 from psserver.store import PushKey, Store, Variable
 
@@ -424,6 +425,9 @@ class SyncMode(Mode):
 
         out = []
         for var, grads in by_var.values():
+            if isinstance(grads[0], tables.RowGrad):  # a row absent from a worker's push counts as zero
+                out.append((var, tables.mean(grads, len(chosen))))  # type: ignore[arg-type]
+                continue
             if var.nbytes * len(grads) > self.store.inline_apply_bytes:
                 out.append((var, await asyncio.to_thread(mean, grads)))
             else:

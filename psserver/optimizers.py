@@ -216,6 +216,74 @@ class ServerOptimizer(abc.ABC):
                 value = (v - decay).astype(dtype, copy=False)
         return self._apply_rule(value, grad, slots, step, lr)
 
+    def check_rows(self) -> None:
+        """Raises ValueError if this optimizer cannot update an embedding table row by row.
+
+        Rules that need the whole variable (clipnorm, Adafactor, Lamb) and
+        gradient accumulation (a slot of sums over pushes) are refused.
+        """
+        if self.needs_whole_variable:
+            raise ValueError(
+                f"{self.config!r} needs the whole variable (norms or means over it); an embedding table is "
+                "spread by row over the shards and updated row by row: use clipvalue, or another optimizer"
+            )
+        if self.config.gradient_accumulation_steps:
+            raise ValueError(f"{self.config!r}: gradient_accumulation_steps is not supported for tables")
+
+    def apply_rows(
+        self,
+        value: np.ndarray,
+        rows: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        iteration: int,
+    ) -> np.ndarray:
+        """Applies a row-sparse gradient: returns the new values of ``rows`` (the caller writes them back).
+
+        The lazy rule: only the given rows and their slots are updated, with the
+        dense rule's arithmetic (clipvalue, weight decay and the update rule, in
+        Keras's order), and the step count ``iteration`` is the table's. For SGD
+        without momentum and Adagrad this is exactly the dense update with zero
+        gradients elsewhere (those leave a row unchanged); for SGD with
+        momentum, Adam, RMSprop, FTRL and the others the untouched rows'
+        slots and values simply wait (TensorFlow's sparse/lazy updates).
+        Scalar slots (Nadam's ``u_product``) advance once per push.
+
+        Args:
+            value: the table piece, shape ``[rows, dim]`` (read only).
+            rows: distinct local row indices, shape ``[n]``.
+            grad: their gradients, shape ``[n, dim]``.
+            slots: the piece's slots, updated in place at ``rows``.
+            iteration: pushes applied to this table before this one.
+
+        Raises:
+            ValueError: see ``check_rows``, or mismatched shapes.
+        """
+        self.check_rows()
+        if grad.shape != (rows.size, *value.shape[1:]):
+            raise ValueError(f"{self.name}: row gradient {grad.shape} for {rows.size} rows of {value.shape}")
+        dtype = value.dtype
+        if grad.dtype != dtype:
+            grad = grad.astype(dtype)
+        if rows.size == 0:
+            return np.empty(grad.shape, dtype=dtype)
+        c = self.config
+        compute = _F32 if dtype == _F16 else dtype
+        lr = self.learning_rate(int(iteration))
+        v = value[rows]
+        shaped = set(self.slot_names())
+        gathered = {k: (a[rows] if k in shaped else a) for k, a in slots.items()}
+        with np.errstate(all="ignore"):
+            if c.clipvalue is not None:
+                grad = np.clip(grad, -c.clipvalue, c.clipvalue).astype(dtype, copy=False)
+            if c.weight_decay is not None:
+                w = v.astype(compute, copy=False)
+                v = (w - w * compute.type(c.weight_decay) * compute.type(lr)).astype(dtype, copy=False)
+        new = self._apply_rule(v, grad, gathered, int(iteration), lr)
+        for k in shaped:
+            slots[k][rows] = gathered[k]
+        return new
+
     def _apply_rule(
         self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], step: int, lr: float
     ) -> np.ndarray:

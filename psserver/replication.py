@@ -45,7 +45,7 @@ import numpy as np
 from psclient import _security, codec
 from psclient._requests import wire_batches
 from psproto.v1 import ps_pb2
-from psserver import checkpoint, optimizers
+from psserver import checkpoint, optimizers, tables
 from psserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from psserver.modes import Mode
 from psserver.store import Store, Variable
@@ -172,7 +172,7 @@ class Primary:
         self,
         worker_id: str,
         seq: int,
-        grads: Mapping[str, np.ndarray],
+        grads: Mapping[str, tables.Grad],
         versions: Sequence[int],
         *,
         session: int = 0,
@@ -184,7 +184,7 @@ class Primary:
         header = ps_pb2.ReplicateResponse(
             worker_id=worker_id, seq=seq, session=session, versions=list(versions)
         )
-        await self._forward(link, header, list(grads.items()))
+        await self._forward(link, header, tables.wire_tensors(grads))
 
     async def forward_create(
         self, specs: Sequence[ps_pb2.VariableSpec], values: Mapping[str, np.ndarray]
@@ -402,7 +402,7 @@ class Backup:
             elif header.assign:
                 self._apply(header, tensors.result(), assign=True)
             else:
-                self._apply(header, tensors.result())
+                self._apply(header, tables.pair(tensors.result()))
 
     async def _load(self, data: bytes) -> None:
         snap = await asyncio.to_thread(checkpoint.load, io.BytesIO(data), f"snapshot from {self.primary}")
@@ -418,7 +418,7 @@ class Backup:
         )  # fmt: skip
 
     def _apply(
-        self, message: ps_pb2.ReplicateResponse, tensors: dict[str, np.ndarray], *, assign: bool = False
+        self, message: ps_pb2.ReplicateResponse, tensors: Mapping[str, tables.Grad], *, assign: bool = False
     ) -> None:
         """A push (gradients) or, with ``assign``, an Assign (values) of the primary."""
         if len(tensors) != len(message.versions):

@@ -18,9 +18,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from psclient import codec
+from psclient import codec, embedding
 from psclient.errors import ERROR_REASON_KEY
 from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psserver import tables
 from psserver.checkpoint import Checkpointer, CheckpointError
 from psserver.errors import FailedPrecondition, InvalidArgument, ServerError
 from psserver.modes import Mode
@@ -57,7 +58,13 @@ def _chunk_of(var_name: str, value: np.ndarray, start: int = 0, stop: int | None
 
 
 def _snapshot(variables: Iterable[Variable]) -> list[tuple[str, np.ndarray, int]]:
-    return [(v.name, *v.state) for v in variables]
+    return [(v.name, *v.stable_value()) for v in variables]
+
+
+def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """The rows of global ids ``ids`` of table piece ``var`` (a copy), and its version, in one instant."""
+    value, version = var.state
+    return value[tables.local_rows(var.spec, ids)], version
 
 
 def _stream_values(
@@ -213,6 +220,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             if not wanted
             or v.name in wanted
             or (v.spec.HasField("partition") and v.spec.partition.variable in wanted)
+            or (v.is_table and v.spec.table.table in wanted)
         ]
         return ps_pb2.ListVariablesResponse(variables=infos, shard=self.shard, num_shards=self.num_shards)
 
@@ -253,7 +261,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             yield codec.WireMessage(ps_pb2.PullResponse(versions=versions), "values", chunks)
 
     async def _push(
-        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray], deadline: float | None
+        self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:
         _header_ok(header.worker_id)
         self._serving("Push")
@@ -261,7 +269,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return await self._push_updating(header, grads, deadline)
 
     async def _push_updating(
-        self, header: ps_pb2.PushRequest, grads: dict[str, np.ndarray], deadline: float | None
+        self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:
         outcome = await self.mode.push(
             header.worker_id, header.seq, header.step, grads, header.session, deadline
@@ -291,15 +299,52 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         grads = codec.Assembler()
         for chunk in request.grads:
             grads.add(chunk)
-        tensors = grads.result()
+        tensors = tables.pair(grads.result())
         response = await self._push(request, tensors, deadline)
         if request.return_values:
-            snapshot = _snapshot(self.store.lookup(list(tensors)))
+            snapshot = self._after_push(tensors)
             response.versions.extend(version for _, _, version in snapshot)
             return codec.WireMessage(
                 response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
             )
         return response
+
+    def _after_push(self, grads: dict[str, tables.Grad]) -> list[tuple[str, np.ndarray, int]]:
+        """What push_pull returns: dense variables' values; a row gradient's distinct ids and their rows."""
+        out = []
+        for name, grad in grads.items():
+            var = self.store.get(name)
+            if isinstance(grad, tables.RowGrad):
+                ids = np.unique(grad.ids.astype(np.int64))
+                rows, version = _rows(var, ids)
+                out.append((embedding.ids_name(name), ids, version))
+                out.append((embedding.values_name(name), rows, version))
+            else:
+                out.append((name, *var.stable_value()))
+        return out
+
+    async def Lookup(
+        self, request: ps_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.LookupResponse:
+        try:
+            with _statuses():
+                self._serving("Lookup")
+                wanted = [(chunk.name, codec.decode(chunk)) for chunk in request.ids]
+                checked = []
+                for name, ids in wanted:  # every id checked before any row is read
+                    var = self.store.get(name)
+                    checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
+                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
+                chunks, versions = [], []
+                for var, ids in checked:
+                    rows, version = _rows(var, ids)
+                    chunks.append(_chunk_of(var.name, rows))
+                    versions.append(version)
+                self.store.pulls += 1
+                return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
+        except _Abort as err:
+            await self._abort(context, err)
+            raise AssertionError("unreachable") from None
 
     async def PushSession(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
@@ -356,9 +401,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                         grads.add(chunk)
                 if header is None:
                     raise InvalidArgument("push stream carried no messages")
-                tensors = grads.result()
+                tensors = tables.pair(grads.result())
                 response = await self._push(header, tensors, _deadline(context, header.timeout_s))
-                snapshot = _snapshot(self.store.lookup(list(tensors))) if header.return_values else []
+                snapshot = self._after_push(tensors) if header.return_values else []
         except _Abort as err:
             await self._abort(context, err)
             return

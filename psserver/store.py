@@ -15,6 +15,14 @@ is serialised by its ``asyncio.Lock``; values are copy-on-write (an update
 builds a new array and swaps it in with one assignment), so a pull reads a
 consistent ``(value, version)`` snapshot without taking the lock, and an update
 of a large tensor runs in a worker thread without blocking readers.
+
+Embedding table pieces (``psserver.tables``) are the exception: a row
+gradient's new rows are computed (in a thread when large) and then written
+into the stored array in place, on the event loop, with the version, in one
+step with no await; a frozen (read-only) value is copied once first. So a
+stored value that is writable is updated in place: readers that keep it past
+an await (pulls, checkpoint snapshots) copy it (``stable_value``); a lookup's
+gather copies the rows at once.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from psclient import codec
+from psclient.placement import table_rows
 from psproto.v1 import ps_pb2
-from psserver import optimizers
+from psserver import optimizers, tables
 from psserver.errors import AlreadyExists, InvalidArgument, NotFound, WorkerIdConflict
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,15 @@ class Variable:
     @property
     def nbytes(self) -> int:
         return self.state[0].nbytes
+
+    @property
+    def is_table(self) -> bool:
+        return self.spec.HasField("table")
+
+    def stable_value(self) -> tuple[np.ndarray, int]:
+        """``(value, version)`` that later updates will not change (a copy of a table updated in place)."""
+        value, version = self.state
+        return (value.copy() if value.flags.writeable else value), version
 
 
 class _SeqWindow:
@@ -180,8 +198,8 @@ class Store:
         seen: set[str] = set()
         for spec in specs:
             name = spec.name
-            if not name:
-                raise InvalidArgument("variable name must not be empty")
+            if not name or "\x00" in name:
+                raise InvalidArgument(f"invalid variable name {name!r} (empty, or with a NUL byte)")
             if name in seen:
                 raise InvalidArgument(f"variable {name!r} is listed twice")
             seen.add(name)
@@ -232,6 +250,8 @@ class Store:
             optimizer = optimizers.from_spec(spec.optimizer)
         except ValueError as err:
             raise InvalidArgument(f"variable {name!r}: {err}") from None
+        if spec.HasField("table"):
+            _check_table(spec, dtype, shape, optimizer)
         if spec.HasField("partition") and optimizer.needs_whole_variable:
             raise InvalidArgument(
                 f"variable {spec.partition.variable!r} is cut into {spec.partition.count} partitions, but "
@@ -252,25 +272,30 @@ class Store:
     # -- push ---------------------------------------------------------------
 
     def validate_grads(
-        self, grads: Mapping[str, np.ndarray], *, allow_empty: bool = False
-    ) -> list[tuple[Variable, np.ndarray]]:
+        self, grads: Mapping[str, tables.Grad], *, allow_empty: bool = False
+    ) -> list[tuple[Variable, tables.Grad]]:
         """Checks every gradient before any is applied.
 
         Args:
-            grads: name -> gradient.
+            grads: name -> gradient: an array, or a ``RowGrad`` for a table piece
+                (returned with its duplicate ids summed).
             allow_empty: accept a push without gradients (sync and ssp modes: it marks the
                 worker's step on a shard that holds none of the step's variables).
 
         Raises:
             NotFound: an unknown variable.
-            InvalidArgument: no gradients (unless allowed), a dtype or shape mismatch, or a
-                non-finite gradient.
+            InvalidArgument: no gradients (unless allowed), a dtype or shape mismatch, a
+                non-finite gradient, or a bad row gradient (``tables.validate``).
         """
         if not grads and not allow_empty:
             raise InvalidArgument("push carries no gradients")
-        pairs = []
+        pairs: list[tuple[Variable, tables.Grad]] = []
         for name, grad in grads.items():
             var = self.get(name)
+            if isinstance(grad, tables.RowGrad):
+                rows = tables.validate(var.spec, var.dtype, grad, allow_non_finite=self.allow_non_finite)
+                pairs.append((var, rows))
+                continue
             if grad.dtype != var.dtype:
                 raise InvalidArgument(
                     f"gradient for {name!r} has dtype {grad.dtype.name}; variable has dtype {var.dtype.name}"
@@ -344,7 +369,7 @@ class Store:
             window.discard(seq)
         self._held_claims.discard((worker_id, session, seq))
 
-    async def apply(self, pairs: list[tuple[Variable, np.ndarray]]) -> list[int]:
+    async def apply(self, pairs: list[tuple[Variable, tables.Grad]]) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
         Waits while a checkpoint snapshot is being taken (``quiesced``), so a
@@ -354,6 +379,9 @@ class Store:
             versions = []
             for var, grad in pairs:
                 async with var.lock:
+                    if isinstance(grad, tables.RowGrad):
+                        versions.append(await self._apply_rows(var, grad))
+                        continue
                     value, version = var.state
                     step = var.iterations
                     if value.nbytes > self.inline_apply_bytes:
@@ -365,6 +393,31 @@ class Store:
                     versions.append(version + 1)
             self.pushes += 1
             return versions
+
+    async def _apply_rows(self, var: Variable, grad: tables.RowGrad) -> int:
+        """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
+        rows = tables.local_rows(var.spec, grad.ids)
+        value = var.value
+        if grad.nbytes > self.inline_apply_bytes:
+            new = await asyncio.to_thread(
+                var.optimizer.apply_rows, value, rows, grad.values, var.slots, var.iterations
+            )
+        else:
+            new = var.optimizer.apply_rows(value, rows, grad.values, var.slots, var.iterations)
+        if not value.flags.writeable:  # frozen (created, restored, assigned): copy once, then in place
+            if value.nbytes > self.inline_apply_bytes:
+                value = await asyncio.to_thread(np.array, value, copy=True)
+            else:
+                value = value.copy()
+        return self._write_rows(var, value, rows, new)
+
+    def _write_rows(self, var: Variable, value: np.ndarray, rows: np.ndarray, new: np.ndarray) -> int:
+        # No await from here on: readers on the event loop see the rows and the version change together.
+        value[rows] = new
+        version = var.version + 1
+        var.state = (value, version)
+        var.iterations += 1
+        return version
 
     @contextlib.asynccontextmanager
     async def _updates(self) -> AsyncIterator[None]:
@@ -381,11 +434,18 @@ class Store:
             if not self._updating:
                 self._idle.set()
 
-    def apply_one(self, var: Variable, grad: np.ndarray) -> int:
+    def apply_one(self, var: Variable, grad: tables.Grad) -> int:
         """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
 
         Returns the new version.
         """
+        if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
+            grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
+            rows = tables.local_rows(var.spec, grad.ids)
+            value = var.value if var.value.flags.writeable else var.value.copy()
+            new = var.optimizer.apply_rows(value, rows, grad.values, var.slots, var.iterations)
+            self.changes += 1
+            return self._write_rows(var, value, rows, new)
         value, version = var.state
         var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, var.iterations)), version + 1)
         var.iterations += 1
@@ -566,6 +626,11 @@ class Store:
                 raise InvalidArgument(
                     f"variable {var.name!r} is a partition; {optimizer.config!r} needs the whole variable"
                 )
+            if var.is_table:
+                try:
+                    optimizer.check_rows()
+                except ValueError as err:
+                    raise InvalidArgument(f"table {var.spec.table.table!r}: {err}") from None
             staged.append((var, optimizer))
         # Through the checkpoint gate: a snapshot never holds a new spec with the old slots.
         async with self._updates(), contextlib.AsyncExitStack() as locks:
@@ -615,6 +680,32 @@ class Store:
                 sessions.pop(int(session), None)  # listed twice: the later place counts
                 sessions[int(session)] = window
             self._sessions[worker] = sessions
+
+
+def _check_table(
+    spec: ps_pb2.VariableSpec, dtype: np.dtype, shape: tuple[int, ...], optimizer: optimizers.ServerOptimizer
+) -> None:
+    """Raises InvalidArgument for an inconsistent table piece spec (see ``ps_pb2.TableRows``)."""
+    t = spec.table
+    what = f"table piece {spec.name!r}"
+    if not t.table or spec.HasField("partition"):
+        raise InvalidArgument(f"{what}: a table piece needs a table name and cannot be a partition")
+    if not (t.num_rows >= 1 and t.dim >= 1 and 0 <= t.index < t.count):
+        raise InvalidArgument(
+            f"{what}: num_rows {t.num_rows}, dim {t.dim}, shard {t.index} of {t.count} are inconsistent"
+        )
+    rows = table_rows(t.num_rows, t.index, t.count)
+    if t.rows != rows or shape != (rows, t.dim):
+        raise InvalidArgument(
+            f"{what}: shape {list(shape)} (rows {t.rows}); shard {t.index} of {t.count} holds "
+            f"{rows} of {t.num_rows} rows of dim {t.dim}"
+        )
+    if dtype.kind != "f":
+        raise InvalidArgument(f"{what}: dtype {dtype.name} is not floating point (tables are trainable)")
+    try:
+        optimizer.check_rows()
+    except ValueError as err:
+        raise InvalidArgument(f"table {t.table!r}: {err}") from None
 
 
 def _owned(value: np.ndarray) -> np.ndarray:

@@ -1,0 +1,155 @@
+"""Embedding tables: row-sparse gradients (``Rows``), duplicate summing, and per-row initializers.
+
+Pure numpy, shared by the client and the shards (psserver imports it for the
+wire names of row gradients and for ``sum_duplicates``).
+
+A row gradient travels as two tensors named after the table piece it updates
+(``ids_name`` and ``values_name``: the piece's stored name plus a NUL-separated
+suffix, which no variable name has), so the push chunking and framing of dense
+gradients carry it unchanged.
+
+>>> r = Rows([3, 1, 3], np.ones((3, 2), np.float32))
+>>> ids, values = sum_duplicates(r.ids, r.values)
+>>> ids, values
+(array([1, 3]), array([[1., 1.],
+       [2., 2.]], dtype=float32))
+>>> init_rows("emb", np.array([7]), 2, np.float32, "zeros")
+array([[0., 0.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+IDS_SUFFIX = "\x00ids"
+VALUES_SUFFIX = "\x00values"
+
+# An initializer: "zeros", "ones", "uniform" (Keras's Embedding default, U(-0.05, 0.05)),
+# ("uniform", minval, maxval), "normal" (N(0, 0.05)), ("normal", stddev) or ("normal", mean, stddev),
+# or a callable ``f(row_ids, dim, dtype) -> array of shape [len(row_ids), dim]`` that must give a
+# row the same values whoever calls it (e.g. seeded from the row id).
+Initializer = str | tuple[Any, ...] | Callable[[np.ndarray, int, np.dtype], Any]
+
+_DEFAULT_SCALE = 0.05  # Keras's RandomUniform(-0.05, 0.05) / RandomNormal(stddev=0.05)
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """A row-sparse gradient (or the rows ``push_pull`` returns) of an embedding table.
+
+    ``values[k]`` belongs to row ``ids[k]``; ``values.shape == ids.shape + (dim,)``.
+    Duplicate ids are summed before the push.
+
+    Example:
+        c.push({"emb": psclient.Rows(ids=np.array([3, 7, 3]), values=grads)})  # row 3 gets both
+    """
+
+    ids: Any
+    values: Any
+
+
+def ids_name(stored: str) -> str:
+    """The wire name of a row gradient's ids for table piece ``stored``."""
+    return stored + IDS_SUFFIX
+
+
+def values_name(stored: str) -> str:
+    """The wire name of a row gradient's values for table piece ``stored``."""
+    return stored + VALUES_SUFFIX
+
+
+def split_wire_name(name: str) -> tuple[str, str]:
+    """``(stored name, "ids" | "values" | "")`` of a tensor name on the wire ("" for a dense tensor)."""
+    stored, sep, part = name.partition("\x00")
+    return (stored, part) if sep else (name, "")
+
+
+def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sums the values of equal ids; returns the distinct ids (sorted) and their sums.
+
+    Args:
+        ids: integer ids, shape ``[n]``.
+        values: shape ``[n, dim]``.
+
+    Rows of one id are added in their order in ``ids`` (deterministic).
+    """
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0:
+        return ids, np.asarray(values).reshape(0, *np.shape(values)[1:])
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    unique = sorted_ids[starts]
+    if unique.size == ids.size:
+        return unique, values[order]
+    return unique, np.add.reduceat(values[order], starts, axis=0)
+
+
+def _seed(table: str) -> int:
+    return zlib.crc32(table.encode("utf-8"))
+
+
+def _uniform01(table: str, rows: np.ndarray, dim: int, stream: int = 0) -> np.ndarray:
+    """Uniform [0, 1) doubles, shape ``[len(rows), dim]``, a function of (table, row, column, stream) only.
+
+    A counter-based hash (splitmix64 of the element's global index and the
+    table's seed), so any process, any shard count and any subset of rows get
+    the same values for a row.
+    """
+    rows = np.asarray(rows, dtype=np.uint64).reshape(-1, 1)
+    cols = np.arange(dim, dtype=np.uint64).reshape(1, -1)
+    with np.errstate(over="ignore"):
+        x = rows * np.uint64(max(dim, 1)) + cols
+        x = x * np.uint64(2) + np.uint64(stream)
+        x ^= np.uint64(_seed(table)) << np.uint64(32)
+        x += np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def check_initializer(initializer: Initializer) -> None:
+    """Raises ValueError for an initializer ``init_rows`` does not know."""
+    init_rows("check", np.zeros(1, np.int64), 1, np.dtype(np.float32), initializer)
+
+
+def init_rows(table: str, rows: np.ndarray, dim: int, dtype: Any, initializer: Initializer) -> np.ndarray:
+    """The initial values of rows ``rows`` of table ``table``: deterministic per (table, row).
+
+    Raises:
+        ValueError: an unknown initializer, or a callable's result of the wrong shape.
+    """
+    dtype = np.dtype(dtype)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    n = rows.size
+    if callable(initializer):
+        out = np.asarray(initializer(rows, dim, dtype), dtype=dtype)
+        if out.shape != (n, dim):
+            raise ValueError(f"table {table!r}: the initializer returned shape {out.shape}, not {(n, dim)}")
+        return np.ascontiguousarray(out)
+    kind, *args = (initializer,) if isinstance(initializer, str) else tuple(initializer)
+    kind = str(kind).lower()
+    if kind == "zeros" and not args:
+        return np.zeros((n, dim), dtype)
+    if kind == "ones" and not args:
+        return np.ones((n, dim), dtype)
+    if kind in ("uniform", "random_uniform") and len(args) in (0, 2):
+        lo, hi = (float(args[0]), float(args[1])) if args else (-_DEFAULT_SCALE, _DEFAULT_SCALE)
+        return (lo + (hi - lo) * _uniform01(table, rows, dim)).astype(dtype)
+    if kind in ("normal", "random_normal") and len(args) in (0, 1, 2):
+        mean, stddev = (0.0, _DEFAULT_SCALE) if not args else (0.0, args[0]) if len(args) == 1 else args
+        u1 = _uniform01(table, rows, dim, 0)
+        u2 = _uniform01(table, rows, dim, 1)
+        z = np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * np.pi * u2)  # Box-Muller; 1 - u1 is in (0, 1]
+        return (float(mean) + float(stddev) * z).astype(dtype)
+    raise ValueError(
+        f"table {table!r}: unknown initializer {initializer!r}; use 'zeros', 'ones', 'uniform', "
+        "('uniform', minval, maxval), 'normal', ('normal', stddev), ('normal', mean, stddev) or a "
+        "callable f(row_ids, dim, dtype)"
+    )

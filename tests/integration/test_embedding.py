@@ -1,0 +1,162 @@
+"""Embedding tables with real shard processes: create, lookup, row-sparse pushes, errors, modes."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+import numpy as np
+import pytest
+
+import psclient
+from psclient.embedding import init_rows
+from trainer.cluster import LocalCluster
+
+pytestmark = [pytest.mark.timeout(180)]
+
+TIMEOUT_S = 30.0
+
+
+def test_create_embedding_then_lookup_is_exact(client: psclient.PSClient, var_name: str) -> None:
+    assert client.create_embedding(var_name, 11, 3, initializer=("uniform", -1.0, 1.0)) is True
+    expected = init_rows(var_name, np.arange(11), 3, np.float32, ("uniform", -1.0, 1.0))
+    ids = np.array([[10, 0, 3], [3, 7, 1]], np.int32)
+    got = client.lookup(var_name, ids)
+    assert got.shape == (2, 3, 3) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected[ids])
+    # Row i on shard i % 2: each shard holds its rows, at local row i // 2.
+    pieces = client.list_variables([var_name])[var_name]
+    assert sorted((p.spec.name, p.spec.table.rows) for p in pieces) == [
+        (f"{var_name}/rows_0", 6),
+        (f"{var_name}/rows_1", 5),
+    ]
+    np.testing.assert_array_equal(client.pull([var_name])[var_name], expected)  # a pull gives the whole table
+
+
+def test_create_embedding_is_idempotent_and_refuses_another_spec(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    assert client.create_embedding(var_name, 5, 2, initializer="zeros") is True
+    with psclient.PSClient(client.config.addresses, "other", timeout=TIMEOUT_S) as other:
+        assert other.create_embedding(var_name, 5, 2, initializer="zeros") is False
+        with pytest.raises(psclient.AlreadyExistsError, match="different spec"):
+            other.create_embedding(var_name, 5, 3)
+        with pytest.raises(psclient.AlreadyExistsError, match="different spec"):
+            other.create_embedding(var_name, 5, 2, optimizer=psclient.Adagrad())
+
+
+def test_a_table_bigger_than_a_message_is_created_in_chunks(make_cluster: Any, var_name: str) -> None:
+    cluster = make_cluster(num_shards=2)
+    with psclient.PSClient(cluster.addresses, timeout=TIMEOUT_S, chunk_bytes=64 << 10) as c:
+        rows, dim = 3000, 64  # 768 KiB: many 64 KiB chunks per shard
+        c.create_embedding(var_name, rows, dim, initializer=("normal", 1.0))
+        ids = np.arange(rows)
+        np.testing.assert_array_equal(
+            c.lookup(var_name, ids), init_rows(var_name, ids, dim, np.float32, ("normal", 1.0))
+        )
+
+
+def test_duplicate_ids_are_summed_and_push_pull_returns_the_rows(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    client.create_embedding(var_name, 10, 2, optimizer=psclient.SGD(0.5), initializer="zeros")
+    grads = np.array([[1, 2], [10, 20], [100, 200], [1000, 2000]], np.float32)
+    new = client.push_pull({var_name: psclient.Rows(np.array([3, 4, 3, 9]), grads)})
+    rows = new[var_name]
+    assert isinstance(rows, psclient.Rows)
+    np.testing.assert_array_equal(rows.ids, [3, 4, 9])
+    expected = -0.5 * np.array([[101, 202], [10, 20], [1000, 2000]], np.float32)
+    np.testing.assert_array_equal(rows.values, expected)
+    table = client.lookup(var_name, np.arange(10))
+    np.testing.assert_array_equal(table[[3, 4, 9]], expected)
+    assert not table[[0, 1, 2, 5, 6, 7, 8]].any()  # untouched rows stay
+
+
+def test_dense_and_row_gradients_in_one_push(client: psclient.PSClient, var_name: str) -> None:
+    client.create_embedding(var_name + "e", 4, 2, optimizer=psclient.SGD(1.0), initializer="ones")
+    client.create(var_name + "w", np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+    grads = {
+        var_name + "w": np.ones(3, np.float32),
+        var_name + "e": psclient.Rows([1], np.ones((1, 2), np.float32)),
+    }
+    new = client.push_pull(grads)
+    np.testing.assert_array_equal(new[var_name + "w"], -np.ones(3, np.float32))
+    np.testing.assert_array_equal(new[var_name + "e"].values, np.zeros((1, 2), np.float32))
+    np.testing.assert_array_equal(client.lookup(var_name + "e", [0, 1]), [[1, 1], [0, 0]])
+
+
+def test_adagrad_rows_match_the_dense_rule(client: psclient.PSClient, var_name: str) -> None:
+    client.create_embedding(var_name, 6, 2, optimizer=psclient.Adagrad(0.1), initializer="ones")
+    for _ in range(3):
+        client.push({var_name: psclient.Rows([2, 5], np.full((2, 2), 0.5, np.float32))})
+    acc = np.float32(0.1)  # Keras's initial_accumulator_value
+    value = np.float32(1.0)
+    for _ in range(3):
+        acc = acc + np.float32(0.25)
+        value = value - np.float32(0.1) * np.float32(0.5) / np.sqrt(acc + np.float32(1e-7))
+    table = client.lookup(var_name, np.arange(6))
+    np.testing.assert_allclose(table[[2, 5]], np.full((2, 2), value), rtol=1e-6)
+    np.testing.assert_array_equal(table[[0, 1, 3, 4]], np.ones((4, 2), np.float32))
+
+
+def _pusher(addresses: list[str], name: str, worker: int, pushes: int) -> None:
+    with psclient.PSClient(addresses, f"w{worker}", timeout=TIMEOUT_S) as c:
+        for i in range(pushes):
+            ids = np.array([i % 7, (i + worker) % 7, 3, 3])  # overlapping rows, and duplicates
+            c.push({name: psclient.Rows(ids, np.ones((4, 3), np.float32))})
+
+
+def test_concurrent_row_pushes_from_processes_give_the_exact_total(
+    cluster: LocalCluster, var_name: str
+) -> None:
+    workers, pushes = 4, 50
+    with psclient.PSClient(cluster.addresses, "init", timeout=TIMEOUT_S) as c:
+        c.create_embedding(var_name, 7, 3, optimizer=psclient.SGD(1.0), initializer="zeros")
+        ctx = multiprocessing.get_context("spawn")
+        procs = [
+            ctx.Process(target=_pusher, args=(cluster.addresses, var_name, w, pushes)) for w in range(workers)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0] * workers
+        expected = np.zeros(7)
+        for w in range(workers):
+            for i in range(pushes):
+                for r in (i % 7, (i + w) % 7, 3, 3):
+                    expected[r] += 1
+        np.testing.assert_array_equal(
+            c.lookup(var_name, np.arange(7)), -np.repeat(expected[:, None], 3, axis=1)
+        )
+
+
+@pytest.mark.parametrize(
+    ("ids", "values", "message"),
+    [
+        ([1, 10], np.ones((2, 2)), "id 10 is out of range"),
+        ([-3, 1], np.ones((2, 2)), "id -3 is out of range"),
+        ([1.0, 2.0], np.ones((2, 2)), "not an integer"),
+        ([1, 2], np.ones((2, 3)), r"must have shape \(2, 2\)"),
+        ([1, 2], np.ones((3, 2)), r"must have shape \(2, 2\)"),
+    ],
+)
+def test_bad_row_gradients_are_refused_and_change_nothing(
+    client: psclient.PSClient, var_name: str, ids: Any, values: np.ndarray, message: str
+) -> None:
+    client.create_embedding(var_name, 10, 2, initializer="ones")
+    w = var_name + "_w"
+    client.create(w, np.zeros(2, np.float32), optimizer=psclient.SGD(1.0))
+    with pytest.raises(psclient.InvalidArgumentError, match=message) as err:
+        client.push({w: np.ones(2, np.float32), var_name: psclient.Rows(ids, values)})
+    assert var_name in str(err.value)
+    np.testing.assert_array_equal(client.lookup(var_name, np.arange(10)), np.ones((10, 2)))
+    np.testing.assert_array_equal(client.pull([w])[w], np.zeros(2))
+    with pytest.raises(psclient.InvalidArgumentError, match=f"{var_name}.*id 12 is out of range"):
+        client.lookup(var_name, [3, 12, 11])
+    with pytest.raises(psclient.InvalidArgumentError, match="not an integer"):
+        client.lookup(var_name, [0.5])
+    with pytest.raises(psclient.InvalidArgumentError, match=r"push psclient\.Rows"):
+        client.push({var_name: np.ones((10, 2), np.float32)})
+    with pytest.raises(psclient.InvalidArgumentError, match="not an embedding table"):
+        client.push({w: psclient.Rows([0], np.ones((1, 2), np.float32))})

@@ -1,0 +1,148 @@
+"""Embedding tables without sockets: the row rule, Rows duplicate sums, row-sparse optimizers, the store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from psclient import embedding, placement
+from psclient.optimizers import SGD, Adagrad, Adam, Lamb
+from psproto.v1 import ps_pb2
+from psserver import optimizers, tables
+from psserver.errors import InvalidArgument
+from psserver.store import Store
+
+
+def test_row_rule_spreads_rows_by_modulo_and_balances_them() -> None:
+    ids = np.arange(10)
+    np.testing.assert_array_equal(placement.row_shard(ids, 3), ids % 3)
+    np.testing.assert_array_equal(placement.local_row(ids, 3), ids // 3)
+    for s in range(3):
+        mine = ids[ids % 3 == s]
+        np.testing.assert_array_equal(placement.global_row(np.arange(mine.size), s, 3), mine)
+        assert placement.table_rows(10, s, 3) == mine.size
+    assert [placement.table_rows(2, s, 4) for s in range(4)] == [1, 1, 0, 0]  # fewer rows than shards
+    pieces = placement.table_pieces("t", 10, 4, "float32", 3)
+    assert [(p.stored_name, p.stored_shape, p.table, p.partitioned) for p in pieces] == [
+        ("t/rows_0", (4, 4), True, False),
+        ("t/rows_1", (3, 4), True, False),
+        ("t/rows_2", (3, 4), True, False),
+    ]
+
+
+def test_rows_duplicates_are_summed_in_order() -> None:
+    ids, values = embedding.sum_duplicates(
+        np.array([5, 1, 5, 5]), np.array([[1.0], [2.0], [10.0], [100.0]], np.float32)
+    )
+    np.testing.assert_array_equal(ids, [1, 5])
+    np.testing.assert_array_equal(values, [[2.0], [111.0]])
+    ids, values = embedding.sum_duplicates(np.array([], np.int64), np.zeros((0, 3), np.float32))
+    assert ids.size == 0 and values.shape == (0, 3)
+
+
+def test_initializer_is_a_function_of_table_and_row_only() -> None:
+    a = embedding.init_rows("t", np.array([0, 5, 9]), 4, np.float32, "uniform")
+    b = embedding.init_rows("t", np.array([9, 5]), 4, np.float32, "uniform")
+    np.testing.assert_array_equal(a[[2, 1]], b)
+    assert np.abs(a).max() <= 0.05
+    assert not np.array_equal(a, embedding.init_rows("u", np.array([0, 5, 9]), 4, np.float32, "uniform"))
+    with pytest.raises(ValueError, match="unknown initializer"):
+        embedding.init_rows("t", np.array([0]), 4, np.float32, "glorot")
+
+
+def _slots(opt: optimizers.ServerOptimizer, value: np.ndarray) -> dict[str, np.ndarray]:
+    return opt.init_slots(value)
+
+
+def test_sparse_sgd_is_the_dense_result_on_the_touched_rows() -> None:
+    opt = optimizers.from_config(SGD(0.5))
+    value = np.arange(8, dtype=np.float32).reshape(4, 2)
+    grad = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    new = opt.apply_rows(value, np.array([1, 3]), grad, {}, 0)
+    # hand-computed: w - 0.5 * g
+    np.testing.assert_array_equal(new, [[2.0 - 0.5, 3.0 - 1.0], [6.0 - 1.5, 7.0 - 2.0]])
+    dense = np.zeros_like(value)
+    dense[[1, 3]] = grad
+    np.testing.assert_array_equal(opt.apply(value, dense, {}, 0)[[1, 3]], new)
+
+
+def test_sparse_adagrad_is_the_dense_result_on_the_touched_rows() -> None:
+    opt = optimizers.from_config(Adagrad(0.1, initial_accumulator_value=0.1, epsilon=1e-7))
+    value = np.ones((3, 2), np.float32)
+    sparse_slots, dense_slots = _slots(opt, value), _slots(opt, value)
+    grad = np.array([[0.5, 1.0]], np.float32)
+    dense = np.zeros_like(value)
+    dense[2] = grad
+    v_sparse, v_dense = value, value
+    for step in range(3):
+        rows = opt.apply_rows(v_sparse, np.array([2]), grad, sparse_slots, step)
+        v_sparse = v_sparse.copy()
+        v_sparse[2] = rows
+        v_dense = opt.apply(v_dense, dense, dense_slots, step)
+    np.testing.assert_array_equal(v_sparse, v_dense)
+    np.testing.assert_array_equal(sparse_slots["accumulator"], dense_slots["accumulator"])
+    # hand-computed first step of row 2, column 0: acc = 0.1 + 0.25; w = 1 - 0.1 * 0.5 / sqrt(acc + eps)
+    first = opt.apply_rows(value, np.array([2]), grad, _slots(opt, value), 0)
+    assert first[0, 0] == pytest.approx(1 - 0.1 * 0.5 / np.sqrt(0.35 + 1e-7), rel=1e-6)
+
+
+def test_lazy_adam_updates_only_the_slots_of_touched_rows() -> None:
+    opt = optimizers.from_config(Adam(0.01))
+    value = np.ones((4, 2), np.float32)
+    slots = _slots(opt, value)
+    opt.apply_rows(value, np.array([0, 2]), np.ones((2, 2), np.float32), slots, 0)
+    assert slots["momentum"][[0, 2]].all() and not slots["momentum"][[1, 3]].any()
+    with pytest.raises(ValueError, match="whole variable"):
+        optimizers.from_config(Lamb()).apply_rows(value, np.array([0]), np.ones((1, 2), np.float32), {}, 0)
+
+
+def _table_spec(name: str, num_rows: int, dim: int, index: int, count: int) -> ps_pb2.VariableSpec:
+    rows = placement.table_rows(num_rows, index, count)
+    return ps_pb2.VariableSpec(
+        name=placement.table_piece_name(name, index),
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        shape=[rows, dim],
+        optimizer=SGD(1.0).to_proto(),
+        table=ps_pb2.TableRows(table=name, num_rows=num_rows, dim=dim, index=index, count=count, rows=rows),
+    )
+
+
+async def test_store_applies_rows_in_place_and_refuses_bad_ids() -> None:
+    store = Store()
+    spec = _table_spec("t", 5, 2, 1, 2)  # rows 1 and 3
+    store.create([spec], {spec.name: np.zeros((2, 2), np.float32)})
+    var = store.get(spec.name)
+    grad = tables.RowGrad(np.array([3, 3]), np.ones((2, 2), np.float32))
+    pairs = store.validate_grads({spec.name: grad})
+    assert await store.apply(pairs) == [1]
+    np.testing.assert_array_equal(var.value, [[0, 0], [-2, -2]])
+    for ids, values, message in [
+        ([2], np.ones((1, 2)), "id 2 is held by shard 0"),
+        ([7], np.ones((1, 2)), "id 7 is out of range"),
+        ([-1], np.ones((1, 2)), "id -1 is out of range"),
+        ([1.0], np.ones((1, 2)), "not an integer"),
+        ([1], np.ones((1, 3)), "values of shape"),
+    ]:
+        bad = tables.RowGrad(np.array(ids), np.asarray(values, np.float32))
+        with pytest.raises(InvalidArgument, match=f"table 't'.*{message}"):
+            store.validate_grads({spec.name: bad})
+    np.testing.assert_array_equal(var.value, [[0, 0], [-2, -2]])
+    # A backup replays the same (raw) row gradient to the same result.
+    backup = Store()
+    backup.create([spec], {spec.name: np.zeros((2, 2), np.float32)})
+    backup.apply_one(backup.get(spec.name), grad)
+    np.testing.assert_array_equal(backup.get(spec.name).value, var.value)
+    await asyncio.sleep(0)
+
+
+def test_store_refuses_inconsistent_table_specs() -> None:
+    spec = _table_spec("t", 5, 2, 0, 2)
+    spec.table.rows = 2
+    with pytest.raises(InvalidArgument, match="holds 3 of 5 rows"):
+        Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
+    spec = _table_spec("t", 5, 2, 0, 2)
+    spec.optimizer.CopyFrom(Lamb().to_proto())
+    with pytest.raises(InvalidArgument, match="whole variable"):
+        Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
