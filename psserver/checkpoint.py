@@ -44,7 +44,9 @@ newest complete set of files was written by a different shard count ``n``
 that set: it runs ``psclient.placement.plan`` over all variables with ``M``
 shards and keeps the pieces placed on it, cut from the reassembled full values
 and slots (versions: the largest of the variable's old pieces; dedup tables:
-merged). Clients learn the new placement from ``ListVariables``.
+merged). An embedding table's rows are re-cut by the row rule with ``M``
+(row ``i`` to shard ``i % M``), with their slots. Clients learn the new
+placement from ``ListVariables``.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from psclient import codec
-from psclient.placement import DEFAULT_PARTITION_BYTES, plan
+from psclient.placement import DEFAULT_PARTITION_BYTES, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
 from psserver import optimizers
 from psserver.modes import Mode
@@ -367,7 +369,59 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
 
 
 def _variable_of(spec: ps_pb2.VariableSpec) -> str:
+    if spec.HasField("table"):
+        return spec.table.table
     return spec.partition.variable if spec.HasField("partition") else spec.name
+
+
+def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: int) -> StoredTensor:
+    """Shard ``shard``'s rows of table ``name`` under ``num_shards``, re-cut from every old piece.
+
+    Rows keep their values and their slots of the row's shape (row ``i`` moves
+    from shard ``i % n`` to ``i % num_shards``); scalar slots are taken from
+    the first piece; versions and step counts are the largest of the pieces'.
+
+    Raises:
+        CheckpointError: pieces missing, or disagreeing about the table.
+    """
+    first = old[0].spec.table
+    num_rows, dim, count = first.num_rows, first.dim, first.count
+    dtype = codec.numpy_dtype(old[0].spec.dtype)
+    indices = sorted(t.spec.table.index for t in old)
+    if indices != list(range(count)) or any(
+        (t.spec.table.num_rows, t.spec.table.dim, t.spec.table.count) != (num_rows, dim, count) for t in old
+    ):
+        raise CheckpointError(
+            f"table {name!r}: the checkpoint holds pieces {indices} of {count}, or they disagree"
+        )
+    value = np.empty((num_rows, dim), dtype=dtype)
+    row_slots = [k for k, a in old[0].slots.items() if a.shape == old[0].value.shape]
+    slots = {k: np.empty((num_rows, dim), dtype=old[0].slots[k].dtype) for k in row_slots}
+    for t in old:
+        i = t.spec.table.index
+        value[i::count] = t.value
+        for k in row_slots:
+            slots[k][i::count] = t.slots[k]
+    rows = table_rows(num_rows, shard, num_shards)
+    spec = ps_pb2.VariableSpec(
+        name=table_piece_name(name, shard),
+        dtype=old[0].spec.dtype,
+        shape=[rows, dim],
+        optimizer=old[0].spec.optimizer,
+    )
+    spec.table.CopyFrom(
+        ps_pb2.TableRows(table=name, num_rows=num_rows, dim=dim, index=shard, count=num_shards, rows=rows)
+    )
+    return StoredTensor(
+        spec=spec,
+        value=np.ascontiguousarray(value[shard::num_shards]),
+        version=max(t.version for t in old),
+        iterations=max(t.step for t in old),
+        slots={
+            **{k: np.ascontiguousarray(a[shard::num_shards]) for k, a in slots.items()},
+            **{k: a.copy() for k, a in old[0].slots.items() if k not in slots},
+        },
+    )
 
 
 def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
@@ -380,9 +434,11 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
         CheckpointError: the snapshots disagree (a variable with two specs, missing pieces).
     """
     groups: dict[str, list[StoredTensor]] = {}
+    table_groups: dict[str, list[StoredTensor]] = {}
     for snap in snapshots:
         for t in snap.tensors:
-            groups.setdefault(_variable_of(t.spec), []).append(t)
+            into = table_groups if t.spec.HasField("table") else groups
+            into.setdefault(_variable_of(t.spec), []).append(t)
     shapes = {}
     for name, pieces in groups.items():
         first = pieces[0].spec
@@ -394,7 +450,7 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
             )
         shapes[name] = (full, codec.numpy_dtype(first.dtype))
     placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES)
-    tensors = []
+    tensors = [_reshard_table(name, old, shard, num_shards) for name, old in sorted(table_groups.items())]
     for name, new_pieces in sorted(placement.items()):
         mine = [p for p in new_pieces if p.shard == shard]
         if not mine:
@@ -530,8 +586,14 @@ async def take_snapshot(
         mode_state = mode.state_dict()
         if while_quiesced is not None:
             while_quiesced()
-        # Slots change in place under apply, which cannot run now: copy them off the event loop.
+        # Slots (and table values) change in place under apply, which cannot run now: copy them
+        # off the event loop.
         slots = await asyncio.to_thread(_copy_slots, variables)
+        tables_now = await asyncio.to_thread(_copy_in_place_values, states)
+        states = [
+            (spec, tables_now.get(i, value), version, it)
+            for i, (spec, value, version, it) in enumerate(states)
+        ]
     return Snapshot(
         shard=shard,
         num_shards=num_shards,
@@ -544,6 +606,11 @@ async def take_snapshot(
         mode_state=mode_state,
         created_unix=time.time(),
     )
+
+
+def _copy_in_place_values(states: list[tuple[Any, np.ndarray, int, int]]) -> dict[int, np.ndarray]:
+    """Copies of the values updated in place (writable: embedding table pieces), by position."""
+    return {i: value.copy() for i, (_, value, _, _) in enumerate(states) if value.flags.writeable}
 
 
 def _copy_slots(variables: list[Variable]) -> list[dict[str, np.ndarray]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 import psclient
 from psclient.embedding import init_rows
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -160,3 +161,82 @@ def test_bad_row_gradients_are_refused_and_change_nothing(
         client.push({var_name: np.ones((10, 2), np.float32)})
     with pytest.raises(psclient.InvalidArgumentError, match="not an embedding table"):
         client.push({w: psclient.Rows([0], np.ones((1, 2), np.float32))})
+
+
+def _sync_args(n: int, m: int) -> list[str]:
+    return [
+        "--mode",
+        "sync",
+        "--replicas-to-aggregate",
+        str(n),
+        "--total-replicas",
+        str(m),
+        "--barrier-timeout",
+        "20",
+    ]
+
+
+async def test_sync_mode_applies_the_mean_of_the_workers_rows(make_cluster: Any, var_name: str) -> None:
+    cluster = make_cluster(num_shards=2, server_args=_sync_args(2, 2))
+    async with (
+        psclient.AsyncPSClient(cluster.addresses, "w0", timeout=TIMEOUT_S) as w0,
+        psclient.AsyncPSClient(cluster.addresses, "w1", timeout=TIMEOUT_S) as w1,
+    ):
+        await w0.create_embedding(var_name, 5, 2, optimizer=psclient.SGD(1.0), initializer="zeros")
+        a = np.array([[2, 2], [4, 4]], np.float32)  # w0: rows 0 and 2 (both on shard 0)
+        b = np.array([[6, 6], [8, 8], [10, 10]], np.float32)  # w1: rows 1, 2, 2
+        applied = await asyncio.gather(
+            w0.push({var_name: psclient.Rows([0, 2], a)}, step=0),
+            w1.push({var_name: psclient.Rows([1, 2, 2], b)}, step=0),
+        )
+        assert applied == [True, True]
+        table = await w0.lookup(var_name, np.arange(5))
+        # A row a worker did not push counts as zero in the mean (row 1 on shard 1: w0 sent it no rows).
+        np.testing.assert_array_equal(table, -np.array([[1, 1], [3, 3], [11, 11], [0, 0], [0, 0]]))
+
+
+def _adam_pushes(c: psclient.PSClient, name: str, steps: range) -> None:
+    for i in steps:
+        rng = np.random.default_rng(i)
+        ids = rng.integers(0, 9, size=6)
+        c.push({name: psclient.Rows(ids, rng.standard_normal((6, 4)).astype(np.float32))})
+
+
+def test_a_table_checkpoint_restores_into_another_shard_count(tmp_path: Any, var_name: str) -> None:
+    args = ["--checkpoint-dir", str(tmp_path)]
+    opt = psclient.Adam(0.1)
+    with LocalCluster(2, args) as two:
+        with psclient.PSClient(two.addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_embedding(var_name, 9, 4, optimizer=opt)
+            _adam_pushes(c, var_name, range(5))
+            before = c.lookup(var_name, np.arange(9))
+        assert two.stop() == [0, 0]  # SIGTERM: final checkpoints
+    with LocalCluster(3, args) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
+        np.testing.assert_array_equal(c.lookup(var_name, np.arange(9)), before)
+        pieces = c.list_variables([var_name])[var_name]
+        assert sorted(p.spec.table.rows for p in pieces) == [3, 3, 3]
+        _adam_pushes(c, var_name, range(5, 8))  # the slots came along: same as an uninterrupted run
+        restored = c.lookup(var_name, np.arange(9))
+    with LocalCluster(1) as one, psclient.PSClient(one.addresses, "ref", timeout=TIMEOUT_S) as c:
+        c.create_embedding(var_name, 9, 4, optimizer=opt)
+        _adam_pushes(c, var_name, range(8))
+        np.testing.assert_array_equal(restored, c.lookup(var_name, np.arange(9)))
+
+
+def test_row_pushes_survive_kill_9_of_the_primary() -> None:
+    with LocalCluster(1) as primary, backups_of(primary) as backup:
+        addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
+        with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_embedding("t", 6, 2, optimizer=psclient.Adagrad(0.5), initializer="ones")
+            rows = [psclient.Rows([i % 6, 5, 5], np.full((3, 2), 0.5, np.float32)) for i in range(30)]
+            for r in rows[:15]:
+                c.push({"t": r})
+            primary.kill_shard(0)
+            for r in rows[15:]:
+                c.push({"t": r})  # fails over to the backup, which replayed every row push
+            got = c.lookup("t", np.arange(6))
+        with LocalCluster(1) as ref, psclient.PSClient(ref.addresses, "ref", timeout=TIMEOUT_S) as r:
+            r.create_embedding("t", 6, 2, optimizer=psclient.Adagrad(0.5), initializer="ones")
+            for g in rows:
+                r.push({"t": g})
+            np.testing.assert_array_equal(got, r.lookup("t", np.arange(6)))
