@@ -240,3 +240,36 @@ def test_row_pushes_survive_kill_9_of_the_primary() -> None:
             for g in rows:
                 r.push({"t": g})
             np.testing.assert_array_equal(got, r.lookup("t", np.arange(6)))
+
+
+def test_a_shard_refuses_a_lookup_of_rows_it_does_not_hold(
+    client: psclient.PSClient, raw_stubs: list[Any], var_name: str
+) -> None:
+    import grpc
+
+    from psclient import codec
+    from psproto.v1 import ps_pb2
+
+    client.create_embedding(var_name, 6, 2)
+    request = ps_pb2.LookupRequest(
+        ids=[codec.encode(f"{var_name}/rows_0", np.array([2, 3]))], worker_id="raw"
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        raw_stubs[0].Lookup(request, timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"table {var_name!r}: id 3 is held by shard 1" in err.value.details()
+    ok = ps_pb2.LookupRequest(ids=[codec.encode(f"{var_name}/rows_0", np.array([4, 0]))], worker_id="raw")
+    rows = codec.decode(raw_stubs[0].Lookup(ok, timeout=TIMEOUT_S).values[0])
+    np.testing.assert_array_equal(rows, client.lookup(var_name, [4, 0]))
+
+
+def test_ssp_mode_applies_row_pushes(make_cluster: Any, var_name: str) -> None:
+    cluster = make_cluster(
+        num_shards=2, server_args=["--mode", "ssp", "--total-replicas", "1", "--staleness", "0"]
+    )
+    with psclient.PSClient(cluster.addresses, "w0", timeout=TIMEOUT_S) as c:
+        c.create_embedding(var_name, 4, 1, optimizer=psclient.SGD(1.0), initializer="zeros")
+        for step in range(3):
+            new = c.push_pull({var_name: psclient.Rows([step, 3], np.ones((2, 1), np.float32))}, step=step)
+            np.testing.assert_array_equal(new[var_name].ids, [step, 3])
+        np.testing.assert_array_equal(c.lookup(var_name, np.arange(4), step=3), [[-1], [-1], [-1], [-3]])
