@@ -254,6 +254,15 @@ def _rates(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``pstrain``: runs a subcommand; Ctrl-C stops what it started and exits 130 with one line."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # the clusters and workers it started are stopped while unwinding
+        print("pstrain: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":  # the user's script configures its own logging
         from trainer.launch import launch

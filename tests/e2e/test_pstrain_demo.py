@@ -119,3 +119,30 @@ def test_allreduce_demo_over_the_tcp_data_plane(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["ring_transport"] == "tcp" and result["in_sync"] is True
     assert result["test_accuracy"] > 0.5  # 2 epochs of the MLP: well above chance (0.1)
+
+
+def test_ctrl_c_stops_the_demo_with_one_line() -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) stops the shards and workers; one line, status 130."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "demo", "--epochs", "1000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        for line in proc.stdout:  # training has started once an epoch is reported
+            if "epoch 1/" in line or time.monotonic() > deadline:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == "pstrain: interrupted", err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
