@@ -48,6 +48,7 @@ def run_example(script: str, mode: str) -> dict[str, Any]:
     lines = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if "RESULT " in ln]
     assert len(lines) == 1, proc.stdout[-3000:]  # worker 0 only
     result = json.loads(lines[0])
+    print(f"\n{script} {mode}: {json.dumps(result)}")  # shown with -s: the README's table comes from these
     assert result["mode"] == mode
     return result
 
