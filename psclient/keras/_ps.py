@@ -69,7 +69,8 @@ import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.errors import DeadlineExceededError, PSError
+from psclient.embedding import Rows
+from psclient.errors import DeadlineExceededError, InvalidArgumentError, PSError
 from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.keras._naming import model_variable_names
 from psclient.optimizers import SGD, Optimizer, optimizer_from_config
@@ -117,6 +118,19 @@ def server_optimizer(optimizer: Any) -> Optimizer:
     inner = _keras_optimizer(_unwrap_loss_scale(optimizer))
     config = {k: v for k, v in inner.get_config().items() if k not in _WORKER_SIDE_KEYS}
     return optimizer_from_config(type(inner).__name__, config)
+
+
+def _embedding_tables(model: keras.Model) -> list[Any]:
+    """The tables of a model's trainable ``keras.layers.Embedding`` layers (gradients: IndexedSlices)."""
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
+    return [
+        layer.embeddings
+        for layer in layers
+        if isinstance(layer, keras.layers.Embedding)
+        and layer.trainable
+        and getattr(layer, "embeddings", None) is not None
+        and len(layer.embeddings.shape) == 2
+    ]
 
 
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
@@ -218,6 +232,8 @@ class PSWorker:
         self._vars: dict[str, Any] = {}  # every attached variable by name
         self._specs: dict[str, Optimizer] = {}  # its server-side optimizer
         self._state: list[tuple[str, Any]] = []  # non-trainable shared state, in attach order
+        self._table_candidates: set[str] = set()  # Embedding layers' tables: rows spread over the shards
+        self._tables: set[str] = set()  # those that are tables on the shards: pushed and pulled by row
         self._base: dict[str, np.ndarray] = {}  # state: the value last loaded from the shards
         self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
         self._sent_lr: dict[int, float] = {}
@@ -276,6 +292,8 @@ class PSWorker:
             model = model_or_variables
             named = model_variable_names(model)
             self._watch_set_weights(model)
+            embeddings = {id(v) for v in _embedding_tables(model)}
+            self._table_candidates.update(n for v, n in named if id(v) in embeddings)
             self._model_names.update({id(v): n for v, n in named})
             trainable = [v for v, _ in named if v.trainable]
             state = [v for v, _ in named if not v.trainable]
@@ -415,6 +433,7 @@ class PSWorker:
             missing = [n for n in names if n not in listed]
             stored = {n: listed[n][0].spec.optimizer for n in names if n in listed}
             differ = [n for n in stored if stored[n] != wanted[n].to_proto()]
+            self._tables.update(n for n in stored if listed[n][0].spec.HasField("table"))
             if self.is_chief:
                 break
             pending = missing + [n for n in differ if not _same_but_rate(stored[n], wanted[n])]
@@ -431,6 +450,9 @@ class PSWorker:
                 )
             time.sleep(_ATTACH_POLL_S)
         created = 0
+        for n in [n for n in missing if n in self._table_candidates and wanted[n] is not STATE_OPTIMIZER]:
+            created += self._create_table(n, values[n], wanted[n])
+        missing = [n for n in missing if n not in self._tables]
         for spec in {id(wanted[n]): wanted[n] for n in missing}.values():
             batch = {n: values[n] for n in missing if wanted[n] is spec}
             created += sum(self.client.create_many(batch, optimizer=spec).values())
@@ -449,6 +471,21 @@ class PSWorker:
             )
             self.client.replace_optimizer(spec, group)
         return created
+
+    def _create_table(self, name: str, value: np.ndarray, spec: Optimizer) -> int:
+        """Creates an Embedding's table as rows spread over the shards (``create_embedding``), with this
+        worker's initial values; returns 1 if created. An optimizer the shards cannot apply row by row
+        (Adafactor, Lamb, clipnorm) keeps it a whole variable (its gradients are then sent whole)."""
+        try:
+            created = self.client.create_embedding(
+                name, value.shape[0], value.shape[1], dtype=value.dtype, optimizer=spec,
+                initializer=lambda ids, dim, dtype: value[np.asarray(ids)].astype(dtype, copy=False),
+            )  # fmt: skip
+        except InvalidArgumentError as err:
+            log.info("worker %d: %s stays a whole variable on the shards: %s", self.worker_index, name, err)
+            return 0
+        self._tables.add(name)
+        return int(created)
 
     def refresh(self, names: Sequence[str] | None = None) -> None:
         """Loads the shards' current values into the variables (and, in sync mode, the global step)."""
@@ -568,7 +605,7 @@ class PSWorker:
             PSError: a shard failed, rejected the gradients, or a barrier timed out.
         """
         self._require()
-        gmap = {n: np.asarray(g) for n, g in zip(names, grads, strict=True)}
+        gmap = {n: g if isinstance(g, Rows) else np.asarray(g) for n, g in zip(names, grads, strict=True)}
         state_names = [n for n, _ in self._state] if len(state) else []
         for name, value in zip(state_names, state, strict=True):
             delta = np.subtract(value, self._base[name])
@@ -590,7 +627,7 @@ class PSWorker:
             # holds for all shards whatever variables a step updates.
             step = self.step
             applied = self.client.push(gmap, step=step, every_shard=True)
-            values = self.client.pull(list(gmap))
+            values = self._values_after(gmap)
             if applied:
                 self.step = step + 1
             else:
@@ -611,6 +648,16 @@ class PSWorker:
         if not set(gmap) <= set(values):  # variables the previous step did not push
             values = {**values, **self._wait(fut)}
             self._inflight = None
+        return values
+
+    def _values_after(self, gmap: dict[str, Any]) -> dict[str, Any]:
+        """The shards' values of what a push updated: whole variables, and a table's pushed rows."""
+        dense = [n for n, g in gmap.items() if not isinstance(g, Rows)]
+        values: dict[str, Any] = dict(self.client.pull(dense)) if dense else {}
+        for name, g in gmap.items():
+            if isinstance(g, Rows):
+                ids = np.unique(np.asarray(g.ids, np.int64).reshape(-1))
+                values[name] = Rows(ids, self.client.lookup(name, ids))
         return values
 
     def apply_gradients(
@@ -657,25 +704,49 @@ class PSWorker:
                 f"variables {sorted(self.name_of(v) for v in unknown)} were not attached to the "
                 "parameter server: attach the model (worker.attach(model, optimizer)) first"
             )
-        tensors = [tf.convert_to_tensor(g) for g, _ in pairs]
+        tables = [n in self._tables for n in var_names]
+        inputs: list[Any] = []
+        for (g, _), table in zip(pairs, tables, strict=True):
+            if not table:
+                inputs.append(tf.convert_to_tensor(g))
+            elif isinstance(g, tf.IndexedSlices):  # an Embedding's gradient: only the batch's rows
+                inputs += [tf.cast(g.indices, tf.int64), tf.convert_to_tensor(g.values)]
+            else:
+                dense = tf.convert_to_tensor(g)
+                inputs += [tf.range(tf.shape(dense, out_type=tf.int64)[0]), dense]
         state_vars = [v for _, v in self._state]
+        fn = _exchange_fn(self, var_names, tables)
         if tf.executing_eagerly():
             state = [np.asarray(keras.ops.convert_to_numpy(v)) for v in state_vars]
-            new = self.exchange(var_names, [t.numpy() for t in tensors], state)
-            for var, value in zip([v for _, v in pairs] + state_vars, new, strict=True):
+            new = fn(*[np.asarray(t) for t in inputs], *state)
+        else:
+            dtypes: list[tf.DType] = []
+            for (_, var), table in zip(pairs, tables, strict=True):
+                dtypes += [tf.int64, tf.as_dtype(var.dtype)] if table else [tf.as_dtype(var.dtype)]
+            new = tf.numpy_function(
+                fn,
+                inputs + [tf.convert_to_tensor(v.value) for v in state_vars],
+                Tout=dtypes + [tf.as_dtype(v.dtype) for v in state_vars],
+                stateful=True,
+                name="ps_exchange",
+            )
+        out = iter(new)
+        for (_, var), table in zip(pairs, tables, strict=True):
+            if table:  # the rows that came back: written into the worker's copy of the table
+                ids, rows = next(out), next(out)
+                if not tf.executing_eagerly():
+                    ids.set_shape([None])
+                    rows.set_shape([None, var.shape[1]])
+                var.value.scatter_update(tf.IndexedSlices(rows, ids))
+            else:
+                value = next(out)
+                if not tf.executing_eagerly():
+                    value.set_shape(var.shape)
                 var.assign(value)
-            return
-        inputs = tensors + [tf.convert_to_tensor(v.value) for v in state_vars]
-        targets = [v for _, v in pairs] + state_vars
-        new = tf.numpy_function(
-            _exchange_fn(self, var_names, len(tensors)),
-            inputs,
-            Tout=[tf.as_dtype(v.dtype) for v in targets],
-            stateful=True,
-            name="ps_exchange",
-        )
-        for var, value in zip(targets, new, strict=True):
-            value.set_shape(var.shape)
+        for var in state_vars:
+            value = next(out)
+            if not tf.executing_eagerly():
+                value.set_shape(var.shape)
             var.assign(value)
 
     # -- Keras -----------------------------------------------------------------
@@ -685,9 +756,27 @@ class PSWorker:
         return PSCallback(self)
 
 
-def _exchange_fn(worker: PSWorker, names: list[str], num_grads: int) -> Callable[..., list[np.ndarray]]:
+def _exchange_fn(worker: PSWorker, names: list[str], tables: list[bool]) -> Callable[..., list[np.ndarray]]:
+    """The host function of a step: the inputs are each gradient (a table's as ids and rows), then the
+    shared state; the outputs the same shapes back (a table's as the ids and new rows)."""
+
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        return worker.exchange(names, arrays[:num_grads], arrays[num_grads:])
+        grads: list[Any] = []
+        k = 0
+        for table in tables:
+            if table:
+                grads.append(Rows(arrays[k], arrays[k + 1]))
+                k += 2
+            else:
+                grads.append(arrays[k])
+                k += 1
+        out: list[np.ndarray] = []
+        for value in worker.exchange(names, grads, arrays[k:]):
+            if isinstance(value, Rows):
+                out += [np.asarray(value.ids, np.int64).reshape(-1), np.asarray(value.values)]
+            else:
+                out.append(value)
+        return out
 
     return fn
 

@@ -165,3 +165,31 @@ def test_early_stopping_restore_best_weights_leaves_the_shards_equal(
             np.testing.assert_array_equal(stored[name], var.numpy(), err_msg=name)
         for var, best in zip(model.weights, stop.best_weights, strict=True):
             np.testing.assert_array_equal(var.numpy(), best, err_msg=var.path)  # the worker holds the best
+
+
+@pytest.mark.parametrize(
+    "mode_args", [(), ("--mode", "sync", "--replicas-to-aggregate", "1", "--total-replicas", "1")]
+)
+def test_embedding_layer_moves_only_the_batch_rows(make_cluster, var_name, mode_args) -> None:
+    """A plain keras.layers.Embedding becomes a table spread by row over the shards: each step pushes its
+    IndexedSlices gradient as rows and gets only those rows back; the shards and the worker end equal."""
+    cluster = make_cluster(num_shards=2, server_args=list(mode_args))
+    inputs = keras.Input((6,), dtype="int32")
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(1000, 8)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x), name=var_name)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 100, size=(64, 6)).astype(np.int32)  # rows 100.. are never touched
+    y = (ids.mean(axis=1) > 50).astype(np.float32)[:, None]
+    with psk.PSWorker(cluster.addresses) as worker, psclient.PSClient(cluster.addresses) as client:
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adagrad(0.5), worker), loss="mse")
+        table = model.layers[1].embeddings
+        initial = table.numpy().copy()
+        history = model.fit(ids, y, batch_size=16, epochs=4, verbose=0, callbacks=[worker.callback()])
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        name = worker.name_of(table)
+        info = client.list_variables([name])[name]
+        assert len(info) == 2 and all(i.spec.HasField("table") for i in info)  # rows on both shards
+        stored = client.pull([name])[name]
+        np.testing.assert_array_equal(stored, table.numpy())
+        np.testing.assert_array_equal(stored[100:], initial[100:])  # untouched rows: not even sent
+        assert not np.array_equal(stored[:100], initial[:100])
