@@ -10,7 +10,6 @@ set from a fixed random projection. Runs in every mode, unchanged:
 Worker 0 prints one ``RESULT {json}`` line.
 """
 
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from _report import report  # prints worker 0's RESULT line
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -85,19 +85,12 @@ def main() -> None:
     started = time.perf_counter()
     model.fit(x_train, y_train, batch_size=32, epochs=EPOCHS, verbose=0, callbacks=dist.callbacks())  # dist
     seconds = time.perf_counter() - started
-    accuracy = model.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
-    result = {"mode": dist.mode, "test_accuracy": float(accuracy), "train_seconds": seconds}
-    if dist.mode in psk.MODES:  # an evaluator: a fresh copy of the model, loaded from the shards
-        fresh = make_model()
-        fresh.compile()
-        psk.load_from_ps(fresh, dist.worker.client)
-        result["loaded_accuracy"] = float(
-            fresh.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
-        )
-        result["steps"], result["stale_steps"] = dist.worker.steps_done, dist.worker.stale_steps
-    if dist.is_chief:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.close()
+
+    def accuracy(m: keras.Model) -> float:
+        return float(np.mean(keras.ops.convert_to_numpy(m(x_test)).argmax(axis=1) == y_test))
+
+    result = {"mode": dist.mode, "test_accuracy": accuracy(model), "train_seconds": seconds}
+    report(dist, result, make_model, accuracy)
 
 
 if __name__ == "__main__":

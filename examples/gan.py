@@ -12,7 +12,6 @@ data's (1.0: equal). Runs in every mode, unchanged:
 Worker 0 prints one ``RESULT {json}`` line.
 """
 
-import json
 import os
 import time
 
@@ -21,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from _report import report  # prints worker 0's RESULT line
 
 import psclient.keras as psk  # dist
 
@@ -118,14 +118,7 @@ def main() -> None:
         "score": score(gan.generator),
         "train_seconds": time.perf_counter() - started,
     }
-    if dist.mode in psk.MODES:  # an evaluator: a fresh generator, loaded from the shards
-        fresh = make_gan()
-        psk.load_from_ps(fresh, dist.worker.client)
-        result["loaded_score"] = score(fresh.generator)
-        result["steps"], result["stale_steps"] = dist.worker.steps_done, dist.worker.stale_steps
-    if dist.is_chief:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.close()
+    report(dist, result, make_gan, lambda fresh: score(fresh.generator), key="loaded_score")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ distributed optimizer does the exchange. Runs in every mode, unchanged:
 Worker 0 prints one ``RESULT {json}`` line.
 """
 
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras
 import numpy as np
 import tensorflow as tf
+from _report import report  # prints worker 0's RESULT line
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
@@ -72,14 +72,7 @@ def main() -> None:
         return float(np.mean(logits.argmax(axis=1) == y_test))
 
     result = {"mode": dist.mode, "test_accuracy": accuracy(model), "train_seconds": seconds}
-    if dist.mode in psk.MODES:  # an evaluator: a fresh copy of the model, loaded from the shards
-        fresh = make_model()
-        psk.load_from_ps(fresh, dist.worker.client)
-        result["loaded_accuracy"] = accuracy(fresh)
-        result["steps"], result["stale_steps"] = dist.worker.steps_done, dist.worker.stale_steps
-    if dist.is_chief:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.close()
+    report(dist, result, make_model, accuracy)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ The model learns which words carry the sentiment. Runs in every mode, unchanged:
 Worker 0 prints one ``RESULT {json}`` line.
 """
 
-import json
 import os
 import time
 
@@ -19,6 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras
 import numpy as np
+from _report import report  # prints worker 0's RESULT line
 
 import psclient.keras as psk  # dist
 
@@ -85,22 +85,17 @@ def main() -> None:
         callbacks=callbacks + dist.callbacks(),  # dist
     )
     seconds = time.perf_counter() - started
-    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+
+    def accuracy(m: keras.Model) -> float:
+        return float(np.mean((m.predict(x_test, verbose=0)[:, 0] > 0.5) == y_test))
+
     result = {
         "mode": dist.mode,
-        "test_accuracy": float(accuracy),
+        "test_accuracy": accuracy(model),
         "train_seconds": seconds,
         "final_learning_rate": float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)),
     }
-    if dist.mode in psk.MODES:  # an evaluator: a fresh copy of the model, loaded from the shards
-        fresh = make_model()
-        fresh.compile(loss="binary_crossentropy", metrics=["accuracy"])
-        psk.load_from_ps(fresh, dist.worker.client)
-        result["loaded_accuracy"] = float(fresh.evaluate(x_test, y_test, verbose=0)[1])
-        result["steps"], result["stale_steps"] = dist.worker.steps_done, dist.worker.stale_steps
-    if dist.is_chief:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.close()
+    report(dist, result, make_model, accuracy)
 
 
 if __name__ == "__main__":
