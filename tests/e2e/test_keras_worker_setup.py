@@ -193,3 +193,28 @@ def test_embedding_layer_moves_only_the_batch_rows(make_cluster, var_name, mode_
         np.testing.assert_array_equal(stored, table.numpy())
         np.testing.assert_array_equal(stored[100:], initial[100:])  # untouched rows: not even sent
         assert not np.array_equal(stored[:100], initial[:100])
+
+
+def test_mixed_float16_trains_with_float32_values_on_the_shards(make_cluster, var_name) -> None:
+    """compile wraps the DistributedOptimizer in a LossScaleOptimizer under mixed_float16: it unscales and
+    checks the gradients on the worker; the shards keep and update float32 values."""
+    cluster = make_cluster(num_shards=1)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.BatchNormalization(),
+             keras.layers.Dense(2), keras.layers.Activation("linear", dtype="float32")], name=var_name,
+        )  # fmt: skip
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    with psk.PSWorker(cluster.addresses) as worker, psclient.PSClient(cluster.addresses) as client:
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker), loss="mse")
+        assert isinstance(model.optimizer, keras.mixed_precision.LossScaleOptimizer)
+        history = model.fit(x, x[:, :2], batch_size=16, epochs=4, verbose=0, callbacks=[worker.callback()])
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        named = psk.model_variable_names(model)
+        stored = client.pull([n for _, n in named])
+        for var, name in named:
+            assert stored[name].dtype == np.float32
+            np.testing.assert_array_equal(stored[name], var.numpy(), err_msg=name)
