@@ -166,6 +166,25 @@ def _quiet_tf() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
+def _import_tf_quietly() -> None:
+    """Imports TensorFlow (through ``trainer.train``) with its native start-up lines held back.
+
+    TensorFlow's C++ runtime writes its oneDNN and CUDA banners straight to fd 2 while it
+    loads, and "failed call to cuInit" on a machine without a GPU when the devices are first
+    listed, which TF_CPP_MIN_LOG_LEVEL does not silence; both happen here, under
+    ``native_stderr_held``, so they are shown only if the import itself fails.
+    """
+    from trainer.demo import native_stderr_held
+
+    with native_stderr_held():
+        import tensorflow as tf
+
+        import trainer.train  # noqa: F401  (Keras, the models)
+
+        gpus = tf.config.list_physical_devices("GPU")  # CUDA's probe runs here, not at import
+    logging.getLogger("pstrain").info("TensorFlow %s, %d GPU(s)", tf.__version__, len(gpus))
+
+
 def run_allreduce_worker(args: argparse.Namespace) -> int:
     from psclient.errors import UnavailableError
     from psclient.keras import ring_from_tf_config
@@ -291,6 +310,8 @@ def _main(argv: list[str] | None) -> int:
             if given:
                 where = "pstrain demo" if args.command == "demo" else "a parameter-server worker"
                 raise ValueError(f"{', '.join(given)}: not used by {where} (only --mode allreduce's ring)")
+        if args.command in ("worker", "local"):
+            _import_tf_quietly()
         if args.command == "worker":
             return run_worker(args)
         if args.command == "local":

@@ -143,7 +143,8 @@ def fit_shard(
         seed=config.seed,
     )
     printer = EpochPrinter(config.epochs, f"[worker {worker_index}] " if prefix is None else prefix)
-    model.fit(ds, epochs=config.epochs, callbacks=[*(callbacks or []), printer], verbose=0)
+    # shuffle=False: the dataset shuffles itself (Keras would otherwise warn that it ignores the flag)
+    model.fit(ds, epochs=config.epochs, callbacks=[*(callbacks or []), printer], verbose=0, shuffle=False)
     return printer
 
 
