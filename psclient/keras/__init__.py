@@ -3,7 +3,8 @@
 This subpackage is the only part of psclient that imports TensorFlow and Keras.
 
 - Parameter server (``_ps``): ``PSWorker``, ``DistributedOptimizer``, ``PSCallback``,
-  ``load_from_ps``; variables and optimizer live on the shards.
+  ``load_from_ps``; variables and optimizer live on the shards. ``Embedding``
+  (``_embedding``): a layer whose table lives only on the shards.
 - All-reduce (``_allreduce``): ``AllReduceWorker``, ``AllReduceOptimizer``,
   ``AllReduceCallback``; every rank holds a replica and gradients are averaged
   over the ring (``psclient.collective``), as with MirroredStrategy or Horovod.
@@ -17,6 +18,7 @@ from psclient.keras._allreduce import (
     ring_from_tf_config,
 )
 from psclient.keras._common import variable_name
+from psclient.keras._embedding import Embedding
 from psclient.keras._env import Distribution, from_env
 from psclient.keras._naming import model_variable_names
 from psclient.keras._ps import (
@@ -37,6 +39,7 @@ __all__ = [
     "AllReduceWorker",
     "DistributedOptimizer",
     "Distribution",
+    "Embedding",
     "PSCallback",
     "PSError",
     "PSWorker",

@@ -133,6 +133,16 @@ def _embedding_tables(model: keras.Model) -> list[Any]:
     ]
 
 
+def _remote_tables(model: keras.Model) -> dict[int, Any]:
+    """id(anchor) -> layer, for a model's ``psclient.keras.Embedding`` layers (rows only on the shards)."""
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
+    return {
+        id(layer.anchor): layer
+        for layer in layers
+        if getattr(layer, "_ps_remote_table", False) and getattr(layer, "anchor", None) is not None
+    }
+
+
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
     """Whether a stored ``OptimizerSpec`` equals ``spec`` except for a constant learning rate."""
     mine = spec.to_proto()
@@ -234,6 +244,7 @@ class PSWorker:
         self._state: list[tuple[str, Any]] = []  # non-trainable shared state, in attach order
         self._table_candidates: set[str] = set()  # Embedding layers' tables: rows spread over the shards
         self._tables: set[str] = set()  # those that are tables on the shards: pushed and pulled by row
+        self._remote: dict[str, Any] = {}  # psclient.keras.Embedding layers by table name: no local copy
         self._base: dict[str, np.ndarray] = {}  # state: the value last loaded from the shards
         self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
         self._sent_lr: dict[int, float] = {}
@@ -295,7 +306,10 @@ class PSWorker:
             embeddings = {id(v) for v in _embedding_tables(model)}
             self._table_candidates.update(n for v, n in named if id(v) in embeddings)
             self._model_names.update({id(v): n for v, n in named})
-            trainable = [v for v, _ in named if v.trainable]
+            remote = _remote_tables(model)
+            self._remote.update({n: remote[id(v)] for v, n in named if id(v) in remote})
+            own = [v for v, _ in named if id(v) in remote and remote[id(v)].server_optimizer is not None]
+            trainable = [v for v, _ in named if v.trainable and all(v is not o for o in own)]
             state = [v for v, _ in named if not v.trainable]
             if optimizer is None:
                 compiled = _unwrap_loss_scale(getattr(model, "optimizer", None))
@@ -305,6 +319,8 @@ class PSWorker:
         groups: list[tuple[list[Any], Optimizer]] = [(state, STATE_OPTIMIZER)]
         if optimizer is not None:
             groups.append((trainable, server_optimizer(optimizer)))
+        if isinstance(model_or_variables, keras.Model):
+            groups += [([v], remote[id(v)].server_optimizer) for v in own]
         self._register(groups, check=True)
         self._attached = True
         if self._vars:
@@ -348,7 +364,7 @@ class PSWorker:
         with tf.init_scope():
             for var in variables:
                 name = self.name_of(var)
-                if name in self._vars:
+                if name in self._vars and name not in self._remote:
                     values[name] = np.array(keras.ops.convert_to_numpy(var))
         self.client.assign(values)
         for name, value in values.items():
@@ -450,6 +466,8 @@ class PSWorker:
                 )
             time.sleep(_ATTACH_POLL_S)
         created = 0
+        for n in [n for n in missing if n in self._remote]:
+            created += self._create_remote_table(n, wanted[n])
         for n in [n for n in missing if n in self._table_candidates and wanted[n] is not STATE_OPTIMIZER]:
             created += self._create_table(n, values[n], wanted[n])
         missing = [n for n in missing if n not in self._tables]
@@ -487,11 +505,24 @@ class PSWorker:
         self._tables.add(name)
         return int(created)
 
+    def _create_remote_table(self, name: str, spec: Optimizer) -> int:
+        """Creates a ``psclient.keras.Embedding``'s table on the shards (no local values); 1 if created."""
+        layer = self._remote[name]
+        try:
+            created = self.client.create_embedding(
+                name, layer.input_dim, layer.output_dim, dtype=np.dtype(layer.variable_dtype),
+                optimizer=spec, initializer=layer.initializer,
+            )  # fmt: skip
+        except InvalidArgumentError as err:
+            raise ValueError(f"psclient.keras.Embedding {layer.name!r}: {err}") from None
+        self._tables.add(name)
+        return int(created)
+
     def refresh(self, names: Sequence[str] | None = None) -> None:
         """Loads the shards' current values into the variables (and, in sync mode, the global step)."""
         self._require()
         self._drain()
-        wanted = list(self._vars) if names is None else list(names)
+        wanted = [n for n in (list(self._vars) if names is None else names) if n not in self._remote]
         values = self.client.pull(wanted)
         with tf.init_scope():
             for name in wanted:
@@ -612,7 +643,8 @@ class PSWorker:
             if np.any(delta):
                 gmap[name] = np.negative(delta)
         values = self._exchange(gmap)
-        out = [values[n] for n in names]
+        none = Rows(np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
+        out = [none if n in self._remote else values[n] for n in names]
         for name in state_names:
             if name in values:
                 self._base[name] = np.array(values[name])
@@ -655,7 +687,7 @@ class PSWorker:
         dense = [n for n, g in gmap.items() if not isinstance(g, Rows)]
         values: dict[str, Any] = dict(self.client.pull(dense)) if dense else {}
         for name, g in gmap.items():
-            if isinstance(g, Rows):
+            if isinstance(g, Rows) and name not in self._remote:  # a remote table: the next lookup reads it
                 ids = np.unique(np.asarray(g.ids, np.int64).reshape(-1))
                 values[name] = Rows(ids, self.client.lookup(name, ids))
         return values
@@ -693,17 +725,29 @@ class PSWorker:
             first = id(optimizer) not in self._optimizers  # a new optimizer: its rate, not the shards'
             self._optimizers.setdefault(id(optimizer), optimizer)
             spec = optimizer.server_optimizer
+            own = {n: self._remote[n].server_optimizer for n in var_names if n in self._remote}
+            specs = {n: own.get(n) or spec for n in var_names}
             changed = [
-                v for n, (_, v) in zip(var_names, pairs, strict=True) if first or self._specs.get(n) != spec
+                (v, specs[n])
+                for n, (_, v) in zip(var_names, pairs, strict=True)
+                if first or self._specs.get(n) != specs[n]
             ]
             if changed:
-                new = self._register([(changed, spec)], check=first)
+                new = self._register([([v], s) for v, s in changed], check=first)
                 self.refresh(new)
         elif unknown:
             raise ValueError(
                 f"variables {sorted(self.name_of(v) for v in unknown)} were not attached to the "
                 "parameter server: attach the model (worker.attach(model, optimizer)) first"
             )
+        if any(n in self._remote for n in var_names):  # the anchor's gradient: the layer's row gradients
+            swapped = [(self._remote[n].take_gradient(), v) if n in self._remote else (g, v)
+                       for n, (g, v) in zip(var_names, pairs, strict=True)]  # fmt: skip
+            keep = [g is not None for g, _ in swapped]
+            pairs = [p for p, k in zip(swapped, keep, strict=True) if k]
+            var_names = [n for n, k in zip(var_names, keep, strict=True) if k]
+            if not pairs:
+                return
         tables = [n in self._tables for n in var_names]
         inputs: list[Any] = []
         for (g, _), table in zip(pairs, tables, strict=True):
@@ -731,9 +775,11 @@ class PSWorker:
                 name="ps_exchange",
             )
         out = iter(new)
-        for (_, var), table in zip(pairs, tables, strict=True):
+        for (_, var), table, name in zip(pairs, tables, var_names, strict=True):
             if table:  # the rows that came back: written into the worker's copy of the table
                 ids, rows = next(out), next(out)
+                if name in self._remote:  # none come back: no local copy
+                    continue
                 if not tf.executing_eagerly():
                     ids.set_shape([None])
                     rows.set_shape([None, var.shape[1]])
@@ -793,7 +839,8 @@ def load_from_ps(model_or_variables: Any, client: PSClient) -> None:
         PSError: a shard failed.
     """
     if isinstance(model_or_variables, keras.Model):
-        named = model_variable_names(model_or_variables)
+        remote = _remote_tables(model_or_variables)  # psclient.keras.Embedding: its rows stay on the shards
+        named = [(v, n) for v, n in model_variable_names(model_or_variables) if id(v) not in remote]
     else:
         named = [(v, variable_name(v)) for v in model_or_variables]
     values = client.pull([n for _, n in named])

@@ -1,0 +1,193 @@
+"""``psclient.keras.Embedding``: an embedding layer whose rows live only on the shards.
+
+A drop-in for ``keras.layers.Embedding`` for tables too big for a worker::
+
+    emb = psk.Embedding(10_000_000, 64, worker=worker)   # created by the chief, found by the others
+    model = keras.Sequential([keras.Input((20,), dtype="int32"), emb, ...])
+    model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adagrad(0.1), worker), loss=...)
+    model.fit(ds, callbacks=[worker.callback()])
+
+Design (why it trains correctly in every mode):
+
+- The table is a ``create_embedding`` table on the shards; the worker keeps no copy
+  (its memory is O(batch)). The layer's only weight is a one-element trainable
+  *anchor* (zeros, never used as a value): its stable name is the table's name on
+  the shards, so ``PSWorker.attach`` creates (chief) or finds (others) the table
+  with the same optimizer logic as every other variable.
+- Forward (inside ``fit``'s compiled step): the batch's distinct ids
+  (``tf.unique``) are looked up through the client in a ``tf.numpy_function``, and
+  the output is gathered from those rows: ``ids.shape + (output_dim,)``.
+- Backward: a ``tf.custom_gradient`` on the looked-up rows hands the rows' gradient
+  (one per distinct id) to the layer, and gives the anchor a zero gradient so that
+  the tape reaches the layer at all (a tape only differentiates paths from its
+  variables). When the ``DistributedOptimizer`` applies the step, the worker
+  replaces the anchor's gradient by those rows and pushes them as
+  ``psclient.Rows`` *in the same exchange* as the dense gradients. So sync mode
+  keeps one push (one global step) per batch, and async/ssp keep their overlap;
+  nothing is pulled back for the table (the next lookup reads the rows).
+- The server-side optimizer is the model's ``DistributedOptimizer``'s, or
+  ``optimizer=`` (a Keras optimizer or a psclient spec), applied row by row; an
+  optimizer the shards cannot apply by row (Adafactor, Lamb, clipnorm) is refused.
+- ``load_from_ps`` and ``PSWorker.refresh`` skip the table (no local variable):
+  an evaluator's copy of the model reads the rows through its own worker.
+
+Limits: ids are checked against ``input_dim`` (a clear error, before any request);
+no ``mask_zero``; no loss scaling of the layer's rows (``mixed_float16``); the next
+batch's rows are not prefetched (the lookup is on the step's critical path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from psclient.embedding import Initializer
+from psclient.keras._ps import PSWorker, server_optimizer
+from psclient.optimizers import Optimizer
+
+
+def _row_initializer(init: Any) -> Initializer:
+    """A ``create_embedding`` initializer for a Keras initializer (name, config or object)."""
+    if isinstance(init, str) and init.lower() in ("uniform", "random_uniform", "normal", "random_normal"):
+        return init.lower()
+    if isinstance(init, str) and init.lower() in ("zeros", "ones"):
+        return init.lower()
+    if isinstance(init, tuple) or (callable(init) and not isinstance(init, keras.initializers.Initializer)):
+        return init
+    obj = keras.initializers.get(init)
+    if isinstance(obj, keras.initializers.Zeros):
+        return "zeros"
+    if isinstance(obj, keras.initializers.Ones):
+        return "ones"
+    if isinstance(obj, keras.initializers.RandomUniform):
+        return ("uniform", float(obj.minval), float(obj.maxval))
+    if isinstance(obj, keras.initializers.RandomNormal):
+        return ("normal", float(obj.mean), float(obj.stddev))
+    raise ValueError(
+        f"embeddings_initializer {init!r}: the shards initialize rows themselves; use 'uniform', 'normal', "
+        "'zeros', 'ones', RandomUniform, RandomNormal, or a callable f(row_ids, dim, dtype)"
+    )
+
+
+class Embedding(keras.layers.Layer):
+    """An embedding layer whose table lives only on the parameter server (see the module docs).
+
+    Args:
+        input_dim: rows of the table (ids are ``0 .. input_dim - 1``).
+        output_dim: row width.
+        worker: the ``PSWorker`` that trains the model.
+        optimizer: the table's server-side optimizer (a Keras optimizer, its name or a psclient
+            spec); default: the model's ``DistributedOptimizer``'s.
+        embeddings_initializer: ``"uniform"`` (Keras's default, U(-0.05, 0.05)), ``"normal"``,
+            ``"zeros"``, ``"ones"``, ``RandomUniform`` / ``RandomNormal``, or a callable
+            ``f(row_ids, dim, dtype)`` deterministic per row.
+        **kwargs: ``keras.layers.Layer`` arguments (``name``, ``trainable``, ...).
+
+    Raises:
+        TypeError: ``worker`` is not a ``PSWorker``.
+        ValueError: bad sizes, or an initializer or optimizer the shards cannot use by row.
+    """
+
+    _ps_remote_table = True  # PSWorker, load_from_ps: the anchor names a table with no local copy
+
+    def __init__(
+        self,
+        input_dim: int,
+        output_dim: int,
+        *,
+        worker: PSWorker,
+        optimizer: Any = None,
+        embeddings_initializer: Any = "uniform",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(worker, PSWorker):
+            raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")
+        if int(input_dim) < 1 or int(output_dim) < 1:
+            raise ValueError(f"input_dim ({input_dim}) and output_dim ({output_dim}) must be >= 1")
+        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.worker = worker
+        self.server_optimizer: Optimizer | None = None if optimizer is None else server_optimizer(optimizer)
+        self.initializer = _row_initializer(embeddings_initializer)
+        self._pending: list[tuple[Any, Any, Any]] = []  # (graph, ids, row gradients) of backward passes
+
+    def build(self, input_shape: Any = None) -> None:
+        # Not a table: a one-element handle whose name is the table's on the shards.
+        self.anchor = self.add_weight(shape=(1,), initializer="zeros", name="embeddings", trainable=True)
+        self.built = True
+
+    @property
+    def table_name(self) -> str:
+        """The table's name on the shards (the anchor's stable name once the model is attached)."""
+        return self.worker.name_of(self.anchor)
+
+    def compute_output_spec(self, inputs: Any) -> Any:
+        return keras.KerasTensor((*tuple(inputs.shape), self.output_dim), dtype=self.compute_dtype)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
+        return (*tuple(input_shape), self.output_dim)
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.input_dim):
+            bad = int(ids[(ids < 0) | (ids >= self.input_dim)][0])
+            raise ValueError(
+                f"psclient.keras.Embedding {self.name!r}: id {bad} is out of range [0, {self.input_dim})"
+            )
+        if not self.worker.attached:
+            raise RuntimeError(
+                f"psclient.keras.Embedding {self.name!r}: its table is on the shards; attach the model "
+                "first (worker.callback() in fit, or worker.attach(model, optimizer))"
+            )
+        dtype = np.dtype(self.variable_dtype)
+        if not ids.size:
+            return np.zeros((0, self.output_dim), dtype)
+        return np.asarray(self.worker.client.lookup(self.table_name, ids), dtype)
+
+    def call(self, inputs: Any) -> Any:
+        ids = tf.cast(inputs, tf.int64)
+        unique, where = tf.unique(tf.reshape(ids, [-1]))
+        rows = tf.numpy_function(
+            self._lookup, [unique], Tout=tf.as_dtype(self.variable_dtype), stateful=True, name="ps_lookup"
+        )
+        rows.set_shape([None, self.output_dim])
+        layer = self
+
+        @tf.custom_gradient
+        def hook(rows: Any, anchor: Any) -> Any:
+            def grad(dy: Any) -> Any:
+                layer._pending.append((_graph_key(), unique, tf.convert_to_tensor(dy)))
+                return None, tf.zeros_like(anchor)
+
+            return tf.identity(rows), grad
+
+        rows = hook(rows, tf.convert_to_tensor(self.anchor.value))
+        out = tf.gather(rows, where)
+        out = tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
+        return tf.cast(out, self.compute_dtype)
+
+    def take_gradient(self) -> tf.IndexedSlices | None:
+        """The row gradients of this graph's (or the eager step's) backward passes, as IndexedSlices."""
+        key = _graph_key()
+        mine = [(i, g) for k, i, g in self._pending if k == key]
+        self._pending = []  # what other graphs left is from traces that are done with
+        if not mine:
+            return None
+        ids = tf.concat([i for i, _ in mine], 0)
+        rows = tf.concat([tf.cast(g, self.variable_dtype) for _, g in mine], 0)
+        return tf.IndexedSlices(rows, ids)
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(input_dim=self.input_dim, output_dim=self.output_dim)
+        return config
+
+
+def _graph_key() -> Any:
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+__all__ = ["Embedding"]

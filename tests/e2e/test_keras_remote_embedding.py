@@ -1,0 +1,91 @@
+"""psclient.keras.Embedding: a table that lives only on the shards, trained by model.fit through real shards.
+
+The worker holds no table-sized variable, only the batch's rows are created/sent (untouched rows keep
+the initializer's values on the shards), bad ids give a clear error, and sync mode keeps one step per batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.tf, pytest.mark.e2e]
+
+keras = pytest.importorskip("keras")
+
+import psclient.keras as psk  # noqa: E402
+from psclient.embedding import init_rows  # noqa: E402
+
+ROWS, DIM = 100_000, 16
+
+
+def _model(worker: psk.PSWorker, name: str, **kwargs: object) -> tuple[keras.Model, psk.Embedding]:
+    emb = psk.Embedding(ROWS, DIM, worker=worker, name="emb", **kwargs)
+    model = keras.Sequential(
+        [keras.Input((4,), dtype="int32"), emb, keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)],
+        name=name,
+    )
+    return model, emb
+
+
+def _data(n: int = 256, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 500, size=(n, 4)).astype(np.int32) * 7  # ids < 3500, spread over the table
+    y = (x % 2).mean(axis=1, keepdims=True).astype(np.float32)  # learnable only through the rows
+    return x, y
+
+
+def test_trains_async_without_a_table_on_the_worker(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=2)
+    x, y = _data()
+    with psk.PSWorker(cluster.addresses, overlap=False) as worker:
+        model, emb = _model(worker, var_name)
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
+        hist = model.fit(x, y, batch_size=32, epochs=6, verbose=0, callbacks=[worker.callback()])
+        losses = hist.history["loss"]
+        assert losses[-1] < 0.5 * losses[0], losses
+        assert max(int(np.prod(w.shape)) for w in model.weights) < 1000  # no 100_000 x 16 copy here
+        name = emb.table_name
+        info = worker.client.list_variables([name])[name]
+        assert all(i.spec.HasField("table") for i in info)
+        assert sum(i.spec.table.rows for i in info) == ROWS
+        touched = np.unique(x)
+        untouched = np.setdiff1d(np.arange(0, 5000), touched)
+        got = worker.client.lookup(name, untouched)
+        np.testing.assert_array_equal(got, init_rows(name, untouched, DIM, np.float32, "uniform"))
+        trained = worker.client.lookup(name, touched)
+        assert not np.allclose(trained, init_rows(name, touched, DIM, np.float32, "uniform"))
+        pred = model.predict(x[:8], verbose=0)  # inference reads the shards' rows too
+        assert pred.shape == (8, 1)
+        fresh, _ = _model(worker, var_name)
+        psk.load_from_ps(fresh, worker.client)  # the table is skipped: it has no local variable
+        np.testing.assert_allclose(fresh.layers[-1].kernel.numpy(), model.layers[-1].kernel.numpy())
+
+
+def test_bad_ids_give_a_clear_error(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=2)
+    x, y = _data(32)
+    x[3, 1] = ROWS + 5
+    with psk.PSWorker(cluster.addresses) as worker:
+        model, _ = _model(worker, var_name)
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(0.1), worker), loss="mse")
+        with pytest.raises(Exception, match=rf"id {ROWS + 5} is out of range \[0, {ROWS}\)"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[worker.callback()])
+
+
+def test_sync_one_step_per_batch_and_own_optimizer(make_cluster, var_name) -> None:
+    cluster = make_cluster(
+        num_shards=2, server_args=("--mode", "sync", "--replicas-to-aggregate", "1", "--total-replicas", "1")
+    )
+    x, y = _data(128)
+    with psk.PSWorker(cluster.addresses) as worker:
+        model, emb = _model(
+            worker, var_name, optimizer=keras.optimizers.SGD(0.5), embeddings_initializer="zeros"
+        )
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker), loss="mse")
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[worker.callback()])
+        assert worker.step == 8 and worker.stale_steps == 0
+        name = emb.table_name
+        assert worker.client.list_variables([name])[name][0].spec.optimizer.name.lower() == "sgd"
+        assert np.any(worker.client.lookup(name, np.unique(x)))  # moved from zeros
+        assert not np.any(worker.client.lookup(name, np.array([1, 2, 3])))  # never in a batch
