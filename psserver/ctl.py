@@ -156,7 +156,9 @@ def format_status(report: dict[str, Any]) -> str:
                  ",".join(map(str, v["shards"])), version, v["optimizer"]]
             )  # fmt: skip
         lines.append("")
-        lines.append(table(["VARIABLE", "DTYPE", "SHAPE", "SIZE", "SHARDS", "VERSION", "OPTIMIZER"], vrows))
+        lines.append(
+            table(["VARIABLE", "DTYPE", "SHAPE", "SIZE", "ON SHARDS", "VERSION", "OPTIMIZER"], vrows)
+        )
     return "\n".join(lines)
 
 

@@ -45,8 +45,11 @@ def test_status_table(busy_cluster: LocalCluster) -> None:
     out = proc.stdout
     assert "2/2 healthy" in out and "mode async" in out and "2 variable(s)" in out
     header = next(line for line in out.splitlines() if line.startswith("SHARD"))
-    for col in ("ADDRESS", "HEALTH", "MODE", "VARS", "BYTES", "PUSH/S", "PULL/S", "UPTIME"):
+    for col in ("ADDRESS", "HEALTH", "ROLE", "MODE", "VARS", "BYTES", "PUSH/S", "PULL/S", "UPTIME"):
         assert col in header
+    # the variables' table names the shards that hold each one (indices, not a count)
+    vheader = next(line for line in out.splitlines() if line.startswith("VARIABLE"))
+    assert vheader.split() == ["VARIABLE", "DTYPE", "SHAPE", "SIZE", "ON", "SHARDS", "VERSION", "OPTIMIZER"]
     for address in busy_cluster.addresses:
         assert address in out
     assert out.count("SERVING") == 2
