@@ -108,8 +108,8 @@ def main() -> None:
 
     gan = make_gan()
     gan.compile(
-        d_optimizer=dist.optimizer(keras.optimizers.Adam(1e-3, beta_1=0.5)),  # dist
-        g_optimizer=dist.optimizer(keras.optimizers.Adam(1e-3, beta_1=0.5)),  # dist
+        d_optimizer=dist.optimizer(keras.optimizers.Adam(5e-4, beta_1=0.5)),  # dist
+        g_optimizer=dist.optimizer(keras.optimizers.Adam(5e-4, beta_1=0.5)),  # dist
     )
     started = time.perf_counter()
     gan.fit(data, batch_size=64, epochs=EPOCHS, verbose=0, callbacks=dist.callbacks())  # dist

@@ -31,9 +31,10 @@ EXAMPLES = {  # script -> the modes it is run in besides local
     "text_classification.py": ("async", "sync", "allreduce"),
     "transfer_learning.py": ("async", "sync", "allreduce"),
 }
-# The GAN's score (1.0: generated and real distributions equal) moves +-0.15 between runs of any mode;
-# an untrained generator scores about 0.1, one that learned the mixture 0.65-0.9.
-GAN_MIN_SCORE = 0.5
+# The GAN's score (1.0: generated and real distributions equal) swings between epochs as the generator's
+# balance between the two modes oscillates (0.61-0.96 after epoch 4 at its rate, locally; async runs
+# 0.54-0.80); an untrained or mode-collapsed generator scores about 0.05.
+GAN_MIN_SCORE = 0.3
 
 
 def run_example(script: str, mode: str) -> dict[str, Any]:
