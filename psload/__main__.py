@@ -21,6 +21,11 @@ Model spec: COUNTxSIZE[,COUNTxSIZE...] of float32 variables (sizes: 4096, 64KiB,
 Each step a worker pushes a gradient for every variable and reads them back
 (--op push_pull; or push / pull only). Throughput counts bytes sent plus bytes
 received. Live progress goes to stderr once a second; the summary to stdout.
+Variables left behind: a local cluster goes with the run; on a running cluster the
+model's variables (PREFIX/v<i>_<elements>) stay, because the shards have no delete.
+They go only when the shards restart (without restoring a checkpoint written since).
+Their names carry the sizes, so a rerun with the same --prefix and --model reuses
+them instead of adding more; the summary's "left" line names them.
 exit status: 0 when the run had no errors, 1 when some step failed, 2 on bad arguments.
 """
 
@@ -48,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout", type=float, default=60.0, help="per-call deadline, seconds (default: %(default)s)"
     )
-    p.add_argument("--prefix", default="psload", help="variable name prefix (default: %(default)s)")
+    p.add_argument(
+        "--prefix",
+        default="psload",
+        help="variable name prefix; the variables stay on a running cluster (default: %(default)s)",
+    )
     p.add_argument("--chunk-size", help="client streaming chunk size, e.g. 4MiB")
     p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
     p.add_argument(

@@ -169,4 +169,15 @@ def format_summary(result: dict[str, Any]) -> str:
         ),
         f"  balance     max/mean bytes per shard {result['balance']['max_over_mean']:.2f}",
     ]
+    if not cfg["local_cluster"]:
+        lines.append(
+            f"  left        {cfg['variables']} variable(s) named {cfg['prefix']}/* "
+            f"({cfg['model_bytes'] / 2**20:.2f} MiB) stay on the cluster: {LEFT_ON_CLUSTER}"
+        )
     return "\n".join(lines)
+
+
+LEFT_ON_CLUSTER = (
+    "the shards have no way to delete a variable, so they go only when the shards restart (without "
+    "restoring a checkpoint written since); a later run with the same --prefix and --model reuses them"
+)

@@ -320,6 +320,8 @@ def _result(
             "addresses": list(config.addresses),
             "timeout_s": config.timeout_s,
             "local_cluster": False,
+            "prefix": config.prefix,  # the variables stay on a running cluster (the shards have no delete)
+            "variable_names": list(names),
         },
         "summary": {
             "duration_s": elapsed,

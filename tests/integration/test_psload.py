@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from psload import LoadConfig, ModelSpec, run_load
+from psload import LoadConfig, ModelSpec, report, run_load
 from psload.runner import LoadError
 from trainer.cluster import LocalCluster
 
@@ -44,6 +44,7 @@ def test_cli_local_cluster_writes_json_and_plot(tmp_path: Path) -> None:
     assert result["config"]["local_cluster"] is True
     assert "steps/s" in proc.stderr and "GB/s" in proc.stderr  # live progress
     assert "throughput" in proc.stdout and "p99" in proc.stdout
+    assert "stay on the cluster" not in proc.stdout  # the local cluster went with the run
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -63,6 +64,10 @@ def test_sync_run_against_a_running_cluster() -> None:
         assert len(per_worker) == 1
         assert all(sh["pushes"] == per_worker.pop() for sh in result["shards"][:1])
         assert "2 workers" in live.getvalue()
+        # a running cluster keeps the variables (no delete RPC): the result and the summary say so
+        assert result["config"]["prefix"] == "psload" and len(result["config"]["variable_names"]) == 3
+        left = next(line for line in report.format_summary(result).splitlines() if "left" in line)
+        assert "3 variable(s) named psload/*" in left and "restart" in left
         with pytest.raises(LoadError, match="async"):
             run_load(LoadConfig(workers=1, duration_s=1, addresses=tuple(cluster.addresses), mode="async"))
 
