@@ -49,9 +49,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 
 
-def _peak_rss_mib() -> float:
+def _rss_mib(field: str = "VmHWM") -> float:
+    """This process's peak (VmHWM) or current (VmRSS) resident memory."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -133,12 +134,16 @@ def worker_main(args: argparse.Namespace) -> None:
     attach_bytes: dict[str, int] = {}
     end_bytes: dict[str, int] = {}
 
-    class Mark(keras.callbacks.Callback):  # bytes of the steps: not attach/table creation, nor the final pull
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            if not attach_bytes:
-                attach_bytes.update(box)
+    rss_before_fit = _rss_mib("VmRSS")
+    steps_seen = [0]
+
+    class Mark(keras.callbacks.Callback):
+        """Bytes of steps 2..n: not the attach, the first step's pull of every variable or the final pull."""
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            steps_seen[0] += 1
+            if steps_seen[0] == 1:
+                attach_bytes.update(box)
             end_bytes.update(box)
 
     hist = model.fit(
@@ -151,10 +156,12 @@ def worker_main(args: argparse.Namespace) -> None:
         "index": args.index,
         "steps": steps,
         "steps_per_s": cb.steps_per_second,
-        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / max(1, steps),
-        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / max(1, steps),
+        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / max(1, steps - 1),
+        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / max(1, steps - 1),
         "setup_bytes": sum(attach_bytes.values()),
-        "peak_rss_mib": _peak_rss_mib(),
+        "peak_rss_mib": _rss_mib(),
+        "rss_before_fit_mib": rss_before_fit,
+        "rss_end_mib": _rss_mib("VmRSS"),
         "weights_mib": sum(int(np.prod(w.shape)) * 4 for w in model.weights) / 2**20,
         "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
         "wall_s": time.perf_counter() - t0,
@@ -198,7 +205,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "bytes_per_worker_step": sum(r["bytes_per_step"] for r in rows) / len(rows),
         "sent_per_worker_step": sum(r["sent_per_step"] for r in rows) / len(rows),
         "setup_bytes": sum(r["setup_bytes"] for r in rows),
-        "worker_peak_rss_mib": max(r["peak_rss_mib"] for r in rows),
+        "peak_rss_mib_per_worker": [round(r["peak_rss_mib"]) for r in rows],
+        "end_rss_mib_per_worker": [round(r["rss_end_mib"]) for r in rows],
         "worker_weights_mib": rows[0]["weights_mib"],
         "loss_first_last": rows[0]["loss"],
         "wall_s": max(r["wall_s"] for r in rows),
@@ -218,23 +226,26 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         f"`model.fit` with psclient.keras. Machine: {json.dumps(cm.machine_note())}",
         "",
         "| variant | steps/worker | steps/s (sum) | payload MiB / worker-step | of which sent | setup MiB "
-        "(attach, table creation) | worker weights MiB | worker peak RSS MiB | wall s | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(attach, first step) | worker weights MiB | peak RSS MiB per worker | RSS at end MiB per worker | "
+        "wall s | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['variant']} | {r['steps_per_worker']} | {r['steps_per_s']:.2f} | "
             f"{r['bytes_per_worker_step'] / mib:.3f} | {r['sent_per_worker_step'] / mib:.3f} | "
             f"{r['setup_bytes'] / mib:.1f} | {r['worker_weights_mib']:.2f} | "
-            f"{r['worker_peak_rss_mib']:.0f} | "
+            f"{', '.join(map(str, r['peak_rss_mib_per_worker']))} | "
+            f"{', '.join(map(str, r['end_rss_mib_per_worker']))} | "
             f"{r['wall_s']:.1f} | {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f} |"
         )
     lines += [
         "",
         "Payload bytes are tensor bytes through the client (gradients and ids sent; values, returned rows "
         "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull_future`, `pull` "
-        "and `lookup`; gRPC framing is not counted. Bytes before the first step (attach, the first pull) "
-        "are the setup column (the chief's table creation is not counted: `create_embedding` is not "
+        "and `lookup`; gRPC framing is not counted. Bytes up to the end of the first step (attach, the "
+        "first pull, the first step's pull of every variable) are the setup column (the chief's table "
+        "creation is not counted: `create_embedding` is not "
         "wrapped); the final pull after training is not counted. Loss: the mean of epoch 1 -> epoch 2. "
         "`dense` pushes and pulls the whole table each step; "
         "`keras-table` pushes the batch's rows and gets them back (the worker keeps a whole copy); `psk` "

@@ -169,13 +169,20 @@ class Embedding(keras.layers.Layer):
         out = tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
         return tf.cast(out, self.compute_dtype)
 
-    def take_gradient(self) -> tf.IndexedSlices | None:
+    def take_gradient(self) -> tf.IndexedSlices:
         """The row gradients of this graph's (or the eager step's) backward passes, as IndexedSlices."""
-        key = _graph_key()
-        mine = [(i, g) for k, i, g in self._pending if k == key]
+        keys, graph = [], _graph_key()
+        while graph is not None:  # this graph, or one it is nested in (a cond branch of the train step)
+            keys.append(graph)
+            graph = getattr(graph, "outer_graph", None)
+        keys = keys or [None]
+        mine = [(i, g) for k, i, g in self._pending if any(k is key for key in keys)]
         self._pending = []  # what other graphs left is from traces that are done with
         if not mine:
-            return None
+            raise RuntimeError(
+                f"psclient.keras.Embedding {self.name!r}: its gradient is applied where its backward pass "
+                "did not run (apply the gradients in the train step that computed them)"
+            )
         ids = tf.concat([i for i, _ in mine], 0)
         rows = tf.concat([tf.cast(g, self.variable_dtype) for _, g in mine], 0)
         return tf.IndexedSlices(rows, ids)

@@ -89,3 +89,40 @@ def test_sync_one_step_per_batch_and_own_optimizer(make_cluster, var_name) -> No
         assert worker.client.list_variables([name])[name][0].spec.optimizer.name.lower() == "sgd"
         assert np.any(worker.client.lookup(name, np.unique(x)))  # moved from zeros
         assert not np.any(worker.client.lookup(name, np.array([1, 2, 3])))  # never in a batch
+
+
+def test_the_chief_creates_the_table_another_worker_finds_it_and_a_tape_loop_trains(
+    make_cluster, var_name
+) -> None:
+    import tensorflow as tf
+
+    cluster = make_cluster(num_shards=2)
+    x, y = _data(32)
+    with (
+        psk.PSWorker(cluster.addresses, worker_index=0, num_workers=2) as chief,
+        psk.PSWorker(cluster.addresses, worker_index=1, num_workers=2, attach_timeout=10) as other,
+    ):
+        models = []
+        for worker in (chief, other):  # the chief first: the other waits for what it creates
+            model, emb = _model(worker, var_name, optimizer=psk.server_optimizer("sgd"))
+            worker.attach(model, optimizer=keras.optimizers.SGD(0.1))
+            models.append((model, emb))
+        name = models[0][1].table_name
+        assert name == models[1][1].table_name
+        before = chief.client.lookup(name, np.unique(x))
+
+        @tf.function
+        def graph_step(model: keras.Model, worker: psk.PSWorker) -> None:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+            worker.apply_gradients(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        with tf.GradientTape() as tape:  # eager, on the chief
+            loss = tf.reduce_mean((models[0][0](x, training=True) - y) ** 2)
+        variables = models[0][0].trainable_variables
+        chief.apply_gradients(tape.gradient(loss, variables), variables)
+        graph_step(models[1][0], other)  # in a tf.function, on the other worker
+        other.finish()
+        after = chief.client.lookup(name, np.unique(x))
+        assert not np.allclose(before, after)
+        assert chief.client.status()[0].mode == "async"
