@@ -226,8 +226,8 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         f"`model.fit` with psclient.keras. Machine: {json.dumps(cm.machine_note())}",
         "",
         "| variant | steps/worker | steps/s (sum) | payload MiB / worker-step | of which sent | setup MiB "
-        "(attach, first step) | worker weights MiB | peak RSS MiB per worker | RSS at end MiB per worker | "
-        "wall s | loss first -> last |",
+        "(attach, first step; all workers) | worker weights MiB | peak RSS MiB per worker | "
+        "RSS at end MiB per worker | wall s | loss first -> last |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -251,6 +251,11 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "`keras-table` pushes the batch's rows and gets them back (the worker keeps a whole copy); `psk` "
         "looks up the batch's distinct rows, pushes their gradients, and (async push_pull) gets the pushed "
         "rows back too (not used: the next lookup reads the shards).",
+        "",
+        "Peak RSS: the chief's (worker 0) includes creating the table: with `keras-table` it holds "
+        "Keras's initial table and sends it; with `psk`, `create_embedding` computes the initial rows of "
+        "each shard's piece in the client before streaming them (transient: see its RSS at the end). "
+        "The other workers' RSS is the O(batch) steady state.",
         "",
     ]
     return "\n".join(lines)
