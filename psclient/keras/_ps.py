@@ -307,6 +307,14 @@ class PSWorker:
             self._table_candidates.update(n for v, n in named if id(v) in embeddings)
             self._model_names.update({id(v): n for v, n in named})
             remote = _remote_tables(model)
+            if remote and isinstance(
+                getattr(model, "optimizer", None), keras.mixed_precision.LossScaleOptimizer
+            ):
+                raise ValueError(
+                    "psclient.keras.Embedding does not support loss scaling (LossScaleOptimizer, "
+                    "mixed_float16): its row gradients bypass the optimizer's unscaling; use float32 or "
+                    "keras.layers.Embedding"
+                )
             self._remote.update({n: remote[id(v)] for v, n in named if id(v) in remote})
             own = [v for v, _ in named if id(v) in remote and remote[id(v)].server_optimizer is not None]
             trainable = [v for v, _ in named if v.trainable and all(v is not o for o in own)]

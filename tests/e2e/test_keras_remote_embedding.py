@@ -126,3 +126,15 @@ def test_the_chief_creates_the_table_another_worker_finds_it_and_a_tape_loop_tra
         after = chief.client.lookup(name, np.unique(x))
         assert not np.allclose(before, after)
         assert chief.client.status()[0].mode == "async"
+
+
+def test_loss_scaling_is_refused(make_cluster, var_name) -> None:
+    cluster = make_cluster(num_shards=1)
+    with psk.PSWorker(cluster.addresses) as worker:
+        model, _ = _model(worker, var_name)
+        opt = psk.DistributedOptimizer(
+            keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD()), worker
+        )
+        model.compile(optimizer=opt, loss="mse")
+        with pytest.raises(ValueError, match="loss scaling"):
+            worker.attach(model)
