@@ -75,6 +75,12 @@ def _row_initializer(init: Any) -> Initializer:
 class Embedding(keras.layers.Layer):
     """An embedding layer whose table lives only on the parameter server (see the module docs).
 
+    Example:
+        emb = psk.Embedding(10_000_000, 64, worker=worker, optimizer=keras.optimizers.Adagrad(0.1))
+
+    Not thread-safe: one training loop per layer, as for its ``PSWorker``. Not serializable with
+    the model (``get_config`` has no worker): rebuild it in code where the model is loaded.
+
     Args:
         input_dim: rows of the table (ids are ``0 .. input_dim - 1``).
         output_dim: row width.
@@ -88,7 +94,11 @@ class Embedding(keras.layers.Layer):
 
     Raises:
         TypeError: ``worker`` is not a ``PSWorker``.
-        ValueError: bad sizes, or an initializer or optimizer the shards cannot use by row.
+        ValueError: bad sizes, or an initializer or optimizer the shards cannot use by row (when
+            the worker attaches the model, for the optimizer).
+
+    In a step (wrapped by TensorFlow in a graph): ``ValueError`` for an id outside
+    ``[0, input_dim)``, ``RuntimeError`` before the model is attached, ``PSError`` from a shard.
     """
 
     _ps_remote_table = True  # PSWorker, load_from_ps: the anchor names a table with no local copy
