@@ -35,8 +35,9 @@ def _data(n: int = 256, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def test_trains_async_without_a_table_on_the_worker(make_cluster, var_name) -> None:
-    cluster = make_cluster(num_shards=2)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_trains_without_a_table_on_the_worker(make_cluster, var_name, mode) -> None:
+    cluster = make_cluster(num_shards=2, server_args=("--mode", mode, "--total-replicas", "1"))
     x, y = _data()
     with psk.PSWorker(cluster.addresses, overlap=False) as worker:
         model, emb = _model(worker, var_name)
