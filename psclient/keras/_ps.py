@@ -348,6 +348,21 @@ class PSWorker:
         model.set_weights = set_weights
         model._psclient_watched = True
 
+    def begin_fit(self, model: keras.Model, optimizer: Any = None) -> None:
+        """``fit`` begins (the callback): attaches the model (see ``attach``)."""
+        self.attach(model, optimizer)
+        self._fit_running, self._fit_ended, self._restored = True, False, False
+
+    def end_fit(self, model: keras.Model) -> None:
+        """``fit`` ends (the callback): the shards take weights a callback restored before this one
+        (``EarlyStopping(restore_best_weights=True)``, chief only), then the worker loads the shards'
+        values; it stays expected by sync/ssp barriers (``finish(leave=False)``)."""
+        self._fit_running = False
+        if self._restored and self.is_chief:
+            self.assign_from(model)
+        self.finish(leave=False)
+        self._fit_ended = True
+
     def _weights_set(self, model: keras.Model) -> None:
         if self._fit_running:  # a callback before ours, at the end of fit: we push them in on_train_end
             self._restored = True
@@ -944,8 +959,7 @@ class PSCallback(StepTimer):
         optimizer = _unwrap_loss_scale(model.optimizer)
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer = None  # a custom train_step may apply its own DistributedOptimizers (a GAN)
-        self.worker.attach(model, optimizer)
-        self.worker._fit_running, self.worker._fit_ended, self.worker._restored = True, False, False
+        self.worker.begin_fit(model, optimizer)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.worker.sync_learning_rates()
@@ -960,12 +974,7 @@ class PSCallback(StepTimer):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
-        worker = self.worker
-        worker._fit_running = False
-        if worker._restored and worker.is_chief:  # EarlyStopping restored the best weights before us
-            worker.assign_from(self.model)
-        worker.finish(leave=False)
-        worker._fit_ended = True
+        self.worker.end_fit(self.model)
 
 
 __all__ = [
