@@ -61,7 +61,7 @@ def _count_bytes(client: Any) -> dict[str, int]:
     """Wraps the client's data calls to count tensor payload bytes (sent and received)."""
     import numpy as np
 
-    from psclient.embedding import Rows
+    from pscore.embedding import Rows
 
     box = {"sent": 0, "received": 0}
 

@@ -19,7 +19,7 @@ process, one system after the other:
   the halves move concurrently inside one ``tf.function``.
 
 glibc malloc (``--malloc``): ``tuned`` (default) gives every process of the run,
-servers and clients of all three systems, ``psclient.memory.tune_malloc`` (big
+servers and clients of all three systems, ``pscore.memory.tune_malloc`` (big
 buffers stay in the heap instead of being page-faulted in anew); ``shipped``
 leaves everything as installed (psserver tunes itself at start, nothing else
 is tuned: the out-of-the-box comparison); ``default`` runs every process,
@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.role != "main":
         if os.environ.get("BENCH_MALLOC", "tuned") == "tuned":
-            from psclient.memory import tune_malloc
+            from pscore.memory import tune_malloc
 
             tune_malloc()
     else:

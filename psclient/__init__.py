@@ -3,8 +3,8 @@
 from psclient._async_client import AsyncPSClient
 from psclient._sync_client import PSClient
 from psclient.config import ClientConfig
-from psclient.embedding import Rows
-from psclient.errors import (
+from pscore.embedding import Rows
+from pscore.errors import (
     AbortedError,
     AlreadyExistsError,
     CancelledError,
@@ -24,7 +24,7 @@ from psclient.errors import (
     UnknownError,
     WorkerIdConflictError,
 )
-from psclient.optimizers import (
+from pscore.optimizers import (
     SGD,
     Adadelta,
     Adafactor,

@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from psclient import _reach, _retry, _session, codec, embedding
+from psclient import _reach, _retry, _session
 from psclient import _requests as rq
 from psclient.config import ClientConfig
-from psclient.embedding import Rows
-from psclient.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
-from psclient.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
-from psclient.placement import global_row, plan, table_pieces
+from pscore import codec, embedding
+from pscore.embedding import Rows
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
+from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
+from pscore.placement import global_row, plan, table_pieces
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -544,7 +545,7 @@ class AsyncPSClient:
 
             def messages() -> Iterable[codec.WireMessage]:
                 first = header
-                for batch in rq.wire_batches(tensors, self.config.chunk_bytes):
+                for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(first, "grads", batch)
                     first = _EMPTY_PUSH  # the header fields travel in the first message only
 
@@ -614,7 +615,7 @@ class AsyncPSClient:
     ) -> bool:
         """Creates an embedding table of ``num_rows`` rows of ``dim``, spread by row over every shard.
 
-        Row ``i`` lives on shard ``i % num_shards`` (``psclient.placement``). The
+        Row ``i`` lives on shard ``i % num_shards`` (``pscore.placement``). The
         initial values are a function of (``name``, row id) only, so every
         process creates the same table; a table of any size is sent in chunks.
         Idempotent like ``create``: an existing table with an equal spec (rows,
@@ -1002,7 +1003,7 @@ class AsyncPSClient:
 
         async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
             def messages() -> Iterable[codec.WireMessage]:
-                for batch in rq.wire_batches(tensors, self.config.chunk_bytes):
+                for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_ASSIGN, "values", batch)
 
             await self._call(
@@ -1137,7 +1138,7 @@ def _finite(arr: np.ndarray) -> bool:
 
 
 class _WireStub(ps_pb2_grpc.ParameterServerStub):
-    """The generated stub, with tensor-carrying calls framed by ``psclient.codec`` (no protobuf copies)."""
+    """The generated stub, with tensor-carrying calls framed by ``pscore.codec`` (no protobuf copies)."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         super().__init__(channel)

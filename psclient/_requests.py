@@ -1,7 +1,7 @@
 """Pure request building and response merging, shared by both clients (no I/O).
 
 A user-visible variable maps to one or more pieces (stored tensors) on shards
-(see ``psclient.placement``). Outgoing tensors are cut per piece and grouped per
+(see ``pscore.placement``). Outgoing tensors are cut per piece and grouped per
 shard; incoming pieces are stitched back into whole arrays.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from psclient import codec
-from psclient.errors import InvalidArgumentError, NotFoundError
-from psclient.optimizers import Optimizer
-from psclient.placement import Piece
+from pscore import codec
+from pscore.errors import InvalidArgumentError, NotFoundError
+from pscore.optimizers import Optimizer
+from pscore.placement import Piece
 from psproto.v1 import ps_pb2
 
 
@@ -154,28 +154,6 @@ def versions_of(chunks: Iterable[ps_pb2.TensorChunk], versions: Iterable[int]) -
     """Pairs each tensor that starts in this message (its chunk at offset 0) with its version."""
     names = [c.name for c in chunks if c.offset == 0]
     return dict(zip(names, versions, strict=False))
-
-
-def wire_batches(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int) -> Iterator[list[codec.WireChunk]]:
-    """Cuts tensors into zero-copy chunks, batched into lists of about ``chunk_bytes`` of data each."""
-    batch: list[codec.WireChunk] = []
-    budget = chunk_bytes
-    for name, t in tensors:
-        size, itemsize = t.size, max(1, t.itemsize)
-        if size == 0:
-            batch.append(codec.WireChunk.of(name, t))
-            continue
-        start = 0
-        while start < size:
-            n = min(size - start, max(1, budget // itemsize))
-            batch.append(codec.WireChunk.of(name, t, start, start + n))
-            budget -= n * itemsize
-            start += n
-            if budget <= 0:
-                yield batch
-                batch, budget = [], chunk_bytes
-    if batch:
-        yield batch
 
 
 class Gather:

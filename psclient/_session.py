@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from psclient.errors import ERROR_REASON_KEY
+from pscore.errors import ERROR_REASON_KEY
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import numpy as np
 from psclient._async_client import AsyncPSClient, Tensors
 from psclient._loop import BackgroundLoop
 from psclient.config import ClientConfig
-from psclient.embedding import Initializer
-from psclient.optimizers import Optimizer
+from pscore.embedding import Initializer
+from pscore.optimizers import Optimizer
 from psproto.v1 import ps_pb2
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psclient import codec
 from psclient._async_client import AsyncPSClient
+from pscore import codec
 from psproto.v1 import ps_pb2
 
 SERVICE_NAME = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name

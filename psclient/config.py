@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from psclient._retry import RetryPolicy
-from psclient.placement import DEFAULT_PARTITION_BYTES
-from psclient.tf_config import read_tf_config
+from pscore.placement import DEFAULT_PARTITION_BYTES
+from pscore.tf_config import read_tf_config
 
 DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is still starting
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message

@@ -149,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s psserver[shard={config.shard} pid=%(process)d] "
         "%(name)s: %(message)s",
     )
-    from psclient._security import BindError
-    from psclient.memory import tune_malloc
+    from pscore.memory import tune_malloc
+    from pscore.security import BindError
     from psserver.server import serve  # after arg parsing: --help stays instant
 
-    tune_malloc()  # before any large buffer: see psclient.memory
+    tune_malloc()  # before any large buffer: see pscore.memory
 
     try:
         import uvloop

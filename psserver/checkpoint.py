@@ -41,7 +41,7 @@ of ``M``) when that is the newest state there is; a file that fails validation
 (a CRC, a shape, a truncated zip) is skipped for the next older one. When the
 newest complete set of files was written by a different shard count ``n``
 (every shard ``0..n-1`` has a file), shard ``i`` re-places every variable of
-that set: it runs ``psclient.placement.plan`` over all variables with ``M``
+that set: it runs ``pscore.placement.plan`` over all variables with ``M``
 shards and keeps the pieces placed on it, cut from the reassembled full values
 and slots (versions: the largest of the variable's old pieces; dedup tables:
 merged). An embedding table's rows are re-cut by the row rule with ``M``
@@ -69,8 +69,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from google.protobuf import json_format
 
-from psclient import codec
-from psclient.placement import DEFAULT_PARTITION_BYTES, plan, table_piece_name, table_rows
+from pscore import codec
+from pscore.placement import DEFAULT_PARTITION_BYTES, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
 from psserver import optimizers
 from psserver.modes import Mode
@@ -427,7 +427,7 @@ def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: i
 def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
     """The part of a whole model (every old shard's snapshot) that shard ``shard`` of ``num_shards`` owns.
 
-    Placement is ``psclient.placement.plan`` over all variables with the default
+    Placement is ``pscore.placement.plan`` over all variables with the default
     partition size; partitions are re-cut from the reassembled full arrays.
 
     Raises:

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from psclient.tf_config import read_tf_config
+from pscore.tf_config import read_tf_config
 
 MODES = ("async", "sync", "ssp")
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this

@@ -43,7 +43,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from psclient._security import HandlerWrappingInterceptor
+from pscore.security import HandlerWrappingInterceptor
 from psproto.v1 import ps_pb2
 from psserver.modes import Mode, PushOutcome
 from psserver.store import Store

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from pscore.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, WorkerIdConflictError
 from psserver import tables
-from psserver.errors import DeadlineExceeded, InvalidArgument, Unavailable, WorkerIdConflict
 from psserver.store import PushKey, Store, Variable
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,9 @@ class Mode(abc.ABC):
         self.stopping = True
 
     def _check_serving(self) -> None:
-        """Raises Unavailable once the shard is shutting down."""
+        """Raises UnavailableError once the shard is shutting down."""
         if self.stopping:
-            raise Unavailable("the shard is shutting down; retry on its restart")
+            raise UnavailableError("the shard is shutting down; retry on its restart")
 
     @abc.abstractmethod
     async def push(
@@ -89,8 +89,8 @@ class Mode(abc.ABC):
         just before it, as at the barrier timeout.
 
         Raises:
-            ServerError: invalid gradients (nothing is applied), a barrier that
-                timed out, or ``WorkerIdConflict`` (an older session of the worker id).
+            PSError: invalid gradients (nothing is applied), a barrier that
+                timed out, or ``WorkerIdConflictError`` (an older session of the worker id).
         """
 
     async def before_pull(  # noqa: B027 - optional hook
@@ -99,8 +99,8 @@ class Mode(abc.ABC):
         """Waits until ``worker_id`` at ``step`` may read (ssp mode), at most until about ``deadline``.
 
         Raises:
-            DeadlineExceeded: the wait timed out (or the caller's deadline came near).
-            Unavailable: the shard is shutting down.
+            DeadlineExceededError: the wait timed out (or the caller's deadline came near).
+            UnavailableError: the shard is shutting down.
         """
 
     async def leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
@@ -266,7 +266,7 @@ class SyncMode(Mode):
         for rnd in self._rounds.values():
             if not rnd.closed and not rnd.done.done():  # a round being applied completes
                 rnd.done.set_exception(
-                    Unavailable(
+                    UnavailableError(
                         f"the shard is shutting down: the sync step {self.step} barrier was left "
                         f"with {len(rnd.contributions)} of {self.needed} gradients; retry on its restart"
                     )
@@ -293,7 +293,7 @@ class SyncMode(Mode):
         self._check_serving()  # a barrier gathered now would never complete
         self._seen(worker_id)
         if step < 0:
-            raise InvalidArgument(f"sync mode: step must be >= 0, got {step}")
+            raise InvalidArgumentError(f"sync mode: step must be >= 0, got {step}")
         key = (session, seq)
         if not self.store.claim(worker_id, seq, session):
             # A retry: join the original's round if it is still gathering.
@@ -340,7 +340,7 @@ class SyncMode(Mode):
                 rnd.done.result()
             else:
                 waited = time.monotonic() - started
-                raise DeadlineExceeded(self._timeout_message(step, rnd, waited, by_caller)) from None
+                raise DeadlineExceededError(self._timeout_message(step, rnd, waited, by_caller)) from None
         finally:
             if not rnd.closed and rnd.contributions.get(worker_id, (None,))[0] == key:
                 # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
@@ -350,7 +350,7 @@ class SyncMode(Mode):
                 if not rnd.contributions and self._rounds.get(step) is rnd:
                     del self._rounds[step]
         if (worker_id, *key) in rnd.replaced:
-            raise WorkerIdConflict(
+            raise WorkerIdConflictError(
                 f"worker id {worker_id!r} is used by two clients at once: session {key[0]:016x}'s "
                 f"gradient for step {step} was replaced by a newer session's, not applied; give each "
                 "worker its own worker_id (TF_CONFIG task index, or PSWorker(worker_index=...))"
@@ -511,7 +511,7 @@ class SSPMode(Mode):
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads, allow_empty=True)
         if step < 0:
-            raise InvalidArgument(f"ssp mode: step must be >= 0, got {step}")
+            raise InvalidArgumentError(f"ssp mode: step must be >= 0, got {step}")
         if not self.store.claim(worker_id, seq, session):
             return PushOutcome(applied=False, reason="duplicate")
         try:
@@ -540,7 +540,7 @@ class SSPMode(Mode):
                     self._check_serving()
                     await self._tick.wait()
         except TimeoutError:
-            raise DeadlineExceeded(
+            raise DeadlineExceededError(
                 self._timeout_message(worker_id, step, time.monotonic() - started, by_caller)
             ) from None
 

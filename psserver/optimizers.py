@@ -1,7 +1,7 @@
 """Server-side optimizers: apply a pushed gradient to a stored numpy variable, as Keras 3 does.
 
 The update rules, operation order and slot names are those of
-``keras.optimizers`` (Keras 3): see ``psclient.optimizers`` for the formulas,
+``keras.optimizers`` (Keras 3): see ``pscore.optimizers`` for the formulas,
 which also owns the names, defaults and validation of the hyper-parameters.
 
 Slots (``dict[str, np.ndarray]``, same shape and dtype as the variable, names as
@@ -47,7 +47,7 @@ from typing import ClassVar, Final
 
 import numpy as np
 
-from psclient import optimizers as specs
+from pscore import optimizers as specs
 from psproto.v1 import ps_pb2
 
 __all__ = [

@@ -42,11 +42,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from psclient import _security, codec
-from psclient._requests import wire_batches
+from pscore import codec, security
+from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, optimizers, tables
-from psserver.errors import FailedPrecondition, InvalidArgument, Unavailable
 from psserver.modes import Mode
 from psserver.store import Store, Variable
 
@@ -94,11 +93,11 @@ class Primary:
     async def serve(
         self, requests: AsyncIterator[bytes], peer: str
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
-        """The body of the ``Replicate`` handler. Raises: FailedPrecondition."""
+        """The body of the ``Replicate`` handler. Raises: FailedPreconditionError."""
         if self.mode.name != "async":
-            raise FailedPrecondition(f"replication needs --mode async; this shard runs {self.mode.name}")
+            raise FailedPreconditionError(f"replication needs --mode async; this shard runs {self.mode.name}")
         if self._link is not None:
-            raise FailedPrecondition(f"this shard already has a backup ({self._link.peer})")
+            raise FailedPreconditionError(f"this shard already has a backup ({self._link.peer})")
         link = _Link(peer)
 
         def attach() -> None:  # at the snapshot's instant: every later update is forwarded
@@ -121,7 +120,7 @@ class Primary:
                 message = await link.outbox.get()
                 if message is None:  # detached
                     if link.error is not None:  # raised here: the call ends from its own task
-                        raise InvalidArgument(f"malformed replication stream: {link.error}")
+                        raise InvalidArgumentError(f"malformed replication stream: {link.error}")
                     return
                 yield message
         finally:
@@ -241,7 +240,7 @@ class Primary:
         header.id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
         link.waiting[header.id] = waiter
-        batches = list(wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
+        batches = list(codec.wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
         for i, batch in enumerate(batches):  # in application order; no await between the pieces
             message = header if i == 0 else ps_pb2.ReplicateResponse()
             message.more = i < len(batches) - 1
@@ -321,7 +320,7 @@ class Backup:
                 await self._task
 
     def check_serving(self, what: str) -> None:
-        """Lets a client call through on a primary; promotes an orphaned backup. Raises: Unavailable."""
+        """Lets a client call through on a primary; promotes an orphaned backup. Raises: UnavailableError."""
         if self.role == "primary":
             return
         if self.role == "orphaned":
@@ -331,7 +330,7 @@ class Backup:
                 self.shard, what, self.primary, self.applied,
             )  # fmt: skip
             return
-        raise Unavailable(f"standby backup of primary {self.primary}: send {what} to the primary")
+        raise UnavailableError(f"standby backup of primary {self.primary}: send {what} to the primary")
 
     async def run(self) -> None:
         """Attaches to the primary (retrying until it answers), then applies its updates until the end."""
@@ -344,7 +343,7 @@ class Backup:
                     codec.parse, ps_pb2.ReplicateResponse, field="tensors"
                 ),
             )
-            metadata = (*_security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
+            metadata = (*security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
             while True:
                 try:
                     await self._follow(call(self._ack_stream(), metadata=metadata, wait_for_ready=False))

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from psclient import _security
+from pscore import security
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
@@ -101,7 +101,7 @@ def peer_credentials(config: ServerConfig) -> grpc.ChannelCredentials | None:
     """How this shard dials another (replication): with TLS, ``--tls-ca`` and its own certificate."""
     if not config.tls_cert:
         return None
-    return _security.channel_credentials(config.peer_ca, config.tls_cert, config.tls_key)
+    return security.channel_credentials(config.peer_ca, config.tls_cert, config.tls_key)
 
 
 def peer_channel(config: ServerConfig, address: str) -> grpc.aio.Channel:
@@ -116,13 +116,13 @@ def peer_channel(config: ServerConfig, address: str) -> grpc.aio.Channel:
 async def _took_over(config: ServerConfig) -> bool:
     """Whether this primary's backup (``--backup-at``) has taken over (or is about to) while we were down."""
     assert config.backup_at is not None
-    token = _security.read_token_file(config.auth_token_file) if config.auth_token_file else None
+    token = security.read_token_file(config.auth_token_file) if config.auth_token_file else None
     try:
         async with peer_channel(config, config.backup_at) as channel:
             status = await ps_pb2_grpc.ParameterServerStub(channel).GetStatus(
                 ps_pb2.GetStatusRequest(),
                 timeout=_PEER_CHECK_TIMEOUT_S,
-                metadata=_security.auth_metadata(token),
+                metadata=security.auth_metadata(token),
             )
     except grpc.RpcError as err:
         log.info(
@@ -166,14 +166,14 @@ async def start(config: ServerConfig) -> Shard:
     if checkpointer is not None:
         checkpointer.on_saved = metrics.checkpoint_saved
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        _security.MalformedRequestInterceptor(),  # bytes that do not parse: INVALID_ARGUMENT
+        security.MalformedRequestInterceptor(),  # bytes that do not parse: INVALID_ARGUMENT
         metrics.interceptor(),
     ]
     if config.auth_token_file:  # first: an unauthenticated call reaches nothing else
-        token = _security.read_token_file(config.auth_token_file)
-        interceptors.insert(0, _security.TokenAuthInterceptor(token))
+        token = security.read_token_file(config.auth_token_file)
+        interceptors.insert(0, security.TokenAuthInterceptor(token))
     credentials = (
-        _security.server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        security.server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         if config.tls_cert and config.tls_key
         else None
     )
@@ -194,7 +194,7 @@ async def start(config: ServerConfig) -> Shard:
     )
     backup = None
     if config.backup_of:
-        token = _security.read_token_file(config.auth_token_file) if config.auth_token_file else None
+        token = security.read_token_file(config.auth_token_file) if config.auth_token_file else None
         backup = Backup(
             config.backup_of,
             store,
@@ -220,7 +220,7 @@ async def start(config: ServerConfig) -> Shard:
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = _security.add_port(server, f"{config.host}:{config.port}", credentials)
+    port = security.add_port(server, f"{config.host}:{config.port}", credentials)
     await server.start()
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     address = f"{host}:{port}"
@@ -240,7 +240,7 @@ async def start(config: ServerConfig) -> Shard:
             await server.stop(0)
             bind = f"{config.host}:{config.metrics_port}"
             why = "address already in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
-            raise _security.BindError(err.errno or 0, f"cannot bind --metrics-port {bind}: {why}") from err
+            raise security.BindError(err.errno or 0, f"cannot bind --metrics-port {bind}: {why}") from err
         shard.on_shutdown.append(metrics.aclose)
         log.info("shard %d: metrics on http://%s:%d/metrics", config.shard, host, metrics_port)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

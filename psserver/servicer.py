@@ -1,8 +1,9 @@
 """The ParameterServer gRPC servicer: translates protos to store and mode calls, and errors to statuses.
 
-Handlers stay thin. A ``ServerError`` becomes its status code; a malformed
-tensor (``CodecError``) becomes INVALID_ARGUMENT; anything else propagates and
-gRPC reports UNKNOWN (and logs it).
+Handlers stay thin: they raise ``pscore.errors`` exceptions, and ``_translated``
+(one place, ``_status``) turns a ``PSError`` into its status code and reason, and a
+malformed tensor (``CodecError``) into INVALID_ARGUMENT; anything else propagates
+and gRPC reports UNKNOWN (and logs it).
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 
-from psclient import codec, embedding
-from psclient.errors import ERROR_REASON_KEY
+from pscore import codec, embedding
+from pscore.errors import (
+    ERROR_REASON_KEY,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    PSError,
+)
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver import tables
 from psserver.checkpoint import Checkpointer, CheckpointError
-from psserver.errors import FailedPrecondition, InvalidArgument, ServerError
 from psserver.modes import Mode
 from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
 from psserver.store import Store, Variable
@@ -34,21 +40,49 @@ DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amo
 _MIN_CHUNK_BYTES = 64 << 10  # the smallest chunk a client may ask for
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason  # sent as ps-error-reason (psclient picks a more specific exception)
+def _status(err: PSError | codec.CodecError) -> tuple[grpc.StatusCode, str]:
+    """The one place a server error becomes a status: its code and reason (``ps-error-reason``).
+
+    A ``PSError`` carries both; a malformed tensor (``CodecError``) is INVALID_ARGUMENT.
+    """
+    if isinstance(err, PSError):
+        return err.code, err.reason
+    return grpc.StatusCode.INVALID_ARGUMENT, ""
 
 
-@contextlib.contextmanager
-def _statuses() -> Iterator[None]:
-    try:
-        yield
-    except ServerError as err:
-        raise _Abort(err.code, str(err), err.reason) from err
-    except codec.CodecError as err:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from err
+_Handler = Callable[..., Awaitable[Any]]
+_StreamHandler = Callable[..., AsyncIterator[Any]]
+
+
+def _translated(handler: _Handler) -> _Handler:
+    """Wraps a unary-response handler: a ``PSError`` or ``CodecError`` it raises aborts the call."""
+
+    @functools.wraps(handler)
+    async def translated(
+        self: ParameterServerServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            return await handler(self, request, context)
+        except (PSError, codec.CodecError) as err:
+            await self._abort(context, err)
+
+    return translated
+
+
+def _translated_stream(handler: _StreamHandler) -> _StreamHandler:
+    """Wraps a stream-response handler as ``_translated`` does (before or after its first message)."""
+
+    @functools.wraps(handler)
+    async def translated(
+        self: ParameterServerServicer, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        try:
+            async for message in handler(self, request, context):
+                yield message
+        except (PSError, codec.CodecError) as err:
+            await self._abort(context, err)
+
+    return translated
 
 
 def _chunk_of(var_name: str, value: np.ndarray, start: int = 0, stop: int | None = None) -> codec.WireChunk:
@@ -108,7 +142,7 @@ def _deadline(context: grpc.aio.ServicerContext | None, timeout_s: float = 0.0) 
 
 def _header_ok(worker_id: str) -> None:
     if not worker_id:
-        raise InvalidArgument("push needs a worker_id (it makes retried pushes idempotent)")
+        raise InvalidArgumentError("push needs a worker_id (it makes retried pushes idempotent)")
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -171,48 +205,42 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.primary.close("this shard is shutting down")
 
     def _serving(self, what: str) -> None:
-        """Raises Unavailable while this process is a standby backup (clients then go to the primary)."""
+        """Raises UnavailableError while this process is a standby backup (clients then go to the primary)."""
         if self.backup is not None:
             self.backup.check_serving(what)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, err: _Abort) -> None:
-        trailing = ((ERROR_REASON_KEY, err.reason),) if err.reason else ()
-        await context.abort(err.code, f"shard {self.shard}: {err}", trailing_metadata=trailing)
+    async def _abort(self, context: grpc.aio.ServicerContext, err: PSError | codec.CodecError) -> None:
+        code, reason = _status(err)
+        trailing = ((ERROR_REASON_KEY, reason),) if reason else ()
+        await context.abort(code, f"shard {self.shard}: {err}", trailing_metadata=trailing)
 
+    @_translated
     async def CreateVariables(
         self,
         request_iterator: AsyncIterator[ps_pb2.CreateVariablesRequest],
         context: grpc.aio.ServicerContext,
     ) -> ps_pb2.CreateVariablesResponse:
-        try:
-            with _statuses():
-                specs: list[ps_pb2.VariableSpec] = []
-                values = codec.Assembler()
-                async for req in request_iterator:
-                    specs.extend(req.variables)
-                    for chunk in req.values:
-                        values.add(chunk)
-                self._serving("CreateVariables")
-                tensors = values.result()
-                with self._update():
-                    created = self.store.create(specs, tensors)
-                    if self.primary is not None:
-                        await self.primary.forward_create(
-                            [s for s, c in zip(specs, created, strict=True) if c], tensors
-                        )
-                return ps_pb2.CreateVariablesResponse(created=created)
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        specs: list[ps_pb2.VariableSpec] = []
+        values = codec.Assembler()
+        async for req in request_iterator:
+            specs.extend(req.variables)
+            for chunk in req.values:
+                values.add(chunk)
+        self._serving("CreateVariables")
+        tensors = values.result()
+        with self._update():
+            created = self.store.create(specs, tensors)
+            if self.primary is not None:
+                await self.primary.forward_create(
+                    [s for s, c in zip(specs, created, strict=True) if c], tensors
+                )
+        return ps_pb2.CreateVariablesResponse(created=created)
 
+    @_translated
     async def ListVariables(
         self, request: ps_pb2.ListVariablesRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.ListVariablesResponse:
-        try:
-            with _statuses():
-                self._serving("ListVariables")
-        except _Abort as err:
-            await self._abort(context, err)
+        self._serving("ListVariables")
         wanted = set(request.names)
         infos = [
             ps_pb2.VariableInfo(spec=v.spec, version=v.version, iterations=v.iterations)
@@ -224,36 +252,28 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         ]
         return ps_pb2.ListVariablesResponse(variables=infos, shard=self.shard, num_shards=self.num_shards)
 
+    @_translated
     async def Pull(
         self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.PullResponse:
-        try:
-            with _statuses():
-                self._serving("Pull")
-                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-                snapshot = _snapshot(self.store.lookup(request.names))
-                self.store.pulls += 1
-                return codec.WireMessage(
-                    ps_pb2.PullResponse(versions=[version for _, _, version in snapshot]),
-                    "values",
-                    [_chunk_of(name, value) for name, value, _ in snapshot],
-                )
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        self._serving("Pull")
+        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
+        snapshot = _snapshot(self.store.lookup(request.names))
+        self.store.pulls += 1
+        return codec.WireMessage(
+            ps_pb2.PullResponse(versions=[version for _, _, version in snapshot]),
+            "values",
+            [_chunk_of(name, value) for name, value, _ in snapshot],
+        )
 
+    @_translated_stream
     async def PullStream(
         self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.PullResponse]:
-        try:
-            with _statuses():
-                self._serving("PullStream")
-                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-                snapshot = _snapshot(self.store.lookup(request.names))
-                self.store.pulls += 1
-        except _Abort as err:
-            await self._abort(context, err)
-            return
+        self._serving("PullStream")
+        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
+        snapshot = _snapshot(self.store.lookup(request.names))
+        self.store.pulls += 1
         # At least 64 KiB a message: a tiny (or negative) request would make the stream crawl.
         wanted = request.max_chunk_bytes
         chunk_bytes = max(wanted, _MIN_CHUNK_BYTES) if wanted else DEFAULT_CHUNK_BYTES
@@ -282,20 +302,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
         return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
 
+    @_translated
     async def Push(
         self, request: ps_pb2.PushRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.PushResponse:
-        try:
-            with _statuses():
-                return await self._push_one(request, _deadline(context, request.timeout_s))
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        return await self._push_one(request, _deadline(context, request.timeout_s))
 
     async def _push_one(
         self, request: ps_pb2.PushRequest, deadline: float | None
     ) -> ps_pb2.PushResponse | codec.WireMessage:
-        """One whole push (Push, or a message of PushSession). Raises: ServerError, CodecError."""
+        """One whole push (Push, or a message of PushSession). Raises: PSError, CodecError."""
         grads = codec.Assembler()
         for chunk in request.grads:
             grads.add(chunk)
@@ -323,28 +339,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 out.append((name, *var.stable_value()))
         return out
 
+    @_translated
     async def Lookup(
         self, request: ps_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.LookupResponse:
-        try:
-            with _statuses():
-                self._serving("Lookup")
-                wanted = [(chunk.name, codec.decode(chunk)) for chunk in request.ids]
-                checked = []
-                for name, ids in wanted:  # every id checked before any row is read
-                    var = self.store.get(name)
-                    checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
-                await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-                chunks, versions = [], []
-                for var, ids in checked:
-                    rows, version = _rows(var, ids)
-                    chunks.append(_chunk_of(var.name, rows))
-                    versions.append(version)
-                self.store.pulls += 1
-                return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        self._serving("Lookup")
+        wanted = [(chunk.name, codec.decode(chunk)) for chunk in request.ids]
+        checked = []
+        for name, ids in wanted:  # every id checked before any row is read
+            var = self.store.get(name)
+            checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
+        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
+        chunks, versions = [], []
+        for var, ids in checked:
+            rows, version = _rows(var, ids)
+            chunks.append(_chunk_of(var.name, rows))
+            versions.append(version)
+        self.store.pulls += 1
+        return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
 
     async def PushSession(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
@@ -369,44 +381,40 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             finally:
                 self._idle_sessions.discard(task)
             try:
-                with _statuses():
-                    response = await self._push_one(request, _deadline(context, request.timeout_s))
-            except _Abort as err:
+                response = await self._push_one(request, _deadline(context, request.timeout_s))
+            except (PSError, codec.CodecError) as err:
+                code, reason = _status(err)
                 response = ps_pb2.PushResponse(
-                    code=err.code.value[0], message=f"shard {self.shard}: {err}", reason=err.reason
+                    code=code.value[0], message=f"shard {self.shard}: {err}", reason=reason
                 )
             yield response
         await context.abort(
             grpc.StatusCode.UNAVAILABLE, f"shard {self.shard} is shutting down; retry on its restart"
         )
 
+    @_translated_stream
     async def PushStream(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.PushResponse]:
         header: ps_pb2.PushRequest | None = None
-        try:
-            with _statuses():
-                grads = codec.Assembler()
-                async for req in request_iterator:
-                    if header is None:
-                        header = ps_pb2.PushRequest(
-                            worker_id=req.worker_id,
-                            seq=req.seq,
-                            session=req.session,
-                            step=req.step,
-                            return_values=req.return_values,
-                            timeout_s=req.timeout_s,
-                        )
-                    for chunk in req.grads:
-                        grads.add(chunk)
-                if header is None:
-                    raise InvalidArgument("push stream carried no messages")
-                tensors = tables.pair(grads.result())
-                response = await self._push(header, tensors, _deadline(context, header.timeout_s))
-                snapshot = self._after_push(tensors) if header.return_values else []
-        except _Abort as err:
-            await self._abort(context, err)
-            return
+        grads = codec.Assembler()
+        async for req in request_iterator:
+            if header is None:
+                header = ps_pb2.PushRequest(
+                    worker_id=req.worker_id,
+                    seq=req.seq,
+                    session=req.session,
+                    step=req.step,
+                    return_values=req.return_values,
+                    timeout_s=req.timeout_s,
+                )
+            for chunk in req.grads:
+                grads.add(chunk)
+        if header is None:
+            raise InvalidArgumentError("push stream carried no messages")
+        tensors = tables.pair(grads.result())
+        response = await self._push(header, tensors, _deadline(context, header.timeout_s))
+        snapshot = self._after_push(tensors) if header.return_values else []
         if not snapshot:
             yield response
             return
@@ -415,61 +423,49 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             yield codec.WireMessage(response, "values", chunks)
             response = ps_pb2.PushResponse(applied=response.applied, reason=response.reason)
 
+    @_translated
     async def Leave(
         self, request: ps_pb2.LeaveRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.LeaveResponse:
-        try:
-            with _statuses():
-                self._serving("Leave")
-                if not request.worker_id:
-                    raise InvalidArgument("leave needs a worker_id")
-                await self.mode.leave(request.worker_id)
-                return ps_pb2.LeaveResponse()
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        self._serving("Leave")
+        if not request.worker_id:
+            raise InvalidArgumentError("leave needs a worker_id")
+        await self.mode.leave(request.worker_id)
+        return ps_pb2.LeaveResponse()
 
+    @_translated
     async def UpdateOptimizer(
         self, request: ps_pb2.UpdateOptimizerRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.UpdateOptimizerResponse:
-        try:
-            with _statuses():
-                self._serving("UpdateOptimizer")
-                spec = request.optimizer if request.HasField("optimizer") else None
-                pending = None
-                with self._update():
-                    async with self.store.update_optimizer(
-                        request.names, dict(request.params), spec, reset=request.reset
-                    ) as changed:
-                        if self.primary is not None:  # queued with the locks held: no update overtakes it
-                            pending = self.primary.send_optimizer_update(changed, reset=request.reset)
-                    if pending is not None:
-                        await pending
-                return ps_pb2.UpdateOptimizerResponse(names=[v.name for v in changed])
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        self._serving("UpdateOptimizer")
+        spec = request.optimizer if request.HasField("optimizer") else None
+        pending = None
+        with self._update():
+            async with self.store.update_optimizer(
+                request.names, dict(request.params), spec, reset=request.reset
+            ) as changed:
+                if self.primary is not None:  # queued with the locks held: no update overtakes it
+                    pending = self.primary.send_optimizer_update(changed, reset=request.reset)
+            if pending is not None:
+                await pending
+        return ps_pb2.UpdateOptimizerResponse(names=[v.name for v in changed])
 
+    @_translated
     async def Assign(
         self, request_iterator: AsyncIterator[ps_pb2.AssignRequest], context: grpc.aio.ServicerContext
     ) -> ps_pb2.AssignResponse:
-        try:
-            with _statuses():
-                values = codec.Assembler()
-                async for req in request_iterator:
-                    for chunk in req.values:
-                        values.add(chunk)
-                self._serving("Assign")
-                tensors = values.result()
-                # Not through the mode: applied at once, outside sync barriers and ssp clocks.
-                with self._update():
-                    versions = await self.store.set_values(self.store.validate_values(tensors))
-                    if self.primary is not None:  # answered once the backup has it too
-                        await self.primary.forward_assign(tensors, versions)
-                return ps_pb2.AssignResponse(names=list(tensors), versions=versions)
-        except _Abort as err:
-            await self._abort(context, err)
-            raise AssertionError("unreachable") from None
+        values = codec.Assembler()
+        async for req in request_iterator:
+            for chunk in req.values:
+                values.add(chunk)
+        self._serving("Assign")
+        tensors = values.result()
+        # Not through the mode: applied at once, outside sync barriers and ssp clocks.
+        with self._update():
+            versions = await self.store.set_values(self.store.validate_values(tensors))
+            if self.primary is not None:  # answered once the backup has it too
+                await self.primary.forward_assign(tensors, versions)
+        return ps_pb2.AssignResponse(names=list(tensors), versions=versions)
 
     async def GetStatus(
         self, request: ps_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
@@ -498,23 +494,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return self.backup.primary
         return self.primary.backup if self.primary is not None else ""
 
+    @_translated
     async def SaveCheckpoint(
         self, request: ps_pb2.SaveCheckpointRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.SaveCheckpointResponse:
-        try:
-            with _statuses():
-                self._serving("SaveCheckpoint")
-        except _Abort as err:
-            await self._abort(context, err)
+        self._serving("SaveCheckpoint")
         if self.checkpointer is None:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"shard {self.shard}: no checkpoint directory (start it with --checkpoint-dir)",
-            )
+            raise FailedPreconditionError("no checkpoint directory (start it with --checkpoint-dir)")
         try:
-            result = await self.checkpointer.save()  # type: ignore[union-attr]
+            result = await self.checkpointer.save()
         except (CheckpointError, TimeoutError) as err:
-            await context.abort(grpc.StatusCode.INTERNAL, f"shard {self.shard}: checkpoint failed: {err}")
+            raise InternalError(f"checkpoint failed: {err}") from err
         return ps_pb2.SaveCheckpointResponse(
             path=str(result.path),
             id=result.id,
@@ -523,34 +513,23 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             seconds=result.seconds,
         )
 
+    @_translated_stream
     async def Replicate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
-        try:
-            with _statuses():
-                if self.backup is not None and self.backup.role == "orphaned":
-                    self.backup.check_serving("Replicate")  # its old primary is back as its backup: promote
-                if self.primary is None or self.role != "primary":
-                    raise FailedPrecondition(
-                        f"this shard is a {self.role}, not a primary: it cannot take a backup"
-                    )
-                metadata = dict(context.invocation_metadata() or ())
-                peer = str(metadata.get(BACKUP_ADDRESS_KEY) or context.peer())
-                updates = self.primary.serve(request_iterator, peer)
-                first = await anext(updates)
-        except _Abort as err:
-            await self._abort(context, err)
-            return
-        yield first
-        try:
-            with _statuses():
-                async for message in updates:
-                    yield message
-        except _Abort as err:
-            await self._abort(context, err)
+        if self.backup is not None and self.backup.role == "orphaned":
+            self.backup.check_serving("Replicate")  # its old primary is back as its backup: promote
+        if self.primary is None or self.role != "primary":
+            raise FailedPreconditionError(
+                f"this shard is a {self.role}, not a primary: it cannot take a backup"
+            )
+        metadata = dict(context.invocation_metadata() or ())
+        peer = str(metadata.get(BACKUP_ADDRESS_KEY) or context.peer())
+        async for message in self.primary.serve(request_iterator, peer):
+            yield message
 
 
-# Tensor-carrying messages are (de)serialized by ``psclient.codec``: the same
+# Tensor-carrying messages are (de)serialized by ``pscore.codec``: the same
 # wire bytes as ps.proto, with tensor data kept out of protobuf's copies.
 _WIRE_REQUESTS = {
     "CreateVariables": (ps_pb2.CreateVariablesRequest, "values"),

@@ -5,7 +5,7 @@ picks a random 64-bit session once and numbers its pushes from 1, so a retry
 (same session, same seq) is applied once. Per worker id the shard remembers its
 sessions, newest last: a new session takes over (a restarted worker, whose
 seqs start again at 1); a push of an older session is a retry of an applied
-push (a duplicate) or else refused with ``WorkerIdConflict``: two live clients
+push (a duplicate) or else refused with ``WorkerIdConflictError``: two live clients
 share the worker id, and silently deduplicating their pushes against each
 other would drop about half of them. At most ``_RETIRED_SESSIONS`` older
 sessions are remembered per worker id.
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from psclient import codec
-from psclient.placement import table_rows
+from pscore import codec
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, WorkerIdConflictError
+from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
 from psserver import optimizers, tables
-from psserver.errors import AlreadyExists, InvalidArgument, NotFound, WorkerIdConflict
 
 log = logging.getLogger(__name__)
 
@@ -169,20 +169,20 @@ class Store:
         return list(self._vars.values())
 
     def get(self, name: str) -> Variable:
-        """Raises: NotFound."""
+        """Raises: NotFoundError."""
         try:
             return self._vars[name]
         except KeyError:
-            raise NotFound(f"variable {name!r} does not exist on this shard") from None
+            raise NotFoundError(f"variable {name!r} does not exist on this shard") from None
 
     def lookup(self, names: Iterable[str]) -> list[Variable]:
-        """The named variables, or all of them when ``names`` is empty. Raises: NotFound."""
+        """The named variables, or all of them when ``names`` is empty. Raises: NotFoundError."""
         names = list(names)
         if not names:
             return self.variables()
         missing = [n for n in names if n not in self._vars]
         if missing:
-            raise NotFound(f"variables {missing} do not exist on this shard")
+            raise NotFoundError(f"variables {missing} do not exist on this shard")
         return [self._vars[n] for n in names]
 
     # -- create -------------------------------------------------------------
@@ -191,22 +191,22 @@ class Store:
         """Creates variables all-or-nothing; returns which ones this call created.
 
         Raises:
-            InvalidArgument: a spec is malformed or its value missing or mismatched.
-            AlreadyExists: a name exists with a different spec.
+            InvalidArgumentError: a spec is malformed or its value missing or mismatched.
+            AlreadyExistsError: a name exists with a different spec.
         """
         staged: list[Variable | None] = []
         seen: set[str] = set()
         for spec in specs:
             name = spec.name
             if not name or "\x00" in name:
-                raise InvalidArgument(f"invalid variable name {name!r} (empty, or with a NUL byte)")
+                raise InvalidArgumentError(f"invalid variable name {name!r} (empty, or with a NUL byte)")
             if name in seen:
-                raise InvalidArgument(f"variable {name!r} is listed twice")
+                raise InvalidArgumentError(f"variable {name!r} is listed twice")
             seen.add(name)
             existing = self._vars.get(name)
             if existing is not None:
                 if _spec_key(existing.spec) != _spec_key(spec):
-                    raise AlreadyExists(
+                    raise AlreadyExistsError(
                         f"variable {name!r} already exists with a different spec: "
                         f"has {_describe(existing.spec)}, asked for {_describe(spec)}"
                     )
@@ -215,7 +215,7 @@ class Store:
             staged.append(self._build(spec, values.get(name)))
         extra = set(values) - seen
         if extra:
-            raise InvalidArgument(f"values given for variables without a spec: {sorted(extra)}")
+            raise InvalidArgumentError(f"values given for variables without a spec: {sorted(extra)}")
         for var in staged:
             if var is not None:
                 self._vars[var.name] = var
@@ -230,14 +230,14 @@ class Store:
         try:
             dtype = codec.numpy_dtype(spec.dtype)
         except codec.CodecError as err:
-            raise InvalidArgument(f"variable {name!r}: {err}") from None
+            raise InvalidArgumentError(f"variable {name!r}: {err}") from None
         shape = tuple(int(d) for d in spec.shape)
         if any(d < 0 for d in shape):
-            raise InvalidArgument(f"variable {name!r}: negative dimension in shape {shape}")
+            raise InvalidArgumentError(f"variable {name!r}: negative dimension in shape {shape}")
         if value is None:
-            raise InvalidArgument(f"variable {name!r}: no initial value was sent")
+            raise InvalidArgumentError(f"variable {name!r}: no initial value was sent")
         if value.dtype != dtype or value.shape != shape:
-            raise InvalidArgument(
+            raise InvalidArgumentError(
                 f"variable {name!r}: initial value is {value.dtype.name}{list(value.shape)}, "
                 f"spec says {dtype.name}{list(shape)}"
             )
@@ -245,15 +245,17 @@ class Store:
             p = spec.partition
             full = math.prod(int(d) for d in p.full_shape)
             if not (0 <= p.index < p.count and p.offset >= 0 and p.offset + math.prod(shape) <= full):
-                raise InvalidArgument(f"variable {name!r}: partition {p.index}/{p.count} is inconsistent")
+                raise InvalidArgumentError(
+                    f"variable {name!r}: partition {p.index}/{p.count} is inconsistent"
+                )
         try:
             optimizer = optimizers.from_spec(spec.optimizer)
         except ValueError as err:
-            raise InvalidArgument(f"variable {name!r}: {err}") from None
+            raise InvalidArgumentError(f"variable {name!r}: {err}") from None
         if spec.HasField("table"):
             _check_table(spec, dtype, shape, optimizer)
         if spec.HasField("partition") and optimizer.needs_whole_variable:
-            raise InvalidArgument(
+            raise InvalidArgumentError(
                 f"variable {spec.partition.variable!r} is cut into {spec.partition.count} partitions, but "
                 f"{optimizer.config!r} needs the whole variable on one shard (clipnorm, Adafactor and Lamb "
                 "use norms or means over the whole variable); create it unpartitioned "
@@ -283,12 +285,12 @@ class Store:
                 worker's step on a shard that holds none of the step's variables).
 
         Raises:
-            NotFound: an unknown variable.
-            InvalidArgument: no gradients (unless allowed), a dtype or shape mismatch, a
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: no gradients (unless allowed), a dtype or shape mismatch, a
                 non-finite gradient, or a bad row gradient (``tables.validate``).
         """
         if not grads and not allow_empty:
-            raise InvalidArgument("push carries no gradients")
+            raise InvalidArgumentError("push carries no gradients")
         pairs: list[tuple[Variable, tables.Grad]] = []
         for name, grad in grads.items():
             var = self.get(name)
@@ -297,18 +299,20 @@ class Store:
                 pairs.append((var, rows))
                 continue
             if grad.dtype != var.dtype:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"gradient for {name!r} has dtype {grad.dtype.name}; variable has dtype {var.dtype.name}"
                 )
             if grad.shape != var.shape:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"gradient for {name!r} has shape {tuple(grad.shape)}; variable has shape {var.shape}"
                 )
             if var.dtype.kind != "f":
-                raise InvalidArgument(f"variable {name!r} has dtype {var.dtype.name} and is not trainable")
+                raise InvalidArgumentError(
+                    f"variable {name!r} has dtype {var.dtype.name} and is not trainable"
+                )
             if not self.allow_non_finite and not np.isfinite(grad).all():
                 bad = int(grad.size - np.count_nonzero(np.isfinite(grad)))
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"gradient for {name!r} has {bad} non-finite (NaN or Inf) elements; rejected "
                     "(start the shard with --allow-non-finite to apply them)"
                 )
@@ -321,7 +325,7 @@ class Store:
         A session not seen before for ``worker_id`` becomes its current one.
 
         Raises:
-            WorkerIdConflict: a new push (not a retry) of an older session of
+            WorkerIdConflictError: a new push (not a retry) of an older session of
                 ``worker_id``: another client with the same id took over.
                 Nothing is recorded.
         """
@@ -332,7 +336,7 @@ class Store:
         elif seq in window:
             return False
         elif (current := next(reversed(sessions))) != session:
-            raise WorkerIdConflict(
+            raise WorkerIdConflictError(
                 f"worker id {worker_id!r} is used by two clients at once (sessions {session:016x} and "
                 f"{current:016x}, the newer); this push of session {session:016x} is refused, nothing of "
                 "it applied; give each worker its own worker_id (TF_CONFIG task index, or "
@@ -458,26 +462,26 @@ class Store:
         """Checks every value of an Assign before any is set.
 
         Raises:
-            NotFound: an unknown variable.
-            InvalidArgument: no values, a dtype or shape mismatch, or a non-finite
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: no values, a dtype or shape mismatch, or a non-finite
                 value of a floating-point variable (unless the shard allows them).
         """
         if not values:
-            raise InvalidArgument("assign carries no values")
+            raise InvalidArgumentError("assign carries no values")
         pairs = []
         for name, value in values.items():
             var = self.get(name)
             if value.dtype != var.dtype:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"value for {name!r} has dtype {value.dtype.name}; variable has dtype {var.dtype.name}"
                 )
             if value.shape != var.shape:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"value for {name!r} has shape {tuple(value.shape)}; variable has shape {var.shape}"
                 )
             if var.dtype.kind == "f" and not self.allow_non_finite and not np.isfinite(value).all():
                 bad = int(value.size - np.count_nonzero(np.isfinite(value)))
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"value for {name!r} has {bad} non-finite (NaN or Inf) elements; rejected "
                     "(start the shard with --allow-non-finite to assign them)"
                 )
@@ -575,8 +579,8 @@ class Store:
             reset: replace the optimizer (needs ``spec`` and ``names``).
 
         Raises:
-            NotFound: an unknown name.
-            InvalidArgument: neither or both of params and spec, another optimizer
+            NotFoundError: an unknown name.
+            InvalidArgumentError: neither or both of params and spec, another optimizer
                 class, an invalid or unknown parameter, a change of the slots, or
                 a learning rate for a variable whose learning rate is a schedule;
                 with ``reset``: no spec or no names, an invalid spec, or an
@@ -584,9 +588,11 @@ class Store:
         """
         names = list(names)
         if (spec is None) == (not params):
-            raise InvalidArgument("UpdateOptimizer needs either params or an optimizer spec (not both)")
+            raise InvalidArgumentError("UpdateOptimizer needs either params or an optimizer spec (not both)")
         if reset and (spec is None or not names):
-            raise InvalidArgument("UpdateOptimizer with reset needs an optimizer spec and variable names")
+            raise InvalidArgumentError(
+                "UpdateOptimizer with reset needs an optimizer spec and variable names"
+            )
         staged: list[tuple[Variable, optimizers.ServerOptimizer]] = []
         for var in self.lookup(names):
             old = var.spec.optimizer
@@ -595,7 +601,7 @@ class Store:
                 new.CopyFrom(spec)
             elif spec is not None:
                 if spec.name.lower() != old.name.lower():
-                    raise InvalidArgument(
+                    raise InvalidArgumentError(
                         f"variable {var.name!r} has optimizer {old.name!r}; the new spec names {spec.name!r} "
                         "(UpdateOptimizer keeps the optimizer class and its slots)"
                     )
@@ -605,7 +611,7 @@ class Store:
                 if "learning_rate" in params and old.HasField("learning_rate_schedule"):
                     if not names:
                         continue
-                    raise InvalidArgument(
+                    raise InvalidArgumentError(
                         f"variable {var.name!r}: its learning rate is a schedule "
                         f"({old.learning_rate_schedule.name}), which cannot be set (as in Keras)"
                     )
@@ -615,22 +621,22 @@ class Store:
             try:
                 optimizer = optimizers.from_spec(new)
             except ValueError as err:
-                raise InvalidArgument(f"variable {var.name!r}: {err}") from None
+                raise InvalidArgumentError(f"variable {var.name!r}: {err}") from None
             before, after = var.optimizer.slot_shapes(var.shape), optimizer.slot_shapes(var.shape)
             if not reset and var.dtype.kind == "f" and before != after:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"variable {var.name!r}: {optimizer.config!r} would change its slots from "
                     f"{sorted(before)} to {sorted(after)}; UpdateOptimizer keeps the slots"
                 )
             if var.spec.HasField("partition") and optimizer.needs_whole_variable:
-                raise InvalidArgument(
+                raise InvalidArgumentError(
                     f"variable {var.name!r} is a partition; {optimizer.config!r} needs the whole variable"
                 )
             if var.is_table:
                 try:
                     optimizer.check_rows()
                 except ValueError as err:
-                    raise InvalidArgument(f"table {var.spec.table.table!r}: {err}") from None
+                    raise InvalidArgumentError(f"table {var.spec.table.table!r}: {err}") from None
             staged.append((var, optimizer))
         # Through the checkpoint gate: a snapshot never holds a new spec with the old slots.
         async with self._updates(), contextlib.AsyncExitStack() as locks:
@@ -685,27 +691,27 @@ class Store:
 def _check_table(
     spec: ps_pb2.VariableSpec, dtype: np.dtype, shape: tuple[int, ...], optimizer: optimizers.ServerOptimizer
 ) -> None:
-    """Raises InvalidArgument for an inconsistent table piece spec (see ``ps_pb2.TableRows``)."""
+    """Raises InvalidArgumentError for an inconsistent table piece spec (see ``ps_pb2.TableRows``)."""
     t = spec.table
     what = f"table piece {spec.name!r}"
     if not t.table or spec.HasField("partition"):
-        raise InvalidArgument(f"{what}: a table piece needs a table name and cannot be a partition")
+        raise InvalidArgumentError(f"{what}: a table piece needs a table name and cannot be a partition")
     if not (t.num_rows >= 1 and t.dim >= 1 and 0 <= t.index < t.count):
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"{what}: num_rows {t.num_rows}, dim {t.dim}, shard {t.index} of {t.count} are inconsistent"
         )
     rows = table_rows(t.num_rows, t.index, t.count)
     if t.rows != rows or shape != (rows, t.dim):
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"{what}: shape {list(shape)} (rows {t.rows}); shard {t.index} of {t.count} holds "
             f"{rows} of {t.num_rows} rows of dim {t.dim}"
         )
     if dtype.kind != "f":
-        raise InvalidArgument(f"{what}: dtype {dtype.name} is not floating point (tables are trainable)")
+        raise InvalidArgumentError(f"{what}: dtype {dtype.name} is not floating point (tables are trainable)")
     try:
         optimizer.check_rows()
     except ValueError as err:
-        raise InvalidArgument(f"table {t.table!r}: {err}") from None
+        raise InvalidArgumentError(f"table {t.table!r}: {err}") from None
 
 
 def _owned(value: np.ndarray) -> np.ndarray:

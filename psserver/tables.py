@@ -1,8 +1,8 @@
 """Embedding table pieces on a shard: row gradients, their validation, and row reads.
 
 A table piece is a stored variable of shape ``[rows, dim]`` whose spec has a
-``TableRows`` (see ``psclient.placement`` for the row rule). A row gradient
-(``RowGrad``) arrives as two wire tensors (``psclient.embedding.ids_name`` /
+``TableRows`` (see ``pscore.placement`` for the row rule). A row gradient
+(``RowGrad``) arrives as two wire tensors (``pscore.embedding.ids_name`` /
 ``values_name``) and is paired here; the store validates it (``validate``)
 before anything is claimed or applied, and applies it in place, row by row
 (``Store.apply``).
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from psclient import embedding
+from pscore import embedding
+from pscore.errors import InvalidArgumentError
 from psproto.v1 import ps_pb2
-from psserver.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
     """Pairs the wire tensors of row gradients into ``RowGrad`` s (raw: validated later by ``validate``).
 
     Raises:
-        InvalidArgument: ids without values or values without ids.
+        InvalidArgumentError: ids without values or values without ids.
     """
     out: dict[str, Grad] = {}
     parts: dict[str, dict[str, np.ndarray]] = {}
@@ -54,14 +54,14 @@ def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
         elif part in ("ids", "values"):
             parts.setdefault(stored, {})[part] = t
         else:
-            raise InvalidArgument(f"tensor {name!r}: unknown row gradient part {part!r}")
+            raise InvalidArgumentError(f"tensor {name!r}: unknown row gradient part {part!r}")
     for stored, p in parts.items():
         if set(p) != {"ids", "values"}:
-            raise InvalidArgument(
+            raise InvalidArgumentError(
                 f"row gradient for {stored!r} has {sorted(p)} but needs both ids and values"
             )
         if stored in out:
-            raise InvalidArgument(f"push carries both a dense and a row gradient for {stored!r}")
+            raise InvalidArgumentError(f"push carries both a dense and a row gradient for {stored!r}")
         out[stored] = RowGrad(p["ids"], p["values"])
     return out
 
@@ -81,18 +81,18 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
     """Validates global row ids for table piece ``spec``; returns them as int64.
 
     Raises:
-        InvalidArgument: not a table, ids not integers or not 1-D, or an id out of
+        InvalidArgumentError: not a table, ids not integers or not 1-D, or an id out of
             range or held by another shard (the message names the table and the first bad id).
     """
     if not is_table(spec):
-        raise InvalidArgument(f"{what}: variable {spec.name!r} is not an embedding table")
+        raise InvalidArgumentError(f"{what}: variable {spec.name!r} is not an embedding table")
     t = spec.table
     if ids.dtype.kind not in "iu":
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"{what} for table {t.table!r}: ids have dtype {ids.dtype.name}, not an integer"
         )
     if ids.ndim != 1:
-        raise InvalidArgument(f"{what} for table {t.table!r}: ids have shape {ids.shape}, not [n]")
+        raise InvalidArgumentError(f"{what} for table {t.table!r}: ids have shape {ids.shape}, not [n]")
     ids = ids.astype(np.int64, copy=False)
     bad = (ids < 0) | (ids >= t.num_rows) | (ids % t.count != t.index)
     if bad.any():
@@ -101,7 +101,7 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
             why = f"is held by shard {first % t.count}, not by this one (shard {t.index} of {t.count})"
         else:
             why = f"is out of range [0, {t.num_rows})"
-        raise InvalidArgument(f"{what} for table {t.table!r}: id {first} {why}")
+        raise InvalidArgumentError(f"{what} for table {t.table!r}: id {first} {why}")
     return ids
 
 
@@ -109,24 +109,24 @@ def validate(spec: ps_pb2.VariableSpec, dtype: np.dtype, grad: RowGrad, *, allow
     """Checks a row gradient for table piece ``spec``; returns it with duplicate ids summed.
 
     Raises:
-        InvalidArgument: see ``check_ids``; values of another dtype, row count or dim;
+        InvalidArgumentError: see ``check_ids``; values of another dtype, row count or dim;
             non-finite values (unless allowed).
     """
     ids = check_ids(spec, grad.ids, "row gradient")
     t = spec.table
     values = grad.values
     if values.dtype != dtype:
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"row gradient for table {t.table!r} has dtype {values.dtype.name}; the table has {dtype.name}"
         )
     if values.shape != (ids.size, t.dim):
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"row gradient for table {t.table!r} has values of shape {values.shape} for {ids.size} ids; "
             f"expected {(ids.size, t.dim)} (one row of dim {t.dim} per id)"
         )
     if not allow_non_finite and not np.isfinite(values).all():
         bad = int(np.argmax(~np.isfinite(values).all(axis=1)))
-        raise InvalidArgument(
+        raise InvalidArgumentError(
             f"row gradient for table {t.table!r} has non-finite (NaN or Inf) values for id {int(ids[bad])}; "
             "rejected (start the shard with --allow-non-finite to apply them)"
         )

@@ -16,7 +16,7 @@ from psproto.v1 import collective_pb2, collective_pb2_grpc, ps_pb2, ps_pb2_grpc
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2
 import psclient
-from psclient import codec
+from pscore import codec
 import numpy as np
 
 chunk = codec.encode("w", np.arange(6, dtype=np.float32).reshape(2, 3))

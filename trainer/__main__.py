@@ -10,8 +10,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from psclient.errors import PSError
-from psclient.tf_config import read_tf_config
+from pscore.errors import PSError
+from pscore.tf_config import read_tf_config
 from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags, ring_security_options
 
 _EPILOG = """\
@@ -186,8 +186,8 @@ def _import_tf_quietly() -> None:
 
 
 def run_allreduce_worker(args: argparse.Namespace) -> int:
-    from psclient.errors import UnavailableError
     from psclient.keras import ring_from_tf_config
+    from pscore.errors import UnavailableError
 
     if args.ring:
         if args.worker_index is None:

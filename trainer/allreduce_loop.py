@@ -56,7 +56,7 @@ def ring_security_options(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError: an unreadable or malformed token file.
     """
-    from psclient._security import read_token_file
+    from pscore.security import read_token_file
 
     opts: dict[str, Any] = {k: getattr(args, k) for k in _TLS_FLAGS if getattr(args, k, None)}
     if getattr(args, "auth_token_file", None):

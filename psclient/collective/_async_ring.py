@@ -12,8 +12,6 @@ from typing import Any, Final
 import grpc
 import numpy as np
 
-from psclient import _security
-from psclient.codec import CodecError, as_wire_array, wire_dtype
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
 from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode, encode_header
@@ -34,7 +32,9 @@ from psclient.collective._service import (
     Mailboxes,
 )
 from psclient.collective._tcp import DataLink, DataListener, client_context, server_context, tcp_error
-from psclient.errors import (
+from pscore import security
+from pscore.codec import CodecError, as_wire_array, wire_dtype
+from pscore.errors import (
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
@@ -42,7 +42,7 @@ from psclient.errors import (
     UnavailableError,
     error_class,
 )
-from psclient.memory import tune_malloc
+from pscore.memory import tune_malloc
 from psproto.v1 import collective_pb2 as _pb
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class AsyncRing:
         tls_client_ca: PEM CA that must have signed the previous rank's client certificate (mTLS).
         max_message_bytes: gRPC message size limit of the server and channel.
         grpc_options: extra gRPC channel and server arguments.
-        tune_malloc: apply :func:`psclient.memory.tune_malloc` at start (default True).
+        tune_malloc: apply :func:`pscore.memory.tune_malloc` at start (default True).
         transport: ``"grpc"`` (default: frames on the ``Exchange`` stream) or ``"tcp"`` (frames on a
             raw TCP connection per link, negotiated through the ``DataPort`` call; TLS with the TLS settings).
 
@@ -158,7 +158,7 @@ class AsyncRing:
         self._data: DataListener | None = None
         self._data_link: DataLink | None = None
         self._closed = False
-        self._metadata = _security.auth_metadata(self._cfg.auth_token) or None
+        self._metadata = security.auth_metadata(self._cfg.auth_token) or None
 
     @property
     def config(self) -> RingConfig:
@@ -197,11 +197,11 @@ class AsyncRing:
         server_creds = channel_creds = None
         if cfg.tls:
             assert cfg.tls_cert is not None and cfg.tls_key is not None
-            server_creds = _security.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-            channel_creds = _security.channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-        interceptors: list[grpc.aio.ServerInterceptor] = [_security.MalformedRequestInterceptor()]
+            server_creds = security.server_credentials(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            channel_creds = security.channel_credentials(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+        interceptors: list[grpc.aio.ServerInterceptor] = [security.MalformedRequestInterceptor()]
         if cfg.auth_token is not None:  # first: an unauthenticated stream reaches nothing else
-            interceptors.insert(0, _security.TokenAuthInterceptor(cfg.auth_token))
+            interceptors.insert(0, security.TokenAuthInterceptor(cfg.auth_token))
         server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 0)], interceptors=interceptors)
         service = CollectiveService(
             self._boxes,
@@ -240,7 +240,7 @@ class AsyncRing:
             )
         server.add_generic_rpc_handlers([service.handler()])
         try:
-            _security.add_port(server, address, server_creds)
+            security.add_port(server, address, server_creds)
         except (OSError, RuntimeError) as err:
             raise UnavailableError(
                 f"rank {cfg.rank}: cannot bind {address}: {err}", address=address

@@ -20,9 +20,9 @@ class RingConfig:
 
     ``grpc_options`` are extra gRPC channel and server arguments (for tuning, e.g.
     ``(("grpc.http2.lookahead_bytes", 1 << 24),)``). ``tune_malloc`` applies
-    :func:`psclient.memory.tune_malloc` to the whole process.
+    :func:`pscore.memory.tune_malloc` to the whole process.
 
-    Security, as on every service (see :mod:`psclient._security`): ``auth_token``
+    Security, as on every service (see :mod:`pscore.security`): ``auth_token``
     is required on every stream a rank accepts and sent on every stream it opens.
     TLS is all or nothing across a ring, because every rank both serves and
     connects: ``tls_cert``/``tls_key`` (PEM paths) are this rank's certificate,

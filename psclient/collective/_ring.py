@@ -13,7 +13,7 @@ import numpy as np
 
 from psclient.collective._async_ring import AsyncRing
 from psclient.collective._config import RingConfig
-from psclient.errors import DeadlineExceededError, UnavailableError
+from pscore.errors import DeadlineExceededError, UnavailableError
 
 try:
     import uvloop as _uvloop
@@ -53,7 +53,7 @@ class Ring:
             certificate and key: TLS on every stream), ``tls_ca`` (PEM CA of the peers'
             certificates), ``tls_client_ca`` (require client certificates it signed: mutual TLS),
             ``max_message_bytes`` (default 64 MiB), ``grpc_options`` (extra channel/server
-            arguments), ``tune_malloc`` (default True: :func:`psclient.memory.tune_malloc`,
+            arguments), ``tune_malloc`` (default True: :func:`pscore.memory.tune_malloc`,
             so message buffers are reused instead of page-faulted in) and ``transport``
             (``"grpc"``, the default, or ``"tcp"``: frames on a raw TCP connection per link,
             negotiated through the authenticated ``DataPort`` call; about half the CPU per byte;

@@ -11,7 +11,7 @@ import grpc
 
 from psclient.collective._frame import FrameError, FrameHeader, decode
 from psclient.collective._tcp import DataListener
-from psclient.errors import PSError, UnavailableError
+from pscore.errors import PSError, UnavailableError
 from psproto.v1 import collective_pb2 as _pb
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class CollectiveService:
         world: the number of ranks.
         data_plane: the raw-TCP data port of this rank (transport ``"tcp"``), or None.
 
-    Token auth and TLS are the server's job (``psclient._security``), not this handler's.
+    Token auth and TLS are the server's job (``pscore.security``), not this handler's.
     """
 
     def __init__(

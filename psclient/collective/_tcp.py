@@ -36,7 +36,7 @@ from typing import Any, Final
 import grpc
 
 from psclient.collective._frame import HEADER_BYTES, FrameError, FrameHeader, decode_header
-from psclient.errors import InvalidArgumentError, PSError, UnavailableError, error_class
+from pscore.errors import InvalidArgumentError, PSError, UnavailableError, error_class
 from psproto.v1 import collective_pb2 as _pb
 
 logger = logging.getLogger(__name__)

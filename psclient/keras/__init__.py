@@ -10,7 +10,6 @@ This subpackage is the only part of psclient that imports TensorFlow and Keras.
   over the ring (``psclient.collective``), as with MirroredStrategy or Horovod.
 """
 
-from psclient.errors import PSError
 from psclient.keras._allreduce import (
     AllReduceCallback,
     AllReduceOptimizer,
@@ -30,6 +29,7 @@ from psclient.keras._ps import (
     load_from_ps,
     server_optimizer,
 )
+from pscore.errors import PSError
 
 __all__ = [
     "MODES",

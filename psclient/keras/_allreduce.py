@@ -78,9 +78,9 @@ import numpy as np
 import tensorflow as tf
 
 from psclient.collective import ALLREDUCE_DTYPES, Ring
-from psclient.errors import InternalError
 from psclient.keras._common import StepTimer, check_no_jit, model_variables, variable_name
-from psclient.tf_config import read_tf_config
+from pscore.errors import InternalError
+from pscore.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
 

@@ -44,9 +44,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from psclient.embedding import Initializer
 from psclient.keras._ps import PSWorker, server_optimizer
-from psclient.optimizers import Optimizer
+from pscore.embedding import Initializer
+from pscore.optimizers import Optimizer
 
 
 def _row_initializer(init: Any) -> Initializer:

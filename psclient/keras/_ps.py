@@ -69,12 +69,12 @@ import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.embedding import Rows
-from psclient.errors import DeadlineExceededError, InvalidArgumentError, PSError
 from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.keras._naming import model_variable_names
-from psclient.optimizers import SGD, Optimizer, optimizer_from_config
-from psclient.tf_config import read_tf_config
+from pscore.embedding import Rows
+from pscore.errors import DeadlineExceededError, InvalidArgumentError, PSError
+from pscore.optimizers import SGD, Optimizer, optimizer_from_config
+from pscore.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 keras = pytest.importorskip("keras")
 
 import psclient.keras as psk  # noqa: E402
-from psclient.embedding import init_rows  # noqa: E402
+from pscore.embedding import init_rows  # noqa: E402
 
 ROWS, DIM = 100_000, 16
 

@@ -66,7 +66,7 @@ def test_psrun_one_per_host_with_host_index_forms_one_ring(tmp_path: Path) -> No
     script = _script(
         tmp_path,
         "from psclient.collective import Ring\n"
-        "from psclient.tf_config import read_tf_config\n"
+        "from pscore.tf_config import read_tf_config\n"
         "cfg = read_tf_config()\n"
         "with Ring(cfg.workers, cfg.worker_rank(), timeout=30) as ring:\n"
         "    print('sum', ring.allreduce([rank + 1.0], op='sum').tolist())\n",

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from psclient.collective import Ring
-from psclient.errors import PSError, UnavailableError
+from pscore.errors import PSError, UnavailableError
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
 SIZES = (0, 1, 7, 1_000_003)

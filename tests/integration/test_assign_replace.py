@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import optimizers as specs
+from pscore import optimizers as specs
 from psserver import optimizers as server
 from trainer.cluster import LocalCluster, backups_of
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import codec
+from pscore import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver import checkpoint
 from trainer.cluster import LocalCluster
@@ -243,7 +243,7 @@ def test_save_without_a_checkpoint_dir_is_failed_precondition(client: psclient.P
 
 
 def test_psctl_save_writes_every_shard(tmp_path: Path) -> None:
-    from psserver import ctl
+    from psclient import ctl
 
     with LocalCluster(2, ["--checkpoint-dir", str(tmp_path)]) as cluster:
         assert ctl.main(["save", *cluster.addresses]) == 0

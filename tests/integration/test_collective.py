@@ -20,7 +20,7 @@ import pytest
 from _rings import async_rings, free_addresses
 
 from psclient.collective import AsyncRing, Ring
-from psclient.errors import (
+from pscore.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     PSError,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _rings import async_rings
 
-from psclient.errors import (
+from pscore.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     PSError,

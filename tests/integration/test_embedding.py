@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient.embedding import init_rows
+from pscore.embedding import init_rows
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -247,7 +247,7 @@ def test_a_shard_refuses_a_lookup_of_rows_it_does_not_hold(
 ) -> None:
     import grpc
 
-    from psclient import codec
+    from pscore import codec
     from psproto.v1 import ps_pb2
 
     client.create_embedding(var_name, 6, 2)

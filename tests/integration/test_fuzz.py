@@ -45,7 +45,7 @@ ALLOWED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.OUT_OF_RANGE,
 }
-# Request bytes that do not parse are INVALID_ARGUMENT (psclient._security.MalformedRequestInterceptor).
+# Request bytes that do not parse are INVALID_ARGUMENT (pscore.security.MalformedRequestInterceptor).
 ALLOWED_RAW = ALLOWED
 METHODS = {
     "CreateVariables": "stream_unary",

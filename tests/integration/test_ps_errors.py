@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import codec
+from pscore import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 

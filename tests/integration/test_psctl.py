@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import psclient
+from psclient import ctl
 from psclient.admin import cluster_status
-from psserver import ctl
 from trainer.cluster import LocalCluster
 
 TIMEOUT_S = 30.0
@@ -40,7 +40,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_status_table(busy_cluster: LocalCluster) -> None:
-    proc = run("psserver.ctl", "status", *busy_cluster.addresses, "--interval", "0.2")
+    proc = run("psclient.ctl", "status", *busy_cluster.addresses, "--interval", "0.2")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "2/2 healthy" in out and "mode async" in out and "2 variable(s)" in out
@@ -60,7 +60,7 @@ def test_status_table(busy_cluster: LocalCluster) -> None:
 
 
 def test_status_json_counts_and_rates(busy_cluster: LocalCluster) -> None:
-    proc = run("psserver.ctl", "status", "--json", ",".join(busy_cluster.addresses), "--interval", "0.2")
+    proc = run("psclient.ctl", "status", "--json", ",".join(busy_cluster.addresses), "--interval", "0.2")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["healthy"] == report["num_shards"] == 2
@@ -77,7 +77,7 @@ def test_status_json_counts_and_rates(busy_cluster: LocalCluster) -> None:
 def test_status_of_a_dead_shard_is_reported_and_exit_1(busy_cluster: LocalCluster) -> None:
     with LocalCluster(num_shards=1) as other:
         dead = other.addresses[0]
-    proc = run("psserver.ctl", "status", busy_cluster.addresses[0], dead, "--interval", "0", "--timeout", "2")
+    proc = run("psclient.ctl", "status", busy_cluster.addresses[0], dead, "--interval", "0", "--timeout", "2")
     assert proc.returncode == 1
     assert "1/2 healthy" in proc.stdout and "UNREACHABLE" in proc.stdout and dead in proc.stdout
 

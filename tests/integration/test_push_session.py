@@ -88,9 +88,10 @@ async def test_a_shard_without_push_session_gets_unary_pushes(monkeypatch: pytes
 async def test_a_push_on_a_stream_that_already_ended_fails_with_a_retryable_status() -> None:
     """The shard went away before the push was written: an UNAVAILABLE RpcError (retried, failed over),
     not asyncio's InvalidStateError (which escaped the retry policy)."""
-    from psclient import _session, codec
+    from psclient import _session
     from psclient._async_client import _WireStub
     from psclient._retry import is_retryable
+    from pscore import codec
     from psproto.v1 import ps_pb2
     from trainer.cluster import reserve_ports
 

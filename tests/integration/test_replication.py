@@ -226,7 +226,7 @@ def test_backup_flags_are_checked(changes: dict[str, object], message: str) -> N
 
 
 def test_psctl_status_shows_the_roles(capsys: pytest.CaptureFixture[str]) -> None:
-    from psserver import ctl
+    from psclient import ctl
 
     with _pair() as (primary, backup):
         p, b = primary.addresses[0], backup.addresses[0]

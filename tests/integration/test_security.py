@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import psclient
-from psclient import _security, codec
+from pscore import codec, security
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 
@@ -118,13 +118,13 @@ def test_health_checks_need_no_token(auth_cluster: LocalCluster) -> None:
 
 
 def test_interceptor_compares_the_whole_header() -> None:
-    icp = _security.TokenAuthInterceptor("abc")
+    icp = security.TokenAuthInterceptor("abc")
     assert icp.authorized([("authorization", "Bearer abc")])
     assert icp.authorized([("x-other", "1"), ("Authorization", b"Bearer abc")])
     for bad in ([], [("authorization", "Bearer ab")], [("authorization", "abc")], [("x", "Bearer abc")]):
         assert not icp.authorized(bad)
     with pytest.raises(ValueError):
-        _security.TokenAuthInterceptor("")
+        security.TokenAuthInterceptor("")
 
 
 @pytest.mark.parametrize("content", [b"", b"  \n", b"two words", b"\xff\xfe"])
@@ -132,9 +132,9 @@ def test_bad_token_files_are_refused(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "token"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="auth token"):
-        _security.read_token_file(path)
+        security.read_token_file(path)
     with pytest.raises(ValueError, match="cannot read"):
-        _security.read_token_file(tmp_path / "absent")
+        security.read_token_file(tmp_path / "absent")
 
 
 def test_a_shard_with_an_empty_token_file_does_not_start(tmp_path: Path) -> None:

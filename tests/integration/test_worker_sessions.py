@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import codec, errors
+from pscore import codec, errors
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster, backups_of
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psclient import optimizers as specs
+from pscore import optimizers as specs
 from psserver import optimizers as server
 
 pytestmark = pytest.mark.tf

@@ -9,8 +9,8 @@ import io
 import numpy as np
 import pytest
 
-from psclient import codec
-from psclient import optimizers as specs
+from pscore import codec
+from pscore import optimizers as specs
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
 from psserver.modes import make_mode
@@ -116,11 +116,13 @@ def test_a_slot_of_the_wrong_size_is_a_checkpoint_error() -> None:
 
 
 def test_a_partitioned_variable_with_a_whole_variable_rule_is_refused() -> None:
-    from psserver.errors import InvalidArgument
+    from pscore.errors import InvalidArgumentError
 
     spec = _spec("big/part_0", specs.Adafactor(), (6,))
     spec.partition.CopyFrom(ps_pb2.Partition(variable="big", full_shape=[3, 4], index=0, count=2, offset=0))
-    with pytest.raises(InvalidArgument, match=r"'big' is cut into 2 partitions.*needs the whole variable"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"'big' is cut into 2 partitions.*needs the whole variable"
+    ):
         Store().create([spec], {"big/part_0": np.zeros(6, np.float32)})
     spec.optimizer.CopyFrom(specs.Nadam(clipvalue=1.0).to_proto())  # elementwise: fine
     assert Store().create([spec], {"big/part_0": np.zeros(6, np.float32)}) == [True]

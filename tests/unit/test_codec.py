@@ -1,11 +1,11 @@
-"""Unit tests of psclient.codec: numpy <-> psproto.v1 tensors (no sockets, no TF)."""
+"""Unit tests of pscore.codec: numpy <-> psproto.v1 tensors (no sockets, no TF)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psclient import codec
+from pscore import codec
 from psproto.v1 import ps_pb2
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64", "int8", "uint8", "bool"]

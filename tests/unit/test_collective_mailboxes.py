@@ -8,7 +8,7 @@ import pytest
 
 from psclient.collective._frame import FrameHeader
 from psclient.collective._service import Mailboxes
-from psclient.errors import UnavailableError
+from pscore.errors import UnavailableError
 
 
 def _frame(seq: int) -> tuple[FrameHeader, bytes]:

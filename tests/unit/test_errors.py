@@ -1,4 +1,4 @@
-"""Unit tests of psclient.errors: one typed exception per gRPC status code."""
+"""Unit tests of pscore.errors: one typed exception per gRPC status code."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 import psclient
-from psclient import errors
+from pscore import errors
 
 ALL_CODES = list(grpc.StatusCode)
 ERROR_CODES = [c for c in ALL_CODES if c != grpc.StatusCode.OK]

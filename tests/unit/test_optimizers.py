@@ -1,4 +1,4 @@
-"""Unit tests of the optimizer specs (psclient.optimizers) and update rules (psserver.optimizers)."""
+"""Unit tests of the optimizer specs (pscore.optimizers) and update rules (psserver.optimizers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from psclient import optimizers as specs
+from pscore import optimizers as specs
 from psproto.v1 import ps_pb2
 from psserver import optimizers as server
 

@@ -1,4 +1,4 @@
-"""Unit tests of psclient.placement: deterministic, byte-balanced placement and row partitions."""
+"""Unit tests of pscore.placement: deterministic, byte-balanced placement and row partitions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from psclient.placement import partition_name, plan, split
+from pscore.placement import partition_name, plan, split
 
 MIB = 1 << 20
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import _retry, _session, codec, errors
-from psclient.optimizers import SGD
+from psclient import _retry, _session
+from pscore import codec, errors
+from pscore.errors import WorkerIdConflictError
+from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
-from psserver.errors import WorkerIdConflict
 from psserver.modes import AsyncMode, SyncMode
 from psserver.store import _RETIRED_SESSIONS, Store
 
@@ -46,7 +47,9 @@ def test_an_older_session_is_refused_once_a_newer_one_took_over_and_nothing_is_r
     store = Store()
     assert store.claim("worker0", 1, A) and store.claim("worker0", 2, A)
     assert store.claim("worker0", 1, B)  # takes over
-    with pytest.raises(WorkerIdConflict, match=r"worker id 'worker0' is used by two clients at once") as info:
+    with pytest.raises(
+        WorkerIdConflictError, match=r"worker id 'worker0' is used by two clients at once"
+    ) as info:
         store.claim("worker0", 3, A)
     assert f"{A:016x}" in str(info.value) and f"{B:016x}" in str(info.value)
     assert "PSWorker(worker_index=...)" in str(info.value)
@@ -92,7 +95,7 @@ async def test_async_mode_refused_push_changes_nothing() -> None:
     grads = {"w": np.ones(2, np.float32)}
     assert (await mode.push("w0", 1, 0, grads, A)).applied
     assert (await mode.push("w0", 1, 0, grads, B)).applied  # restarted worker: applied, not a duplicate
-    with pytest.raises(WorkerIdConflict):
+    with pytest.raises(WorkerIdConflictError):
         await mode.push("w0", 2, 0, grads, A)
     assert store.get("w").version == 2
     np.testing.assert_array_equal(store.get("w").value, -2)
@@ -108,7 +111,7 @@ async def test_sync_mode_a_newer_session_replaces_the_older_ones_gradient_in_an_
         await asyncio.sleep(0)
         assert (await mode.push("w1", 1, 0, {"w": np.full(2, 4.0, np.float32)}, C)).applied
         assert (await new).applied
-        with pytest.raises(WorkerIdConflict, match="replaced by a newer session"):
+        with pytest.raises(WorkerIdConflictError, match="replaced by a newer session"):
             await old
     np.testing.assert_array_equal(store.get("w").value, -3)  # mean of w0's newer and w1's gradients
     assert mode.step == 1 and mode.pending_claims() == []

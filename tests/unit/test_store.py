@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from psclient import codec
-from psclient.optimizers import SGD, Adam
+from pscore import codec
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from pscore.optimizers import SGD, Adam
 from psproto.v1 import ps_pb2
-from psserver.errors import AlreadyExists, InvalidArgument, NotFound
 from psserver.modes import AsyncMode
 from psserver.store import _DEDUP_WINDOW, Store
 
@@ -73,7 +73,7 @@ def test_store_create_with_a_different_spec_raises_already_exists(other) -> None
     make(store, a=np.zeros(3, np.float32))
     s = other()
     value = np.zeros(tuple(s.shape), codec.numpy_dtype(s.dtype))
-    with pytest.raises(AlreadyExists, match="'a'"):
+    with pytest.raises(AlreadyExistsError, match="'a'"):
         store.create([s], {"a": value})
     assert store.get("a").shape == (3,) and store.get("a").dtype == np.float32
 
@@ -81,7 +81,7 @@ def test_store_create_with_a_different_spec_raises_already_exists(other) -> None
 def test_store_create_is_all_or_nothing() -> None:
     store = Store()
     good = np.zeros(2, np.float32)
-    with pytest.raises(InvalidArgument, match="'bad'"):
+    with pytest.raises(InvalidArgumentError, match="'bad'"):
         store.create([spec("good", good), spec("bad", np.zeros(2, np.float32))], {"good": good})
     assert len(store) == 0
 
@@ -135,18 +135,18 @@ def test_store_create_is_all_or_nothing() -> None:
 )  # fmt: skip
 def test_store_create_rejects_malformed_specs(build, match: str) -> None:  # type: ignore[no-untyped-def]
     specs, values = build()
-    with pytest.raises(InvalidArgument, match=match):
+    with pytest.raises(InvalidArgumentError, match=match):
         Store().create(specs, values)
 
 
 def test_store_unknown_names_raise_not_found() -> None:
     store = Store()
     make(store, a=np.zeros(1, np.float32))
-    with pytest.raises(NotFound, match="'zz'"):
+    with pytest.raises(NotFoundError, match="'zz'"):
         store.get("zz")
-    with pytest.raises(NotFound, match="zz"):
+    with pytest.raises(NotFoundError, match="zz"):
         store.lookup(["a", "zz"])
-    with pytest.raises(NotFound, match="'zz'"):
+    with pytest.raises(NotFoundError, match="'zz'"):
         store.validate_grads({"zz": np.zeros(1, np.float32)})
 
 
@@ -163,7 +163,7 @@ def test_store_unknown_names_raise_not_found() -> None:
 def test_store_validate_grads_rejects_bad_gradients_naming_the_variable(grad: np.ndarray, match: str) -> None:
     store = Store()
     make(store, w=np.zeros(3, np.float32))
-    with pytest.raises(InvalidArgument, match=match) as info:
+    with pytest.raises(InvalidArgumentError, match=match) as info:
         store.validate_grads({"w": grad})
     assert "'w'" in str(info.value)
 
@@ -171,9 +171,9 @@ def test_store_validate_grads_rejects_bad_gradients_naming_the_variable(grad: np
 def test_store_validate_grads_rejects_empty_pushes_and_integer_variables() -> None:
     store = Store()
     make(store, i=np.zeros(3, np.int32))
-    with pytest.raises(InvalidArgument, match="no gradients"):
+    with pytest.raises(InvalidArgumentError, match="no gradients"):
         store.validate_grads({})
-    with pytest.raises(InvalidArgument, match=r"'i'.*not trainable"):
+    with pytest.raises(InvalidArgumentError, match=r"'i'.*not trainable"):
         store.validate_grads({"i": np.zeros(3, np.int32)})
 
 
@@ -252,7 +252,7 @@ async def test_store_async_mode_invalid_push_changes_nothing_and_can_be_retried(
     store = Store()
     make(store, w=np.zeros(2, np.float32), v=np.zeros(2, np.float32))
     mode = AsyncMode(store)
-    with pytest.raises(InvalidArgument, match="'v'"):
+    with pytest.raises(InvalidArgumentError, match="'v'"):
         await mode.push("w0", 1, 0, {"w": np.ones(2, np.float32), "v": np.ones(3, np.float32)})
     assert store.get("w").version == 0 and store.get("v").version == 0
     np.testing.assert_array_equal(store.get("w").value, 0)

@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from psclient import codec
-from psclient.optimizers import SGD, Adam, Lamb
+from pscore import codec
+from pscore.errors import InvalidArgumentError, NotFoundError
+from pscore.optimizers import SGD, Adam, Lamb
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
-from psserver.errors import InvalidArgument, NotFound
 from psserver.modes import AsyncMode
 from psserver.store import Store
 
@@ -50,11 +50,11 @@ async def test_store_set_values_keeps_slots_and_step_and_bumps_the_version() -> 
 @pytest.mark.parametrize(
     ("values", "error", "match"),
     [
-        ({}, InvalidArgument, "no values"),
-        ({"nope": np.zeros(3, np.float32)}, NotFound, "nope"),
-        ({"w": np.zeros(4, np.float32)}, InvalidArgument, "shape"),
-        ({"w": np.zeros(3, np.float64)}, InvalidArgument, "dtype"),
-        ({"w": np.array([0, np.nan, np.inf], np.float32)}, InvalidArgument, "2 non-finite"),
+        ({}, InvalidArgumentError, "no values"),
+        ({"nope": np.zeros(3, np.float32)}, NotFoundError, "nope"),
+        ({"w": np.zeros(4, np.float32)}, InvalidArgumentError, "shape"),
+        ({"w": np.zeros(3, np.float64)}, InvalidArgumentError, "dtype"),
+        ({"w": np.array([0, np.nan, np.inf], np.float32)}, InvalidArgumentError, "2 non-finite"),
     ],
 )
 def test_store_validate_values_rejects_bad_values(values: dict, error: type, match: str) -> None:  # type: ignore[type-arg]
@@ -77,10 +77,10 @@ async def test_store_replacing_the_optimizer_resets_slots_and_step() -> None:
 
 async def test_store_replacement_needs_a_spec_and_names_and_keeps_whole_variable_rules() -> None:
     store = _store(w=np.zeros(3, np.float32))
-    with pytest.raises(InvalidArgument, match="reset needs"):
+    with pytest.raises(InvalidArgumentError, match="reset needs"):
         async with store.update_optimizer([], {}, Adam().to_proto(), reset=True):
             pass
-    with pytest.raises(InvalidArgument, match="either params or"):
+    with pytest.raises(InvalidArgumentError, match="either params or"):
         async with store.update_optimizer(["w"], {}, None, reset=True):
             pass
     part = Store()
@@ -89,7 +89,7 @@ async def test_store_replacement_needs_a_spec_and_names_and_keeps_whole_variable
     )
     spec.partition.CopyFrom(ps_pb2.Partition(variable="p", full_shape=[6], index=0, count=2, offset=0))
     part.create([spec], {"p/part0": np.zeros(3, np.float32)})
-    with pytest.raises(InvalidArgument, match="needs the whole variable"):
+    with pytest.raises(InvalidArgumentError, match="needs the whole variable"):
         async with part.update_optimizer(["p/part0"], {}, Lamb().to_proto(), reset=True):
             pass
     assert part.get("p/part0").optimizer.name == "sgd"

@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from psclient import embedding, placement
-from psclient.optimizers import SGD, Adagrad, Adam, Lamb
+from pscore import embedding, placement
+from pscore.errors import InvalidArgumentError
+from pscore.optimizers import SGD, Adagrad, Adam, Lamb
 from psproto.v1 import ps_pb2
 from psserver import optimizers, tables
-from psserver.errors import InvalidArgument
 from psserver.store import Store
 
 
@@ -126,7 +126,7 @@ async def test_store_applies_rows_in_place_and_refuses_bad_ids() -> None:
         ([1], np.ones((1, 3)), "values of shape"),
     ]:
         bad = tables.RowGrad(np.array(ids), np.asarray(values, np.float32))
-        with pytest.raises(InvalidArgument, match=f"table 't'.*{message}"):
+        with pytest.raises(InvalidArgumentError, match=f"table 't'.*{message}"):
             store.validate_grads({spec.name: bad})
     np.testing.assert_array_equal(var.value, [[0, 0], [-2, -2]])
     # A backup replays the same (raw) row gradient to the same result.
@@ -140,9 +140,9 @@ async def test_store_applies_rows_in_place_and_refuses_bad_ids() -> None:
 def test_store_refuses_inconsistent_table_specs() -> None:
     spec = _table_spec("t", 5, 2, 0, 2)
     spec.table.rows = 2
-    with pytest.raises(InvalidArgument, match="holds 3 of 5 rows"):
+    with pytest.raises(InvalidArgumentError, match="holds 3 of 5 rows"):
         Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
     spec = _table_spec("t", 5, 2, 0, 2)
     spec.optimizer.CopyFrom(Lamb().to_proto())
-    with pytest.raises(InvalidArgument, match="whole variable"):
+    with pytest.raises(InvalidArgumentError, match="whole variable"):
         Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from psclient import _requests as rq
-from psclient import codec
-from psclient.placement import plan
+from pscore import codec
+from pscore.placement import plan
 from psproto.v1 import ps_pb2
 
 

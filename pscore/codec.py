@@ -419,3 +419,25 @@ def _parse_chunk(view: memoryview) -> WireChunk:
     head = ps_pb2.TensorChunk.FromString(b"".join(rest))
     data = view[data_spans[-1][0] : data_spans[-1][1]] if data_spans else memoryview(b"")
     return WireChunk(head.name, head.dtype, tuple(head.shape), head.offset, data)
+
+
+def wire_batches(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int) -> Iterator[list[WireChunk]]:
+    """Cuts tensors into zero-copy chunks, batched into lists of about ``chunk_bytes`` of data each."""
+    batch: list[WireChunk] = []
+    budget = chunk_bytes
+    for name, t in tensors:
+        size, itemsize = t.size, max(1, t.itemsize)
+        if size == 0:
+            batch.append(WireChunk.of(name, t))
+            continue
+        start = 0
+        while start < size:
+            n = min(size - start, max(1, budget // itemsize))
+            batch.append(WireChunk.of(name, t, start, start + n))
+            budget -= n * itemsize
+            start += n
+            if budget <= 0:
+                yield batch
+                batch, budget = [], chunk_bytes
+    if batch:
+        yield batch

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from psclient._security import read_token_file
 from psclient.admin import ShardStatus, cluster_status
 from psclient.config import ps_addresses_from_tf_config
+from pscore.security import read_token_file
 
 _EPILOG = """\
 examples:
@@ -209,7 +209,7 @@ async def _save(args: argparse.Namespace, addresses: list[str]) -> list[Any]:
 
 
 def _cmd_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from psclient.errors import PSError
+    from pscore.errors import PSError
 
     addresses = _addresses(args, parser)
     try:

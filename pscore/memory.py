@@ -12,7 +12,7 @@ freed memory stays with the process for reuse, so its resident size stays
 at its peak.
 
 ``psserver`` applies it at start. A worker opts in with
-``psclient.memory.tune_malloc()`` (early, once). ``PS_MALLOC_TUNING=0`` in the
+``pscore.memory.tune_malloc()`` (early, once). ``PS_MALLOC_TUNING=0`` in the
 environment turns it off everywhere.
 """
 

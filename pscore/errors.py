@@ -52,6 +52,7 @@ class PSError(Exception):
 
     code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
     retryable: ClassVar[bool] = False
+    reason: ClassVar[str] = ""  # sent with the status (``ps-error-reason``) to tell a subclass apart
 
     def __init__(self, details: str, *, method: str | None = None, address: str | None = None) -> None:
         self.details = details
@@ -107,6 +108,8 @@ class WorkerIdConflictError(FailedPreconditionError):
     (nothing of them applied). Not retryable: give each worker its own id.
     """
 
+    reason = WORKER_ID_CONFLICT
+
 
 class AbortedError(PSError):
     code = grpc.StatusCode.ABORTED
@@ -161,7 +164,7 @@ _STATUS_TO_ERROR: dict[grpc.StatusCode, type[PSError]] = {
 
 
 _REASON_TO_ERROR: dict[tuple[grpc.StatusCode, str], type[PSError]] = {
-    (WorkerIdConflictError.code, WORKER_ID_CONFLICT): WorkerIdConflictError,
+    (cls.code, cls.reason): cls for cls in (WorkerIdConflictError,)
 }
 
 
