@@ -18,12 +18,12 @@ import numpy as np
 from psclient import _reach, _retry, _session
 from psclient import _requests as rq
 from psclient.config import ClientConfig
-from pscore import codec, embedding
+from pscore import codec, embedding, rpc
 from pscore.embedding import Rows
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
 from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
 from pscore.placement import global_row, plan, table_pieces
-from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psproto.v1 import ps_pb2
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class AsyncPSClient:
         self._replicas = [a.split("|") for a in self.config.addresses]
         self._current = [0] * len(self._replicas)
         self._channels: list[list[grpc.aio.Channel]] = []
-        self._stubs: list[list[ps_pb2_grpc.ParameterServerStub]] = []
+        self._stubs: list[list[rpc.Stub]] = []
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
@@ -147,7 +147,7 @@ class AsyncPSClient:
     def num_shards(self) -> int:
         return self.config.num_shards
 
-    def _stub(self, shard: int) -> ps_pb2_grpc.ParameterServerStub:
+    def _stub(self, shard: int) -> rpc.Stub:
         """The stub of ``shard``'s current replica (the primary, as far as this client knows)."""
         if self._closed:
             raise RuntimeError("the client is closed")
@@ -167,7 +167,7 @@ class AsyncPSClient:
                 self._channels = [
                     [grpc.aio.insecure_channel(a, options=options) for a in r] for r in self._replicas
                 ]
-            self._stubs = [[_WireStub(ch) for ch in r] for r in self._channels]
+            self._stubs = [[rpc.Stub(ch) for ch in r] for r in self._channels]
         return self._stubs[shard][self._current[shard]]
 
     def _failover(self, shard: int, err: grpc.RpcError) -> None:
@@ -353,11 +353,11 @@ class AsyncPSClient:
                 )
 
         async def one(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
-            def messages() -> Iterable[ps_pb2.CreateVariablesRequest]:
+            def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
                 yield ps_pb2.CreateVariablesRequest(variables=[spec for spec, _ in items])
                 tensors = [(spec.name, value) for spec, value in items]
-                for batch in rq.chunked_messages(tensors, self.config.chunk_bytes):
-                    yield ps_pb2.CreateVariablesRequest(values=batch)
+                for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
+                    yield codec.WireMessage(_EMPTY_CREATE, "values", batch)
 
             resp = await self._call(
                 shard,
@@ -720,10 +720,10 @@ class AsyncPSClient:
             else:
                 value = embedding.init_rows(name, ids, dim, dt, initializer)
 
-            def messages() -> Iterable[ps_pb2.CreateVariablesRequest]:
+            def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
                 yield ps_pb2.CreateVariablesRequest(variables=[spec])
-                for batch in rq.chunked_messages([(spec.name, value)], self.config.chunk_bytes):
-                    yield ps_pb2.CreateVariablesRequest(values=batch)
+                for batch in codec.wire_batches([(spec.name, value)], self.config.chunk_bytes):
+                    yield codec.WireMessage(_EMPTY_CREATE, "values", batch)
 
             resp = await self._call(
                 piece.shard,
@@ -1130,41 +1130,12 @@ _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are co
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
+_EMPTY_CREATE = ps_pb2.CreateVariablesRequest()
 
 
 def _finite(arr: np.ndarray) -> bool:
     """Whether every element is finite (always, for a dtype that is not floating point)."""
     return arr.dtype.kind != "f" or bool(np.isfinite(arr).all())
-
-
-class _WireStub(ps_pb2_grpc.ParameterServerStub):
-    """The generated stub, with tensor-carrying calls framed by ``pscore.codec`` (no protobuf copies)."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        super().__init__(channel)
-        prefix = "/psproto.v1.ParameterServer/"
-        pull = functools.partial(codec.parse, ps_pb2.PullResponse, field="values")
-        push = functools.partial(codec.parse, ps_pb2.PushResponse, field="values")
-        ser = codec.serialize
-        self.Pull = channel.unary_unary(prefix + "Pull", request_serializer=ser, response_deserializer=pull)
-        self.PullStream = channel.unary_stream(
-            prefix + "PullStream", request_serializer=ser, response_deserializer=pull
-        )
-        self.Push = channel.unary_unary(prefix + "Push", request_serializer=ser, response_deserializer=push)
-        self.PushStream = channel.stream_stream(
-            prefix + "PushStream", request_serializer=ser, response_deserializer=push
-        )
-        self.PushSession = channel.stream_stream(
-            prefix + "PushSession", request_serializer=ser, response_deserializer=push
-        )
-        self.Lookup = channel.unary_unary(
-            prefix + "Lookup",
-            request_serializer=ser,
-            response_deserializer=functools.partial(codec.parse, ps_pb2.LookupResponse, field="values"),
-        )
-        self.Assign = channel.stream_unary(
-            prefix + "Assign", request_serializer=ser, response_deserializer=ps_pb2.AssignResponse.FromString
-        )
 
 
 async def _each(fn: Callable[[int, Any], Awaitable[T]], per_shard: Mapping[int, Any]) -> list[T]:

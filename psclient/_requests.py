@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -127,27 +127,6 @@ def split_by_shard(
 
 def payload_bytes(tensors: list[tuple[str, np.ndarray]]) -> int:
     return sum(t.nbytes for _, t in tensors)
-
-
-def whole_chunks(tensors: list[tuple[str, np.ndarray]]) -> list[ps_pb2.TensorChunk]:
-    return [codec.encode(name, t) for name, t in tensors]
-
-
-def chunked_messages(
-    tensors: list[tuple[str, np.ndarray]], chunk_bytes: int
-) -> Iterator[list[ps_pb2.TensorChunk]]:
-    """Packs tensors into lists of chunks of about ``chunk_bytes`` of data each."""
-    batch: list[ps_pb2.TensorChunk] = []
-    size = 0
-    for name, t in tensors:
-        for chunk in codec.iter_chunks(name, t, chunk_bytes):
-            batch.append(chunk)
-            size += len(chunk.data)
-            if size >= chunk_bytes:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
 
 
 def versions_of(chunks: Iterable[ps_pb2.TensorChunk], versions: Iterable[int]) -> dict[str, int]:

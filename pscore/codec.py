@@ -85,25 +85,6 @@ def encode(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
     )
 
 
-def iter_chunks(name: str, value: np.ndarray, chunk_bytes: int) -> Iterator[ps_pb2.TensorChunk]:
-    """Cuts an array into chunks of at most ``chunk_bytes`` bytes (at least one element each).
-
-    >>> [len(c.data) for c in iter_chunks("v", np.zeros(10, np.float32), 16)]
-    [16, 16, 8]
-    """
-    arr = as_wire_array(value)
-    flat = arr.reshape(-1)
-    dtype = wire_dtype(arr.dtype)
-    step = max(1, chunk_bytes // max(1, arr.itemsize))
-    if flat.size == 0:
-        yield ps_pb2.TensorChunk(name=name, dtype=dtype, shape=arr.shape, offset=0, data=b"")
-        return
-    for start in range(0, flat.size, step):
-        yield ps_pb2.TensorChunk(
-            name=name, dtype=dtype, shape=arr.shape, offset=start, data=flat[start : start + step].tobytes()
-        )
-
-
 def chunk_shape(chunk: ps_pb2.TensorChunk) -> tuple[int, ...]:
     """The shape of the whole tensor a chunk belongs to, validated.
 
@@ -422,10 +403,18 @@ def _parse_chunk(view: memoryview) -> WireChunk:
 
 
 def wire_batches(tensors: list[tuple[str, np.ndarray]], chunk_bytes: int) -> Iterator[list[WireChunk]]:
-    """Cuts tensors into zero-copy chunks, batched into lists of about ``chunk_bytes`` of data each."""
+    """The one chunker: cuts tensors into zero-copy chunks, batched into lists of about ``chunk_bytes`` each.
+
+    A chunk holds at least one element, an empty tensor one empty chunk; a
+    tensor's first chunk has ``offset == 0`` (receivers pair versions with those).
+
+    >>> [[c.data.nbytes for c in b] for b in wire_batches([("v", np.zeros(10, np.float32))], 16)]
+    [[16], [16], [8]]
+    """
     batch: list[WireChunk] = []
     budget = chunk_bytes
-    for name, t in tensors:
+    for name, value in tensors:
+        t = as_wire_array(value)
         size, itemsize = t.size, max(1, t.itemsize)
         if size == 0:
             batch.append(WireChunk.of(name, t))

@@ -261,7 +261,7 @@ class MalformedRequestInterceptor(HandlerWrappingInterceptor):
     """
 
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        if handler.request_deserializer is None or not hasattr(handler, "_replace"):
+        if handler.request_deserializer is None:
             return handler
         return _parsing(handler, method)
 
@@ -314,4 +314,5 @@ def _parsing(handler: Any, method: str) -> grpc.RpcMethodHandler:
 
     if handler.request_streaming and handler.response_streaming and not inspect.isasyncgenfunction(behavior):
         return handler
-    return handler._replace(request_deserializer=None, **{field: wrapped})
+    make = getattr(grpc, f"{field}_rpc_method_handler")  # the same kind, by the public API
+    return make(wrapped, request_deserializer=None, response_serializer=handler.response_serializer)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import io
 import itertools
 import logging
@@ -42,7 +41,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from pscore import codec, security
+from pscore import codec, rpc, security
 from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, optimizers, tables
@@ -336,13 +335,7 @@ class Backup:
         """Attaches to the primary (retrying until it answers), then applies its updates until the end."""
         delay = _ATTACH_RETRY_S[0]
         async with self.connect(self.primary) as channel:
-            call = channel.stream_stream(
-                "/psproto.v1.ParameterServer/Replicate",
-                request_serializer=ps_pb2.ReplicateRequest.SerializeToString,
-                response_deserializer=functools.partial(
-                    codec.parse, ps_pb2.ReplicateResponse, field="tensors"
-                ),
-            )
+            call = rpc.Stub(channel).Replicate
             metadata = (*security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
             while True:
                 try:

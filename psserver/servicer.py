@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from pscore import codec, embedding
+from pscore import codec, embedding, rpc
 from pscore.errors import (
     ERROR_REASON_KEY,
     FailedPreconditionError,
@@ -27,7 +27,7 @@ from pscore.errors import (
     InvalidArgumentError,
     PSError,
 )
-from psproto.v1 import ps_pb2, ps_pb2_grpc
+from psproto.v1 import ps_pb2
 from psserver import tables
 from psserver.checkpoint import Checkpointer, CheckpointError
 from psserver.modes import Mode
@@ -104,27 +104,11 @@ def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
 def _stream_values(
     snapshot: list[tuple[str, np.ndarray, int]], chunk_bytes: int
 ) -> Iterator[tuple[list[codec.WireChunk], list[int]]]:
-    """Packs a snapshot into messages of about ``chunk_bytes`` of tensor data each."""
-    chunks: list[codec.WireChunk] = []
-    versions: list[int] = []
-    budget = chunk_bytes
-    for name, value, version in snapshot:
-        versions.append(version)
-        step = max(1, chunk_bytes // max(1, value.itemsize))
-        size = value.size
-        start = 0
-        while True:
-            n = min(step, size - start, max(1, budget // max(1, value.itemsize)))
-            chunks.append(_chunk_of(name, value, start, start + n))
-            budget -= n * value.itemsize
-            start += n
-            if budget <= 0:
-                yield chunks, versions
-                chunks, versions, budget = [], [], chunk_bytes
-            if start >= size:
-                break
-    if chunks or versions:
-        yield chunks, versions
+    """Packs a snapshot into messages of about ``chunk_bytes`` of tensor data each, with the versions
+    of the tensors that start in each message."""
+    versions = {name: version for name, _, version in snapshot}
+    for batch in codec.wire_batches([(name, value) for name, value, _ in snapshot], chunk_bytes):
+        yield batch, [versions[c.name] for c in batch if c.offset == 0]
 
 
 def _deadline(context: grpc.aio.ServicerContext | None, timeout_s: float = 0.0) -> float | None:
@@ -145,7 +129,7 @@ def _header_ok(worker_id: str) -> None:
         raise InvalidArgumentError("push needs a worker_id (it makes retried pushes idempotent)")
 
 
-class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+class ParameterServerServicer:
     """Serves one shard's store."""
 
     def __init__(
@@ -529,46 +513,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             yield message
 
 
-# Tensor-carrying messages are (de)serialized by ``pscore.codec``: the same
-# wire bytes as ps.proto, with tensor data kept out of protobuf's copies.
-_WIRE_REQUESTS = {
-    "CreateVariables": (ps_pb2.CreateVariablesRequest, "values"),
-    "Assign": (ps_pb2.AssignRequest, "values"),
-    "Push": (ps_pb2.PushRequest, "grads"),
-    "PushStream": (ps_pb2.PushRequest, "grads"),
-    "PushSession": (ps_pb2.PushRequest, "grads"),
-}
-
-
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:
-    """Registers ``servicer`` like ``ps_pb2_grpc.add_ParameterServerServicer_to_server``, with codec framing.
+    """Registers ``servicer`` for every method of ``ParameterServer`` with ``codec`` framing (``pscore.rpc``).
 
     Responses may be ``codec.WireMessage`` s (pulled values are sent without
-    protobuf copies); pushes and creates are parsed with ``codec.parse``.
+    protobuf copies); tensor-carrying requests are parsed with ``codec.parse``.
+    ``Replicate`` gets raw bytes: ``psserver.replication`` parses its acks in the task that reads them.
     """
-
-    class _Capture:
-        def __init__(self) -> None:
-            self.service = ""
-            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-        def add_generic_rpc_handlers(self, generic: Any) -> None:
-            pass
-
-        def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
-            self.service = service
-            self.handlers = handlers
-
-    capture = _Capture()
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, capture)
-    handlers = {}
-    for name, h in capture.handlers.items():
-        deserializer = h.request_deserializer
-        if name in _WIRE_REQUESTS:
-            message, field = _WIRE_REQUESTS[name]
-            deserializer = functools.partial(codec.parse, message, field=field)
-        elif name == "Replicate":  # parsed by psserver.replication, in the task that reads the acks
-            deserializer = None
-        handlers[name] = h._replace(request_deserializer=deserializer, response_serializer=codec.serialize)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(capture.service, handlers),))
-    server.add_registered_method_handlers(capture.service, handlers)
+    handlers = rpc.method_handlers(servicer, raw_requests={"Replicate"})
+    name = rpc.service_name()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)

@@ -89,15 +89,14 @@ async def test_a_push_on_a_stream_that_already_ended_fails_with_a_retryable_stat
     """The shard went away before the push was written: an UNAVAILABLE RpcError (retried, failed over),
     not asyncio's InvalidStateError (which escaped the retry policy)."""
     from psclient import _session
-    from psclient._async_client import _WireStub
     from psclient._retry import is_retryable
-    from pscore import codec
+    from pscore import codec, rpc
     from psproto.v1 import ps_pb2
     from trainer.cluster import reserve_ports
 
     (nowhere,) = reserve_ports(1)  # nothing listens there
     async with grpc.aio.insecure_channel(nowhere) as channel:
-        call = _WireStub(channel).PushSession(timeout=TIMEOUT_S, wait_for_ready=False)
+        call = rpc.Stub(channel).PushSession(timeout=TIMEOUT_S, wait_for_ready=False)
         with pytest.raises(grpc.RpcError):
             async for _ in call:  # bounded: the connection is refused at once
                 pass

@@ -92,11 +92,16 @@ def test_codec_decode_rejects_a_partial_chunk() -> None:
         codec.decode(chunk)
 
 
+def _chunks(name: str, x: np.ndarray, chunk_bytes: int) -> list[codec.WireChunk]:
+    """The chunks of one tensor, as ``codec.wire_batches`` cuts it."""
+    return [c for batch in codec.wire_batches([(name, x)], chunk_bytes) for c in batch]
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 4, 12, 100, 1 << 20])
 def test_codec_chunks_reassemble_exactly(chunk_bytes: int) -> None:
     a = _random((5, 7), "float64", seed=1)
     b = _random((13,), "int8", seed=2)
-    chunks = [*codec.iter_chunks("a", a, chunk_bytes), *codec.iter_chunks("b", b, chunk_bytes)]
+    chunks = [*_chunks("a", a, chunk_bytes), *_chunks("b", b, chunk_bytes)]
     assert all(len(c.data) <= max(chunk_bytes, 8) for c in chunks)
     rng = np.random.default_rng(3)
     asm = codec.Assembler()
@@ -108,8 +113,8 @@ def test_codec_chunks_reassemble_exactly(chunk_bytes: int) -> None:
     np.testing.assert_array_equal(out["b"], b)
 
 
-def test_codec_iter_chunks_of_empty_tensor_yields_one_chunk() -> None:
-    chunks = list(codec.iter_chunks("e", np.zeros((0, 3), np.float32), 16))
+def test_codec_wire_batches_of_empty_tensor_yields_one_chunk() -> None:
+    chunks = list(_chunks("e", np.zeros((0, 3), np.float32), 16))
     assert len(chunks) == 1
     asm = codec.Assembler()
     asm.add(chunks[0])
@@ -117,7 +122,7 @@ def test_codec_iter_chunks_of_empty_tensor_yields_one_chunk() -> None:
 
 
 def test_codec_assembler_reports_missing_elements() -> None:
-    chunks = list(codec.iter_chunks("v", np.arange(10, dtype=np.float32), 16))
+    chunks = list(_chunks("v", np.arange(10, dtype=np.float32), 16))
     asm = codec.Assembler()
     for c in chunks[:-1]:
         asm.add(c)
@@ -127,7 +132,7 @@ def test_codec_assembler_reports_missing_elements() -> None:
 
 def test_codec_assembler_rejects_a_duplicated_chunk_even_when_the_count_adds_up() -> None:
     # Chunks [0, 4), [0, 4), [8, 10): 10 elements arrive but [4, 8) never does.
-    chunks = list(codec.iter_chunks("v", np.arange(10, dtype=np.float32), 16))
+    chunks = list(_chunks("v", np.arange(10, dtype=np.float32), 16))
     asm = codec.Assembler()
     for c in (chunks[0], chunks[0], chunks[2]):
         asm.add(c)
@@ -143,16 +148,14 @@ def test_codec_assembler_rejects_more_chunks_after_a_whole_one() -> None:
 
 
 def test_codec_assembler_rejects_chunks_that_disagree_on_dtype_or_shape() -> None:
-    chunks = list(codec.iter_chunks("v", np.zeros(10, np.float32), 16))
+    chunks = list(_chunks("v", np.zeros(10, np.float32), 16))
     asm = codec.Assembler()
     asm.add(chunks[0])
-    other = ps_pb2.TensorChunk()
-    other.CopyFrom(chunks[1])
-    other.shape[:] = [11]
+    c = chunks[1]
+    other = codec.WireChunk(c.name, c.dtype, (11,), c.offset, c.data)
     with pytest.raises(codec.CodecError, match="earlier chunks"):
         asm.add(other)
-    other.CopyFrom(chunks[1])
-    other.dtype = ps_pb2.DTYPE_INT32
+    other = codec.WireChunk(c.name, ps_pb2.DTYPE_INT32, c.shape, c.offset, c.data)
     with pytest.raises(codec.CodecError, match="earlier chunks"):
         asm.add(other)
 
