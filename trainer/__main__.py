@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -12,7 +11,7 @@ from typing import Any
 
 from pscore.errors import PSError
 from pscore.tf_config import read_tf_config
-from trainer.allreduce_loop import SECURITY_FLAGS, add_security_flags, ring_security_options
+from trainer import options, report
 
 _EPILOG = """\
 examples:
@@ -36,26 +35,6 @@ _NO_LR_SCALING_HELP = (
     "allreduce and sync modes: keep --learning-rate as is (by default it is multiplied by the number of "
     "gradients averaged per update, the linear scaling rule for the N-times larger effective batch)"
 )
-
-
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("cnn", "resnet", "mlp"), default="cnn", help="(default: %(default)s)")
-    p.add_argument(
-        "--data",
-        choices=("digits", "synthetic", "mnist"),
-        default="digits",
-        help="digits: scikit-learn's 8x8 digits (shipped); synthetic: random images; "
-        "mnist: a local keras mnist.npz given by --data-path (default: %(default)s)",
-    )
-    p.add_argument("--data-path", help="the .npz file for --data mnist (nothing is downloaded)")
-    p.add_argument("--synthetic-size", type=int, default=4096, help="training examples of --data synthetic")
-    p.add_argument("--image-size", type=int, default=28, help="side of --data synthetic images")
-    p.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: %(default)s)")
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-json", help="write the results to this JSON file")
-    p.add_argument("--log-level", default=os.environ.get("PS_LOG_LEVEL", "WARNING"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="fault drill (needs --backups): kill -9 shard 0's primary this long after the workers start",
     )
-    _add_train_flags(demo)
-    add_security_flags(demo)
+    options.add_train_flags(demo)
+    options.add_security_flags(demo)
 
     worker = sub.add_parser("worker", help="run one worker (from TF_CONFIG or flags)")
     worker.add_argument("--ps", help="comma-separated HOST:PORT of the shards (default: TF_CONFIG)")
@@ -116,14 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
-    _add_train_flags(worker)
-    add_security_flags(worker)
+    options.add_train_flags(worker)
+    options.add_security_flags(worker)
 
     from trainer.launch import add_launch_parser
 
     add_launch_parser(sub)
     local = sub.add_parser("local", help="the single-process baseline (no parameter server)")
-    _add_train_flags(local)
+    options.add_train_flags(local)
     return p
 
 
@@ -135,31 +114,6 @@ def worker_from_tf_config(environ: Mapping[str, str] = os.environ) -> tuple[list
     """
     cfg = read_tf_config(environ, unset_hint="give --ps, --worker-index and --num-workers instead")
     return cfg.ps, cfg.worker_rank(), len(cfg.workers)
-
-
-def _train_config(args: argparse.Namespace) -> Any:
-    from trainer.train import TrainConfig
-
-    return TrainConfig(
-        model=args.model,
-        data=args.data,
-        data_path=args.data_path,
-        synthetic_size=args.synthetic_size,
-        image_size=args.image_size,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-    )
-
-
-def _write_json(path: str | None, payload: dict[str, Any]) -> None:
-    if path:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
 
 
 def _quiet_tf() -> None:
@@ -198,17 +152,17 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
         rank = rank if args.worker_index is None else args.worker_index
     if args.num_workers is not None and args.num_workers != len(ring):
         raise ValueError(f"--num-workers {args.num_workers} but the ring has {len(ring)} addresses")
-    from trainer.allreduce_loop import EXIT_BIND_FAILED, ring_security_options, train_rank
+    from trainer.allreduce_loop import EXIT_BIND_FAILED, train_rank
 
     try:
         result = train_rank(
-            _train_config(args),
+            options.train_config(args),
             ring,
             rank,
             timeout=args.timeout,
             compression=args.compression,
             lr_scaling=not args.no_lr_scaling,
-            ring_options={**ring_security_options(args), "transport": args.ring_transport},
+            ring_options={**options.ring_security_options(args), "transport": args.ring_transport},
         )
     except UnavailableError as err:
         if "cannot bind" not in str(err):
@@ -221,7 +175,7 @@ def run_allreduce_worker(args: argparse.Namespace) -> int:
         + ("" if result.in_sync else ", REPLICAS DIVERGED"),
         flush=True,
     )
-    _write_json(args.result_json, {"mode": "allreduce", **result.to_dict()})
+    report.write_json(args.result_json, {"mode": "allreduce", **result.to_dict()})
     return 0 if result.in_sync else 1
 
 
@@ -238,30 +192,30 @@ def run_worker(args: argparse.Namespace) -> int:
     from trainer.train import train_worker
 
     result = train_worker(
-        _train_config(args),
+        options.train_config(args),
         ps,
         worker_index=index,
         num_workers=count,
         mode=args.mode,
         overlap=not args.no_overlap,
         timeout=args.timeout,
-        client_options=ring_security_options(args),  # auth token and client TLS towards the shards
+        client_options=options.ring_security_options(args),  # auth token and client TLS towards the shards
     )
     print(
         f"[worker {index}] done: {result.steps} steps, {result.steps_per_second:.1f} steps/s"
         + (f", {result.stale_steps} stale" if result.stale_steps else ""),
         flush=True,
     )
-    _write_json(args.result_json, {"mode": args.mode, **result.to_dict()})
+    report.write_json(args.result_json, {"mode": args.mode, **result.to_dict()})
     return 0
 
 
 def run_local(args: argparse.Namespace) -> int:
     from trainer.train import train_local
 
-    result, accuracy = train_local(_train_config(args))
+    result, accuracy = train_local(options.train_config(args))
     print(f"[local] test accuracy {accuracy:.4f}, {result.steps_per_second:.1f} steps/s", flush=True)
-    _write_json(
+    report.write_json(
         args.result_json,
         {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_rates(result.to_dict())},
     )
@@ -305,7 +259,9 @@ def _main(argv: list[str] | None) -> int:
             # shards run without either.
             allowed = () if args.command == "demo" else ("auth_token_file", "tls_ca", "tls_cert", "tls_key")
             given = [
-                f"--{n.replace('_', '-')}" for n in SECURITY_FLAGS if getattr(args, n) and n not in allowed
+                f"--{n.replace('_', '-')}"
+                for n in options.SECURITY_FLAGS
+                if getattr(args, n) and n not in allowed
             ]
             if given:
                 where = "pstrain demo" if args.command == "demo" else "a parameter-server worker"

@@ -24,53 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer import options, report, supervise
 from trainer.cluster import reserve_ports
 
 EXIT_BIND_FAILED = 3  # a worker could not bind its ring address: the launcher retries with new ports
 _BIND_ATTEMPTS = 3
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
 _POLL_S = 0.2
-_TLS_FLAGS = ("tls_ca", "tls_cert", "tls_key", "tls_client_ca")
-SECURITY_FLAGS = ("auth_token_file", *_TLS_FLAGS)
-
-
-def add_security_flags(parser: argparse.ArgumentParser) -> None:
-    """The ring's auth and TLS flags (named as psserver's); see :func:`ring_security_options`."""
-    g = parser.add_argument_group(
-        "security (worker: towards the shards, or the ring with --mode allreduce; demo: allreduce only)"
-    )
-    g.add_argument("--auth-token-file", help="file with the shared token every call must carry")
-    g.add_argument(
-        "--tls-cert", help="PEM certificate of this worker: TLS on every ring stream (also its client cert)"
-    )
-    g.add_argument("--tls-key", help="PEM private key for --tls-cert")
-    g.add_argument("--tls-ca", help="PEM CA the other workers' certificates chain to (default: system roots)")
-    g.add_argument(
-        "--tls-client-ca", help="PEM CA bundle: require ring client certificates signed by it (mTLS)"
-    )
-
-
-def ring_security_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``Ring`` keyword options from the security flags (reads the token file).
-
-    Raises:
-        ValueError: an unreadable or malformed token file.
-    """
-    from pscore.security import read_token_file
-
-    opts: dict[str, Any] = {k: getattr(args, k) for k in _TLS_FLAGS if getattr(args, k, None)}
-    if getattr(args, "auth_token_file", None):
-        opts["auth_token"] = read_token_file(args.auth_token_file)
-    return opts
-
-
-def security_argv(args: argparse.Namespace) -> list[str]:
-    """The security flags again, for a worker process started by the demo."""
-    argv: list[str] = []
-    for name in SECURITY_FLAGS:
-        if value := getattr(args, name, None):
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    return argv
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +72,8 @@ def train_rank(
         lr_scaling: multiply the learning rate by the number of ranks (the linear scaling rule for
             the ``world``-times larger effective batch, as Horovod recommends).
         evaluate: compute the test accuracy of the trained replica (default: on rank 0).
-        ring_options: more ``Ring`` settings (``auth_token``, ``tls_*``: see :func:`ring_security_options`).
+        ring_options: more ``Ring`` settings (``auth_token``, ``tls_*``: see
+            :func:`trainer.options.ring_security_options`).
 
     Raises:
         psclient.PSError: the ring failed or timed out, or the replicas diverged.
@@ -121,7 +82,7 @@ def train_rank(
     import keras
 
     import psclient.keras as psk
-    from trainer.train import _test_accuracy, build_model, fit_shard
+    from trainer.train import build_model, fit_shard, test_accuracy
 
     split = config.load()
     world = len(addresses)
@@ -140,7 +101,7 @@ def train_rank(
             callbacks=[worker.callback(check_sync=True)],
         )
         in_sync = worker.weights_in_sync(model)
-        accuracy = _test_accuracy(model, split) if (evaluate if evaluate is not None else rank == 0) else None
+        accuracy = test_accuracy(model, split) if (evaluate if evaluate is not None else rank == 0) else None
         return RankResult(
             worker_index=rank,
             **printer.summary(),
@@ -149,23 +110,10 @@ def train_rank(
         )
 
 
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _launch(
     args: argparse.Namespace, workdir: Path, addresses: list[str]
 ) -> tuple[list[int], list[list[str]]]:
     """Runs one attempt; returns the workers' exit codes (``-1``: stopped, another failed) and tails."""
-    from trainer.demo import _relay, _train_flags
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
@@ -178,12 +126,12 @@ def _launch(
                    "--ring", ",".join(addresses), "--worker-index", str(rank),
                    "--compression", args.compression, "--ring-transport", args.ring_transport,
                    *(["--no-lr-scaling"] if args.no_lr_scaling else []),
-                   "--result-json", str(workdir / f"worker{rank}.json"), *_train_flags(args),
-                   *security_argv(args)]  # fmt: skip
+                   "--result-json", str(workdir / f"worker{rank}.json"), *options.train_flags(args),
+                   *options.security_argv(args)]  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             tails.append([])
-            t = threading.Thread(target=_relay, args=(proc, tails[-1]), daemon=True)
+            t = threading.Thread(target=supervise.relay_worker_lines, args=(proc, tails[-1]), daemon=True)
             t.start()
             threads.append(t)
         deadline = time.monotonic() + _WORKER_TIMEOUT_S
@@ -193,11 +141,11 @@ def _launch(
                 if codes[i] is None:
                     codes[i] = p.poll()
             if any(c not in (None, 0) for c in codes):  # one failed: the others would wait for it
-                _stop(procs)
+                supervise.stop(procs)
                 codes = [c if c is not None else -1 for c in codes]
                 break
             if time.monotonic() > deadline:
-                _stop(procs)
+                supervise.stop(procs)
                 codes = [c if c is not None else -1 for c in codes]
                 break
             time.sleep(_POLL_S)
@@ -205,7 +153,7 @@ def _launch(
             t.join(timeout=5)
         return [int(c) for c in codes if c is not None], tails
     finally:
-        _stop(procs)
+        supervise.stop(procs)
 
 
 def run_allreduce_demo(args: argparse.Namespace) -> int:
@@ -214,11 +162,10 @@ def run_allreduce_demo(args: argparse.Namespace) -> int:
     Raises:
         ValueError: bad flags.
     """
-    from trainer.demo import _print_result
 
     if args.workers < 1:
         raise ValueError("--workers must be >= 1")
-    ring_security_options(args)  # a bad token file fails here, not in every worker
+    options.ring_security_options(args)  # a bad token file fails here, not in every worker
     started = time.perf_counter()
     print(
         f"starting {args.workers} workers on a ring all-reduce (no ps shards); "
@@ -242,7 +189,7 @@ def run_allreduce_demo(args: argparse.Namespace) -> int:
         workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
     accuracy = workers[0]["test_accuracy"]
     in_sync = all(w["in_sync"] for w in workers)
-    _print_result(
+    report.print_result(
         {
             "mode": "allreduce",
             "test_accuracy": accuracy,

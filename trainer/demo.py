@@ -21,8 +21,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from trainer import options, report, supervise
 from trainer.cluster import LocalCluster, backups_of
 
 _WORKER_TIMEOUT_S = 1800.0  # a demo run takes a minute or two; this only bounds a hung worker
@@ -56,57 +56,14 @@ def native_stderr_held() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def server_args(args: argparse.Namespace) -> list[str]:
-    """The psserver flags of the demo's mode."""
-    mode = args.mode
-    if mode == "sync":
-        n = args.replicas_to_aggregate or args.workers
-        return ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(args.workers),
-                "--barrier-timeout", str(args.barrier_timeout)]  # fmt: skip
-    if mode == "ssp":
-        return ["--mode", "ssp", "--total-replicas", str(args.workers), "--staleness", str(args.staleness),
-                "--barrier-timeout", str(args.barrier_timeout)]  # fmt: skip
-    return []
-
-
-def learning_rate(args: argparse.Namespace) -> float:
-    """The workers' learning rate: in sync mode each update averages N gradients, an N-times larger
-    batch, so the linear scaling rule multiplies the rate by N (unless --no-lr-scaling)."""
-    if args.mode == "sync" and not args.no_lr_scaling:
-        return float(args.learning_rate) * (args.replicas_to_aggregate or args.workers)
-    return float(args.learning_rate)
-
-
-def _train_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs),
-             "--batch-size", str(args.batch_size), "--learning-rate", str(learning_rate(args)),
-             "--seed", str(args.seed), "--synthetic-size", str(args.synthetic_size),
-             "--image-size", str(args.image_size), "--log-level", args.log_level]  # fmt: skip
-    if args.data_path:
-        flags += ["--data-path", args.data_path]
-    return flags
-
-
-def _relay(proc: subprocess.Popen[str], tail: list[str]) -> None:
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        tail.append(line)
-        del tail[:-40]
-        if line.startswith("[worker"):
-            print(line, end="", flush=True)
-
-
-def _print_result(result: dict[str, Any], path: str | None) -> None:
-    print(
-        f"test accuracy {result['test_accuracy']:.4f} after {result['epochs']} epochs "
-        f"({result['mode']} mode): {result['steps_per_second']:.1f} steps/s",
-        flush=True,
+def _server_args(args: argparse.Namespace) -> list[str]:
+    return options.server_args(
+        args.mode,
+        args.workers,
+        replicas_to_aggregate=args.replicas_to_aggregate,
+        staleness=args.staleness,
+        barrier_timeout=args.barrier_timeout,
     )
-    if path:
-        from trainer.__main__ import _write_json
-
-        _write_json(path, result)
-        print(f"results written to {path}", flush=True)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -123,13 +80,11 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError("--kill-primary needs --backups (without a backup the shard's state is gone)")
     started = time.perf_counter()
     if args.mode == "local":
-        from trainer.__main__ import _train_config
-
         with native_stderr_held():
             from trainer.train import train_local  # imports TensorFlow
 
-            local, accuracy = train_local(_train_config(args))
-        _print_result(
+            local, accuracy = train_local(options.train_config(args))
+        report.print_result(
             {
                 "mode": "local",
                 "test_accuracy": accuracy,
@@ -152,10 +107,10 @@ def run_demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     with contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(LocalCluster(args.shards, server_args=server_args(args)))
+        cluster = stack.enter_context(LocalCluster(args.shards, server_args=_server_args(args)))
         addresses = list(cluster.addresses)
         if args.backups:
-            backups = stack.enter_context(backups_of(cluster, server_args(args)))
+            backups = stack.enter_context(backups_of(cluster, _server_args(args)))
             print(f"backups following: {', '.join(backups.addresses)}", flush=True)
             addresses = [f"{p}|{b}" for p, b in zip(cluster.addresses, backups.addresses, strict=True)]
         workdir = Path(cluster.workdir)
@@ -172,7 +127,8 @@ def run_demo(args: argparse.Namespace) -> int:
             for i in range(args.workers):
                 cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
                        "--worker-index", str(i), "--num-workers", str(args.workers), "--mode", args.mode,
-                       "--result-json", str(workdir / f"worker{i}.json"), *_train_flags(args)]  # fmt: skip
+                       "--result-json", str(workdir / f"worker{i}.json"),
+                       *options.train_flags(args)]  # fmt: skip
                 if args.no_overlap:
                     cmd.append("--no-overlap")
                 proc = subprocess.Popen(
@@ -180,7 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 )
                 procs.append(proc)
                 tails.append([])
-                t = threading.Thread(target=_relay, args=(proc, tails[-1]), daemon=True)
+                t = threading.Thread(target=supervise.relay_worker_lines, args=(proc, tails[-1]), daemon=True)
                 t.start()
                 threads.append(t)
             if drill is not None:
@@ -210,14 +166,12 @@ def run_demo(args: argparse.Namespace) -> int:
                     proc.kill()
                     proc.wait()
         workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
-        from trainer.__main__ import _train_config
-
         with native_stderr_held():
             from trainer.train import evaluate_from_ps  # imports TensorFlow
 
-            accuracy = evaluate_from_ps(_train_config(args), addresses)
+            accuracy = evaluate_from_ps(options.train_config(args), addresses)
         killed = drill is not None and cluster.procs[0] is not None and cluster.procs[0].poll() is not None
-    _print_result(
+    report.print_result(
         {
             "mode": args.mode,
             "test_accuracy": accuracy,

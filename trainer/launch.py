@@ -19,9 +19,9 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
+from trainer import options, supervise
 from trainer.cluster import LocalCluster, reserve_ports
 
 LAUNCH_MODES = ("local", "async", "sync", "ssp", "allreduce")
@@ -42,19 +42,6 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--barrier-timeout", type=float, default=120.0, help="sync/ssp barrier timeout, seconds")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command, after --")
-
-
-def mode_server_args(
-    mode: str, workers: int, *, staleness: int = 2, barrier_timeout: float = 120.0
-) -> list[str]:
-    """The psserver flags of a ps mode with ``workers`` workers (sync: every worker's gradient per step)."""
-    if mode == "sync":
-        return ["--mode", "sync", "--replicas-to-aggregate", str(workers), "--total-replicas", str(workers),
-                "--barrier-timeout", str(barrier_timeout)]  # fmt: skip
-    if mode == "ssp":
-        return ["--mode", "ssp", "--total-replicas", str(workers), "--staleness", str(staleness),
-                "--barrier-timeout", str(barrier_timeout)]  # fmt: skip
-    return []
 
 
 def _relay(index: int, proc: subprocess.Popen[str], prefix: bool) -> None:
@@ -89,7 +76,7 @@ def launch(
     with contextlib.ExitStack() as stack:
         cluster: dict[str, list[str]] = {}
         if mode in ("async", "sync", "ssp"):
-            args = mode_server_args(mode, workers, staleness=staleness, barrier_timeout=barrier_timeout)
+            args = options.server_args(mode, workers, staleness=staleness, barrier_timeout=barrier_timeout)
             ps = stack.enter_context(LocalCluster(shards, server_args=args))
             cluster["ps"] = list(ps.addresses)
             print(f"launch: {shards} ps shard(s) in {mode} mode at {', '.join(ps.addresses)}", flush=True)
@@ -112,7 +99,7 @@ def launch(
                 t = threading.Thread(target=_relay, args=(i, proc, workers > 1), daemon=True)
                 t.start()
                 relays.append(t)
-            return _wait_all(procs, timeout)
+            return supervise.wait_all(procs, timeout)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -120,24 +107,3 @@ def launch(
                     proc.wait()
             for t in relays:
                 t.join(timeout=5)
-
-
-def _wait_all(procs: list[subprocess.Popen[str]], timeout: float) -> int:
-    """Waits for every process; on the first failure (or the deadline) stops the rest."""
-    deadline = time.monotonic() + timeout
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            i, code = failed[0]
-            print(f"launch: worker {i} exited with status {code}; stopping the others", file=sys.stderr)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            return int(code or 1)
-        if all(c == 0 for c in codes):
-            return 0
-        if time.monotonic() > deadline:
-            print(f"launch: workers still running after {timeout:.0f}s; stopping them", file=sys.stderr)
-            return 124
-        time.sleep(0.2)

@@ -24,13 +24,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+from trainer import supervise
 from trainer.cluster import reserve_ports
-from trainer.launch import _wait_all
 
 _GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 _DEFAULT_BASE_PORT = 29500
@@ -156,19 +155,6 @@ def _relay(rank: int, stream_name: str, source: IO[str], sink: IO[str]) -> None:
             sink.flush()
 
 
-def _stop(procs: Sequence[subprocess.Popen[str]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + _GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run(
     cmd: Sequence[str],
     np_: int,
@@ -201,9 +187,9 @@ def run(
                 t = threading.Thread(target=_relay, args=(r, name, source, sink), daemon=True)
                 t.start()
                 relays.append(t)
-        code = _wait_all(procs, timeout)
+        code = supervise.wait_all(procs, timeout)
     finally:
-        _stop(procs)
+        supervise.stop(procs, _GRACE_S)
         for t in relays:
             t.join(timeout=5)
     return 128 - code if code < 0 else code  # killed by a signal: the shell's 128 + signal number

@@ -199,7 +199,7 @@ def train_local(config: TrainConfig) -> tuple[WorkerResult, float]:
     model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
     printer = fit_shard(model, config, split, prefix="[local] ")
     result = WorkerResult(worker_index=0, **printer.summary())
-    return result, _test_accuracy(model, split)
+    return result, test_accuracy(model, split)
 
 
 def evaluate_from_ps(config: TrainConfig, ps_addresses: list[str], timeout: float = 60.0) -> float:
@@ -212,10 +212,10 @@ def evaluate_from_ps(config: TrainConfig, ps_addresses: list[str], timeout: floa
     model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
     with psclient.PSClient(ps_addresses, worker_id="evaluator", timeout=timeout) as client:
         psk.load_from_ps(model, client)
-    return _test_accuracy(model, split)
+    return test_accuracy(model, split)
 
 
-def _test_accuracy(model: keras.Model, split: data.Split) -> float:
+def test_accuracy(model: keras.Model, split: data.Split) -> float:
     ds = data.make_dataset(split.x_test, split.y_test, batch_size=256, shuffle=False)
     _, accuracy = model.evaluate(ds, verbose=0)
     return float(accuracy)

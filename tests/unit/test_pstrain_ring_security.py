@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from trainer.__main__ import build_parser, main
-from trainer.allreduce_loop import ring_security_options, security_argv
+from trainer.options import ring_security_options, security_argv
 
 TLS = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--tls-client-ca", "ca.pem"]
 
