@@ -30,12 +30,10 @@ from typing import Any
 
 import grpc
 import pytest
+from _support import CALL_TIMEOUT_S
 
 from psproto.v1 import ps_pb2_grpc
 from trainer.cluster import LocalCluster
-
-# Seconds a unit of I/O-bound test work may take on a loaded 2-core CI machine.
-CALL_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import RUN_TIMEOUT_S
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_horovod_worker.py")
-RUN_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")

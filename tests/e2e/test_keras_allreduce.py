@@ -17,19 +17,18 @@ pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 keras = pytest.importorskip("keras")
 
 import _allreduce_worker as w  # noqa: E402
+from _support import RUN_TIMEOUT_S, free_addresses  # noqa: E402
 
 import psclient  # noqa: E402
 import psclient.keras as psk  # noqa: E402
-from trainer.cluster import reserve_ports  # noqa: E402
 
 SCENARIOS = list(w.scenarios())
 
 WORKER = Path(__file__).with_name("_allreduce_worker.py")
-RUN_TIMEOUT_S = 300
 
 
 def _run_ranks(tmp_path: Path, mode: str, world: int = 2) -> list[dict[str, np.ndarray]]:
-    addresses = ",".join(reserve_ports(world))
+    addresses = ",".join(free_addresses(world))
     outs = [tmp_path / f"rank{r}.npz" for r in range(world)]
     procs = [
         subprocess.Popen(
@@ -87,7 +86,7 @@ def test_ranks_stay_identical_and_match_one_process_on_the_global_batch(tmp_path
 
 
 def test_optimizer_keeps_its_class_and_config() -> None:
-    with psk.AllReduceWorker([reserve_ports(1)[0]], 0) as worker:
+    with psk.AllReduceWorker([free_addresses(1)[0]], 0) as worker:
         opt = psk.AllReduceOptimizer(keras.optimizers.Adam(0.005, beta_1=0.8), worker)
         assert isinstance(opt, keras.optimizers.Adam) and isinstance(opt, psk.AllReduceOptimizer)
         assert type(opt).__name__ == "Adam" and opt.get_config()["beta_1"] == 0.8
@@ -110,7 +109,7 @@ def test_callback_refuses_a_plain_optimizer() -> None:
     model.compile(optimizer="adam", loss="mse", jit_compile=False)
     x, y = np.zeros((4, 4), np.float32), np.zeros((4, 2), np.float32)
     with (
-        psk.AllReduceWorker([reserve_ports(1)[0]], 0) as worker,
+        psk.AllReduceWorker([free_addresses(1)[0]], 0) as worker,
         pytest.raises(ValueError, match="AllReduceOptimizer"),
     ):
         model.fit(x, y, verbose=0, callbacks=[worker.callback()])
@@ -152,7 +151,7 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[
     """Every scenario of _allreduce_worker.py on 2 ranks, each on its own ring (one pair of processes)."""
     out = tmp_path_factory.mktemp("scenarios")
     world = 2
-    addresses = ",".join(reserve_ports(world * len(SCENARIOS)))
+    addresses = ",".join(free_addresses(world * len(SCENARIOS)))
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), addresses, str(r), "scenarios", ",".join(SCENARIOS), str(out)],
@@ -268,7 +267,7 @@ def test_saved_model_loads_with_the_plain_optimizer_class(scenarios: Any) -> Non
 
 
 def test_optimizer_wraps_a_loss_scale_optimizer_and_a_schedule() -> None:
-    with psk.AllReduceWorker([reserve_ports(1)[0]], 0) as worker:
+    with psk.AllReduceWorker([free_addresses(1)[0]], 0) as worker:
         schedule = keras.optimizers.schedules.CosineDecay(1e-3, 1000)
         opt = psk.AllReduceOptimizer(keras.optimizers.Adam(schedule), worker)
         assert (

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from trainer.cluster import reserve_ports
+from _support import free_addresses
 
 pytestmark = [pytest.mark.e2e]
 
@@ -71,7 +70,7 @@ def test_psrun_one_per_host_with_host_index_forms_one_ring(tmp_path: Path) -> No
         "with Ring(cfg.workers, cfg.worker_rank(), timeout=30) as ring:\n"
         "    print('sum', ring.allreduce([rank + 1.0], op='sum').tolist())\n",
     )
-    base_port = reserve_ports(1)[0].rpartition(":")[2]
+    base_port = free_addresses(1)[0].rpartition(":")[2]
     args = ["-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1", "--base-port", base_port]
     cmds = [[sys.executable, "-m", "trainer.psrun", *args, "--host-index", str(i), sys.executable, script]
             for i in range(2)]  # fmt: skip

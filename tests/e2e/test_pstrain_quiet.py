@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from _support import RUN_TIMEOUT_S
 
 from trainer.cluster import LocalCluster
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
-RUN_TIMEOUT_S = 300
 NOISE = ("cuInit", "oneDNN", "absl::InitializeLog", "cuda drivers", "UserWarning")
 
 

@@ -8,12 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from _support import RUN_TIMEOUT_S
 
 from trainer.cluster import LocalCluster
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
-
-RUN_TIMEOUT_S = 300
 
 
 def _worker(addresses: list[str], out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

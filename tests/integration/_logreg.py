@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 
-TIMEOUT_S = 30.0
 STEPS = 240
 BATCH = 64
 

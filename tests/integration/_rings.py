@@ -1,4 +1,4 @@
-"""Helpers of the ring tests: free loopback addresses, and AsyncRing ranks sharing one event loop."""
+"""Helpers of the ring tests: AsyncRing ranks sharing one event loop."""
 
 from __future__ import annotations
 
@@ -6,13 +6,9 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from _support import free_addresses
+
 from psclient.collective import AsyncRing
-from trainer.cluster import reserve_ports
-
-
-def free_addresses(n: int) -> list[str]:
-    """``n`` loopback addresses whose ports were free a moment ago (bind-and-close)."""
-    return reserve_ports(n)
 
 
 @asynccontextmanager

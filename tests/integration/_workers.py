@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from _support import CALL_TIMEOUT_S
+
 import psclient
 from trainer.cluster import LocalCluster
-
-CALL_TIMEOUT_S = 20.0  # every call of a simulated worker; barrier timeouts in the tests are shorter or equal
 
 
 def worker_clients(cluster: LocalCluster, count: int) -> list[psclient.AsyncPSClient]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from pscore import optimizers as specs
@@ -18,8 +19,6 @@ from psserver import optimizers as server
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = pytest.mark.timeout(180)
-
-TIMEOUT_S = 30.0
 
 
 def _rand(seed: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from pscore import codec
@@ -20,8 +21,6 @@ from psserver import checkpoint
 from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
-
-TIMEOUT_S = 30.0
 
 
 def _port(cluster: LocalCluster, shard: int) -> int:

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _rings import async_rings, free_addresses
+from _rings import async_rings
+from _support import free_addresses
 
 from psclient.collective import AsyncRing, Ring
 from pscore.errors import (

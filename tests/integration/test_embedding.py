@@ -8,14 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from pscore.embedding import init_rows
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
-
-TIMEOUT_S = 30.0
 
 
 def test_create_embedding_then_lookup_is_exact(client: psclient.PSClient, var_name: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,6 @@ from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(300)
 
-TIMEOUT_S = 10.0
 FUZZ = settings(
     max_examples=40,
     deadline=None,

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
 
 import psclient
 from psserver.config import ServerConfig
 from psserver.server import start
 from trainer.cluster import LocalCluster
-
-TIMEOUT_S = 20.0
 
 
 def scrape(host_port: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

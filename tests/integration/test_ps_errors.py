@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as RPC_TIMEOUT_S
 
 import psclient
 from pscore import codec
@@ -16,7 +17,6 @@ from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(60)
 
-RPC_TIMEOUT_S = 10.0
 F32 = ps_pb2.DTYPE_FLOAT32
 
 

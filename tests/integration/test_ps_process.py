@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _support import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from psclient._retry import RetryPolicy
@@ -87,14 +88,8 @@ def test_ps_process_sigterm_exits_0_and_health_goes_not_serving(
     assert "listening on" in cluster.log_path(0).read_text()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_ps_process_shard_starts_from_tf_config_without_shard_flag(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     tf_config = {
         "cluster": {"ps": ["127.0.0.1:1", f"127.0.0.1:{port}"], "worker": ["127.0.0.1:2"]},
         "task": {"type": "ps", "index": 1},

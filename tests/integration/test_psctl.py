@@ -8,13 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from psclient import ctl
 from psclient.admin import cluster_status
 from trainer.cluster import LocalCluster
-
-TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from psserver.config import ServerConfig
@@ -16,8 +17,6 @@ from psserver.servicer import ParameterServerServicer
 from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
-
-TIMEOUT_S = 20.0
 
 
 async def test_a_failed_push_is_raised_and_the_session_goes_on(cluster: LocalCluster, var_name: str) -> None:
@@ -88,13 +87,14 @@ async def test_a_shard_without_push_session_gets_unary_pushes(monkeypatch: pytes
 async def test_a_push_on_a_stream_that_already_ended_fails_with_a_retryable_status() -> None:
     """The shard went away before the push was written: an UNAVAILABLE RpcError (retried, failed over),
     not asyncio's InvalidStateError (which escaped the retry policy)."""
+    from _support import free_addresses
+
     from psclient import _session
     from psclient._retry import is_retryable
     from pscore import codec, rpc
     from psproto.v1 import ps_pb2
-    from trainer.cluster import reserve_ports
 
-    (nowhere,) = reserve_ports(1)  # nothing listens there
+    (nowhere,) = free_addresses(1)  # nothing listens there
     async with grpc.aio.insecure_channel(nowhere) as channel:
         call = rpc.Stub(channel).PushSession(timeout=TIMEOUT_S, wait_for_ready=False)
         with pytest.raises(grpc.RpcError):

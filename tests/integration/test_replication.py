@@ -18,6 +18,8 @@ import grpc
 import numpy as np
 import pytest
 from _logreg import train
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
+from _support import wait_until
 
 import psclient
 from psclient._retry import RetryPolicy
@@ -26,8 +28,6 @@ from psserver.config import ConfigError, ServerConfig
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
-
-TIMEOUT_S = 30.0
 
 
 @contextlib.contextmanager
@@ -202,9 +202,7 @@ def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
 def test_a_backup_of_a_backup_is_refused() -> None:
     with _pair() as (_, backup), LocalCluster(1, ["--backup-of", backup.addresses[0]]) as second:
         assert _status(second.addresses[0]).role == "backup"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and "refuses a backup" not in second.log_tail(0, 20):
-            time.sleep(0.05)
+        wait_until(lambda: "refuses a backup" in second.log_tail(0, 20), "the backup's refusal in its log")
         assert "not a primary" in second.log_tail(0, 20)
 
 
@@ -259,9 +257,9 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
 
 def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> None:
     """The old primary comes back with its usual flags (``--backup-at``) and defers to the newer state."""
-    from trainer.cluster import reserve_ports
+    from _support import free_addresses
 
-    a, b = reserve_ports(2)
+    a, b = free_addresses(2)
     a_port, b_port = (int(x.rpartition(":")[2]) for x in (a, b))
     first = LocalCluster(1, ["--backup-at", b])  # a plain restart of this would serve an older state
     second = LocalCluster(1, ["--backup-of", a])
@@ -310,10 +308,7 @@ def test_replication_over_mutual_tls(tmp_path: Path) -> None:
     ):
         tls_client = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S, **tls_client) as c:
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and "caught up" not in backup.log_tail(0, 50):
-                time.sleep(0.05)  # bounded: the backup attaches within a second
-            assert "caught up" in backup.log_tail(0, 50), backup.log_tail(0, 30)
+            wait_until(lambda: "caught up" in backup.log_tail(0, 50), "the backup to catch up")
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(4, np.float32)})
             primary.kill_shard(0)

@@ -19,11 +19,11 @@ from trainer.cluster import LocalCluster
 
 pytest.importorskip("cryptography")
 from _certs import Pki, make_pki  # tests/_certs.py
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(120)
 
 TOKEN = "s3cret-token_0123456789"
-TIMEOUT_S = 20.0
 REFUSED_TIMEOUT_S = 2.0  # a refused TLS handshake is retried (UNAVAILABLE) until this deadline
 
 

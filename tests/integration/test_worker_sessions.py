@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from pscore import codec, errors
@@ -23,7 +24,6 @@ from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = pytest.mark.timeout(120)
 
-TIMEOUT_S = 20.0
 ONES = np.ones(4, np.float32)
 
 

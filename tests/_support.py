@@ -1,0 +1,49 @@
+"""What every test shares: how long to wait, where to listen, and how to wait for a condition.
+
+One place for these, so that a slow CI machine is handled by changing one number:
+
+- ``CALL_TIMEOUT_S``: the deadline of one unit of I/O-bound test work (an RPC, a
+  client's call with its retries, a shard restart). Barrier timeouts set in tests
+  are shorter, so a test that waits on a barrier fails with the barrier's diagnosis.
+- ``RUN_TIMEOUT_S``: the wall-clock bound of one TensorFlow subprocess run (a
+  ``pstrain`` command, a worker script): TensorFlow alone takes ~5 s to import.
+- ``free_addresses(n)``: loopback ``HOST:PORT`` s nobody listens on (for rings and
+  for "nothing listens there" checks).
+- ``wait_until(predicate, what)``: a bounded poll that fails naming what it waited for.
+
+Imported as ``from _support import ...`` (pytest puts ``tests/`` on the path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from trainer.cluster import reserve_ports
+
+CALL_TIMEOUT_S = 30.0
+RUN_TIMEOUT_S = 300.0
+
+
+def free_addresses(n: int = 1) -> list[str]:
+    """``n`` distinct ``127.0.0.1:PORT`` addresses that were free a moment ago."""
+    return reserve_ports(n)
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    return int(free_addresses(1)[0].rpartition(":")[2])
+
+
+def wait_until(
+    predicate: Callable[[], object], what: str, *, timeout: float = CALL_TIMEOUT_S, interval: float = 0.05
+) -> object:
+    """Polls ``predicate`` until it returns something truthy, and returns that; fails naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
