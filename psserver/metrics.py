@@ -13,7 +13,9 @@ servicer's handlers to know about metrics:
   wait inside it (the sync barrier, the SSP wait), remembering who is waiting
   so ``stall_report`` can name who they wait for.
 - a collector that reads the store at scrape time: variables, stored bytes,
-  each variable's version, checkpoint age.
+  each variable's version, the longest current wait, checkpoint age and whether
+  changes are not saved yet, the replication role and backup link (``attach``
+  hands it the shard's checkpointer and replication ends).
 
 Staleness of a push: the number of updates the shard applied between the
 pushing worker's last read (a pull, or a push that returned values) and this
@@ -34,12 +36,12 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
@@ -47,6 +49,10 @@ from pscore.security import HandlerWrappingInterceptor
 from psproto.v1 import ps_pb2
 from psserver.modes import Mode, PushOutcome
 from psserver.store import Store
+
+if TYPE_CHECKING:
+    from psserver.checkpoint import Checkpointer
+    from psserver.replication import Backup, Primary
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,7 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 _MAX_TRACKED_WORKERS = 10_000  # bounds the per-worker tables against endless fresh worker ids
+ROLES = ("primary", "backup", "orphaned")  # psserver_role{role}: GetStatus.role of a shard process
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +129,18 @@ class ShardMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )
+        self.replication_ack = Histogram(
+            "psserver_replication_ack_seconds",
+            "Replication lag: time from forwarding an update to the backup until it acknowledged it",
+            ("shard",),
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(**label)
         self.last_checkpoint: float | None = None  # time.time() of the last checkpoint written
+        self.checkpointer: Checkpointer | None = None
+        self.checkpoint_every_s = 0.0
+        self.primary: Primary | None = None
+        self.backup: Backup | None = None
         self.waits: dict[int, Wait] = {}
         self._wait_ids = itertools.count()
         self._last_read: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -130,6 +148,29 @@ class ShardMetrics:
         reg.register(_StoreCollector(self))
         self._http: Any = None
         self.port: int | None = None
+
+    def attach(
+        self,
+        *,
+        checkpointer: Checkpointer | None = None,
+        checkpoint_every_s: float | None = None,
+        primary: Primary | None = None,
+        backup: Backup | None = None,
+    ) -> None:
+        """Hooks the shard's checkpointer and replication ends (each optional) into the metrics.
+
+        Checkpoints written are recorded (``psserver_checkpoints_total``, age),
+        the backup's acknowledgements timed (``psserver_replication_ack_seconds``),
+        and the rest is read at scrape time.
+        """
+        if checkpointer is not None:
+            self.checkpointer = checkpointer
+            self.checkpoint_every_s = checkpoint_every_s or 0.0
+            checkpointer.on_saved = self.checkpoint_saved
+        if primary is not None:
+            self.primary = primary
+            primary.on_ack = self.replication_ack.observe
+        self.backup = backup
 
     # -- recording ----------------------------------------------------------
 
@@ -259,7 +300,7 @@ class _StoreCollector(Collector):
     def __init__(self, metrics: ShardMetrics) -> None:
         self.m = metrics
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         shard = str(self.m.shard)
         variables = list(self.m.store.variables())
         states = [(v.name, v.state) for v in variables]
@@ -284,6 +325,13 @@ class _StoreCollector(Collector):
             "psserver_waiting_requests", "Pushes and pulls waiting in the mode now", labels=["shard"]
         )
         waiting.add_metric([shard], len(self.m.waits))
+        oldest = GaugeMetricFamily(
+            "psserver_oldest_wait_seconds",
+            "Seconds the longest-waiting push or pull has waited in the mode (0: none waits)",
+            labels=["shard"],
+        )
+        since = min((w.since for w in list(self.m.waits.values())), default=None)
+        oldest.add_metric([shard], 0.0 if since is None else max(0.0, time.monotonic() - since))
         age = GaugeMetricFamily(
             "psserver_checkpoint_age_seconds",
             "Seconds since the last checkpoint was written (NaN: none yet)",
@@ -291,7 +339,61 @@ class _StoreCollector(Collector):
         )
         last = self.m.last_checkpoint
         age.add_metric([shard], math.nan if last is None else max(0.0, time.time() - last))
-        yield from (count, size, version, nbytes, uptime, waiting, age)
+        yield from (count, size, version, nbytes, uptime, waiting, oldest, age)
+        yield from self._checkpointing(shard)
+        yield from self._replication(shard)
+
+    def _checkpointing(self, shard: str) -> Iterator[GaugeMetricFamily]:
+        checkpointer = self.m.checkpointer
+        if checkpointer is None:  # no --checkpoint-dir: nothing to watch
+            return
+        dirty = GaugeMetricFamily(
+            "psserver_checkpoint_dirty",
+            "1 while the shard holds changes that no checkpoint has saved yet",
+            labels=["shard"],
+        )
+        dirty.add_metric([shard], 1.0 if checkpointer.dirty else 0.0)
+        every = GaugeMetricFamily(
+            "psserver_checkpoint_interval_seconds",
+            "--checkpoint-every (0: checkpoints only at shutdown and on request)",
+            labels=["shard"],
+        )
+        every.add_metric([shard], self.m.checkpoint_every_s)
+        yield from (dirty, every)
+
+    def _replication(self, shard: str) -> Iterator[Metric]:
+        backup = self.m.backup
+        current = backup.role if backup is not None else "primary"
+        role = GaugeMetricFamily(
+            "psserver_role", "1 for the process's current replication role, 0 for the others",
+            labels=["shard", "role"],
+        )  # fmt: skip
+        for name in ROLES:
+            role.add_metric([shard, name], 1.0 if name == current else 0.0)
+        yield role
+        primary = self.m.primary
+        if primary is not None:  # async mode: a backup may attach
+            attached = GaugeMetricFamily(
+                "psserver_replication_backup_attached",
+                "1 while a backup follows this shard (every update waits for its acknowledgement)",
+                labels=["shard"],
+            )
+            attached.add_metric([shard], 1.0 if primary.backup else 0.0)
+            unacked = GaugeMetricFamily(
+                "psserver_replication_unacked_updates",
+                "Updates forwarded to the backup and not acknowledged yet",
+                labels=["shard"],
+            )
+            unacked.add_metric([shard], primary.unacknowledged)
+            yield from (attached, unacked)
+        if backup is not None:  # --backup-of: this process follows a primary
+            applied = CounterMetricFamily(
+                "psserver_replication_updates_applied",
+                "Pushes and assignments of its primary this backup has applied",
+                labels=["shard"],
+            )
+            applied.add_metric([shard], backup.applied)
+            yield applied
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []

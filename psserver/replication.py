@@ -35,6 +35,7 @@ import contextlib
 import io
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -83,11 +84,19 @@ class Primary:
         self.ack_timeout_s = ack_timeout_s
         self._link: _Link | None = None
         self._ids = itertools.count(1)
+        # Called with the seconds from forwarding an update to the backup's acknowledgement (metrics).
+        self.on_ack: Callable[[float], None] | None = None
 
     @property
     def backup(self) -> str:
         """The attached backup's peer address ("" when none)."""
         return self._link.peer if self._link is not None else ""
+
+    @property
+    def unacknowledged(self) -> int:
+        """Updates forwarded to the attached backup and not acknowledged yet (0 without a backup)."""
+        link = self._link
+        return len(link.waiting) if link is not None else 0
 
     async def serve(
         self, requests: AsyncIterator[bytes], peer: str
@@ -224,14 +233,20 @@ class Primary:
         waiter = asyncio.get_running_loop().create_future()
         link.waiting[header.id] = waiter
         link.outbox.put_nowait(header)
-        return self._await_ack(link, header.id, waiter)
+        return self._await_ack(link, header.id, waiter, time.perf_counter())
 
-    async def _await_ack(self, link: _Link, update_id: int, waiter: asyncio.Future[bool]) -> None:
+    async def _await_ack(
+        self, link: _Link, update_id: int, waiter: asyncio.Future[bool], sent: float
+    ) -> None:
+        """Waits for the backup's acknowledgement of an update queued at ``sent`` (``perf_counter``)."""
         try:
             async with asyncio.timeout(self.ack_timeout_s):
-                await asyncio.shield(waiter)
+                acked = await asyncio.shield(waiter)
         except TimeoutError:
             self._detach(link, f"update {update_id} not acknowledged within {self.ack_timeout_s:g}s")
+            return
+        if acked and self.on_ack is not None:
+            self.on_ack(time.perf_counter() - sent)
 
     async def _forward(
         self, link: _Link, header: ps_pb2.ReplicateResponse, tensors: list[tuple[str, np.ndarray]]
@@ -239,16 +254,13 @@ class Primary:
         header.id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
         link.waiting[header.id] = waiter
+        sent = time.perf_counter()
         batches = list(codec.wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
         for i, batch in enumerate(batches):  # in application order; no await between the pieces
             message = header if i == 0 else ps_pb2.ReplicateResponse()
             message.more = i < len(batches) - 1
             link.outbox.put_nowait(codec.WireMessage(message, "tensors", batch))
-        try:
-            async with asyncio.timeout(self.ack_timeout_s):
-                await asyncio.shield(waiter)
-        except TimeoutError:
-            self._detach(link, f"update {header.id} not acknowledged within {self.ack_timeout_s:g}s")
+        await self._await_ack(link, header.id, waiter, sent)
 
 
 @dataclass(eq=False)

@@ -163,8 +163,6 @@ async def start(config: ServerConfig) -> Shard:
         if not config.backup_of:  # a backup starts empty and takes its primary's state
             await checkpointer.restore()  # before serving: no request sees a half-restored shard
     metrics = ShardMetrics(config.shard, store, mode.name)
-    if checkpointer is not None:
-        checkpointer.on_saved = metrics.checkpoint_saved
     interceptors: list[grpc.aio.ServerInterceptor] = [
         security.MalformedRequestInterceptor(),  # bytes that do not parse: INVALID_ARGUMENT
         metrics.interceptor(),
@@ -203,6 +201,12 @@ async def start(config: ServerConfig) -> Shard:
             auth_token=token,
             connect=functools.partial(peer_channel, config),
         )
+    metrics.attach(
+        checkpointer=checkpointer,
+        checkpoint_every_s=config.checkpoint_every_s,
+        primary=primary,
+        backup=backup,
+    )
     servicer = ParameterServerServicer(
         store,
         MeteredMode(mode, metrics),  # type: ignore[arg-type]

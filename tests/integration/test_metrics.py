@@ -108,6 +108,9 @@ async def test_sync_barrier_wait_recorded_and_stall_names_awaited_worker(
                     break
                 await asyncio.sleep(0.01)
             assert shard.metrics.waits
+            registry = shard.metrics.registry
+            assert registry.get_sample_value("psserver_waiting_requests", {"shard": "0"}) == 1
+            assert registry.get_sample_value("psserver_oldest_wait_seconds", {"shard": "0"}) > 0
             report = shard.metrics.stall_report(older_than_s=-1.0)
             assert report is not None
             assert "push of w0 for step 0" in report and "awaiting w1" in report
@@ -122,6 +125,7 @@ async def test_sync_barrier_wait_recorded_and_stall_names_awaited_worker(
             await w1.push({"v": g}, step=0)
             await asyncio.wait_for(pending, TIMEOUT_S)
         assert shard.metrics.stall_report(older_than_s=-1.0) is None
+        assert shard.metrics.registry.get_sample_value("psserver_oldest_wait_seconds", {"shard": "0"}) == 0
         samples = shard.metrics.registry
         count = samples.get_sample_value("psserver_barrier_wait_seconds_count", {"shard": "0", "op": "push"})
         assert count == 2
@@ -141,3 +145,72 @@ def test_metrics_port_flag_on_a_process_shard(tmp_path: Path) -> None:
         log_text = cluster.log_tail(0, lines=50)
     assert "metrics on http://127.0.0.1:" in log_text
     assert "psserver[shard=0 " in log_text
+
+
+async def test_checkpoint_dirty_and_interval(tmp_path: Path) -> None:
+    shard = await start(ServerConfig(shard=0, port=0, checkpoint_dir=str(tmp_path), checkpoint_every_s=3600))
+    try:
+        registry = shard.metrics.registry
+
+        def sample(name: str) -> float | None:
+            return registry.get_sample_value(name, {"shard": "0"})
+
+        assert sample("psserver_checkpoint_interval_seconds") == 3600
+        await shard.checkpointer.save()
+        assert sample("psserver_checkpoint_dirty") == 0
+        async with psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as c:
+            await c.create("v", np.zeros(4, np.float32))
+            assert sample("psserver_checkpoint_dirty") == 1
+            await shard.checkpointer.save()
+            assert sample("psserver_checkpoint_dirty") == 0
+            assert 0 <= sample("psserver_checkpoint_age_seconds") < 3600
+            await c.push({"v": np.ones(4, np.float32)})
+            assert sample("psserver_checkpoint_dirty") == 1
+    finally:
+        await shard.stop(0)
+    plain = await start(ServerConfig(shard=0, port=0))  # no --checkpoint-dir: nothing to watch
+    try:
+        registry = plain.metrics.registry
+        assert registry.get_sample_value("psserver_checkpoint_dirty", {"shard": "0"}) is None
+        assert registry.get_sample_value("psserver_role", {"shard": "0", "role": "primary"}) == 1
+    finally:
+        await plain.stop(0)
+
+
+async def test_replication_lag_role_and_backup_link() -> None:
+    primary = await start(ServerConfig(shard=0, port=0))
+    backup = await start(ServerConfig(shard=0, port=0, backup_of=primary.address))
+    try:
+        p, b = primary.metrics.registry, backup.metrics.registry
+
+        def sample(registry: object, name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, {"shard": "0", **labels})  # type: ignore[attr-defined]
+
+        for _ in range(1000):  # bounded (10 s): until the backup has attached and caught up
+            if sample(p, "psserver_replication_backup_attached") == 1 and backup.backup.caught_up:
+                break
+            await asyncio.sleep(0.01)
+        assert sample(p, "psserver_replication_backup_attached") == 1
+        assert sample(b, "psserver_role", role="backup") == 1
+        assert sample(b, "psserver_role", role="primary") == 0
+        assert sample(p, "psserver_replication_ack_seconds_count") == 0
+        async with psclient.AsyncPSClient([primary.address], worker_id="w0", timeout=TIMEOUT_S) as c:
+            await c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+            for _ in range(3):
+                await c.push({"v": np.ones(4, np.float32)})
+        # Every update was acknowledged before its call returned: one create and three pushes, timed.
+        assert sample(p, "psserver_replication_ack_seconds_count") == 4
+        assert sample(p, "psserver_replication_ack_seconds_sum") > 0
+        assert sample(p, "psserver_replication_unacked_updates") == 0
+        assert sample(b, "psserver_replication_updates_applied_total") == 3
+        assert sample(p, "psserver_replication_updates_applied_total") is None  # not a backup
+        await primary.stop(0)
+        for _ in range(1000):  # bounded (10 s): the backup sees its primary's stream end
+            if sample(b, "psserver_role", role="orphaned") == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert sample(b, "psserver_role", role="orphaned") == 1
+        assert sample(b, "psserver_role", role="backup") == 0
+    finally:
+        await primary.stop(0)
+        await backup.stop(0)
