@@ -40,13 +40,13 @@ def test_docker_compose_config_validates() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert set(proc.stdout.split()) == {"ps0", "ps1", "worker0", "worker1", "prometheus"}
+    assert set(proc.stdout.split()) == {"ps0", "ps1", "worker0", "worker1", "prometheus", "grafana"}
 
 
 def test_compose_describes_two_shards_and_two_workers() -> None:
     services = load_compose()["services"]
-    ps = {n: s for n, s in services.items() if s["command"][0] == "psserver"}
-    workers = {n: s for n, s in services.items() if s["command"][:2] == ["pstrain", "worker"]}
+    ps = {n: s for n, s in services.items() if s.get("command", [""])[0] == "psserver"}
+    workers = {n: s for n, s in services.items() if s.get("command", [])[:2] == ["pstrain", "worker"]}
     assert sorted(ps) == ["ps0", "ps1"] and sorted(workers) == ["worker0", "worker1"]
     clusters = {
         json.dumps(tf_config(s)["cluster"], sort_keys=True) for s in [*ps.values(), *workers.values()]
@@ -74,17 +74,50 @@ def test_compose_describes_two_shards_and_two_workers() -> None:
     assert "checkpoints" in load_compose()["volumes"]
 
 
+def _mounts(service: dict) -> dict[str, Path]:
+    """A service's bind mounts: container path -> the file or folder under deploy/."""
+    out = {}
+    for mount in service.get("volumes", []):
+        source, target = mount.split(":")[:2]
+        if source.startswith("./"):
+            out[target] = DEPLOY / source
+    return out
+
+
 def test_prometheus_is_optional_and_scrapes_every_shard() -> None:
     services = load_compose()["services"]
     prom = services["prometheus"]
     assert prom["profiles"] == ["observe"]
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    # The config and every rule file it names are mounted, side by side as the relative paths need.
+    mounts = _mounts(prom)
+    config_path = prom["command"][0].removeprefix("--config.file=")
+    assert mounts[config_path] == DEPLOY / "prometheus.yml"
+    for rule_file in config["rule_files"]:
+        mounted = mounts[str(Path(config_path).parent / rule_file)]
+        assert mounted.is_file() and mounted == DEPLOY / rule_file
     targets = config["scrape_configs"][0]["static_configs"][0]["targets"]
     expected = []
     for name in ("ps0", "ps1"):
         cmd = services[name]["command"]
         expected.append(f"{name}:{cmd[cmd.index('--metrics-port') + 1]}")
     assert targets == expected
+
+
+def test_grafana_is_optional_and_provisions_the_dashboard_on_prometheus() -> None:
+    services = load_compose()["services"]
+    grafana = services["grafana"]
+    assert grafana["profiles"] == ["observe"] and grafana["depends_on"] == ["prometheus"]
+    mounts = _mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    prom_port = services["prometheus"]["ports"][0].split(":")[-1]
+    assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{prom_port}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "paramserver.yml").read_text())["providers"]
+    folder = provider["options"]["path"]
+    dashboards = {target: path for target, path in mounts.items() if target.startswith(folder + "/")}
+    assert list(dashboards.values()) == [DEPLOY / "grafana" / "paramserver.json"]
+    assert json.loads(dashboards[f"{folder}/paramserver.json"].read_text())["uid"] == "paramserver"
 
 
 def test_kubernetes_manifests() -> None:
