@@ -42,6 +42,7 @@ from _promql import (  # tests/_promql.py
     exported_series,
     metric_names,
 )
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from psserver.config import ServerConfig
@@ -51,7 +52,6 @@ from trainer.cluster import LocalCluster
 pytestmark = [pytest.mark.timeout(180)]
 
 PROMETHEUS = shutil.which("prometheus")
-TIMEOUT_S = 20.0
 POLL_S = 60.0  # bound of every wait for Prometheus to see something (it scrapes every second)
 _LISTENING = re.compile(r'msg="Listening on" address=(\S+)')
 
