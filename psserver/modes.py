@@ -139,13 +139,9 @@ class AsyncMode(Mode):
         deadline: float | None = None,
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
-        if not self.store.claim(worker_id, seq, session):
+        versions = await self.store.apply_once(worker_id, seq, session, pairs)
+        if versions is None:
             return PushOutcome(applied=False, reason="duplicate")
-        try:
-            versions = await self.store.apply(pairs)
-        except BaseException:
-            self.store.unclaim(worker_id, seq, session)
-            raise
         return PushOutcome(applied=True, versions=tuple(versions))
 
 
@@ -512,13 +508,8 @@ class SSPMode(Mode):
         pairs = self.store.validate_grads(grads, allow_empty=True)
         if step < 0:
             raise InvalidArgumentError(f"ssp mode: step must be >= 0, got {step}")
-        if not self.store.claim(worker_id, seq, session):
+        if await self.store.apply_once(worker_id, seq, session, pairs) is None:
             return PushOutcome(applied=False, reason="duplicate")
-        try:
-            await self.store.apply(pairs)
-        except BaseException:
-            self.store.unclaim(worker_id, seq, session)
-            raise
         self.left.discard(worker_id)  # pushing again: counted in again
         if step + 1 > self.clocks.get(worker_id, 0):
             self.clocks[worker_id] = step + 1

@@ -373,6 +373,25 @@ class Store:
             window.discard(seq)
         self._held_claims.discard((worker_id, session, seq))
 
+    async def apply_once(
+        self, worker_id: str, seq: int, session: int, pairs: list[tuple[Variable, tables.Grad]]
+    ) -> list[int] | None:
+        """Applies push ``(worker_id, session, seq)`` unless it was already applied (then returns None).
+
+        The one claim / apply / unclaim sequence of every mode that applies a push
+        on arrival: a push whose apply fails is forgotten, so its retry applies it.
+
+        Raises:
+            WorkerIdConflictError: see ``claim``; nothing applied.
+        """
+        if not self.claim(worker_id, seq, session):
+            return None
+        try:
+            return await self.apply(pairs)
+        except BaseException:
+            self.unclaim(worker_id, seq, session)
+            raise
+
     async def apply(self, pairs: list[tuple[Variable, tables.Grad]]) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
