@@ -13,7 +13,7 @@ The tree (names as in ``tf.errors``; every class carries ``.code``)::
     ├── ResourceExhaustedError         RESOURCE_EXHAUSTED message too large, overloaded
     ├── FailedPreconditionError        FAILED_PRECONDITION
     │   └── WorkerIdConflictError                         two live clients push with one worker_id
-    ├── AbortedError                   ABORTED            not sent by shards (a stale sync push: applied=False)
+    ├── AbortedError                   ABORTED            not sent by shards (stale sync push: applied=False)
     ├── OutOfRangeError                OUT_OF_RANGE
     ├── UnimplementedError             UNIMPLEMENTED
     ├── InternalError                  INTERNAL
