@@ -9,9 +9,10 @@ servicer's handlers to know about metrics:
   ``ParameterServer`` RPC, counts errors by status code, counts tensor bytes in
   and out, counts pushes by outcome (applied, duplicate, stale) and pulls, and
   measures each push's staleness.
-- ``MeteredMode``: wraps the shard's mode and times how long pushes and pulls
-  wait inside it (the sync barrier, the SSP wait), remembering who is waiting
-  so ``stall_report`` can name who they wait for.
+- ``ShardMetrics`` as the mode's ``listener`` (``psserver.modes.WaitListener``):
+  times how long pushes and pulls wait inside the mode (the sync barrier, the
+  SSP wait), remembering who is waiting so ``stall_report`` can name who they
+  wait for.
 - a collector that reads the store at scrape time: variables, stored bytes,
   each variable's version, the longest current wait, checkpoint age and whether
   changes are not saved yet, the replication role and backup link (``attach``
@@ -34,12 +35,11 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
@@ -47,7 +47,6 @@ from prometheus_client.registry import Collector
 
 from pscore.security import HandlerWrappingInterceptor
 from psproto.v1 import ps_pb2
-from psserver.modes import Mode, PushOutcome
 from psserver.store import Store
 
 if TYPE_CHECKING:
@@ -601,47 +600,3 @@ def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grp
             if status.value[0] == code:
                 return status
     return default
-
-
-class MeteredMode:
-    """Wraps a shard's ``Mode``: records how long pushes and pulls wait in it, and who is waiting.
-
-    Behaves as the wrapped mode for everything else (attribute access is forwarded).
-    """
-
-    def __init__(self, mode: Mode, metrics: ShardMetrics) -> None:
-        self._mode = mode
-        self._metrics = metrics
-
-    @property
-    def name(self) -> str:
-        return self._mode.name
-
-    @property
-    def wrapped(self) -> Mode:
-        return self._mode
-
-    async def push(
-        self,
-        worker_id: str,
-        seq: int,
-        step: int,
-        grads: Mapping[str, np.ndarray],
-        session: int = 0,
-        deadline: float | None = None,
-    ) -> PushOutcome:
-        token = self._metrics.wait_begin("push", worker_id, step)
-        try:
-            return await self._mode.push(worker_id, seq, step, grads, session, deadline)
-        finally:
-            self._metrics.wait_end(token)
-
-    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
-        token = self._metrics.wait_begin("pull", worker_id, step)
-        try:
-            await self._mode.before_pull(worker_id, step, deadline)
-        finally:
-            self._metrics.wait_end(token)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._mode, name)

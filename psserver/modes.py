@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -50,6 +51,14 @@ class PushOutcome:
     versions: tuple[int, ...] = ()  # async mode: the version each gradient produced (replication)
 
 
+class WaitListener(Protocol):
+    """Told when a push or a pull enters the mode and when it leaves (``psserver.metrics``)."""
+
+    def wait_begin(self, op: str, worker_id: str, step: int) -> int: ...
+
+    def wait_end(self, token: int) -> None: ...
+
+
 class Mode(abc.ABC):
     """The update discipline of a shard."""
 
@@ -58,6 +67,7 @@ class Mode(abc.ABC):
     def __init__(self, store: Store) -> None:
         self.store = store
         self.stopping = False  # set by shutdown(): waits end, new pushes are refused
+        self.listener: WaitListener | None = None  # told when pushes and pulls enter and leave the mode
 
     def shutdown(self) -> None:
         """The shard is shutting down: ends every wait with UNAVAILABLE and refuses later pushes.
@@ -72,7 +82,6 @@ class Mode(abc.ABC):
         if self.stopping:
             raise UnavailableError("the shard is shutting down; retry on its restart")
 
-    @abc.abstractmethod
     async def push(
         self,
         worker_id: str,
@@ -86,22 +95,54 @@ class Mode(abc.ABC):
 
         ``(worker_id, session, seq)`` identifies the push (``Store.claim``).
         ``deadline`` (``time.monotonic()`` clock): the caller's; a wait gives up
-        just before it, as at the barrier timeout.
+        just before it, as at the barrier timeout. The ``listener`` sees the call
+        from start to end (how long it waited in the mode).
 
         Raises:
             PSError: invalid gradients (nothing is applied), a barrier that
                 timed out, or ``WorkerIdConflictError`` (an older session of the worker id).
         """
+        with self._observed("push", worker_id, step):
+            return await self._push(worker_id, seq, step, grads, session, deadline)
 
-    async def before_pull(  # noqa: B027 - optional hook
-        self, worker_id: str, step: int, deadline: float | None = None
-    ) -> None:
+    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         """Waits until ``worker_id`` at ``step`` may read (ssp mode), at most until about ``deadline``.
 
         Raises:
             DeadlineExceededError: the wait timed out (or the caller's deadline came near).
             UnavailableError: the shard is shutting down.
         """
+        with self._observed("pull", worker_id, step):
+            await self._before_pull(worker_id, step, deadline)
+
+    @contextlib.contextmanager
+    def _observed(self, op: str, worker_id: str, step: int) -> Iterator[None]:
+        listener = self.listener
+        if listener is None:
+            yield
+            return
+        token = listener.wait_begin(op, worker_id, step)
+        try:
+            yield
+        finally:
+            listener.wait_end(token)
+
+    @abc.abstractmethod
+    async def _push(
+        self,
+        worker_id: str,
+        seq: int,
+        step: int,
+        grads: Mapping[str, np.ndarray],
+        session: int,
+        deadline: float | None,
+    ) -> PushOutcome:
+        """The mode's ``push``."""
+
+    async def _before_pull(  # noqa: B027 - optional hook
+        self, worker_id: str, step: int, deadline: float | None
+    ) -> None:
+        """The mode's wait before a read (none by default)."""
 
     async def leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
         """``worker_id`` is done: barriers stop waiting for it (until it pushes again)."""
@@ -129,7 +170,7 @@ class AsyncMode(Mode):
 
     name = "async"
 
-    async def push(
+    async def _push(
         self,
         worker_id: str,
         seq: int,
@@ -273,10 +314,10 @@ class SyncMode(Mode):
         if worker_id:
             self._workers[worker_id] = max(self._workers.get(worker_id, -1), step)
 
-    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
+    async def _before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         self._seen(worker_id)
 
-    async def push(
+    async def _push(
         self,
         worker_id: str,
         seq: int,
@@ -496,7 +537,7 @@ class SSPMode(Mode):
         tick, self._tick = self._tick, asyncio.Event()
         tick.set()
 
-    async def push(
+    async def _push(
         self,
         worker_id: str,
         seq: int,
@@ -520,7 +561,7 @@ class SSPMode(Mode):
         super().shutdown()
         self._wake()
 
-    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
+    async def _before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         if step - self.min_clock() <= self.staleness:
             return
         started = time.monotonic()

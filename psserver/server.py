@@ -22,7 +22,7 @@ from pscore import security
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
-from psserver.metrics import MeteredMode, ShardMetrics
+from psserver.metrics import ShardMetrics
 from psserver.modes import Mode, make_mode
 from psserver.replication import Backup, Primary
 from psserver.servicer import ParameterServerServicer, add_to_server
@@ -207,9 +207,10 @@ async def start(config: ServerConfig) -> Shard:
         primary=primary,
         backup=backup,
     )
+    mode.listener = metrics  # times the waits in the mode, names who waits
     servicer = ParameterServerServicer(
         store,
-        MeteredMode(mode, metrics),  # type: ignore[arg-type]
+        mode,
         shard=config.shard,
         num_shards=config.num_shards,
         checkpointer=checkpointer,
