@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from pscore.errors import ERROR_REASON_KEY
+from pscore.errors import ERROR_REASON_KEY, status_from_number
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,6 @@ class SessionError(grpc.RpcError):
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
         """The response's ``reason`` as a unary call's ``ps-error-reason`` trailing metadata."""
         return ((ERROR_REASON_KEY, self._reason),) if self._reason else ()
-
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class PushSession:
@@ -109,7 +106,7 @@ class PushSession:
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to the push within {timeout:.3g} s"
             ) from None
         if response.code:
-            code = _CODES.get(response.code, grpc.StatusCode.UNKNOWN)
+            code = status_from_number(response.code)
             raise SessionError(code, response.message, response.reason)
         return response
 

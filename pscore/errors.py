@@ -168,6 +168,19 @@ _REASON_TO_ERROR: dict[tuple[grpc.StatusCode, str], type[PSError]] = {
 }
 
 
+_STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_number(code: grpc.StatusCode) -> int:
+    """The status code's number on the wire (``PushResponse.code``, a ring abort frame): OK is 0."""
+    return int(code.value[0])
+
+
+def status_from_number(number: int) -> grpc.StatusCode:
+    """The status code of a number from the wire (UNKNOWN for a number gRPC does not define)."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_class(code: grpc.StatusCode, reason: str = "") -> type[PSError]:
     """The exception class for a status code and the server's reason (``UnknownError``: unknown code)."""
     return _REASON_TO_ERROR.get((code, reason)) or _STATUS_TO_ERROR.get(code, UnknownError)

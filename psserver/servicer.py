@@ -26,6 +26,7 @@ from pscore.errors import (
     InternalError,
     InvalidArgumentError,
     PSError,
+    status_number,
 )
 from psproto.v1 import ps_pb2
 from psserver import tables
@@ -369,7 +370,7 @@ class ParameterServerServicer:
             except (PSError, codec.CodecError) as err:
                 code, reason = _status(err)
                 response = ps_pb2.PushResponse(
-                    code=code.value[0], message=f"shard {self.shard}: {err}", reason=reason
+                    code=status_number(code), message=f"shard {self.shard}: {err}", reason=reason
                 )
             yield response
         await context.abort(
