@@ -13,6 +13,7 @@ import signal
 import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -62,6 +63,43 @@ def write_ready_file(path: str, address: str) -> None:
         raise
 
 
+class HealthServicer(health.aio.HealthServicer):
+    """grpc's health service, whose ``Watch`` streams end once the shard shuts down.
+
+    A client with gRPC's client-side health checking holds a ``Watch`` stream
+    open for as long as it is connected; the stock servicer sends it
+    NOT_SERVING on shutdown but keeps the stream, so ``server.stop(grace)``
+    would wait out the whole grace period for it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._watches: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._watches.add(task)
+        try:
+            await super().Watch(request, context)
+        except asyncio.CancelledError:
+            if not self._closing:  # the call itself was cancelled
+                raise
+            task.uncancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the shard is shutting down")
+        finally:
+            self._watches.discard(task)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING (sent to watchers), then every ``Watch`` stream ends (UNAVAILABLE)."""
+        await super().enter_graceful_shutdown()
+        await asyncio.sleep(0)  # let the watchers send NOT_SERVING first
+        self._closing = True
+        for task in list(self._watches):
+            task.cancel()
+
+
 @dataclass
 class Shard:
     """A running shard: its server, store and mode (what tests and hooks reach into)."""
@@ -70,7 +108,7 @@ class Shard:
     server: grpc.aio.Server
     store: Store
     mode: Mode
-    health: health.aio.HealthServicer
+    health: HealthServicer
     address: str
     port: int
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
@@ -84,8 +122,9 @@ class Shard:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks.
 
         Long-lived streams that are idle (clients' ``PushSession``, a backup's
-        ``Replicate``) end at once with UNAVAILABLE (``ParameterServerServicer.drain``),
-        so an idle shard stops in about a second whatever the grace.
+        ``Replicate``, health ``Watch``) end at once with UNAVAILABLE
+        (``ParameterServerServicer.drain``, ``HealthServicer``), so an idle shard
+        stops in about a second whatever the grace.
         """
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
@@ -219,7 +258,7 @@ async def start(config: ServerConfig) -> Shard:
     )
     # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
     add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -141,6 +141,28 @@ def test_ps_process_sigterm_ends_idle_push_sessions_and_checkpoints_well_within_
     assert list(ckpt.glob("ckpt-*.npz")), list(ckpt.iterdir())
 
 
+def test_ps_process_sigterm_ends_health_watch_streams_with_not_serving_then_unavailable(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    # gRPC's client-side health checking keeps a Watch stream open; it must not hold the shard for the grace.
+    cluster = make_cluster(num_shards=1, server_args=["--grace", "30"])
+    proc = cluster.procs[0]
+    assert proc is not None
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        # Its deadline (15 s) comes before the grace (30 s) ends: held for the grace, it would end
+        # DEADLINE_EXCEEDED; ended by the shutdown, it ends UNAVAILABLE at once.
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=15)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        seen = []
+        with pytest.raises(grpc.RpcError) as info:
+            for response in watch:  # bounded by its deadline
+                seen.append(response.status)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
+        assert proc.wait(timeout=20) == 0  # the grace is 30 s: only a stream ended at once gets here
+
+
 async def test_ps_process_sigterm_releases_a_sync_barrier_with_unavailable(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
