@@ -151,7 +151,7 @@ class Gather:
         self._alloc = alloc or _empty
         self._by_stored = {p.stored_name: p for group in pieces.values() for p in group}
         self._flat: dict[str, np.ndarray] = {}  # variable -> its whole array, flat
-        self._filled: dict[str, int] = {}  # stored name -> elements received
+        self._filled: dict[str, codec.Coverage] = {}  # stored name -> element ranges received
         self._versions: dict[str, int] = {}  # per stored name
 
     def add_versions(self, versions: Mapping[str, int]) -> None:
@@ -191,25 +191,31 @@ class Gather:
                 f"tensor {chunk.name!r}: got {elems.dtype.name}{list(codec.chunk_shape(chunk))}, "
                 f"expected {piece.dtype.name}{list(piece.stored_shape)}"
             )
-        name, var = piece.stored_name, piece.variable
+        var = piece.variable
         flat = self._flat.get(var)
         if piece.table and piece.count > 1:  # rows index, index + count, ... of the whole table
             if flat is None or not flat.flags.writeable:
                 flat = self._flat[var] = self._alloc(math.prod(piece.full_shape), piece.dtype)
             rows = flat.reshape(piece.full_shape)[piece.index :: piece.count]
             rows.flat[chunk.offset : chunk.offset + elems.size] = elems
-            self._filled[name] = self._filled.get(name, 0) + elems.size
+            self._covered(piece).add(chunk.offset, elems.size)
             return
         if flat is None and piece.count == 1 and chunk.offset == 0 and elems.size == piece.size:
             self._flat[var] = elems  # whole in one chunk: keep the view, no copy
-            self._filled[name] = elems.size
+            self._covered(piece).add(0, elems.size)
             return
         if flat is None or not flat.flags.writeable:
             flat = self._alloc(math.prod(piece.full_shape), piece.dtype)
             self._flat[var] = flat
         start = piece.offset + chunk.offset
         flat[start : start + elems.size] = elems
-        self._filled[name] = self._filled.get(name, 0) + elems.size
+        self._covered(piece).add(chunk.offset, elems.size)
+
+    def _covered(self, piece: Piece) -> codec.Coverage:
+        coverage = self._filled.get(piece.stored_name)
+        if coverage is None:
+            coverage = self._filled[piece.stored_name] = codec.Coverage(piece.size)
+        return coverage
 
     def result(self) -> dict[str, np.ndarray]:
         """The whole variables, read-only.
@@ -224,9 +230,7 @@ class Gather:
             if missing:
                 raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
             for p in group:
-                got = self._filled[p.stored_name]
-                if got != p.size:
-                    raise codec.CodecError(f"tensor {p.stored_name!r}: received {got} of {p.size} elements")
+                self._filled[p.stored_name].check(p.stored_name)
             flat = self._flat[name]
             flat.flags.writeable = False
             out[name] = flat.reshape(group[0].full_shape)

@@ -143,6 +143,42 @@ def decode(chunk: ps_pb2.TensorChunk) -> np.ndarray:
     return flat.reshape(shape)
 
 
+class Coverage:
+    """The element ranges ``[start, stop)`` received of one tensor of ``size`` elements.
+
+    Every receiver of chunks (``Assembler``, the client's pull ``Gather``) checks
+    with it that a tensor arrived whole: no element missing, none twice.
+    """
+
+    __slots__ = ("_ranges", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ranges: list[tuple[int, int]] = []
+
+    def add(self, start: int, count: int) -> None:
+        self._ranges.append((start, start + count))
+
+    @property
+    def received(self) -> int:
+        return sum(stop - start for start, stop in self._ranges)
+
+    def check(self, name: str) -> None:
+        """Raises CodecError unless every element arrived exactly once."""
+        ranges = sorted(self._ranges)
+        received = sum(stop - start for start, stop in ranges)
+        if received != self.size:
+            raise CodecError(f"tensor {name!r}: received {received} of {self.size} elements")
+        end = 0
+        for start, stop in ranges:
+            if start != end:
+                raise CodecError(
+                    f"tensor {name!r}: elements [{min(start, end)}, {max(start, end)}) were "
+                    f"{'received twice' if start < end else 'never received'}"
+                )
+            end = stop
+
+
 class Assembler:
     """Collects the chunks of several tensors into whole arrays.
 
@@ -152,8 +188,7 @@ class Assembler:
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
-        # Element ranges [start, stop) received per tensor: catches gaps and overlaps.
-        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        self._coverage: dict[str, Coverage] = {}  # catches gaps and overlaps
         self._specs: dict[str, tuple[np.dtype, tuple[int, ...]]] = {}
 
     def add(self, chunk: ps_pb2.TensorChunk) -> None:
@@ -172,7 +207,8 @@ class Assembler:
         if known is None:
             if chunk.offset == 0 and elems.size == total:
                 self._arrays[name] = elems.reshape(shape)  # zero-copy (read-only) view
-                self._specs[name], self._ranges[name] = (dtype, shape), [(0, total)]
+                self._specs[name], self._coverage[name] = (dtype, shape), Coverage(total)
+                self._coverage[name].add(0, total)
                 return
             try:
                 self._arrays[name] = np.empty(shape, dtype=dtype)
@@ -180,7 +216,7 @@ class Assembler:
                 raise CodecError(
                     f"tensor {name!r}: cannot hold shape {shape} of {dtype.name} ({total} elements): {err}"
                 ) from None
-            self._specs[name], self._ranges[name] = (dtype, shape), []
+            self._specs[name], self._coverage[name] = (dtype, shape), Coverage(total)
         elif known != (dtype, shape):
             raise CodecError(
                 f"tensor {name!r}: chunk says {dtype.name}{list(shape)}, earlier chunks said "
@@ -190,7 +226,7 @@ class Assembler:
         if not arr.flags.writeable:
             raise CodecError(f"tensor {name!r}: received more elements than its shape {shape} holds")
         arr.reshape(-1)[chunk.offset : chunk.offset + elems.size] = elems
-        self._ranges[name].append((chunk.offset, chunk.offset + elems.size))
+        self._coverage[name].add(chunk.offset, elems.size)
 
     def result(self) -> dict[str, np.ndarray]:
         """Returns the whole tensors, in arrival order.
@@ -198,19 +234,8 @@ class Assembler:
         Raises:
             CodecError: a tensor is missing elements, or got some twice.
         """
-        for name, arr in self._arrays.items():
-            ranges = sorted(self._ranges[name])
-            received = sum(stop - start for start, stop in ranges)
-            if received != arr.size:
-                raise CodecError(f"tensor {name!r}: received {received} of {arr.size} elements")
-            end = 0
-            for start, stop in ranges:
-                if start != end:
-                    raise CodecError(
-                        f"tensor {name!r}: elements [{min(start, end)}, {max(start, end)}) were "
-                        f"{'received twice' if start < end else 'never received'}"
-                    )
-                end = stop
+        for name in self._arrays:
+            self._coverage[name].check(name)
         return dict(self._arrays)
 
 

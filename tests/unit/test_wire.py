@@ -119,6 +119,17 @@ def test_gather_rejects_missing_extra_and_mismatched_chunks() -> None:
         rq.Gather(pieces).result()
 
 
+def test_gather_rejects_a_duplicated_chunk_even_when_the_count_adds_up() -> None:
+    # [0, 50) twice and [50, 100) never: 100 elements arrive, half of them uninitialised memory.
+    x = _big(100)
+    pieces = plan({"v": (x.shape, x.dtype)}, num_shards=1, partition_bytes=1 << 20)
+    gather = rq.Gather(pieces)
+    gather.add(codec.WireChunk.of("v", x, 0, 50))
+    gather.add(codec.WireChunk.of("v", x, 0, 50))
+    with pytest.raises(codec.CodecError, match=r"elements \[50, 100\) were never received|received twice"):
+        gather.result()
+
+
 def test_gather_restart_forgets_a_retried_shards_chunks() -> None:
     x = _big(100)
     pieces = plan({"v": (x.shape, x.dtype)}, num_shards=1, partition_bytes=1 << 20)
