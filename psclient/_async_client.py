@@ -7,6 +7,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -22,7 +23,7 @@ from pscore import codec, embedding, rpc
 from pscore.embedding import Rows
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
 from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
-from pscore.placement import global_row, plan, table_pieces
+from pscore.placement import dynamic_pieces, dynamic_row_shard, global_row, plan, table_pieces
 from psproto.v1 import ps_pb2
 
 log = logging.getLogger(__name__)
@@ -412,8 +413,21 @@ class AsyncPSClient:
     async def pull_with_versions(
         self, names: Iterable[str] | None = None, *, step: int = 0
     ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        """Like ``pull``, also returning each stored tensor's version (update count)."""
+        """Like ``pull``, also returning each stored tensor's version (update count).
+
+        Dynamic tables are hash tables, not arrays: a pull of every variable
+        leaves them out, and naming one is an ``InvalidArgumentError`` (read
+        their rows with ``lookup``).
+        """
         pieces = await self._known(names)
+        for name, group in list(pieces.items()):
+            if group[0].keys and names is None:
+                del pieces[name]
+            elif group[0].keys:
+                raise InvalidArgumentError(
+                    f"pull: {name!r} is a dynamic embedding table (a hash table, not an array); "
+                    "read its rows with lookup(name, ids)"
+                )
         per_shard: dict[int, list[rq.Piece]] = {}
         for group in pieces.values():
             for piece in group:
@@ -458,7 +472,9 @@ class AsyncPSClient:
         Args:
             grads: name -> gradient (same shape and dtype as the variable); for an
                 embedding table, ``psclient.Rows(ids, values)``: only those rows are
-                updated (duplicate ids summed, ``values`` cast to the table's dtype).
+                updated (duplicate ids summed, ``values`` cast to the table's dtype);
+                a dynamic table creates, admits and evicts rows as it applies the
+                push (see ``create_embedding``).
                 In sync mode a table's update is the mean over the step's workers
                 of their summed rows, a row absent from a worker's push counting as
                 zero.
@@ -490,7 +506,9 @@ class AsyncPSClient:
         Returns:
             name -> the variable's new value (read-only array); for a ``Rows``
             gradient, ``psclient.Rows(ids, values)``: the distinct ids pushed
-            (int64, sorted) and their rows after the update, shape ``[n, dim]``.
+            (int64, sorted) and their rows after the update, shape ``[n, dim]``
+            (a string-keyed dynamic table: the distinct keys, in the order of their
+            hashed ids; a row a dynamic table did not admit: its initializer's row).
         """
         _, values = await self._push(grads, step=step, return_values=True, every_shard=every_shard)
         return values
@@ -570,6 +588,11 @@ class AsyncPSClient:
             return all(results), {}
         values: dict[str, Any] = dict(into.result())
         values.update(_returned_rows([n for n in known if n not in pieces], known, row_parts))
+        for name, rows in values.items():  # a string-keyed table's rows come back under their keys
+            if isinstance(rows, Rows) and known[name][0].keys == "string":
+                keys = np.asarray(grads[name].ids).reshape(-1)
+                hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
+                values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
         return all(results), values
 
     def _session(self, shard: int) -> _session.PushSession:
@@ -606,12 +629,18 @@ class AsyncPSClient:
     async def create_embedding(
         self,
         name: str,
-        num_rows: int,
+        num_rows: int | None,
         dim: int,
         *,
         dtype: Any = np.float32,
         optimizer: Optimizer | None = None,
         initializer: embedding.Initializer = "uniform",
+        key_type: str = "int64",
+        capacity: int | None = None,
+        min_count: int = 1,
+        eviction: str = "lru",
+        ttl_steps: int | None = None,
+        ttl_seconds: float | None = None,
     ) -> bool:
         """Creates an embedding table of ``num_rows`` rows of ``dim``, spread by row over every shard.
 
@@ -622,11 +651,26 @@ class AsyncPSClient:
         dim, dtype, optimizer) is left as it is (its current rows win) and False
         returned.
 
+        With ``num_rows=None`` the table is *dynamic*: a hash table on the
+        shards keyed by any 64-bit id (``key_type="int64"``) or by strings
+        (``key_type="string"``: raw feature values, hashed by
+        ``pscore.embedding.hash_keys``), spread by a hash of the id
+        (``pscore.placement.dynamic_row_shard``). A row is created on its id's
+        first applied push (after ``min_count`` pushes), starting from the
+        initializer's row for that id; before that a lookup returns the
+        initializer's row. With a ``capacity`` the shards evict rows (LRU or
+        LFU) to stay within it, and rows not updated for ``ttl_steps`` pushes or
+        ``ttl_seconds`` are removed (see ``psserver.dynamic``). Admission,
+        eviction and expiry follow the pushes applied (lookups change nothing),
+        so a retried push, a backup and a restored checkpoint agree.
+
         >>> await client.create_embedding("users", 10**6, 32, optimizer=psclient.Adagrad())  # doctest: +SKIP
+        >>> await client.create_embedding(  # doctest: +SKIP
+        ...     "items", None, 32, capacity=1_000_000, min_count=2, eviction="lfu", ttl_steps=100_000)
 
         Args:
             name: the table's name.
-            num_rows: rows, >= 1 (ids are ``0 .. num_rows - 1``).
+            num_rows: rows, >= 1 (ids are ``0 .. num_rows - 1``); None: a dynamic table.
             dim: row width, >= 1.
             dtype: a floating-point dtype.
             optimizer: the server-side optimizer (default ``SGD()``), applied row by
@@ -634,26 +678,38 @@ class AsyncPSClient:
                 Adafactor, Lamb, clipnorm or gradient accumulation.
             initializer: ``"uniform"`` (Keras's Embedding default, U(-0.05, 0.05)),
                 ``("uniform", minval, maxval)``, ``"normal"`` / ``("normal", stddev)``
-                / ``("normal", mean, stddev)``, ``"zeros"``, ``"ones"``, or a callable
-                ``f(row_ids, dim, dtype) -> [len(row_ids), dim]`` that is
-                deterministic per row.
+                / ``("normal", mean, stddev)``, ``"zeros"``, ``"ones"``, or (fixed
+                tables only) a callable ``f(row_ids, dim, dtype) -> [len(row_ids), dim]``
+                that is deterministic per row.
+            key_type: dynamic tables: ``"int64"`` (integer ids) or ``"string"`` (str/bytes keys).
+            capacity: dynamic tables: rows of the whole table at most, >= 1 (each shard
+                holds ``ceil(capacity / num_shards)``); None: unbounded.
+            min_count: dynamic tables: pushes of an id before it gets a row, >= 1
+                (at most 65535); until then its updates are dropped.
+            eviction: dynamic tables with a capacity: ``"lru"`` (least recently
+                updated first) or ``"lfu"`` (fewest updates first).
+            ttl_steps, ttl_seconds: dynamic tables: remove rows not updated for this
+                many pushes to the table, or seconds (None: never).
 
         Returns:
             True if this call created the table.
 
         Raises:
             AlreadyExistsError: ``name`` exists with a different spec (or is not a table).
-            InvalidArgumentError: a bad name, size, dtype, initializer or optimizer.
+            InvalidArgumentError: a bad name, size, dtype, initializer, optimizer, or
+                dynamic-table option (capacity < 1, min_count < 1, an unknown key type
+                or eviction policy, a TTL <= 0, dynamic options for a fixed table).
         """
         optimizer = optimizer or SGD()
         if not name or "\x00" in name:
             raise InvalidArgumentError(f"invalid table name {name!r}")
-        if not isinstance(num_rows, int | np.integer) or not isinstance(dim, int | np.integer):
+        dynamic = num_rows is None
+        if not (dynamic or isinstance(num_rows, int | np.integer)) or not isinstance(dim, int | np.integer):
             raise InvalidArgumentError(
-                f"table {name!r}: num_rows and dim must be ints, got {num_rows!r}, {dim!r}"
+                f"table {name!r}: num_rows (or None) and dim must be ints, got {num_rows!r}, {dim!r}"
             )
-        num_rows, dim = int(num_rows), int(dim)
-        if num_rows < 1 or dim < 1:
+        dim = int(dim)
+        if (not dynamic and int(num_rows) < 1) or dim < 1:  # type: ignore[arg-type]
             raise InvalidArgumentError(f"table {name!r}: num_rows ({num_rows}) and dim ({dim}) must be >= 1")
         try:
             dt = np.dtype(dtype)
@@ -680,6 +736,24 @@ class AsyncPSClient:
         except ValueError as err:
             raise InvalidArgumentError(str(err)) from None
         wanted = optimizer.to_proto()
+        if dynamic:
+            options = _dynamic_options(
+                name, dim, initializer, key_type, capacity, min_count, eviction, ttl_steps, ttl_seconds
+            )
+            return await self._create_dynamic(name, dim, dt, wanted, options)
+        if (key_type, capacity, min_count, eviction, ttl_steps, ttl_seconds) != (
+            "int64",
+            None,
+            1,
+            "lru",
+            None,
+            None,
+        ):
+            raise InvalidArgumentError(
+                f"table {name!r}: key_type, capacity, min_count, eviction and the TTLs are options of "
+                "dynamic tables (num_rows=None); a table of fixed size has none"
+            )
+        num_rows = int(num_rows)  # type: ignore[arg-type]
         existing = await self.list_variables([name])
         if name in existing:
             for info in existing[name]:
@@ -695,7 +769,7 @@ class AsyncPSClient:
                             f"a table of {t.num_rows} x {t.dim} {codec.numpy_dtype(info.spec.dtype).name} "
                             f"with {info.spec.optimizer.name}{dict(info.spec.optimizer.params)}"
                             if info.spec.HasField("table")
-                            else "it is not an embedding table"
+                            else "it is not a table of fixed size"
                         )
                         + f"; asked for {num_rows} x {dim} {dt.name} with {wanted.name}{dict(wanted.params)}"
                     )
@@ -719,20 +793,55 @@ class AsyncPSClient:
                 value = await asyncio.to_thread(embedding.init_rows, name, ids, dim, dt, initializer)
             else:
                 value = embedding.init_rows(name, ids, dim, dt, initializer)
+            return await self._create_piece(piece.shard, spec, value)
 
-            def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
-                yield ps_pb2.CreateVariablesRequest(variables=[spec])
+        created = await gather(one(p) for p in pieces)
+        self.registry.add(pieces)
+        return all(created)
+
+    async def _create_piece(self, shard: int, spec: ps_pb2.VariableSpec, value: np.ndarray | None) -> bool:
+        """Creates one stored tensor (``value`` None: a dynamic table piece); True if this call created it."""
+
+        def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
+            yield ps_pb2.CreateVariablesRequest(variables=[spec])
+            if value is not None:
                 for batch in codec.wire_batches([(spec.name, value)], self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_CREATE, "values", batch)
 
-            resp = await self._call(
-                piece.shard,
-                "CreateVariables",
-                lambda: self._stub(piece.shard).CreateVariables(_aiter(messages()), **self._kw(piece.shard)),
-            )
-            return bool(resp.created[0])
+        resp = await self._call(
+            shard,
+            "CreateVariables",
+            lambda: self._stub(shard).CreateVariables(_aiter(messages()), **self._kw(shard)),
+        )
+        return bool(resp.created[0])
 
-        created = await gather(one(p) for p in pieces)
+    async def _create_dynamic(
+        self, name: str, dim: int, dt: np.dtype, optimizer: ps_pb2.OptimizerSpec, options: ps_pb2.DynamicTable
+    ) -> bool:
+        """``create_embedding`` of a dynamic table: one empty piece per shard."""
+        pieces = dynamic_pieces(name, dim, dt, self.num_shards, _KEY_NAMES[options.key_type])
+        specs = []
+        for piece in pieces:
+            spec = ps_pb2.VariableSpec(
+                name=piece.stored_name, dtype=codec.wire_dtype(dt), shape=[0, dim], optimizer=optimizer
+            )
+            spec.dynamic.CopyFrom(options)
+            spec.dynamic.index, spec.dynamic.count = piece.index, piece.count
+            specs.append(spec)
+        existing = await self.list_variables([name])
+        if name in existing:
+            want = {s.name: s for s in specs}
+            for info in existing[name]:
+                if info.spec != want.get(info.spec.name):
+                    raise AlreadyExistsError(
+                        f"{name!r} already exists with a different spec: {_describe_table(info.spec)}; "
+                        f"asked for {_describe_table(specs[0])}"
+                    )
+            if self.registry.complete(name):
+                return False
+        created = await gather(
+            self._create_piece(p.shard, spec, None) for p, spec in zip(pieces, specs, strict=True)
+        )
         self.registry.add(pieces)
         return all(created)
 
@@ -741,13 +850,17 @@ class AsyncPSClient:
 
         One request per shard that holds any of the ids, carrying only its
         distinct ids (split further when the rows would exceed
-        ``config.unary_max_bytes``).
+        ``config.unary_max_bytes``). A dynamic table answers an id without a
+        row with its initializer's row (and creates nothing).
 
         >>> v = await client.lookup("users", np.array([[3, 7], [7, 0]]))  # (2, 2, dim)  # doctest: +SKIP
+        >>> v = await client.lookup("tags", ["sports", "news"])  # string keys  # doctest: +SKIP
 
         Args:
             name: the table.
-            ids: integer ids of any shape (int32 or int64), each in ``[0, num_rows)``.
+            ids: ids of any shape: integers (int32 or int64), each in ``[0, num_rows)``
+                for a fixed table, any 64-bit value for a dynamic one; str or bytes
+                keys for a string-keyed dynamic table.
             step: the worker's step (ssp mode waits as for ``pull``).
 
         Returns:
@@ -756,18 +869,21 @@ class AsyncPSClient:
         Raises:
             NotFoundError: no such table.
             InvalidArgumentError: ``name`` is not a table, ids that are not
-                integers, or an id out of range (the message names the table and
-                the first bad id).
+                integers (or, for a string-keyed table, not strings), or an id out
+                of range (the message names the table and the first bad id).
             PSError: a shard failed.
         """
         group = (await self._known([name]))[name]
         if not group[0].table:
             raise InvalidArgumentError(f"lookup: {name!r} is not an embedding table")
         num_rows, dim = group[0].full_shape
-        arr = _table_ids(name, ids, num_rows, "lookup")
+        if group[0].keys:
+            arr = _dynamic_ids(name, ids, group[0].keys, "lookup")
+        else:
+            arr = _table_ids(name, ids, num_rows, "lookup")
         unique, inverse = np.unique(arr.reshape(-1), return_inverse=True)
         out = np.empty((unique.size, dim), dtype=group[0].dtype)
-        shard_of = unique % self.num_shards
+        shard_of = dynamic_row_shard(unique, self.num_shards) if group[0].keys else unique % self.num_shards
         per_shard = {}
         for piece in group:
             where = np.flatnonzero(shard_of == piece.shard) if self.num_shards > 1 else np.arange(unique.size)
@@ -1050,6 +1166,126 @@ def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mappi
         raise InvalidArgumentError(f"variable {name!r}: {err}") from None
 
 
+_KEY_TYPES = {"int64": ps_pb2.KEY_TYPE_INT64, "string": ps_pb2.KEY_TYPE_STRING}
+_KEY_NAMES = {
+    ps_pb2.KEY_TYPE_UNSPECIFIED: "int64",
+    ps_pb2.KEY_TYPE_INT64: "int64",
+    ps_pb2.KEY_TYPE_STRING: "string",
+}
+_EVICTIONS = {"lru": ps_pb2.EVICTION_LRU, "lfu": ps_pb2.EVICTION_LFU}
+_MAX_MIN_COUNT = (1 << 16) - 1  # the shards' admission counters are 16-bit
+
+
+def _dynamic_options(
+    name: str,
+    dim: int,
+    initializer: embedding.Initializer,
+    key_type: str,
+    capacity: int | None,
+    min_count: int,
+    eviction: str,
+    ttl_steps: int | None,
+    ttl_seconds: float | None,
+) -> ps_pb2.DynamicTable:
+    """The checked options of a dynamic table (without the shard index and count).
+
+    Raises:
+        InvalidArgumentError: an option out of range or of the wrong type (the message names it).
+    """
+
+    def bad(why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"dynamic table {name!r}: {why}")
+
+    if key_type not in _KEY_TYPES:
+        raise bad(f"key_type {key_type!r} is not 'int64' or 'string'")
+    if eviction not in _EVICTIONS:
+        raise bad(f"eviction {eviction!r} is not 'lru' or 'lfu'")
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or capacity < 1
+    ):
+        raise bad(f"capacity must be an int >= 1 (or None: unbounded), got {capacity!r}")
+    if (
+        isinstance(min_count, bool)
+        or not isinstance(min_count, int | np.integer)
+        or not 1 <= min_count <= _MAX_MIN_COUNT
+    ):
+        raise bad(f"min_count must be an int in [1, {_MAX_MIN_COUNT}], got {min_count!r}")
+    if ttl_steps is not None and (
+        isinstance(ttl_steps, bool) or not isinstance(ttl_steps, int | np.integer) or ttl_steps < 1
+    ):
+        raise bad(f"ttl_steps must be an int >= 1 (or None: never), got {ttl_steps!r}")
+    if ttl_seconds is not None and not (
+        isinstance(ttl_seconds, int | float) and math.isfinite(ttl_seconds) and ttl_seconds > 0
+    ):
+        raise bad(f"ttl_seconds must be a number > 0 (or None: never), got {ttl_seconds!r}")
+    try:
+        kind, args = embedding.initializer_args(initializer)
+    except ValueError as err:
+        raise bad(str(err)) from None
+    return ps_pb2.DynamicTable(
+        table=name,
+        dim=dim,
+        key_type=_KEY_TYPES[key_type],
+        capacity=int(capacity or 0),
+        min_count=int(min_count),
+        eviction=_EVICTIONS[eviction],
+        ttl_steps=int(ttl_steps or 0),
+        ttl_seconds=float(ttl_seconds or 0.0),
+        initializer=ps_pb2.RowInitializer(name=kind, args=args),
+    )
+
+
+def _describe_table(spec: ps_pb2.VariableSpec) -> str:
+    """A table piece's spec in words (for AlreadyExistsError)."""
+    dtype = codec.numpy_dtype(spec.dtype).name
+    opt = f"{spec.optimizer.name}{dict(spec.optimizer.params)}"
+    if spec.HasField("table"):
+        return f"a table of {spec.table.num_rows} x {spec.table.dim} {dtype} with {opt}"
+    if not spec.HasField("dynamic"):
+        return "it is not an embedding table"
+    d = spec.dynamic
+    init = (d.initializer.name, *d.initializer.args)
+    return (
+        f"a dynamic table of dim {d.dim} {dtype} with {opt}, {_KEY_NAMES[d.key_type]} keys, "
+        f"capacity {d.capacity or None}, min_count {d.min_count}, "
+        f"{ps_pb2.Eviction.Name(d.eviction).removeprefix('EVICTION_').lower()}, "
+        f"ttl_steps {d.ttl_steps or None}, ttl_seconds {d.ttl_seconds or None}, initializer {init}"
+    )
+
+
+def _dynamic_ids(name: str, ids: Any, keys: str, what: str) -> np.ndarray:
+    """The int64 ids (shape kept) of a dynamic table's keys: integers, or hashed strings.
+
+    Raises:
+        InvalidArgumentError: strings for an int64-keyed table, anything else for a string-keyed one.
+    """
+    arr = ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=object if _has_bytes(ids) else None)
+    if keys == "string":
+        if arr.dtype.kind not in "USO":
+            raise InvalidArgumentError(
+                f"{what} in table {name!r}: the table is keyed by strings; ids have dtype {arr.dtype.name} "
+                "(pass the raw str or bytes keys)"
+            )
+        try:
+            return embedding.hash_keys(arr)
+        except TypeError as err:
+            raise InvalidArgumentError(f"{what} in table {name!r}: {err}") from None
+    if arr.dtype.kind in "USO":
+        raise InvalidArgumentError(
+            f"{what} in table {name!r}: the table is keyed by int64 ids; got strings "
+            "(create it with key_type='string' for string keys)"
+        )
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(
+            f"{what} in table {name!r}: ids have dtype {arr.dtype.name}, not an integer"
+        )
+    return arr.astype(np.int64, copy=False)  # uint64 ids wrap to int64: 64-bit keys either way
+
+
+def _has_bytes(ids: Any) -> bool:
+    return isinstance(ids, list | tuple) and any(isinstance(i, bytes) for i in ids)
+
+
 def _table_ids(name: str, ids: Any, num_rows: int, what: str) -> np.ndarray:
     """Checked ids of table ``name`` as an int64 array (their shape kept).
 
@@ -1079,7 +1315,10 @@ def _row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list
             shape ``ids.shape + (dim,)``.
     """
     num_rows, dim = group[0].full_shape
-    ids = _table_ids(name, grad.ids, num_rows, "row gradient")
+    if group[0].keys:
+        ids = _dynamic_ids(name, grad.ids, group[0].keys, "row gradient")
+    else:
+        ids = _table_ids(name, grad.ids, num_rows, "row gradient")
     values = np.asarray(grad.values)
     if values.dtype.kind != "f":
         raise InvalidArgumentError(f"row gradient for table {name!r}: values have dtype {values.dtype.name}")
@@ -1091,11 +1330,12 @@ def _row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list
     unique, summed = embedding.sum_duplicates(ids.reshape(-1), values.reshape(-1, dim))
     summed = codec.as_wire_array(summed.astype(group[0].dtype, copy=False))
     out = {}
+    shard_of = dynamic_row_shard(unique, group[0].count) if group[0].keys else unique % group[0].count
     for piece in group:
         if len(group) == 1:
             mine_ids, mine = unique, summed
         else:
-            mask = unique % piece.count == piece.index
+            mask = shard_of == piece.index
             mine_ids, mine = unique[mask], summed[mask]
         out[piece.shard] = [
             (embedding.ids_name(piece.stored_name), np.ascontiguousarray(mine_ids)),

@@ -52,6 +52,10 @@ class Registry:
 
 def piece_from_spec(spec: ps_pb2.VariableSpec, shard: int) -> Piece:
     dtype = codec.numpy_dtype(spec.dtype)
+    if spec.HasField("dynamic"):
+        d = spec.dynamic
+        keys = "string" if d.key_type == ps_pb2.KEY_TYPE_STRING else "int64"
+        return Piece(d.table, spec.name, shard, (0, d.dim), dtype, d.index, d.count, 0, 0, True, keys)
     if spec.HasField("table"):
         t = spec.table
         return Piece(

@@ -113,17 +113,26 @@ class PSClient:
     def create_embedding(
         self,
         name: str,
-        num_rows: int,
+        num_rows: int | None,
         dim: int,
         *,
         dtype: Any = np.float32,
         optimizer: Optimizer | None = None,
         initializer: Initializer = "uniform",
+        key_type: str = "int64",
+        capacity: int | None = None,
+        min_count: int = 1,
+        eviction: str = "lru",
+        ttl_steps: int | None = None,
+        ttl_seconds: float | None = None,
     ) -> bool:
-        """Creates an embedding table spread by row; see ``AsyncPSClient.create_embedding``."""
+        """Creates an embedding table spread by row (``num_rows=None``: a dynamic hash table); see
+        ``AsyncPSClient.create_embedding``."""
         coro = self._async.create_embedding(
-            name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer
-        )
+            name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer,
+            key_type=key_type, capacity=capacity, min_count=min_count, eviction=eviction,
+            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds,
+        )  # fmt: skip
         return bool(self._run(coro))
 
     def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:

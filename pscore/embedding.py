@@ -15,10 +15,19 @@ gradients carry it unchanged.
        [2., 2.]], dtype=float32))
 >>> init_rows("emb", np.array([7]), 2, np.float32, "zeros")
 array([[0., 0.]], dtype=float32)
+
+Dynamic tables keyed by strings hash each key to an int64 id with
+``hash_keys``: BLAKE2b with an 8-byte digest of the key's UTF-8 bytes (``bytes``
+keys as they are), read as a little-endian signed int64. It is the same on
+every process, platform and restart (no ``PYTHONHASHSEED``):
+
+>>> hash_keys(["user:42", b"user:42"])
+array([-9028972112616151079, -9028972112616151079])
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +121,44 @@ def _uniform01(table: str, rows: np.ndarray, dim: int, stream: int = 0) -> np.nd
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(31)
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def hash_keys(keys: Any) -> np.ndarray:
+    """The int64 ids of string keys (any shape; ``str`` or ``bytes``): see the module docs.
+
+    Raises:
+        TypeError: a key that is neither ``str`` nor ``bytes``.
+    """
+    arr = np.asarray(keys, dtype=object) if not isinstance(keys, np.ndarray) else keys
+    if arr.dtype.kind not in "USO":
+        raise TypeError(f"string keys expected, got an array of {arr.dtype.name}")
+    digests = []
+    for key in arr.reshape(-1).tolist():
+        if isinstance(key, str):
+            key = key.encode("utf-8")
+        elif not isinstance(key, bytes):
+            raise TypeError(f"key {key!r} ({type(key).__name__}) is not a str or bytes")
+        digests.append(hashlib.blake2b(key, digest_size=8).digest())
+    return np.frombuffer(b"".join(digests), dtype="<i8").astype(np.int64).reshape(arr.shape)
+
+
+def initializer_args(initializer: Initializer) -> tuple[str, tuple[float, ...]]:
+    """A named initializer as ``(name, args)`` (its wire form ``ps_pb2.RowInitializer``).
+
+    >>> initializer_args(("uniform", -1, 1)), initializer_args("normal")
+    (('uniform', (-1.0, 1.0)), ('normal', ()))
+
+    Raises:
+        ValueError: a callable (it cannot travel to the shards), or an unknown initializer.
+    """
+    if callable(initializer):
+        raise ValueError(
+            "a dynamic table's rows are created on the shards: its initializer must be a name "
+            "('zeros', 'ones', 'uniform', 'normal') or a tuple such as ('uniform', -0.1, 0.1), not a callable"
+        )
+    check_initializer(initializer)
+    kind, *args = (initializer,) if isinstance(initializer, str) else tuple(initializer)
+    return str(kind).lower(), tuple(float(a) for a in args)
 
 
 def check_initializer(initializer: Initializer) -> None:

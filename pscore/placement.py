@@ -23,6 +23,19 @@ modulo keeps shards balanced in rows and, as ids are usually numbered by
 frequency, in hot rows too. Checkpoints restore a table into another shard
 count by re-cutting its rows with the new ``S``.
 
+Dynamic tables (``create_embedding(name, None, dim)``: a hash table keyed by
+any 64-bit id) are spread by a hash of the id instead: id ``i`` lives on shard
+``mix64(i) % S`` (``dynamic_row_shard``; ``mix64`` is the splitmix64
+finalizer), in a piece named ``"<table>/rows_<s>"`` too, so sequential ids,
+ids with a common stride and hashed strings all spread evenly. A table's
+``capacity`` is split evenly: each shard holds at most
+``ceil(capacity / S)`` rows (``dynamic_capacity``).
+
+>>> dynamic_row_shard(np.array([0, 1, 2, 3, -1]), 2)
+array([1, 1, 0, 1, 0])
+>>> dynamic_capacity(1_000_001, 2), dynamic_capacity(0, 2)
+(500001, 0)
+
 >>> row_shard(np.array([0, 1, 2, 3, 4]), 2), local_row(np.array([0, 1, 2, 3, 4]), 2)
 (array([0, 1, 0, 1, 0]), array([0, 0, 1, 1, 2]))
 >>> [table_rows(5, s, 2) for s in range(2)], global_row(np.array([0, 1, 2]), 1, 2)
@@ -59,6 +72,7 @@ class Piece:
     offset: int = 0  # flat index of the first element
     size: int = 0  # number of elements
     table: bool = False  # one shard's rows of an embedding table (index: the shard, count: shards)
+    keys: str = ""  # a dynamic table's: "int64" or "string" (its full_shape is (0, dim))
 
     @property
     def partitioned(self) -> bool:
@@ -100,9 +114,45 @@ def global_row(local: np.ndarray, shard: int, num_shards: int) -> np.ndarray:
     return local * num_shards + shard
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(ids: np.ndarray, seed: int = 0) -> np.ndarray:
+    """A 64-bit hash of each int64 id (splitmix64's finalizer of ``id + (seed + 1) * golden``), as uint64.
+
+    The same on every process and platform (pure integer arithmetic); ``seed``
+    gives independent hashes (shards, a shard's hash index, sketch rows).
+    """
+    x = np.asarray(ids).astype(np.int64, copy=False).view(np.uint64)
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN * np.uint64(seed + 1)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def dynamic_row_shard(ids: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each id of a dynamic table (int64 array, same shape as ``ids``)."""
+    return (mix64(ids) % np.uint64(num_shards)).astype(np.int64)
+
+
+def dynamic_capacity(capacity: int, num_shards: int) -> int:
+    """The rows one shard of a dynamic table holds at most (0: unbounded)."""
+    return -(-int(capacity) // int(num_shards)) if capacity > 0 else 0
+
+
 def table_rows(num_rows: int, shard: int, num_shards: int) -> int:
     """How many of a table's ``num_rows`` rows shard ``shard`` of ``num_shards`` holds."""
     return max(0, (num_rows - shard + num_shards - 1) // num_shards)
+
+
+def dynamic_pieces(table: str, dim: int, dtype: np.dtype | str, num_shards: int, keys: str) -> list[Piece]:
+    """The pieces of a dynamic table (``keys``: "int64" or "string"), one per shard, in shard order."""
+    dt = np.dtype(dtype)
+    return [
+        Piece(table, table_piece_name(table, s), s, (0, dim), dt, s, num_shards, 0, 0, True, keys)
+        for s in range(num_shards)
+    ]
 
 
 def table_pieces(table: str, num_rows: int, dim: int, dtype: np.dtype | str, num_shards: int) -> list[Piece]:

@@ -49,6 +49,7 @@ class PushOutcome:
     applied: bool
     reason: str = ""
     versions: tuple[int, ...] = ()  # async mode: the version each gradient produced (replication)
+    time_unix: float = 0.0  # async mode: the time it was applied with (replication: dynamic tables' TTL)
 
 
 class WaitListener(Protocol):
@@ -180,10 +181,11 @@ class AsyncMode(Mode):
         deadline: float | None = None,
     ) -> PushOutcome:
         pairs = self.store.validate_grads(grads)
-        versions = await self.store.apply_once(worker_id, seq, session, pairs)
+        now = time.time()
+        versions = await self.store.apply_once(worker_id, seq, session, pairs, now)
         if versions is None:
             return PushOutcome(applied=False, reason="duplicate")
-        return PushOutcome(applied=True, versions=tuple(versions))
+        return PushOutcome(applied=True, versions=tuple(versions), time_unix=now)
 
 
 _FINISHED = 1 << 62  # the clock of a worker that left (ssp)

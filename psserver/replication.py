@@ -183,13 +183,17 @@ class Primary:
         versions: Sequence[int],
         *,
         session: int = 0,
+        time_unix: float = 0.0,
     ) -> None:
-        """Sends an applied push to the backup and waits for its acknowledgement (no-op without one)."""
+        """Sends an applied push to the backup and waits for its acknowledgement (no-op without one).
+
+        ``time_unix``: the time the push was applied with (the backup applies it with the same).
+        """
         link = self._link
         if link is None:
             return
         header = ps_pb2.ReplicateResponse(
-            worker_id=worker_id, seq=seq, session=session, versions=list(versions)
+            worker_id=worker_id, seq=seq, session=session, versions=list(versions), time_unix=time_unix
         )
         await self._forward(link, header, tables.wire_tensors(grads))
 
@@ -311,8 +315,9 @@ class Backup:
         self.caught_up = False
         self.applied = 0
         # Per variable: updates that arrived before their predecessor
-        # (target version -> (gradient or assigned value, update id, whether it is an assignment)).
-        self._early: dict[str, dict[int, tuple[np.ndarray, int, bool]]] = {}
+        # (target version -> (gradient or assigned value, update id, whether it is an assignment,
+        # the primary's time of the update)).
+        self._early: dict[str, dict[int, tuple[np.ndarray, int, bool, float]]] = {}
         self._remaining: dict[int, int] = {}  # update id -> gradients (or assigned values) not applied yet
         self._assigns: set[int] = set()  # ids of the Assigns among them (not counted as pushes)
         self._acks: asyncio.Queue[int | None] = asyncio.Queue()
@@ -439,7 +444,7 @@ class Backup:
         for (name, tensor), version in zip(tensors.items(), message.versions, strict=True):
             if assign:  # kept by the store: its own copy, not a view of the message
                 tensor = np.array(tensor, copy=True, order="C")
-            self._early.setdefault(name, {})[version] = (tensor, message.id, assign)
+            self._early.setdefault(name, {})[version] = (tensor, message.id, assign, message.time_unix)
             self._drain(name)
 
     def _drain(self, name: str) -> None:
@@ -453,11 +458,11 @@ class Backup:
             entry = early.pop(version + 1, None)
             if entry is None:
                 return
-            tensor, update_id, assign = entry
+            tensor, update_id, assign, when = entry
             if assign:
                 self.store.assign_one(var, tensor)
             else:
-                self.store.apply_one(var, tensor)
+                self.store.apply_one(var, tensor, when or None)
             self._done(update_id)
             self._swap_when_due(name)
 

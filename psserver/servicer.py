@@ -92,12 +92,24 @@ def _chunk_of(var_name: str, value: np.ndarray, start: int = 0, stop: int | None
     return codec.WireChunk.of(var_name, value, start, stop)
 
 
-def _snapshot(variables: Iterable[Variable]) -> list[tuple[str, np.ndarray, int]]:
+def _snapshot(variables: Iterable[Variable], named: bool = True) -> list[tuple[str, np.ndarray, int]]:
+    """What a pull returns: each variable's value and version. A dynamic table piece named is refused
+    (InvalidArgumentError); a pull of every variable (``named`` False) leaves them out."""
+    if not named:
+        variables = [v for v in variables if v.dyn is None]
+    for v in variables:
+        if v.dyn is not None:
+            raise InvalidArgumentError(
+                f"{v.name!r} is a piece of dynamic table {v.dyn.config.table!r}, a hash table that cannot "
+                "be pulled whole; read its rows with Lookup"
+            )
     return [(v.name, *v.stable_value()) for v in variables]
 
 
 def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
     """The rows of global ids ``ids`` of table piece ``var`` (a copy), and its version, in one instant."""
+    if var.dyn is not None:  # ids without a row: their initializer's row
+        return var.dyn.read(var, ids), var.version
     value, version = var.state
     return value[tables.local_rows(var.spec, ids)], version
 
@@ -228,12 +240,17 @@ class ParameterServerServicer:
         self._serving("ListVariables")
         wanted = set(request.names)
         infos = [
-            ps_pb2.VariableInfo(spec=v.spec, version=v.version, iterations=v.iterations)
+            ps_pb2.VariableInfo(
+                spec=v.spec,
+                version=v.version,
+                iterations=v.iterations,
+                dynamic=v.dyn.proto_stats() if v.dyn is not None else None,
+            )
             for v in self.store.variables()
             if not wanted
             or v.name in wanted
             or (v.spec.HasField("partition") and v.spec.partition.variable in wanted)
-            or (v.is_table and v.spec.table.table in wanted)
+            or (v.is_table and tables.table_name(v.spec) in wanted)
         ]
         return ps_pb2.ListVariablesResponse(variables=infos, shard=self.shard, num_shards=self.num_shards)
 
@@ -243,7 +260,7 @@ class ParameterServerServicer:
     ) -> ps_pb2.PullResponse:
         self._serving("Pull")
         await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-        snapshot = _snapshot(self.store.lookup(request.names))
+        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
         self.store.pulls += 1
         return codec.WireMessage(
             ps_pb2.PullResponse(versions=[version for _, _, version in snapshot]),
@@ -257,7 +274,7 @@ class ParameterServerServicer:
     ) -> AsyncIterator[ps_pb2.PullResponse]:
         self._serving("PullStream")
         await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-        snapshot = _snapshot(self.store.lookup(request.names))
+        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
         self.store.pulls += 1
         # At least 64 KiB a message: a tiny (or negative) request would make the stream crawl.
         wanted = request.max_chunk_bytes
@@ -281,7 +298,12 @@ class ParameterServerServicer:
         )
         if outcome.applied and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
-                header.worker_id, header.seq, grads, outcome.versions, session=header.session
+                header.worker_id,
+                header.seq,
+                grads,
+                outcome.versions,
+                session=header.session,
+                time_unix=outcome.time_unix,
             )
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)

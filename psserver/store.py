@@ -41,7 +41,7 @@ from pscore import codec
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, WorkerIdConflictError
 from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
-from psserver import optimizers, tables
+from psserver import dynamic, optimizers, tables
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class Variable:
     # replacement of the optimizer (UpdateOptimizer with reset) restarts it at 0.
     iterations: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # A dynamic table piece: its id -> row map and bookkeeping (the rows are ``state[0]``).
+    dyn: dynamic.DynamicRows | None = None
 
     @property
     def name(self) -> str:
@@ -89,7 +91,8 @@ class Variable:
 
     @property
     def is_table(self) -> bool:
-        return self.spec.HasField("table")
+        """A piece of an embedding table, fixed or dynamic."""
+        return tables.is_table(self.spec)
 
     def stable_value(self) -> tuple[np.ndarray, int]:
         """``(value, version)`` that later updates will not change (a copy of a table updated in place)."""
@@ -234,6 +237,8 @@ class Store:
         shape = tuple(int(d) for d in spec.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgumentError(f"variable {name!r}: negative dimension in shape {shape}")
+        if spec.HasField("dynamic"):
+            return _build_dynamic(spec, dtype, value)
         if value is None:
             raise InvalidArgumentError(f"variable {name!r}: no initial value was sent")
         if value.dtype != dtype or value.shape != shape:
@@ -374,12 +379,18 @@ class Store:
         self._held_claims.discard((worker_id, session, seq))
 
     async def apply_once(
-        self, worker_id: str, seq: int, session: int, pairs: list[tuple[Variable, tables.Grad]]
+        self,
+        worker_id: str,
+        seq: int,
+        session: int,
+        pairs: list[tuple[Variable, tables.Grad]],
+        now: float | None = None,
     ) -> list[int] | None:
         """Applies push ``(worker_id, session, seq)`` unless it was already applied (then returns None).
 
         The one claim / apply / unclaim sequence of every mode that applies a push
         on arrival: a push whose apply fails is forgotten, so its retry applies it.
+        ``now``: the push's time (see ``apply``).
 
         Raises:
             WorkerIdConflictError: see ``claim``; nothing applied.
@@ -387,23 +398,29 @@ class Store:
         if not self.claim(worker_id, seq, session):
             return None
         try:
-            return await self.apply(pairs)
+            return await self.apply(pairs, now)
         except BaseException:
             self.unclaim(worker_id, seq, session)
             raise
 
-    async def apply(self, pairs: list[tuple[Variable, tables.Grad]]) -> list[int]:
+    async def apply(self, pairs: list[tuple[Variable, tables.Grad]], now: float | None = None) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
         Waits while a checkpoint snapshot is being taken (``quiesced``), so a
         snapshot never holds half of one update.
+
+        Args:
+            pairs: from ``validate_grads``.
+            now: the push's time (``time.time()``; default: now): dynamic tables'
+                ``ttl_seconds`` counts from it (a backup replays its primary's).
         """
+        now = time.time() if now is None else now
         async with self._updates():
             versions = []
             for var, grad in pairs:
                 async with var.lock:
                     if isinstance(grad, tables.RowGrad):
-                        versions.append(await self._apply_rows(var, grad))
+                        versions.append(await self._apply_rows(var, grad, now))
                         continue
                     value, version = var.state
                     step = var.iterations
@@ -417,8 +434,18 @@ class Store:
             self.pushes += 1
             return versions
 
-    async def _apply_rows(self, var: Variable, grad: tables.RowGrad) -> int:
+    async def _apply_rows(self, var: Variable, grad: tables.RowGrad, now: float) -> int:
         """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
+        if var.dyn is not None:
+            rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
+            values = grad.values[keep]
+            if values.nbytes > self.inline_apply_bytes:  # only ``rows`` are touched meanwhile
+                new = await asyncio.to_thread(
+                    var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations
+                )
+            else:
+                new = var.optimizer.apply_rows(var.value, rows, values, var.slots, var.iterations)
+            return self._write_rows(var, var.value, rows, new)
         rows = tables.local_rows(var.spec, grad.ids)
         value = var.value
         if grad.nbytes > self.inline_apply_bytes:
@@ -457,13 +484,19 @@ class Store:
             if not self._updating:
                 self._idle.set()
 
-    def apply_one(self, var: Variable, grad: tables.Grad) -> int:
+    def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
         """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
 
-        Returns the new version.
+        ``now``: the push's time on the primary (dynamic tables' TTL). Returns the new version.
         """
         if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
+            if var.dyn is not None:
+                now = time.time() if now is None else now
+                rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
+                new = var.optimizer.apply_rows(var.value, rows, grad.values[keep], var.slots, var.iterations)
+                self.changes += 1
+                return self._write_rows(var, var.value, rows, new)
             rows = tables.local_rows(var.spec, grad.ids)
             value = var.value if var.value.flags.writeable else var.value.copy()
             new = var.optimizer.apply_rows(value, rows, grad.values, var.slots, var.iterations)
@@ -490,6 +523,11 @@ class Store:
         pairs = []
         for name, value in values.items():
             var = self.get(name)
+            if var.dyn is not None:
+                raise InvalidArgumentError(
+                    f"{name!r} is a piece of dynamic table {var.dyn.config.table!r}: its rows cannot be "
+                    "assigned (push row gradients)"
+                )
             if value.dtype != var.dtype:
                 raise InvalidArgumentError(
                     f"value for {name!r} has dtype {value.dtype.name}; variable has dtype {var.dtype.name}"
@@ -655,7 +693,7 @@ class Store:
                 try:
                     optimizer.check_rows()
                 except ValueError as err:
-                    raise InvalidArgumentError(f"table {var.spec.table.table!r}: {err}") from None
+                    raise InvalidArgumentError(f"table {tables.table_name(var.spec)!r}: {err}") from None
             staged.append((var, optimizer))
         # Through the checkpoint gate: a snapshot never holds a new spec with the old slots.
         async with self._updates(), contextlib.AsyncExitStack() as locks:
@@ -731,6 +769,35 @@ def _check_table(
         optimizer.check_rows()
     except ValueError as err:
         raise InvalidArgumentError(f"table {t.table!r}: {err}") from None
+
+
+def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray | None) -> Variable:
+    """A new, empty dynamic table piece. Raises: InvalidArgumentError for a bad spec (or a value sent)."""
+    what = f"dynamic table piece {spec.name!r}"
+    if value is not None and value.size:
+        raise InvalidArgumentError(f"{what}: takes no initial value (rows are created on their first push)")
+    try:
+        config = dynamic.Config.of(spec)
+    except ValueError as err:
+        raise InvalidArgumentError(f"{what}: {err}") from None
+    if dtype.kind != "f":
+        raise InvalidArgumentError(f"{what}: dtype {dtype.name} is not floating point (tables are trainable)")
+    try:
+        optimizer = optimizers.from_spec(spec.optimizer)
+        optimizer.check_rows()
+    except ValueError as err:
+        raise InvalidArgumentError(f"table {config.table!r}: {err}") from None
+    rows = dynamic.DynamicRows(config, dtype)
+    storage, slots = rows.new_storage(optimizer)
+    return Variable(
+        spec=spec,
+        dtype=dtype,
+        shape=(0, config.dim),
+        optimizer=optimizer,
+        slots=slots,
+        state=(storage, 0),
+        dyn=rows,
+    )
 
 
 def _owned(value: np.ndarray) -> np.ndarray:

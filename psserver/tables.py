@@ -1,7 +1,9 @@
 """Embedding table pieces on a shard: row gradients, their validation, and row reads.
 
 A table piece is a stored variable of shape ``[rows, dim]`` whose spec has a
-``TableRows`` (see ``pscore.placement`` for the row rule). A row gradient
+``TableRows`` (see ``pscore.placement`` for the row rule), or one shard's
+piece of a dynamic table (spec ``DynamicTable``: rows in a hash table,
+``psserver.dynamic``). A row gradient
 (``RowGrad``) arrives as two wire tensors (``pscore.embedding.ids_name`` /
 ``values_name``) and is paired here; the store validates it (``validate``)
 before anything is claimed or applied, and applies it in place, row by row
@@ -17,6 +19,7 @@ import numpy as np
 
 from pscore import embedding
 from pscore.errors import InvalidArgumentError
+from pscore.placement import dynamic_row_shard
 from psproto.v1 import ps_pb2
 
 
@@ -36,7 +39,19 @@ Grad = np.ndarray | RowGrad
 
 
 def is_table(spec: ps_pb2.VariableSpec) -> bool:
-    return spec.HasField("table")
+    """Whether ``spec`` is a piece of an embedding table (fixed or dynamic)."""
+    return spec.HasField("table") or spec.HasField("dynamic")
+
+
+def table_name(spec: ps_pb2.VariableSpec) -> str:
+    """The user-visible table of a table piece ("" for another variable)."""
+    if spec.HasField("dynamic"):
+        return spec.dynamic.table
+    return spec.table.table if spec.HasField("table") else ""
+
+
+def _dim(spec: ps_pb2.VariableSpec) -> int:
+    return int(spec.dynamic.dim if spec.HasField("dynamic") else spec.table.dim)
 
 
 def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
@@ -86,14 +101,26 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
     """
     if not is_table(spec):
         raise InvalidArgumentError(f"{what}: variable {spec.name!r} is not an embedding table")
-    t = spec.table
+    name = table_name(spec)
     if ids.dtype.kind not in "iu":
         raise InvalidArgumentError(
-            f"{what} for table {t.table!r}: ids have dtype {ids.dtype.name}, not an integer"
+            f"{what} for table {name!r}: ids have dtype {ids.dtype.name}, not an integer"
         )
     if ids.ndim != 1:
-        raise InvalidArgumentError(f"{what} for table {t.table!r}: ids have shape {ids.shape}, not [n]")
+        raise InvalidArgumentError(f"{what} for table {name!r}: ids have shape {ids.shape}, not [n]")
     ids = ids.astype(np.int64, copy=False)
+    if spec.HasField("dynamic"):  # any 64-bit id; only the shard rule is checked
+        d = spec.dynamic
+        shard = dynamic_row_shard(ids, d.count)
+        bad_shard = shard != d.index
+        if bad_shard.any():
+            i = int(np.argmax(bad_shard))
+            raise InvalidArgumentError(
+                f"{what} for table {name!r}: id {int(ids[i])} is held by shard {int(shard[i])}, "
+                f"not by this one (shard {d.index} of {d.count})"
+            )
+        return ids
+    t = spec.table
     bad = (ids < 0) | (ids >= t.num_rows) | (ids % t.count != t.index)
     if bad.any():
         first = int(ids[int(np.argmax(bad))])
@@ -113,21 +140,21 @@ def validate(spec: ps_pb2.VariableSpec, dtype: np.dtype, grad: RowGrad, *, allow
             non-finite values (unless allowed).
     """
     ids = check_ids(spec, grad.ids, "row gradient")
-    t = spec.table
+    name, dim = table_name(spec), _dim(spec)
     values = grad.values
     if values.dtype != dtype:
         raise InvalidArgumentError(
-            f"row gradient for table {t.table!r} has dtype {values.dtype.name}; the table has {dtype.name}"
+            f"row gradient for table {name!r} has dtype {values.dtype.name}; the table has {dtype.name}"
         )
-    if values.shape != (ids.size, t.dim):
+    if values.shape != (ids.size, dim):
         raise InvalidArgumentError(
-            f"row gradient for table {t.table!r} has values of shape {values.shape} for {ids.size} ids; "
-            f"expected {(ids.size, t.dim)} (one row of dim {t.dim} per id)"
+            f"row gradient for table {name!r} has values of shape {values.shape} for {ids.size} ids; "
+            f"expected {(ids.size, dim)} (one row of dim {dim} per id)"
         )
     if not allow_non_finite and not np.isfinite(values).all():
         bad = int(np.argmax(~np.isfinite(values).all(axis=1)))
         raise InvalidArgumentError(
-            f"row gradient for table {t.table!r} has non-finite (NaN or Inf) values for id {int(ids[bad])}; "
+            f"row gradient for table {name!r} has non-finite (NaN or Inf) values for id {int(ids[bad])}; "
             "rejected (start the shard with --allow-non-finite to apply them)"
         )
     ids, values = embedding.sum_duplicates(ids, values)

@@ -1,0 +1,627 @@
+"""Dynamic embedding table pieces: 64-bit ids -> preallocated rows, with admission, eviction and expiry.
+
+One shard's piece of a dynamic table (``ps_pb2.DynamicTable``; see
+``pscore.placement`` for which shard holds an id) is a ``DynamicRows``:
+
+- row storage preallocated for the shard's capacity (``ceil(capacity / S)``
+  rows; an unbounded table starts small and doubles), with the optimizer's
+  slots beside it, so memory is bounded by the capacity whatever ids arrive;
+- an id -> slot map (``HashIndex``: open addressing with linear probing,
+  vectorised over a batch of ids in probe rounds), and per slot its id, the
+  table's push count at its last update (``last_step``), its number of
+  updates (``hits``) and the time of its last update;
+- with ``min_count > 1``, a count-min sketch (``CountMinSketch``) that counts
+  the pushes of ids that have no row yet.
+
+Every change happens when a push is applied (``prepare`` / ``write``), as a
+function of the pushed ids, the table's push count and the push's time only:
+lookups change nothing. So a backup replaying its primary's pushes (with the
+primary's times) and a shard restored from a checkpoint and fed the same
+pushes hold the same rows. An applied push, in order:
+
+1. Rows of pushed ids that exist are marked updated (``last_step``, ``hits``, time).
+2. Absent ids are counted in the sketch; those seen in at least ``min_count``
+   pushes are admitted, the others' updates dropped (``dropped_updates``).
+3. Every ``max(1, ttl_steps // 8)`` pushes (or ``ttl_seconds / 8`` seconds) a
+   sweep removes the rows not updated for ``ttl_steps`` pushes (or
+   ``ttl_seconds``): a row lives between its TTL and 9/8 of it.
+4. If the admitted ids do not fit, rows are evicted: LRU (least recently
+   updated first) or LFU (fewest updates, then least recent), ties by smallest
+   id, never a row of this push; ``capacity // 64`` extra rows are evicted at
+   once so that a stream of new ids pays the selection (one pass over the
+   shard's rows) once per many pushes. A push with more new ids than the shard
+   holds admits the smallest ids that fit and drops the rest.
+5. New rows get the table's initializer row (a function of the table name
+   and the id: the same on every process) and fresh optimizer slots; then the
+   optimizer's row rule updates every kept row (``write``).
+
+A lookup of an id without a row returns its initializer row (what its row
+would start from). The sketch's counters halve whenever it has counted as
+many ids as it has columns, so admission counts recent pushes (an id must
+recur within about ``width`` counted ids, ``2 x`` the shard's capacity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol
+
+import numpy as np
+
+from pscore.embedding import init_rows
+from pscore.placement import dynamic_capacity, mix64
+from psproto.v1 import ps_pb2
+
+_INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
+_MIN_INDEX = 16
+_INDEX_SEED = 1  # hash seeds: the shard rule uses seed 0; the index and the sketch rows their own
+_SKETCH_SEEDS = (2, 3, 4, 5)
+_SKETCH_MIN_WIDTH = 1 << 16
+_SKETCH_UNBOUNDED_WIDTH = 1 << 20
+MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
+_EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
+_SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
+
+_EMPTY, _FULL, _TOMB = 0, 1, 2
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class HashIndex:
+    """A hash map from int64 ids to int64 values (open addressing, linear probing, tombstones).
+
+    Each operation takes a batch of ids and runs in probe rounds, each round a
+    few numpy operations over the ids still probing; the table is kept at most
+    3/4 full (live entries and tombstones), so rounds are few. Rebuilt (and
+    grown as needed) when it would pass that.
+
+    >>> index = HashIndex(4)
+    >>> index.insert(np.array([10, -7]), np.array([0, 1]))
+    >>> index.get(np.array([-7, 3, 10]))
+    array([ 1, -1,  0])
+    """
+
+    def __init__(self, max_live: int = 0) -> None:
+        self._alloc(max(_MIN_INDEX, _pow2(2 * max_live)))
+
+    def _alloc(self, size: int) -> None:
+        self.keys = np.zeros(size, np.int64)
+        self.vals = np.zeros(size, np.int64)
+        self.state = np.zeros(size, np.uint8)
+        self.mask = size - 1
+        self.live = 0
+        self.tombs = 0
+
+    def __len__(self) -> int:
+        return self.live
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.vals.nbytes + self.state.nbytes
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        return (mix64(ids, _INDEX_SEED) & np.uint64(self.mask)).astype(np.int64)
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """Where each id is in the table (-1: absent)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        found = np.full(ids.size, -1, np.int64)
+        todo = np.arange(ids.size)
+        p = self._home(ids)
+        while todo.size:
+            st = self.state[p]
+            hit = (st == _FULL) & (self.keys[p] == ids[todo])
+            found[todo[hit]] = p[hit]
+            go_on = (st != _EMPTY) & ~hit
+            todo = todo[go_on]
+            p = (p[go_on] + 1) & self.mask
+        return found
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        """The value of each id (-1: absent)."""
+        pos = self.positions(ids)
+        out = np.full(pos.size, -1, np.int64)
+        have = pos >= 0
+        out[have] = self.vals[pos[have]]
+        return out
+
+    def insert(self, ids: np.ndarray, vals: np.ndarray) -> None:
+        """Adds distinct ids that are absent, with their values."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        vals = np.asarray(vals, np.int64).reshape(-1)
+        if not ids.size:
+            return
+        if (self.live + self.tombs + ids.size) * 4 > self.keys.size * 3:
+            self._rebuild(self.live + ids.size)
+        todo = np.arange(ids.size)
+        p = self._home(ids)
+        while todo.size:
+            free = self.state[p] != _FULL
+            cand, cand_p = np.flatnonzero(free), p[free]
+            taken, first = np.unique(cand_p, return_index=True)  # one id per free place this round
+            winners = todo[cand[first]]
+            self.tombs -= int(np.count_nonzero(self.state[taken] == _TOMB))
+            self.state[taken] = _FULL
+            self.keys[taken] = ids[winners]
+            self.vals[taken] = vals[winners]
+            placed = np.zeros(todo.size, bool)
+            placed[cand[first]] = True
+            todo = todo[~placed]
+            p = (p[~placed] + 1) & self.mask
+        self.live += ids.size
+
+    def remove(self, positions: np.ndarray) -> None:
+        """Removes the entries at ``positions`` (from ``positions``; each present, distinct)."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        self.state[positions] = _TOMB
+        self.live -= positions.size
+        self.tombs += positions.size
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """The live ``(ids, values)``."""
+        full = self.state == _FULL
+        return self.keys[full], self.vals[full]
+
+    def _rebuild(self, live_after: int) -> None:
+        keys, vals = self.items()
+        size = self.keys.size  # the same size (dropping tombstones) while half of it holds everything
+        self._alloc(size if 2 * live_after <= size else max(_MIN_INDEX, _pow2(2 * live_after)))
+        self.insert(keys, vals)
+
+
+class CountMinSketch:
+    """Approximate counts of int64 ids (count-min, 4 rows, conservative update, uint16 counters).
+
+    Never under-counts an id added since the last halving; ``age`` halves every
+    counter once ``width`` ids were added since the last halving.
+
+    >>> s = CountMinSketch(1024)
+    >>> s.add(np.array([5, 9])), s.add(np.array([5]))
+    (array([1, 1], dtype=uint16), array([2], dtype=uint16))
+    """
+
+    def __init__(self, width: int) -> None:
+        self.width = _pow2(width)
+        self.table = np.zeros((len(_SKETCH_SEEDS), self.width), np.uint16)
+        self.added = 0  # ids added since the last halving
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def _cols(self, ids: np.ndarray) -> np.ndarray:
+        mask = np.uint64(self.width - 1)
+        return np.stack([(mix64(ids, seed) & mask).astype(np.int64) for seed in _SKETCH_SEEDS])
+
+    def estimate(self, ids: np.ndarray) -> np.ndarray:
+        cols = self._cols(ids)
+        return self.table[np.arange(cols.shape[0])[:, None], cols].min(axis=0)
+
+    def add(self, ids: np.ndarray) -> np.ndarray:
+        """Counts one more occurrence of each (distinct) id; returns their counts, this one included."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if not ids.size:
+            return np.zeros(0, np.uint16)
+        cols = self._cols(ids)
+        rows = np.arange(cols.shape[0])[:, None]
+        est = self.table[rows, cols].min(axis=0)
+        new = np.minimum(est.astype(np.int64) + 1, MAX_MIN_COUNT).astype(np.uint16)
+        for r in range(cols.shape[0]):  # conservative update: raise each counter to the new estimate
+            np.maximum.at(self.table[r], cols[r], new)
+        self.added += ids.size
+        if self.added >= self.width:
+            self.table >>= 1
+            self.added = 0
+        return new
+
+    def merged(self, others: list[CountMinSketch]) -> None:
+        """Adds ``others``' counters into this one (columns folded or tiled to this width)."""
+        for other in others:
+            t = other.table
+            if t.shape[1] > self.width:  # fold: id column h % w is the sum of its old columns h % W, ...
+                t = t.reshape(t.shape[0], -1, self.width).sum(axis=1, dtype=np.int64)
+            elif t.shape[1] < self.width:  # tile: h % W == (h % w) for every old column
+                t = np.tile(t, (1, self.width // t.shape[1]))
+            self.table = np.minimum(self.table.astype(np.int64) + t, MAX_MIN_COUNT).astype(np.uint16)
+            self.added = min(self.width - 1, self.added + other.added)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    """A dynamic table piece's settings (``ps_pb2.DynamicTable``, validated)."""
+
+    table: str
+    dim: int
+    index: int
+    count: int
+    capacity: int  # rows this shard holds at most (0: unbounded)
+    min_count: int
+    lfu: bool
+    ttl_steps: int
+    ttl_seconds: float
+    initializer: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, spec: ps_pb2.VariableSpec) -> Config:
+        """Raises: ValueError for inconsistent settings (the message names the problem)."""
+        d = spec.dynamic
+        if not d.table:
+            raise ValueError("a dynamic table piece needs a table name")
+        if spec.HasField("partition") or spec.HasField("table"):
+            raise ValueError("a dynamic table piece cannot also be a partition or a fixed table")
+        if d.dim < 1 or not 0 <= d.index < d.count:
+            raise ValueError(f"dim {d.dim}, shard {d.index} of {d.count} are inconsistent")
+        if tuple(spec.shape) != (0, d.dim):
+            raise ValueError(f"shape {list(spec.shape)} must be [0, {d.dim}] (rows come and go)")
+        if d.capacity < 0:
+            raise ValueError(f"capacity {d.capacity} is negative (0: unbounded)")
+        if not 0 <= d.min_count <= MAX_MIN_COUNT:
+            raise ValueError(f"min_count {d.min_count} is out of range [1, {MAX_MIN_COUNT}]")
+        if d.ttl_steps < 0 or not (math.isfinite(d.ttl_seconds) and d.ttl_seconds >= 0):
+            raise ValueError(f"ttl_steps {d.ttl_steps} and ttl_seconds {d.ttl_seconds} must be >= 0")
+        if d.key_type not in ps_pb2.KeyType.values():
+            raise ValueError(f"unknown key type {d.key_type}")
+        if d.eviction not in ps_pb2.Eviction.values():
+            raise ValueError(f"unknown eviction policy {d.eviction}")
+        init = (d.initializer.name or "uniform", *d.initializer.args)
+        init_rows(d.table, np.zeros(1, np.int64), 1, np.float32, init)  # raises ValueError if unknown
+        return cls(
+            table=d.table,
+            dim=int(d.dim),
+            index=int(d.index),
+            count=int(d.count),
+            capacity=dynamic_capacity(d.capacity, d.count),
+            min_count=max(1, int(d.min_count)),
+            lfu=d.eviction == ps_pb2.EVICTION_LFU,
+            ttl_steps=int(d.ttl_steps),
+            ttl_seconds=float(d.ttl_seconds),
+            initializer=init,
+        )
+
+    @property
+    def sketch_width(self) -> int:
+        return max(_SKETCH_MIN_WIDTH, 2 * self.capacity) if self.capacity else _SKETCH_UNBOUNDED_WIDTH
+
+
+class Holder(Protocol):
+    """What holds a piece's row storage (``psserver.store.Variable``)."""
+
+    state: tuple[np.ndarray, int]
+    slots: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(slots=True)
+class Stats:
+    """Counters since the shard started (``ps_pb2.DynamicStats``)."""
+
+    admitted: int = 0
+    evicted: int = 0
+    expired: int = 0
+    dropped_updates: int = 0
+    initializer_reads: int = 0
+
+
+class DynamicRows:
+    """The hash table and bookkeeping of one dynamic table piece (see the module docs).
+
+    The row values and optimizer slots live in the holder (``var.state[0]``,
+    ``var.slots``: ``[allocated rows, dim]``); this object maps ids to their
+    rows and decides which rows exist. Not thread-safe: call it from the
+    shard's event loop (``write``'s row math may run in a thread meanwhile:
+    it touches only the rows ``prepare`` returned).
+
+    Args:
+        config: the piece's settings.
+        dtype: the rows' dtype.
+    """
+
+    def __init__(self, config: Config, dtype: np.dtype) -> None:
+        self.config = config
+        self.dtype = np.dtype(dtype)
+        rows = config.capacity or _INITIAL_ROWS
+        self.index = HashIndex(rows)
+        self.slot_ids = np.zeros(rows, np.int64)
+        self.last_step = np.zeros(rows, np.int64)
+        self.hits = np.zeros(rows, np.int64)
+        self.last_time = np.zeros(rows, np.float64)
+        self.live = np.zeros(rows, bool)
+        self.free = np.arange(rows - 1, -1, -1, dtype=np.int64)  # a stack: the top is free[nfree - 1]
+        self.nfree = rows
+        self.sketch = CountMinSketch(config.sketch_width) if config.min_count > 1 else None
+        self.clock = 0  # pushes applied to this piece
+        self.last_sweep = (0, 0.0)  # (clock, time) of the last expiry sweep
+        self.stats = Stats()
+
+    # -- storage ----------------------------------------------------------------
+
+    def new_storage(self, optimizer: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Zeroed row storage and slots for the allocated rows (pages stay untouched until written)."""
+        return self._storage(optimizer, self.allocated)
+
+    def _storage(self, optimizer: Any, rows: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        dim = self.config.dim
+        small = optimizer.init_slots(np.zeros((1, dim), self.dtype))
+        slots = {k: (np.zeros((rows, dim), a.dtype) if a.shape == (1, dim) else a) for k, a in small.items()}
+        return np.zeros((rows, dim), self.dtype), slots
+
+    @property
+    def allocated(self) -> int:
+        return self.slot_ids.size
+
+    def __len__(self) -> int:
+        return self.allocated - self.nfree
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of bookkeeping (index, per-row counters, sketch), besides the rows and slots."""
+        meta = self.index.nbytes + self.slot_ids.nbytes * 4 + self.live.nbytes + self.free.nbytes
+        return meta + (self.sketch.nbytes if self.sketch is not None else 0)
+
+    def proto_stats(self) -> ps_pb2.DynamicStats:
+        s = self.stats
+        return ps_pb2.DynamicStats(
+            rows=len(self),
+            capacity=self.config.capacity,
+            admitted=s.admitted,
+            evicted=s.evicted,
+            expired=s.expired,
+            dropped_updates=s.dropped_updates,
+            initializer_reads=s.initializer_reads,
+        )
+
+    # -- reads ------------------------------------------------------------------
+
+    def initial_rows(self, ids: np.ndarray) -> np.ndarray:
+        c = self.config
+        return init_rows(c.table, ids, c.dim, self.dtype, c.initializer)
+
+    def read(self, holder: Holder, ids: np.ndarray) -> np.ndarray:
+        """The rows of ids (a copy): their values, or the initializer's row for ids without one."""
+        slots = self.index.get(ids)
+        values = holder.state[0]
+        have = slots >= 0
+        if have.all():
+            return values[slots]
+        out = np.empty((ids.size, self.config.dim), self.dtype)
+        out[have] = values[slots[have]]
+        missing = ~have
+        out[missing] = self.initial_rows(ids[missing])
+        self.stats.initializer_reads += int(np.count_nonzero(missing))
+        return out
+
+    # -- a push -----------------------------------------------------------------
+
+    def prepare(
+        self, holder: Holder, ids: np.ndarray, now: float, optimizer: Any
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Steps 1-5 of a push of distinct ``ids`` (all but the row math): returns ``(rows, keep)``.
+
+        ``rows`` are the storage rows to update with the gradients at positions
+        ``keep`` of ``ids`` (the others are dropped). No await may separate this
+        from ``write``'s storing of the new values.
+        """
+        c = self.config
+        self.clock += 1
+        found = self.index.get(ids)
+        present = np.flatnonzero(found >= 0)
+        old = found[present]
+        self._touch(old, now)
+        new_pos = np.flatnonzero(found < 0)
+        if new_pos.size and self.sketch is not None:
+            admitted = self.sketch.add(ids[new_pos]) >= c.min_count
+            self.stats.dropped_updates += int(new_pos.size - np.count_nonzero(admitted))
+            new_pos = new_pos[admitted]
+        self._sweep(now, protect=old)
+        if new_pos.size > self.nfree:
+            if not c.capacity:
+                self._grow(holder, optimizer, len(self) + new_pos.size)
+            else:
+                self._evict(new_pos.size - self.nfree + c.capacity // _EVICT_SLACK, protect=old)
+                if new_pos.size > self.nfree:  # more new ids than the shard holds: the smallest fit
+                    self.stats.dropped_updates += int(new_pos.size - self.nfree)
+                    new_pos = new_pos[: self.nfree]
+        new = self._take(new_pos.size)
+        new_ids = ids[new_pos]
+        self.index.insert(new_ids, new)
+        self.slot_ids[new] = new_ids
+        self.live[new] = True
+        self.hits[new] = 0
+        self._touch(new, now)
+        self.stats.admitted += new.size
+        if new.size:
+            values, slots = holder.state[0], holder.slots
+            values[new] = self.initial_rows(new_ids)
+            fresh = optimizer.init_slots(np.zeros((1, c.dim), self.dtype))
+            for k, a in fresh.items():
+                if a.shape == (1, c.dim):
+                    slots[k][new] = a[0]
+        return np.concatenate([old, new]), np.concatenate([present, new_pos])
+
+    def _touch(self, rows: np.ndarray, now: float) -> None:
+        self.last_step[rows] = self.clock
+        self.hits[rows] += 1
+        self.last_time[rows] = now
+
+    def _take(self, n: int) -> np.ndarray:
+        rows = self.free[self.nfree - n : self.nfree][::-1].copy()
+        self.nfree -= n
+        return rows
+
+    def _release(self, rows: np.ndarray) -> None:
+        self.index.remove(self.index.positions(self.slot_ids[rows]))
+        self.live[rows] = False
+        self.free[self.nfree : self.nfree + rows.size] = rows
+        self.nfree += rows.size
+
+    def _sweep(self, now: float, protect: np.ndarray) -> None:
+        """Removes expired rows when a sweep is due (every 1/8 of the TTL)."""
+        c = self.config
+        if not (c.ttl_steps or c.ttl_seconds):
+            return
+        step, when = self.last_sweep
+        due = (c.ttl_steps and self.clock - step >= max(1, c.ttl_steps // _SWEEPS_PER_TTL)) or (
+            c.ttl_seconds and now - when >= c.ttl_seconds / _SWEEPS_PER_TTL
+        )
+        if not due:
+            return
+        self.last_sweep = (self.clock, now)
+        old = np.zeros(self.allocated, bool)
+        if c.ttl_steps:
+            old |= self.last_step < self.clock - c.ttl_steps
+        if c.ttl_seconds:
+            old |= self.last_time < now - c.ttl_seconds
+        old &= self.live
+        old[protect] = False
+        rows = np.flatnonzero(old)
+        if rows.size:
+            self._release(rows)
+            self.stats.expired += rows.size
+
+    def _evict(self, n: int, protect: np.ndarray) -> None:
+        """Evicts ``n`` rows (fewer if fewer are not protected) by the table's policy."""
+        candidates = np.flatnonzero(self.live)
+        if protect.size:
+            keep = np.ones(self.allocated, bool)
+            keep[protect] = False
+            candidates = candidates[keep[candidates]]
+        rows = self.victims(candidates, n)
+        if rows.size:
+            self._release(rows)
+            self.stats.evicted += rows.size
+
+    def victims(self, candidates: np.ndarray, n: int) -> np.ndarray:
+        """The ``n`` rows among ``candidates`` the policy evicts first (deterministic: ties by id)."""
+        keys = [self.hits, self.last_step] if self.config.lfu else [self.last_step]
+        return _smallest(candidates, [*keys, self.slot_ids], n)
+
+    def _grow(self, holder: Holder, optimizer: Any, rows_needed: int) -> None:
+        """Unbounded tables: more rows (at least doubling), keeping every row, slot and counter."""
+        old = self.allocated
+        rows = max(2 * old, _pow2(rows_needed))
+        values, slots = self._storage(optimizer, rows)
+        values[:old] = holder.state[0]
+        for k, a in holder.slots.items():
+            if a.shape == (old, self.config.dim):
+                slots[k][:old] = a
+            else:
+                slots[k] = a
+        for name in ("slot_ids", "last_step", "hits", "last_time", "live"):
+            arr = getattr(self, name)
+            grown = np.zeros(rows, arr.dtype)
+            grown[:old] = arr
+            setattr(self, name, grown)
+        free = np.empty(rows, np.int64)
+        free[: rows - old] = np.arange(rows - 1, old - 1, -1)
+        free[rows - old : rows - old + self.nfree] = self.free[: self.nfree]
+        self.free = free
+        self.nfree += rows - old
+        holder.state = (values, holder.state[1])
+        holder.slots = slots
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def export(self, holder: Holder) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Copies of the live rows, by ascending id: ``(values, slots, bookkeeping arrays)``."""
+        rows = np.flatnonzero(self.live)
+        rows = rows[np.argsort(self.slot_ids[rows], kind="stable")]
+        values = holder.state[0][rows]
+        slots = {
+            k: (a[rows] if a.shape == (self.allocated, self.config.dim) else a.copy())
+            for k, a in holder.slots.items()
+        }
+        meta = {
+            "ids": self.slot_ids[rows],
+            "last_step": self.last_step[rows],
+            "hits": self.hits[rows],
+            "last_time": self.last_time[rows],
+            "clock": np.array(self.clock, np.int64),
+            "last_sweep": np.array(self.last_sweep, np.float64),
+        }
+        if self.sketch is not None:
+            meta["sketch"] = self.sketch.table.copy()
+            meta["sketch_added"] = np.array(self.sketch.added, np.int64)
+        return values, slots, meta
+
+    def load(
+        self,
+        holder: Holder,
+        optimizer: Any,
+        values: np.ndarray,
+        slots: dict[str, np.ndarray],
+        meta: dict[str, np.ndarray],
+        *,
+        sketches: list[CountMinSketch] = (),  # type: ignore[assignment]
+    ) -> None:
+        """Fills an empty piece from ``export``'s arrays (rows of any shards; those not its own skipped).
+
+        Rows beyond the shard's capacity (a restore into fewer shards) are evicted by the policy.
+
+        Raises:
+            ValueError: arrays that do not match.
+        """
+        ids = np.asarray(meta["ids"], np.int64)
+        n = ids.size
+        dim = self.config.dim
+        if values.shape != (n, dim):
+            raise ValueError(f"rows of shape {values.shape} for {n} ids of dim {dim}")
+        self.clock = int(meta["clock"])
+        sweep = np.asarray(meta["last_sweep"], np.float64)
+        self.last_sweep = (int(sweep[0]), float(sweep[1]))
+        if self.sketch is not None:
+            if "sketch" in meta:
+                own = CountMinSketch(meta["sketch"].shape[1])
+                own.table = np.asarray(meta["sketch"], np.uint16).copy()
+                own.added = int(meta.get("sketch_added", 0))
+                sketches = [own, *sketches]
+            self.sketch.merged(list(sketches))
+        last_step = np.asarray(meta["last_step"], np.int64)
+        hits = np.asarray(meta["hits"], np.int64)
+        if not self.config.capacity and n > self.allocated:
+            self._grow(holder, optimizer, n)
+        keep = np.arange(n)
+        if n > self.nfree:  # more rows than this shard holds: keep those the policy would keep longest
+            keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
+            drop = _smallest(keep, keys, n - self.nfree)
+            mask = np.ones(n, bool)
+            mask[drop] = False
+            keep = keep[mask]
+            self.stats.evicted += drop.size
+        rows = self._take(keep.size)
+        self.index.insert(ids[keep], rows)
+        self.slot_ids[rows] = ids[keep]
+        self.last_step[rows] = last_step[keep]
+        self.hits[rows] = hits[keep]
+        self.last_time[rows] = np.asarray(meta["last_time"], np.float64)[keep]
+        self.live[rows] = True
+        holder.state[0][rows] = values[keep]
+        for k, a in slots.items():
+            target = holder.slots.get(k)
+            if target is None:
+                raise ValueError(f"slot {k!r} is not one of the optimizer's ({sorted(holder.slots)})")
+            if target.shape == (self.allocated, dim):
+                if a.shape != (n, dim):
+                    raise ValueError(f"slot {k!r} has shape {a.shape}, not {(n, dim)}")
+                target[rows] = a[keep]
+            else:
+                holder.slots[k] = np.array(a, dtype=target.dtype).reshape(target.shape)
+
+
+def _smallest(candidates: np.ndarray, keys: list[np.ndarray], n: int) -> np.ndarray:
+    """The ``n`` candidates smallest by ``keys`` (lexicographic; the last key must be distinct).
+
+    One ``np.partition`` pass per key that has ties at the cut: O(len(candidates)).
+    """
+    if n <= 0:
+        return candidates[:0]
+    if n >= candidates.size:
+        return candidates
+    k = keys[0][candidates]
+    cut = np.partition(k, n - 1)[n - 1]
+    below = candidates[k < cut]
+    tied = candidates[k == cut]
+    if below.size + tied.size == n or len(keys) == 1:
+        return np.concatenate([below, tied[: n - below.size]])
+    return np.concatenate([below, _smallest(tied, keys[1:], n - below.size)])
