@@ -42,6 +42,8 @@ class StoredTensor:
     version: int
     optimizer: str
     partition: tuple[int, int] | None  # (index, count) of a partition
+    # A dynamic table piece's counters (``ps_pb2.DynamicStats`` fields: rows, capacity, admitted, ...).
+    dynamic: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +80,27 @@ def _tensor(info: ps_pb2.VariableInfo) -> StoredTensor:
         name, itemsize = ps_pb2.DType.Name(spec.dtype), 0
     shape = tuple(int(d) for d in spec.shape)
     part = spec.partition if spec.HasField("partition") else None
+    variable, full_shape, nbytes = spec.name, shape, math.prod(shape) * itemsize
+    dynamic = None
+    if part is not None:
+        variable, full_shape = part.variable, tuple(int(d) for d in part.full_shape)
+    elif spec.HasField("table"):  # one shard's rows of a table
+        variable, full_shape = spec.table.table, (int(spec.table.num_rows), int(spec.table.dim))
+    elif spec.HasField("dynamic"):  # its rows come and go: (0, dim); its size is its rows'
+        variable = spec.dynamic.table
+        dynamic = {f.name: int(getattr(info.dynamic, f.name)) for f in ps_pb2.DynamicStats.DESCRIPTOR.fields}
+        nbytes = dynamic["rows"] * int(spec.dynamic.dim) * itemsize
     return StoredTensor(
         name=spec.name,
-        variable=part.variable if part is not None else spec.name,
+        variable=variable,
         dtype=name,
         shape=shape,
-        full_shape=tuple(int(d) for d in part.full_shape) if part is not None else shape,
-        nbytes=math.prod(shape) * itemsize,
+        full_shape=full_shape,
+        nbytes=nbytes,
         version=int(info.version),
         optimizer=spec.optimizer.name,
         partition=(int(part.index), int(part.count)) if part is not None else None,
+        dynamic=dynamic,
     )
 
 

@@ -81,6 +81,10 @@ def status_report(statuses: list[ShardStatus], later: list[ShardStatus] | None) 
                  "partitions": 0},
             )  # fmt: skip
             v["bytes"] += t.nbytes
+            if t.dynamic is not None:  # a dynamic table: its counters summed over its shards
+                counts = v.setdefault("dynamic", dict.fromkeys(t.dynamic, 0))
+                for k, n in t.dynamic.items():
+                    counts[k] += n
             v["shards"] = sorted({*v["shards"], s.index})
             v["version_min"] = min(v["version_min"], t.version)
             v["version_max"] = max(v["version_max"], t.version)
@@ -149,6 +153,8 @@ def format_status(report: dict[str, Any]) -> str:
                 else f"{v['version_min']}..{v['version_max']}"
             )
             shape = "x".join(map(str, v["shape"])) or "scalar"
+            if "dynamic" in v:
+                shape = f"dynamic x {v['shape'][-1]}"
             if v["partitions"]:
                 shape += f" ({v['partitions']} parts)"
             vrows.append(
@@ -159,6 +165,25 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(
             table(["VARIABLE", "DTYPE", "SHAPE", "SIZE", "ON SHARDS", "VERSION", "OPTIMIZER"], vrows)
         )
+    dynamic = [v for v in report["variables"] if "dynamic" in v]
+    if dynamic:
+        drows = [
+            [v["name"], d["rows"], d["capacity"] or "unbounded", d["admitted"], d["evicted"], d["expired"],
+             d["dropped_updates"], d["initializer_reads"]]
+            for v in dynamic
+            for d in [v["dynamic"]]
+        ]  # fmt: skip
+        headers = [
+            "DYNAMIC TABLE",
+            "ROWS",
+            "CAPACITY",
+            "ADMITTED",
+            "EVICTED",
+            "EXPIRED",
+            "DROPPED",
+            "INIT READS",
+        ]
+        lines += ["", table(headers, drows)]
     return "\n".join(lines)
 
 

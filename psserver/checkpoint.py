@@ -30,6 +30,13 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
 - ``a0``, ``a1``, ...: the stored tensors (values and optimizer slots, shaped as
   stored: partitions are 1-D) named by the manifest.
 
+A dynamic table piece (spec ``dynamic``, stored shape ``[0, dim]``) is saved
+compact: ``value`` and its row slots hold its ``n`` live rows ``[n, dim]`` in
+ascending id order, and its entry's ``"dynamic"`` names the bookkeeping arrays
+(``psserver.dynamic.DynamicRows.export``): ``ids`` ``[n]``, ``last_step``,
+``hits``, ``last_time``, ``clock``, ``last_sweep`` and, with admission, the
+count-min ``sketch`` and ``sketch_added``.
+
 A save writes a temporary file in the same directory, fsyncs it, renames it
 into place and fsyncs the directory, so a reader only ever sees whole files: a
 ``kill -9`` at any moment, during a save too, leaves at worst a stale
@@ -45,8 +52,11 @@ that set: it runs ``pscore.placement.plan`` over all variables with ``M``
 shards and keeps the pieces placed on it, cut from the reassembled full values
 and slots (versions: the largest of the variable's old pieces; dedup tables:
 merged). An embedding table's rows are re-cut by the row rule with ``M``
-(row ``i`` to shard ``i % M``), with their slots. Clients learn the new
-placement from ``ListVariables``.
+(row ``i`` to shard ``i % M``), with their slots; a dynamic table's rows go
+to ``dynamic_row_shard(id, M)`` (a shard given more rows than its new capacity
+keeps those its eviction policy keeps longest), with their bookkeeping, and
+its admission sketches are summed. Clients learn the new placement from
+``ListVariables``.
 """
 
 from __future__ import annotations
@@ -70,9 +80,9 @@ import numpy as np
 from google.protobuf import json_format
 
 from pscore import codec
-from pscore.placement import DEFAULT_PARTITION_BYTES, plan, table_piece_name, table_rows
+from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
-from psserver import optimizers
+from psserver import dynamic, optimizers
 from psserver.modes import Mode
 from psserver.store import SessionState, Store, Variable
 
@@ -108,6 +118,8 @@ class StoredTensor:
     version: int
     slots: dict[str, np.ndarray]
     iterations: int | None = None  # the optimizer's step count; None: equal to ``version``
+    # A dynamic table piece: its bookkeeping arrays (``DynamicRows.export``); value and slots are compact.
+    rows: dict[str, np.ndarray] | None = None
 
     @property
     def step(self) -> int:
@@ -177,17 +189,22 @@ def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
         for slot, arr in sorted(t.slots.items()):
             slots[slot] = f"a{len(arrays)}"
             arrays[slots[slot]] = np.asarray(arr, order="C")
-        keys = [key, *slots.values()]
-        entries.append(
-            {
-                "spec": json_format.MessageToDict(t.spec, preserving_proto_field_name=True),
-                "version": int(t.version),
-                "iterations": int(t.step),
-                "value": key,
-                "slots": slots,
-                "crc32": {k: _crc(arrays[k]) for k in keys},
-            }
-        )
+        extra = {}
+        for part, arr in sorted((t.rows or {}).items()):
+            extra[part] = f"a{len(arrays)}"
+            arrays[extra[part]] = np.asarray(arr, order="C")
+        keys = [key, *slots.values(), *extra.values()]
+        entry = {
+            "spec": json_format.MessageToDict(t.spec, preserving_proto_field_name=True),
+            "version": int(t.version),
+            "iterations": int(t.step),
+            "value": key,
+            "slots": slots,
+            "crc32": {k: _crc(arrays[k]) for k in keys},
+        }
+        if t.rows is not None:
+            entry["dynamic"] = extra
+        entries.append(entry)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -340,6 +357,12 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
 
     dtype = codec.numpy_dtype(spec.dtype)
     shape = tuple(int(d) for d in spec.shape)
+    rows = None
+    if spec.HasField("dynamic"):  # saved compact: its live rows
+        rows = {str(part): load(key) for part, key in entry["dynamic"].items()}
+        if "ids" not in rows:
+            raise CheckpointError(f"variable {spec.name!r}: a dynamic table piece without its ids")
+        shape = (rows["ids"].size, int(spec.dynamic.dim))
     value = load(entry["value"])
     if value.dtype != dtype or value.shape != shape:
         raise CheckpointError(
@@ -362,6 +385,7 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
         version=int(entry["version"]),
         slots=slots,
         iterations=None if iterations is None else int(iterations),
+        rows=rows,
     )
 
 
@@ -371,6 +395,8 @@ def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
 def _variable_of(spec: ps_pb2.VariableSpec) -> str:
     if spec.HasField("table"):
         return spec.table.table
+    if spec.HasField("dynamic"):
+        return spec.dynamic.table
     return spec.partition.variable if spec.HasField("partition") else spec.name
 
 
@@ -424,6 +450,74 @@ def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: i
     )
 
 
+def _reshard_dynamic(name: str, old: list[StoredTensor], shard: int, num_shards: int) -> StoredTensor:
+    """Shard ``shard``'s piece of dynamic table ``name`` under ``num_shards``, from every old piece.
+
+    Its rows are those of every old piece whose id the new shard rule gives it
+    (``dynamic_row_shard``), with their slots and bookkeeping; more rows than
+    its capacity are left for the load to evict. The push count and last sweep
+    are the largest of the pieces', the sketches summed (``CountMinSketch.merged``).
+
+    Raises:
+        CheckpointError: pieces missing, or disagreeing about the table.
+    """
+    first = old[0].spec.dynamic
+    count = first.count
+    indices = sorted(t.spec.dynamic.index for t in old)
+
+    def settings(t: StoredTensor) -> ps_pb2.DynamicTable:
+        d = ps_pb2.DynamicTable()
+        d.CopyFrom(t.spec.dynamic)
+        d.index = 0
+        return d
+
+    if indices != list(range(count)) or any(settings(t) != settings(old[0]) for t in old):
+        raise CheckpointError(
+            f"dynamic table {name!r}: the checkpoint holds pieces {indices} of {count}, or they disagree"
+        )
+    rows = [t.rows or {} for t in old]
+    ids = np.concatenate([r["ids"] for r in rows])
+    mine = np.flatnonzero(dynamic_row_shard(ids, num_shards) == shard)
+    mine = mine[np.argsort(ids[mine], kind="stable")]
+    spec = ps_pb2.VariableSpec()
+    spec.CopyFrom(old[0].spec)
+    spec.name = table_piece_name(name, shard)
+    spec.dynamic.index, spec.dynamic.count = shard, num_shards
+    dim = int(first.dim)
+    row_slots = [k for k, a in old[0].slots.items() if a.ndim == 2 and a.shape[1] == dim]
+    meta = {
+        part: np.concatenate([r[part] for r in rows])[mine]
+        for part in ("ids", "last_step", "hits", "last_time")
+    }
+    meta["clock"] = np.array(max(int(r["clock"]) for r in rows), np.int64)
+    meta["last_sweep"] = np.max(np.stack([np.asarray(r["last_sweep"], np.float64) for r in rows]), axis=0)
+    if all("sketch" in r for r in rows):
+        try:
+            width = dynamic.Config.of(spec).sketch_width
+        except ValueError as err:
+            raise CheckpointError(f"dynamic table {name!r}: {err}") from None
+        sketch = dynamic.CountMinSketch(width)
+        parts = []
+        for r in rows:
+            part = dynamic.CountMinSketch(r["sketch"].shape[1])
+            part.table = np.asarray(r["sketch"], np.uint16)
+            part.added = int(r.get("sketch_added", 0))
+            parts.append(part)
+        sketch.merged(parts)
+        meta["sketch"], meta["sketch_added"] = sketch.table, np.array(sketch.added, np.int64)
+    return StoredTensor(
+        spec=spec,
+        value=np.concatenate([t.value for t in old])[mine],
+        version=max(t.version for t in old),
+        iterations=max(t.step for t in old),
+        slots={
+            **{k: np.concatenate([t.slots[k] for t in old])[mine] for k in row_slots},
+            **{k: a.copy() for k, a in old[0].slots.items() if k not in row_slots},
+        },
+        rows=meta,
+    )
+
+
 def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
     """The part of a whole model (every old shard's snapshot) that shard ``shard`` of ``num_shards`` owns.
 
@@ -435,9 +529,13 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
     """
     groups: dict[str, list[StoredTensor]] = {}
     table_groups: dict[str, list[StoredTensor]] = {}
+    dynamic_groups: dict[str, list[StoredTensor]] = {}
     for snap in snapshots:
         for t in snap.tensors:
-            into = table_groups if t.spec.HasField("table") else groups
+            if t.spec.HasField("dynamic"):
+                into = dynamic_groups
+            else:
+                into = table_groups if t.spec.HasField("table") else groups
             into.setdefault(_variable_of(t.spec), []).append(t)
     shapes = {}
     for name, pieces in groups.items():
@@ -451,6 +549,9 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
         shapes[name] = (full, codec.numpy_dtype(first.dtype))
     placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES)
     tensors = [_reshard_table(name, old, shard, num_shards) for name, old in sorted(table_groups.items())]
+    tensors += [
+        _reshard_dynamic(name, old, shard, num_shards) for name, old in sorted(dynamic_groups.items())
+    ]
     for name, new_pieces in sorted(placement.items()):
         mine = [p for p in new_pieces if p.shard == shard]
         if not mine:
@@ -573,7 +674,8 @@ async def take_snapshot(
         TimeoutError: updates in progress did not finish (``Store.quiesced``).
     """
     async with store.quiesced() as held:
-        variables = store.variables()
+        variables = [v for v in store.variables() if v.dyn is None]
+        dynamic_vars = [v for v in store.variables() if v.dyn is not None]
         states = [(v.spec, *v.state, v.iterations) for v in variables]
         exclude = set(held) | set(mode.pending_claims())
         dedup = {
@@ -594,6 +696,7 @@ async def take_snapshot(
             (spec, tables_now.get(i, value), version, it)
             for i, (spec, value, version, it) in enumerate(states)
         ]
+        exported = await asyncio.to_thread(_export_dynamic, dynamic_vars)
     return Snapshot(
         shard=shard,
         num_shards=num_shards,
@@ -601,7 +704,8 @@ async def take_snapshot(
         tensors=[
             StoredTensor(spec=spec, value=value, version=version, slots=s, iterations=iterations)
             for (spec, value, version, iterations), s in zip(states, slots, strict=True)
-        ],
+        ]
+        + exported,
         dedup=dedup,
         mode_state=mode_state,
         created_unix=time.time(),
@@ -611,6 +715,16 @@ async def take_snapshot(
 def _copy_in_place_values(states: list[tuple[Any, np.ndarray, int, int]]) -> dict[int, np.ndarray]:
     """Copies of the values updated in place (writable: embedding table pieces), by position."""
     return {i: value.copy() for i, (_, value, _, _) in enumerate(states) if value.flags.writeable}
+
+
+def _export_dynamic(variables: list[Variable]) -> list[StoredTensor]:
+    """Compact copies of dynamic table pieces (``DynamicRows.export``)."""
+    out = []
+    for v in variables:
+        assert v.dyn is not None
+        value, slots, meta = v.dyn.export(v)
+        out.append(StoredTensor(v.spec, value, v.version, slots, iterations=v.iterations, rows=meta))
+    return out
 
 
 def _copy_slots(variables: list[Variable]) -> list[dict[str, np.ndarray]]:
@@ -809,7 +923,9 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
     if len(store):
         raise CheckpointError("restore needs an empty store")
     try:
-        store.create([t.spec for t in snap.tensors], {t.spec.name: t.value for t in snap.tensors})
+        store.create(
+            [t.spec for t in snap.tensors], {t.spec.name: t.value for t in snap.tensors if t.rows is None}
+        )
     except Exception as err:
         raise CheckpointError(f"checkpoint {snap.id} does not load: {err}") from err
     for t in snap.tensors:
@@ -819,6 +935,14 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
                 f"variable {t.spec.name!r}: checkpoint has slots {sorted(t.slots)}, "
                 f"its optimizer {var.optimizer.name} uses {sorted(var.slots)}"
             )
+        if var.dyn is not None:
+            try:
+                var.dyn.load(var, var.optimizer, t.value, t.slots, t.rows or {})
+            except (ValueError, KeyError, IndexError) as err:
+                raise CheckpointError(f"dynamic table piece {t.spec.name!r} does not load: {err!r}") from err
+            var.state = (var.state[0], t.version)
+            var.iterations = t.step
+            continue
         store.assign(t.spec.name, t.value, t.version)
         var.iterations = t.step
         for k, a in t.slots.items():

@@ -552,12 +552,12 @@ class DynamicRows:
         values: np.ndarray,
         slots: dict[str, np.ndarray],
         meta: dict[str, np.ndarray],
-        *,
-        sketches: list[CountMinSketch] = (),  # type: ignore[assignment]
     ) -> None:
-        """Fills an empty piece from ``export``'s arrays (rows of any shards; those not its own skipped).
+        """Fills an empty piece from ``export``'s arrays (or a checkpoint's, re-cut for this shard).
 
-        Rows beyond the shard's capacity (a restore into fewer shards) are evicted by the policy.
+        Rows beyond the shard's capacity (a restore into fewer shards) are
+        evicted by the policy; a sketch of another width is folded or tiled
+        into this one's.
 
         Raises:
             ValueError: arrays that do not match.
@@ -570,13 +570,11 @@ class DynamicRows:
         self.clock = int(meta["clock"])
         sweep = np.asarray(meta["last_sweep"], np.float64)
         self.last_sweep = (int(sweep[0]), float(sweep[1]))
-        if self.sketch is not None:
-            if "sketch" in meta:
-                own = CountMinSketch(meta["sketch"].shape[1])
-                own.table = np.asarray(meta["sketch"], np.uint16).copy()
-                own.added = int(meta.get("sketch_added", 0))
-                sketches = [own, *sketches]
-            self.sketch.merged(list(sketches))
+        if self.sketch is not None and "sketch" in meta:
+            saved = CountMinSketch(meta["sketch"].shape[1])
+            saved.table = np.asarray(meta["sketch"], np.uint16).copy()
+            saved.added = int(meta.get("sketch_added", 0))
+            self.sketch.merged([saved])
         last_step = np.asarray(meta["last_step"], np.int64)
         hits = np.asarray(meta["hits"], np.int64)
         if not self.config.capacity and n > self.allocated:

@@ -341,6 +341,7 @@ class _StoreCollector(Collector):
         yield from (count, size, version, nbytes, uptime, waiting, oldest, age)
         yield from self._checkpointing(shard)
         yield from self._replication(shard)
+        yield from _dynamic_families(shard, variables)
 
     def _checkpointing(self, shard: str) -> Iterator[GaugeMetricFamily]:
         checkpointer = self.m.checkpointer
@@ -396,6 +397,47 @@ class _StoreCollector(Collector):
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []
+
+
+_DYNAMIC_COUNTERS = (
+    ("admitted", "psserver_table_admitted_rows", "Rows a dynamic table created (ids admitted)"),
+    ("evicted", "psserver_table_evicted_rows", "Rows a dynamic table evicted to stay within its capacity"),
+    ("expired", "psserver_table_expired_rows", "Rows a dynamic table removed for their TTL"),
+    (
+        "dropped_updates",
+        "psserver_table_dropped_row_updates",
+        "Row updates a dynamic table dropped (id not admitted yet, or no room in the push)",
+    ),
+    (
+        "initializer_reads",
+        "psserver_table_initializer_reads",
+        "Ids a dynamic table was asked for without a row (answered with the initializer's row)",
+    ),
+)
+
+
+def _dynamic_families(shard: str, variables: list[Any]) -> Iterator[Any]:
+    """Rows, capacity and counters of each dynamic table piece on the shard (labels: shard, table)."""
+    pieces = [(v.dyn.config.table, v.dyn) for v in variables if v.dyn is not None]
+    if not pieces:
+        return
+    rows = GaugeMetricFamily(
+        "psserver_table_rows", "Rows a dynamic table holds on this shard", labels=["shard", "table"]
+    )
+    capacity = GaugeMetricFamily(
+        "psserver_table_capacity_rows",
+        "Rows a dynamic table holds on this shard at most (0: unbounded)",
+        labels=["shard", "table"],
+    )
+    for table, dyn in pieces:
+        rows.add_metric([shard, table], len(dyn))
+        capacity.add_metric([shard, table], dyn.config.capacity)
+    yield from (rows, capacity)
+    for attr, name, doc in _DYNAMIC_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["shard", "table"])
+        for table, dyn in pieces:
+            family.add_metric([shard, table], getattr(dyn.stats, attr))
+        yield family
 
 
 def _chunk_bytes(chunks: Iterable[ps_pb2.TensorChunk]) -> int:

@@ -204,7 +204,7 @@ class Primary:
         link = self._link
         if link is None or not specs:
             return
-        tensors = [(s.name, values[s.name]) for s in specs]
+        tensors = [(s.name, values[s.name]) for s in specs if s.name in values]  # a dynamic table has none
         await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
 
     async def forward_assign(self, values: Mapping[str, np.ndarray], versions: Sequence[int]) -> None:

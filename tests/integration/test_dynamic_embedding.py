@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import time
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import psclient
 from pscore.embedding import hash_keys, init_rows
 from pscore.placement import dynamic_row_shard
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -226,3 +227,64 @@ async def test_sync_mode_applies_the_mean_of_the_workers_dynamic_rows(
         assert applied == [True, True]
         table = await w0.lookup(var_name, ["a", "b", "c", "d"])
         np.testing.assert_array_equal(table, -np.array([[1, 1], [5, 5], [4, 4], [0, 0]]))
+
+
+def _pushes(c: psclient.PSClient, name: str, steps: range) -> None:
+    for i in steps:
+        rng = np.random.default_rng(i)
+        ids = rng.integers(0, 40, size=12) * 1_000_003 - 7
+        c.push({name: psclient.Rows(ids, rng.standard_normal((12, 4)).astype(np.float32))})
+
+
+def test_a_dynamic_table_checkpoint_restores_into_another_shard_count(tmp_path: Any, var_name: str) -> None:
+    args = ["--checkpoint-dir", str(tmp_path)]
+    kw: dict[str, Any] = {"optimizer": psclient.Adam(0.1), "min_count": 2, "ttl_steps": 1000}
+    probe = np.arange(40) * 1_000_003 - 7
+    with LocalCluster(2, args) as two:
+        with psclient.PSClient(two.addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_embedding(var_name, None, 4, **kw)
+            _pushes(c, var_name, range(6))
+            before = c.lookup(var_name, probe)
+            rows = _stats(c, var_name)["rows"]
+        assert two.stop() == [0, 0]  # SIGTERM: final checkpoints
+    with LocalCluster(3, args) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
+        np.testing.assert_array_equal(c.lookup(var_name, probe), before)
+        pieces = c.list_variables([var_name])[var_name]
+        assert [p.spec.dynamic.count for p in pieces] == [3, 3, 3] and sum(
+            p.dynamic.rows for p in pieces
+        ) == rows
+        _pushes(c, var_name, range(6, 10))  # slots, admission counts and push counts came along
+        restored = c.lookup(var_name, probe)
+    with LocalCluster(1) as one, psclient.PSClient(one.addresses, "ref", timeout=TIMEOUT_S) as c:
+        c.create_embedding(var_name, None, 4, **kw)
+        _pushes(c, var_name, range(10))
+        np.testing.assert_array_equal(restored, c.lookup(var_name, probe))
+
+
+def test_a_backup_holds_the_same_rows_after_kill_9_of_the_primary() -> None:
+    kw: dict[str, Any] = {
+        "optimizer": psclient.Adagrad(0.5),
+        "capacity": 24,
+        "min_count": 2,
+        "ttl_seconds": 0.3,
+    }
+    rng = np.random.default_rng(0)
+    pushes = [psclient.Rows(rng.integers(0, 60, 10), np.full((10, 2), 0.5, np.float32)) for _ in range(40)]
+    probe = np.arange(60)
+    with LocalCluster(2) as primary, backups_of(primary) as backup:
+        addresses = [f"{p}|{b}" for p, b in zip(primary.addresses, backup.addresses, strict=True)]
+        with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_embedding("t", None, 2, **kw)
+            for i, rows in enumerate(pushes):
+                c.push({"t": rows})
+                if i % 10 == 9:
+                    time.sleep(0.4)  # every row outlives its TTL (by the primary's clock, replayed as is)
+            before, stats = c.lookup("t", probe), _stats(c, "t")
+            assert stats["expired"] > 0 and stats["evicted"] > 0 and stats["dropped_updates"] > 0
+            primary.kill_shard(0)
+            primary.kill_shard(1)
+            np.testing.assert_array_equal(c.lookup("t", probe), before)  # served by the promoted backups
+            after = _stats(c, "t")
+            assert (after["rows"], after["admitted"], after["evicted"], after["expired"]) == (
+                stats["rows"], stats["admitted"], stats["evicted"], stats["expired"],
+            )  # fmt: skip

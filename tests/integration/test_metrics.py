@@ -70,6 +70,28 @@ async def test_counters_move_after_pushes_and_pulls() -> None:
     assert value(after, "psserver_dropped_stale_gradients_total") == 0
 
 
+async def test_dynamic_table_rows_admissions_and_evictions_are_exported() -> None:
+    shard = await start(ServerConfig(shard=0, port=0, metrics_port=0))
+    try:
+        async with psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as c:
+            await c.create_embedding("d", None, 2, capacity=4, min_count=2)
+            for _ in range(2):  # ids 0..5 admitted on their second push: the 4 smallest fit, 2 dropped
+                await c.push({"d": psclient.Rows(np.arange(6), np.ones((6, 2), np.float32))})
+            await c.push({"d": psclient.Rows([7], np.ones((1, 2), np.float32))})  # seen once: dropped
+            await c.lookup("d", [7, 8])
+        samples = await asyncio.to_thread(scrape, f"127.0.0.1:{shard.metrics.port}")
+    finally:
+        await shard.stop(0)
+    labels = {"shard": "0", "table": "d"}
+    assert value(samples, "psserver_table_rows", **labels) == 4
+    assert value(samples, "psserver_table_capacity_rows", **labels) == 4
+    assert value(samples, "psserver_table_admitted_rows_total", **labels) == 4
+    assert value(samples, "psserver_table_dropped_row_updates_total", **labels) == 6 + 2 + 1
+    assert value(samples, "psserver_table_evicted_rows_total", **labels) == 0
+    assert value(samples, "psserver_table_expired_rows_total", **labels) == 0
+    assert value(samples, "psserver_table_initializer_reads_total", **labels) == 2
+
+
 async def test_errors_are_counted_by_code_and_checkpoint_age_reported() -> None:
     shard = await start(ServerConfig(shard=0, port=0, metrics_port=0))
     try:

@@ -104,3 +104,34 @@ def test_probe_exit_codes(busy_cluster: LocalCluster) -> None:
         dead = other.addresses[0]
     down = run("psclient.probe", dead, "--timeout", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_status_shows_dynamic_tables_rows_and_counters(capsys: pytest.CaptureFixture[str]) -> None:
+    with LocalCluster(num_shards=2) as cluster:
+        with psclient.PSClient(cluster.addresses, worker_id="w0", timeout=TIMEOUT_S) as c:
+            c.create_embedding("items", None, 8, capacity=4)
+            c.push({"items": psclient.Rows(np.arange(50), np.ones((50, 8), np.float32))})
+            c.push({"items": psclient.Rows(np.arange(50, 60), np.ones((10, 8), np.float32))})
+        assert ctl.main(["status", *cluster.addresses, "--interval", "0"]) == 0
+        out = capsys.readouterr().out
+        assert ctl.main(["status", "--json", *cluster.addresses, "--interval", "0"]) == 0
+        report = json.loads(capsys.readouterr().out)
+    items = next(line for line in out.splitlines() if line.startswith("items") and "dynamic" in line)
+    assert "dynamic x 8" in items and "0,1" in items and "16 KiB" not in items
+    header = next(line for line in out.splitlines() if line.startswith("DYNAMIC TABLE"))
+    assert header.split()[2:] == [
+        "ROWS",
+        "CAPACITY",
+        "ADMITTED",
+        "EVICTED",
+        "EXPIRED",
+        "DROPPED",
+        "INIT",
+        "READS",
+    ]
+    counts = next(v for v in report["variables"] if v["name"] == "items")["dynamic"]
+    assert counts["rows"] == 4 and counts["capacity"] == 4  # 2 per shard
+    assert counts["admitted"] - counts["evicted"] == 4 and counts["evicted"] > 0
+    assert counts["dropped_updates"] > 0  # 50 new ids into 2 rows per shard
+    row = next(line for line in out.splitlines() if line.startswith("items") and "dynamic" not in line)
+    assert row.split()[1:4] == ["4", "4", str(counts["admitted"])]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from pscore import embedding, placement
+from pscore.errors import InvalidArgumentError
 from pscore.optimizers import SGD, Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
 from psserver import dynamic, tables
-from pscore.errors import InvalidArgumentError
 from psserver.store import Store, Variable
 
 
