@@ -31,6 +31,17 @@ Design (why it trains correctly in every mode):
 - ``load_from_ps`` and ``PSWorker.refresh`` skip the table (no local variable):
   an evaluator's copy of the model reads the rows through its own worker.
 
+Dynamic tables (``input_dim=None``): the table is a hash table on the shards
+(``create_embedding(name, None, dim, ...)``): any int64 id, or with
+``key_type="string"`` raw string feature values (a ``tf.string`` input; the
+client hashes the batch's distinct values), with the table's ``capacity``,
+``min_count``, ``eviction`` and TTL. A row starts from the initializer's row for
+its id on its first push; until then (and after an eviction) the layer reads
+that initializer row.
+
+    users = psk.Embedding(None, 32, worker=worker, capacity=1_000_000, min_count=2)
+    tags = psk.Embedding(None, 8, worker=worker, key_type="string")  # keras.Input((k,), dtype="string")
+
 Limits: ids are checked against ``input_dim`` (a clear error, before any request);
 no ``mask_zero``; no loss scaling of the layer's rows (``mixed_float16``); the next
 batch's rows are not prefetched (the lookup is on the step's critical path).
@@ -82,43 +93,72 @@ class Embedding(keras.layers.Layer):
     the model (``get_config`` has no worker): rebuild it in code where the model is loaded.
 
     Args:
-        input_dim: rows of the table (ids are ``0 .. input_dim - 1``).
+        input_dim: rows of the table (ids are ``0 .. input_dim - 1``); None: a dynamic table
+            (any id; see ``psclient.PSClient.create_embedding``).
         output_dim: row width.
         worker: the ``PSWorker`` that trains the model.
         optimizer: the table's server-side optimizer (a Keras optimizer, its name or a psclient
             spec); default: the model's ``DistributedOptimizer``'s.
         embeddings_initializer: ``"uniform"`` (Keras's default, U(-0.05, 0.05)), ``"normal"``,
             ``"zeros"``, ``"ones"``, ``RandomUniform`` / ``RandomNormal``, or a callable
-            ``f(row_ids, dim, dtype)`` deterministic per row.
+            ``f(row_ids, dim, dtype)`` deterministic per row (fixed tables only).
+        key_type: dynamic tables: ``"int64"`` (integer inputs) or ``"string"`` (``tf.string``
+            inputs: raw feature values).
+        capacity, min_count, eviction, ttl_steps, ttl_seconds: dynamic tables: as
+            ``create_embedding``'s (rows at most, pushes before admission, ``"lru"``/``"lfu"``,
+            expiry).
         **kwargs: ``keras.layers.Layer`` arguments (``name``, ``trainable``, ...).
 
     Raises:
         TypeError: ``worker`` is not a ``PSWorker``.
-        ValueError: bad sizes, or an initializer or optimizer the shards cannot use by row (when
-            the worker attaches the model, for the optimizer).
+        ValueError: bad sizes, dynamic-table options for a fixed table, or an initializer or
+            optimizer the shards cannot use by row (when the worker attaches the model, for the
+            optimizer and the dynamic-table options).
 
     In a step (wrapped by TensorFlow in a graph): ``ValueError`` for an id outside
-    ``[0, input_dim)``, ``RuntimeError`` before the model is attached, ``PSError`` from a shard.
+    ``[0, input_dim)``, ``RuntimeError`` before the model is attached, ``PSError`` from a shard
+    (``InvalidArgumentError`` for strings fed to an int64-keyed table or the reverse).
     """
 
     _ps_remote_table = True  # PSWorker, load_from_ps: the anchor names a table with no local copy
 
     def __init__(
         self,
-        input_dim: int,
+        input_dim: int | None,
         output_dim: int,
         *,
         worker: PSWorker,
         optimizer: Any = None,
         embeddings_initializer: Any = "uniform",
+        key_type: str = "int64",
+        capacity: int | None = None,
+        min_count: int = 1,
+        eviction: str = "lru",
+        ttl_steps: int | None = None,
+        ttl_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if not isinstance(worker, PSWorker):
             raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")
-        if int(input_dim) < 1 or int(output_dim) < 1:
+        if (input_dim is not None and int(input_dim) < 1) or int(output_dim) < 1:
             raise ValueError(f"input_dim ({input_dim}) and output_dim ({output_dim}) must be >= 1")
-        self.input_dim, self.output_dim = int(input_dim), int(output_dim)
+        self.input_dim = None if input_dim is None else int(input_dim)
+        self.output_dim = int(output_dim)
+        self.dynamic_options: dict[str, Any] = {
+            "key_type": key_type, "capacity": capacity, "min_count": min_count, "eviction": eviction,
+            "ttl_steps": ttl_steps, "ttl_seconds": ttl_seconds,
+        }  # fmt: skip
+        if input_dim is not None and self.dynamic_options != _FIXED:
+            raise ValueError(
+                f"psclient.keras.Embedding {self.name!r}: key_type, capacity, min_count, eviction and the "
+                "TTLs are options of dynamic tables (input_dim=None)"
+            )
+        if key_type not in ("int64", "string"):
+            raise ValueError(
+                f"psclient.keras.Embedding {self.name!r}: key_type {key_type!r} is not 'int64' or 'string'"
+            )
+        self.key_type = key_type
         self.worker = worker
         self.server_optimizer: Optimizer | None = None if optimizer is None else server_optimizer(optimizer)
         self.initializer = _row_initializer(embeddings_initializer)
@@ -134,6 +174,18 @@ class Embedding(keras.layers.Layer):
         """The table's name on the shards (the anchor's stable name once the model is attached)."""
         return self.worker.name_of(self.anchor)
 
+    def table_options(self) -> dict[str, Any]:
+        """The ``create_embedding`` arguments of the layer's table (but its name and optimizer)."""
+        options = {
+            "num_rows": self.input_dim,
+            "dim": self.output_dim,
+            "dtype": np.dtype(self.variable_dtype),
+            "initializer": self.initializer,
+        }
+        if self.input_dim is None:
+            options.update(self.dynamic_options)
+        return options
+
     def compute_output_spec(self, inputs: Any) -> Any:
         return keras.KerasTensor((*tuple(inputs.shape), self.output_dim), dtype=self.compute_dtype)
 
@@ -141,8 +193,8 @@ class Embedding(keras.layers.Layer):
         return (*tuple(input_shape), self.output_dim)
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.input_dim):
+        ids = np.asarray(ids) if self.key_type == "string" else np.asarray(ids, np.int64)
+        if self.input_dim is not None and ids.size and (ids.min() < 0 or ids.max() >= self.input_dim):
             bad = int(ids[(ids < 0) | (ids >= self.input_dim)][0])
             raise ValueError(
                 f"psclient.keras.Embedding {self.name!r}: id {bad} is out of range [0, {self.input_dim})"
@@ -158,7 +210,19 @@ class Embedding(keras.layers.Layer):
         return np.asarray(self.worker.client.lookup(self.table_name, ids), dtype)
 
     def call(self, inputs: Any) -> Any:
-        ids = tf.cast(inputs, tf.int64)
+        ids = tf.convert_to_tensor(inputs)
+        if self.key_type == "string" and ids.dtype != tf.string:
+            raise ValueError(
+                f"psclient.keras.Embedding {self.name!r}: its table is keyed by strings; the input has dtype "
+                f"{ids.dtype.name} (use keras.Input(..., dtype='string'))"
+            )
+        if self.key_type != "string":
+            if ids.dtype == tf.string:
+                raise ValueError(
+                    f"psclient.keras.Embedding {self.name!r}: the input is strings; its table is keyed by "
+                    "int64 ids (create the layer with input_dim=None, key_type='string')"
+                )
+            ids = tf.cast(ids, tf.int64)
         unique, where = tf.unique(tf.reshape(ids, [-1]))
         rows = tf.numpy_function(
             self._lookup, [unique], Tout=tf.as_dtype(self.variable_dtype), stateful=True, name="ps_lookup"
@@ -200,7 +264,19 @@ class Embedding(keras.layers.Layer):
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(input_dim=self.input_dim, output_dim=self.output_dim)
+        if self.input_dim is None:
+            config.update(self.dynamic_options)
         return config
+
+
+_FIXED = {
+    "key_type": "int64",
+    "capacity": None,
+    "min_count": 1,
+    "eviction": "lru",
+    "ttl_steps": None,
+    "ttl_seconds": None,
+}
 
 
 def _graph_key() -> Any:

@@ -120,6 +120,11 @@ def server_optimizer(optimizer: Any) -> Optimizer:
     return optimizer_from_config(type(inner).__name__, config)
 
 
+def _is_table(spec: Any) -> bool:
+    """Whether a stored spec is a piece of an embedding table (fixed, or dynamic: a hash table)."""
+    return bool(spec.HasField("table") or spec.HasField("dynamic"))
+
+
 def _embedding_tables(model: keras.Model) -> list[Any]:
     """The tables of a model's trainable ``keras.layers.Embedding`` layers (gradients: IndexedSlices)."""
     layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
@@ -472,7 +477,7 @@ class PSWorker:
             missing = [n for n in names if n not in listed]
             stored = {n: listed[n][0].spec.optimizer for n in names if n in listed}
             differ = [n for n in stored if stored[n] != wanted[n].to_proto()]
-            self._tables.update(n for n in stored if listed[n][0].spec.HasField("table"))
+            self._tables.update(n for n in stored if _is_table(listed[n][0].spec))
             if self.is_chief:
                 break
             pending = missing + [n for n in differ if not _same_but_rate(stored[n], wanted[n])]
@@ -532,10 +537,7 @@ class PSWorker:
         """Creates a ``psclient.keras.Embedding``'s table on the shards (no local values); 1 if created."""
         layer = self._remote[name]
         try:
-            created = self.client.create_embedding(
-                name, layer.input_dim, layer.output_dim, dtype=np.dtype(layer.variable_dtype),
-                optimizer=spec, initializer=layer.initializer,
-            )  # fmt: skip
+            created = self.client.create_embedding(name, optimizer=spec, **layer.table_options())
         except InvalidArgumentError as err:
             raise ValueError(f"psclient.keras.Embedding {layer.name!r}: {err}") from None
         self._tables.add(name)
@@ -777,7 +779,10 @@ class PSWorker:
             if not table:
                 inputs.append(tf.convert_to_tensor(g))
             elif isinstance(g, tf.IndexedSlices):  # an Embedding's gradient: only the batch's rows
-                inputs += [tf.cast(g.indices, tf.int64), tf.convert_to_tensor(g.values)]
+                keys = (
+                    g.indices if g.indices.dtype == tf.string else tf.cast(g.indices, tf.int64)
+                )  # string keys
+                inputs += [keys, tf.convert_to_tensor(g.values)]
             else:
                 dense = tf.convert_to_tensor(g)
                 inputs += [tf.range(tf.shape(dense, out_type=tf.int64)[0]), dense]
