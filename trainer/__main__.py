@@ -24,6 +24,8 @@ examples:
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222"], "worker": ["w0:2222", "w1:2222"]},
               "task": {"type": "worker", "index": 1}}' pstrain worker
   pstrain local --model resnet
+  pstrain demo --model wide_deep        # a recommender on dynamic embedding tables, synthetic click log
+  pstrain demo --model wide_deep --mode local --result-json local.json   # its full-size-table baseline
 """
 
 _TRANSPORT_HELP = (
@@ -214,11 +216,13 @@ def run_local(args: argparse.Namespace) -> int:
     from trainer.train import train_local
 
     result, accuracy = train_local(options.train_config(args))
-    print(f"[local] test accuracy {accuracy:.4f}, {result.steps_per_second:.1f} steps/s", flush=True)
+    auc = f", test AUC {result.extra['test_auc']:.4f}" if "test_auc" in result.extra else ""
+    print(f"[local] test accuracy {accuracy:.4f}{auc}, {result.steps_per_second:.1f} steps/s", flush=True)
     report.write_json(
         args.result_json,
-        {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_rates(result.to_dict())},
-    )
+        {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_rates(result.to_dict()),
+         **result.extra},
+    )  # fmt: skip
     return 0
 
 
@@ -254,6 +258,7 @@ def _main(argv: list[str] | None) -> int:
     )
     _quiet_tf()
     try:
+        options.resolve_model_defaults(args)
         if args.command != "local" and args.mode != "allreduce":
             # A PS worker is a client of the shards: token and client-side TLS apply; the demo's local
             # shards run without either.

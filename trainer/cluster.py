@@ -46,6 +46,17 @@ def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
             s.close()
 
 
+def rss_mib(pid: int | str = "self", field: str = "VmRSS") -> float:
+    """A process's current (``VmRSS``) or peak (``VmHWM``) resident memory in MiB (NaN if unknown)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
 class ClusterError(RuntimeError):
     """A shard failed to start or exited unexpectedly; the message carries its log tail."""
 
@@ -162,6 +173,12 @@ class LocalCluster:
             self._tmp.cleanup()
             self._tmp = None
         return codes
+
+    def shard_rss_mib(self, field: str = "VmRSS") -> list[float]:
+        """Each running shard's resident memory (``rss_mib``), in shard order (NaN for a stopped one)."""
+        return [
+            rss_mib(p.pid, field) if p is not None and p.poll() is None else float("nan") for p in self.procs
+        ]
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -120,8 +120,8 @@ def make_dataset(
     """
     import tensorflow as tf
 
-    ds = tf.data.Dataset.from_tensor_slices((x, y))
-    n = (len(x) // num_workers) * num_workers
+    ds = tf.data.Dataset.from_tensor_slices((x, y))  # x: an array, or a dict of them (named inputs)
+    n = (len(y) // num_workers) * num_workers
     ds = ds.take(n).shard(num_workers, worker_index)
     if shuffle:
         ds = ds.shuffle(max(1, n // num_workers), seed=seed + worker_index, reshuffle_each_iteration=True)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from trainer import options, report, supervise
 from trainer.cluster import LocalCluster, backups_of
@@ -93,6 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 "steps_per_second": local.steps_per_second,
                 "steps": local.steps,
                 "wall_seconds": time.perf_counter() - started,
+                **local.extra,  # wide_deep: test_auc, best_auc, peak_rss_mib, ...
             },
             args.result_json,
         )
@@ -166,10 +168,23 @@ def run_demo(args: argparse.Namespace) -> int:
                     proc.kill()
                     proc.wait()
         workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
+        extra: dict[str, Any] = {}
         with native_stderr_held():
-            from trainer.train import evaluate_from_ps  # imports TensorFlow
+            if args.model == "wide_deep":
+                from trainer import recsys  # imports TensorFlow
 
-            accuracy = evaluate_from_ps(options.train_config(args), addresses)
+                extra = recsys.evaluate_from_ps(options.train_config(args), addresses)
+                accuracy = extra["test_accuracy"]
+                extra.update(
+                    bytes_per_step=sum(w["bytes_per_step"] for w in workers) / len(workers),
+                    worker_peak_rss_mib=[w["peak_rss_mib"] for w in workers],
+                    shard_rss_mib=cluster.shard_rss_mib(),
+                    shard_peak_rss_mib=cluster.shard_rss_mib("VmHWM"),
+                )
+            else:
+                from trainer.train import evaluate_from_ps  # imports TensorFlow
+
+                accuracy = evaluate_from_ps(options.train_config(args), addresses)
         killed = drill is not None and cluster.procs[0] is not None and cluster.procs[0].poll() is not None
     report.print_result(
         {
@@ -185,6 +200,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "wall_seconds": time.perf_counter() - started,
             "backups": bool(args.backups),
             "primary_killed": killed,  # --kill-primary fired while the workers were training
+            **extra,
         },
         args.result_json,
     )

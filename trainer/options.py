@@ -11,26 +11,94 @@ import argparse
 import os
 from typing import Any
 
+# Per-model defaults of the train flags left unset: (image models, wide_deep); see resolve_model_defaults.
+_MODEL_DEFAULTS = {
+    "data": ("digits", "clicks"),
+    "synthetic_size": (4096, 500_000),
+    "epochs": (10, 1),
+    "batch_size": (32, 256),
+    "learning_rate": (1e-3, 0.1),
+}
+
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
-    """The flags every training command takes (model, data, epochs, batch size, rate, seed, output)."""
-    p.add_argument("--model", choices=("cnn", "resnet", "mlp"), default="cnn", help="(default: %(default)s)")
+    """The flags every training command takes (model, data, epochs, batch size, rate, seed, output).
+
+    Some defaults depend on the model: ``resolve_model_defaults`` fills them after parsing.
+    """
+    p.add_argument(
+        "--model",
+        choices=("cnn", "resnet", "mlp", "wide_deep"),
+        default="cnn",
+        help="wide_deep: a recommender whose user, item and category tables are dynamic embedding tables "
+        "on the shards, trained on a synthetic click log (--data clicks) (default: %(default)s)",
+    )
     p.add_argument(
         "--data",
-        choices=("digits", "synthetic", "mnist"),
-        default="digits",
+        choices=("digits", "synthetic", "mnist", "clicks"),
         help="digits: scikit-learn's 8x8 digits (shipped); synthetic: random images; "
-        "mnist: a local keras mnist.npz given by --data-path (default: %(default)s)",
+        "mnist: a local keras mnist.npz given by --data-path; clicks: a synthetic click log with power-law "
+        "users and items and a known ground-truth model (wide_deep's) (default: digits; wide_deep: clicks)",
     )
     p.add_argument("--data-path", help="the .npz file for --data mnist (nothing is downloaded)")
-    p.add_argument("--synthetic-size", type=int, default=4096, help="training examples of --data synthetic")
+    p.add_argument(
+        "--synthetic-size",
+        type=int,
+        help="training examples of --data synthetic or clicks (default: 4096; clicks: 500000; the click "
+        "log's test split is a tenth of it, at least 2000)",
+    )
     p.add_argument("--image-size", type=int, default=28, help="side of --data synthetic images")
-    p.add_argument("--epochs", type=int, default=10, help="(default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=32, help="per worker (default: %(default)s)")
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default: %(default)s)")
+    p.add_argument("--epochs", type=int, help="(default: 10; wide_deep: 1)")
+    p.add_argument("--batch-size", type=int, help="per worker (default: 32; wide_deep: 256)")
+    p.add_argument(
+        "--learning-rate", type=float, help="Adam's; wide_deep: Adagrad's (default: 1e-3; wide_deep: 0.1)"
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--users",
+        type=int,
+        default=2_000_000,
+        help="--data clicks: users in the vocabulary, drawn by a power law (items: a tenth) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--table-capacity",
+        type=int,
+        help="wide_deep: rows each dynamic table holds at most (LRU eviction beyond; default: unbounded)",
+    )
+    p.add_argument(
+        "--min-count",
+        type=int,
+        default=1,
+        help="wide_deep: pushes of an id before its row is created (default: %(default)s: on the first)",
+    )
     p.add_argument("--result-json", help="write the results to this JSON file")
     p.add_argument("--log-level", default=os.environ.get("PS_LOG_LEVEL", "WARNING"))
+
+
+def resolve_model_defaults(args: argparse.Namespace) -> None:
+    """Fills the train flags left unset with the model's defaults (``_MODEL_DEFAULTS``); checks the pairing.
+
+    Raises:
+        ValueError: wide_deep without the click log or the reverse, wide_deep in allreduce mode, or a
+            table option out of range.
+    """
+    wide = args.model == "wide_deep"
+    for name, defaults in _MODEL_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[wide])
+    if wide != (args.data == "clicks"):
+        raise ValueError("--model wide_deep trains on --data clicks, and only it does")
+    if wide and getattr(args, "mode", "local") == "allreduce":
+        raise ValueError(
+            "--model wide_deep keeps its tables on the parameter server: use --mode async, sync, ssp or local"
+        )
+    if args.table_capacity is not None and args.table_capacity < 1:
+        raise ValueError(f"--table-capacity must be >= 1, got {args.table_capacity}")
+    if args.min_count < 1:
+        raise ValueError(f"--min-count must be >= 1, got {args.min_count}")
+    if args.users < 10:
+        raise ValueError(f"--users must be >= 10, got {args.users}")
 
 
 def train_config(args: argparse.Namespace) -> Any:
@@ -47,6 +115,9 @@ def train_config(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         seed=args.seed,
+        num_users=args.users,
+        table_capacity=args.table_capacity,
+        min_count=args.min_count,
     )
 
 
@@ -63,9 +134,12 @@ def train_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model", args.model, "--data", args.data, "--epochs", str(args.epochs),
              "--batch-size", str(args.batch_size), "--learning-rate", str(learning_rate(args)),
              "--seed", str(args.seed), "--synthetic-size", str(args.synthetic_size),
-             "--image-size", str(args.image_size), "--log-level", args.log_level]  # fmt: skip
+             "--image-size", str(args.image_size), "--log-level", args.log_level,
+             "--users", str(args.users), "--min-count", str(args.min_count)]  # fmt: skip
     if args.data_path:
         flags += ["--data-path", args.data_path]
+    if args.table_capacity is not None:
+        flags += ["--table-capacity", str(args.table_capacity)]
     return flags
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import keras
@@ -34,6 +34,10 @@ class TrainConfig:
     batch_size: int = 32
     learning_rate: float = 1e-3
     seed: int = 0
+    # wide_deep (the click log): users in the vocabulary (items: a tenth), and the dynamic tables' bounds.
+    num_users: int = 2_000_000
+    table_capacity: int | None = None
+    min_count: int = 1
 
     def load(self) -> data.Split:
         return data.load(
@@ -52,9 +56,12 @@ class WorkerResult:
     final_loss: float
     final_accuracy: float
     stale_steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)  # model-specific measurements (wide_deep: bytes, RSS)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out.update(out.pop("extra"))
+        return out
 
 
 class EpochPrinter(keras.callbacks.Callback):
@@ -166,6 +173,13 @@ def train_worker(
     Raises:
         psclient.PSError: a shard failed, or a barrier timed out.
     """
+    if config.model == "wide_deep":
+        from trainer import recsys
+
+        return recsys.train_worker(  # type: ignore[no-any-return]
+            config, ps_addresses, worker_index=worker_index, num_workers=num_workers, mode=mode,
+            overlap=overlap, timeout=timeout, **(client_options or {}),
+        )  # fmt: skip
     split = config.load()
     with psk.PSWorker(
         ps_addresses,
@@ -195,6 +209,13 @@ def train_worker(
 
 def train_local(config: TrainConfig) -> tuple[WorkerResult, float]:
     """The single-process baseline (OneDeviceStrategy's place); returns the result and the test accuracy."""
+    if config.model == "wide_deep":
+        from trainer import recsys
+
+        result, metrics = recsys.train_local(config)
+        return WorkerResult(**{**asdict(result), "extra": {**result.extra, **metrics}}), metrics[
+            "test_accuracy"
+        ]
     split = config.load()
     model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
     printer = fit_shard(model, config, split, prefix="[local] ")

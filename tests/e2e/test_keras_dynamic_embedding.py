@@ -17,7 +17,7 @@ tf = pytest.importorskip("tensorflow")
 
 import psclient  # noqa: E402
 import psclient.keras as psk  # noqa: E402
-from psclient.embedding import hash_keys, init_rows  # noqa: E402
+from pscore.embedding import hash_keys, init_rows  # noqa: E402
 
 DIM = 8
 
