@@ -15,6 +15,20 @@ shards, trained by ``model.fit`` with ``psclient.keras`` on a 2-shard async clus
 * ``psk``: ``psclient.keras.Embedding``: the rows live only on the shards; each step
   looks up the batch's distinct ids and pushes their gradients.
 
+Dynamic tables (issue 12), run by name (``--variants psk-capacity,psk-dynamic``): an
+id stream drawn by a power law (``P(rank r) ~ (r + 1) ** -zipf``) from ``--id-space``
+ids (10M), against ``--capacity`` rows (1M):
+
+* ``psk-capacity``: a fixed ``psclient.keras.Embedding(capacity, dim)``, ids taken
+  modulo the capacity (what a fixed-size table of the same memory does with them);
+* ``psk-dynamic``: ``psclient.keras.Embedding(None, dim, capacity=capacity)``, a
+  dynamic table keyed by the raw (hashed, 63-bit) ids with LRU eviction.
+
+For these the driver also samples each shard's RSS twice a second while the
+workers train (flat after warm-up: the rows are preallocated for the capacity),
+and reads the table's admitted and evicted rows at the end (eviction rows/s over
+the training time).
+
 Reported per variant: steps/s (the workers' sum; steps after the first), payload
 bytes per worker-step (tensor bytes through the client: gradients pushed, values
 pulled, rows looked up; framing not counted), the worker's peak RSS, and the run's
@@ -23,6 +37,8 @@ wall time (worker start to exit: TensorFlow import, table creation, training).
 Usage:
     python bench/bench_embedding.py --out bench/results/embedding          # embedding.md / .json
     python bench/bench_embedding.py --rows 100000 --steps 20 --variants psk   # a quick look
+    python bench/bench_embedding.py --variants psk-capacity,psk-dynamic --steps 600 \
+        --out bench/results/embedding_dynamic                               # 10M-id stream, 1M rows
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,66 +59,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as cm
 
 VARIANTS = ("dense", "keras-table", "psk")
+DYNAMIC_VARIANTS = ("psk-capacity", "psk-dynamic")  # run by name: the id stream vs a capacity
 _RESULT = "RESULT "
+_RSS_SAMPLE_S = 0.5
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
 
 
-def _rss_mib(field: str = "VmHWM") -> float:
-    """This process's peak (VmHWM) or current (VmRSS) resident memory."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _count_bytes(client: Any) -> dict[str, int]:
-    """Wraps the client's data calls to count tensor payload bytes (sent and received)."""
+def _stream(rng: Any, n: int, id_space: int, zipf: float) -> Any:
+    """``n`` power-law ranks in ``[0, id_space)`` (inverse CDF of ``(r + 1) ** -zipf``, zipf < 1)."""
     import numpy as np
 
-    from pscore.embedding import Rows
+    u = rng.random(n)
+    top = (id_space + 1.0) ** (1.0 - zipf)
+    return np.minimum((1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - zipf)) - 1.0, id_space - 1).astype(np.int64)
 
-    box = {"sent": 0, "received": 0}
 
-    def size(x: Any) -> int:
-        if isinstance(x, Rows):
-            return int(np.asarray(x.ids).nbytes + np.asarray(x.values).nbytes)
-        return int(np.asarray(x).nbytes)
+def _examples(args: argparse.Namespace, n: int) -> tuple[Any, Any]:
+    """The variant's ``[n, ids]`` ids and labels (learnable through the rows)."""
+    import numpy as np
 
-    def sent(grads: Any) -> None:
-        box["sent"] += sum(size(g) for g in grads.values())
+    from pscore.placement import mix64
 
-    def received(values: Any) -> Any:
-        box["received"] += sum(size(v) for v in values.values())
-        return values
-
-    push, push_pull_future, pull, lookup = client.push, client.push_pull_future, client.pull, client.lookup
-
-    def w_push(grads: Any, **kw: Any) -> Any:
-        sent(grads)
-        return push(grads, **kw)
-
-    def w_push_pull_future(grads: Any, **kw: Any) -> Any:
-        sent(grads)
-        fut = push_pull_future(grads, **kw)
-        fut.add_done_callback(lambda f: f.exception() is None and received(f.result()))
-        return fut
-
-    def w_pull(names: Any = None, **kw: Any) -> Any:
-        return received(pull(names, **kw))
-
-    def w_lookup(name: str, ids: Any, **kw: Any) -> Any:
-        box["sent"] += int(np.asarray(ids).nbytes)
-        out = lookup(name, ids, **kw)
-        box["received"] += int(out.nbytes)
-        return out
-
-    client.push, client.push_pull_future, client.pull, client.lookup = (
-        w_push, w_push_pull_future, w_pull, w_lookup,
-    )  # fmt: skip
-    return box
+    rng = np.random.default_rng(args.index)
+    if args.variant in DYNAMIC_VARIANTS:
+        ranks = _stream(rng, n * args.ids, args.id_space, args.zipf).reshape(n, args.ids)
+        y = (ranks % 7 == 0).mean(axis=1, keepdims=True).astype(np.float32)
+        if args.variant == "psk-capacity":
+            return ranks % args.capacity, y
+        return (mix64(ranks) >> np.uint64(1)).astype(np.int64), y  # raw 63-bit ids
+    x = ((rng.zipf(1.2, size=(n, args.ids)) - 1) % args.rows).astype(np.int32)  # power-law ids
+    return x, (x % 7 == 0).mean(axis=1, keepdims=True).astype(np.float32)
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -109,32 +99,37 @@ def worker_main(args: argparse.Namespace) -> None:
     import numpy as np
 
     import psclient.keras as psk
+    from trainer.cluster import rss_mib
+    from trainer.recsys import count_payload_bytes
 
     t0 = time.perf_counter()
     dense = {"partition_bytes": 0} if args.variant == "dense" else {}  # clipnorm: whole, on one shard
     worker = psk.PSWorker(
         args.addresses.split(","), worker_index=args.index, num_workers=args.workers, **dense
     )
-    box = _count_bytes(worker.client)
+    box = count_payload_bytes(worker.client)
     if args.variant == "psk":
         emb: Any = psk.Embedding(args.rows, args.dim, worker=worker, name="emb")
+    elif args.variant == "psk-capacity":
+        emb = psk.Embedding(args.capacity, args.dim, worker=worker, name="emb")
+    elif args.variant == "psk-dynamic":
+        emb = psk.Embedding(None, args.dim, worker=worker, name="emb", capacity=args.capacity)
     else:
         emb = keras.layers.Embedding(args.rows, args.dim, name="emb")
+    id_dtype = "int64" if args.variant in DYNAMIC_VARIANTS else "int32"
     model = keras.Sequential(
-        [keras.Input((args.ids,), dtype="int32"), emb, keras.layers.GlobalAveragePooling1D(),
+        [keras.Input((args.ids,), dtype=id_dtype), emb, keras.layers.GlobalAveragePooling1D(),
          keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)], name="bench_embedding",
     )  # fmt: skip
     opt = keras.optimizers.Adagrad(0.1, clipnorm=1e9 if args.variant == "dense" else None)
     model.compile(optimizer=psk.DistributedOptimizer(opt, worker), loss="mse")
-    rng = np.random.default_rng(args.index)
     n = max(1, args.steps // 2) * args.batch_size  # two epochs
-    x = ((rng.zipf(1.2, size=(n, args.ids)) - 1) % args.rows).astype(np.int32)  # power-law ids
-    y = (x % 7 == 0).mean(axis=1, keepdims=True).astype(np.float32)
+    x, y = _examples(args, n)
     cb = worker.callback()
     attach_bytes: dict[str, int] = {}
     end_bytes: dict[str, int] = {}
 
-    rss_before_fit = _rss_mib("VmRSS")
+    rss_before_fit = rss_mib(field="VmRSS")
     steps_seen = [0]
 
     class Mark(keras.callbacks.Callback):
@@ -146,9 +141,11 @@ def worker_main(args: argparse.Namespace) -> None:
                 attach_bytes.update(box)
             end_bytes.update(box)
 
+    fit_started = time.perf_counter()
     hist = model.fit(
         x, y, batch_size=args.batch_size, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Mark()]
     )
+    fit_seconds = time.perf_counter() - fit_started
     worker.close()
     steps = cb.steps
     result = {
@@ -159,9 +156,11 @@ def worker_main(args: argparse.Namespace) -> None:
         "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / max(1, steps - 1),
         "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / max(1, steps - 1),
         "setup_bytes": sum(attach_bytes.values()),
-        "peak_rss_mib": _rss_mib(),
+        "peak_rss_mib": rss_mib(field="VmHWM"),
         "rss_before_fit_mib": rss_before_fit,
-        "rss_end_mib": _rss_mib("VmRSS"),
+        "rss_end_mib": rss_mib(field="VmRSS"),
+        "fit_s": fit_seconds,
+        "distinct_ids": int(np.unique(x).size),
         "weights_mib": sum(int(np.prod(w.shape)) * 4 for w in model.weights) / 2**20,
         "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
         "wall_s": time.perf_counter() - t0,
@@ -169,17 +168,38 @@ def worker_main(args: argparse.Namespace) -> None:
     print(_RESULT + json.dumps(result), flush=True)
 
 
+def _sample_rss(cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]]) -> None:
+    t0 = time.perf_counter()
+    while not stop.wait(_RSS_SAMPLE_S):
+        samples.append((time.perf_counter() - t0, cluster.shard_rss_mib()))
+
+
+def _table_counts(addresses: list[str]) -> dict[str, int]:
+    """The bench table's rows and counters summed over the shards (a dynamic table's; else just rows)."""
+    import psclient
+
+    with psclient.PSClient(addresses, worker_id="bench-reader", timeout=60) as c:
+        listed = c.list_variables()
+    infos = [i for group in listed.values() for i in group if i.spec.HasField("dynamic")]
+    fields = ("rows", "admitted", "evicted", "expired", "dropped_updates")
+    return {f: sum(int(getattr(i.dynamic, f)) for i in infos) for f in fields}
+
+
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from trainer.cluster import LocalCluster
 
     cluster = LocalCluster(num_shards=2, server_args=["--mode", "async"]).start()
+    samples: list[tuple[float, list[float]]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_rss, args=(cluster, stop, samples), daemon=True)
     try:
         cmd = [
             [sys.executable, __file__, "--worker", "--variant", variant, "--index", str(i),
              "--addresses", ",".join(cluster.addresses), "--workers", str(args.workers),
              "--rows", str(args.rows), "--dim", str(args.dim), "--ids", str(args.ids),
              "--batch-size", str(args.batch_size),
-             "--steps", str(args.dense_steps if variant == "dense" else args.steps)]
+             "--steps", str(args.dense_steps if variant == "dense" else args.steps),
+             "--id-space", str(args.id_space), "--capacity", str(args.capacity), "--zipf", str(args.zipf)]
             for i in range(args.workers)
         ]  # fmt: skip
         procs = [
@@ -188,16 +208,41 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             )
             for c in cmd
         ]
+        sampler.start()
         rows = []
         for p in procs:
-            out, err = p.communicate(timeout=600)
+            out, err = p.communicate(timeout=1800)
             lines = [ln for ln in out.splitlines() if ln.startswith(_RESULT)]
             if p.returncode or not lines:
                 raise RuntimeError(f"{variant} worker exited {p.returncode}:\n{out[-2000:]}\n{err[-3000:]}")
             rows.append(json.loads(lines[-1][len(_RESULT) :]))
+        stop.set()
+        sampler.join()
+        counts = _table_counts(cluster.addresses) if variant == "psk-dynamic" else {}
+        shard_rss_end = cluster.shard_rss_mib()
     finally:
+        stop.set()
         cluster.stop()
+    fit_s = max(r["fit_s"] for r in rows)
+    dynamic = {}
+    if variant in DYNAMIC_VARIANTS:
+        total = [sum(s) for _, s in samples] or [float("nan")]
+        quarter = lambda q: total[min(len(total) - 1, int(q * len(total)))]  # noqa: E731
+        dynamic = {
+            "id_space": args.id_space,
+            "capacity": args.capacity,
+            "zipf": args.zipf,
+            "distinct_ids_per_worker": [r["distinct_ids"] for r in rows],
+            "table": counts,
+            "evicted_rows_per_s": counts["evicted"] / fit_s if counts and fit_s else None,
+            "admitted_rows_per_s": counts["admitted"] / fit_s if counts and fit_s else None,
+            "shard_rss_mib_sum_at": {q: round(quarter(q / 4)) for q in (1, 2, 3)} | {4: round(total[-1])},
+            "shard_rss_mib_max": round(max(total)),
+            "shard_rss_mib_end": [round(r) for r in shard_rss_end],
+            "shard_rss_samples": [(round(t, 1), [round(r) for r in s]) for t, s in samples],
+        }
     return {
+        **dynamic,
         "variant": variant,
         "workers": len(rows),
         "steps_per_worker": rows[0]["steps"],
@@ -210,7 +255,50 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "worker_weights_mib": rows[0]["weights_mib"],
         "loss_first_last": rows[0]["loss"],
         "wall_s": max(r["wall_s"] for r in rows),
+        "fit_s": fit_s,
     }
+
+
+def _markdown_dynamic(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
+    mib = 2**20
+    lines = [
+        "# Dynamic embedding table vs a fixed table of the same capacity: an id stream larger than memory",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Id stream: {args.ids} ids per example drawn by a power law (zipf {args.zipf}) from "
+        f"{args.id_space:,} ids; table capacity {args.capacity:,} rows x {args.dim} (float32, Adagrad: "
+        f"{args.capacity * args.dim * 8 / mib:.0f} MiB of rows and slots over 2 async shards); batch "
+        f"{args.batch_size}, {args.steps} steps per worker, {args.workers} worker(s). `psk-capacity`: a "
+        "fixed table of that many rows, ids modulo the capacity; `psk-dynamic`: a dynamic table keyed by the "
+        f"raw ids, LRU eviction. Machine: {json.dumps(cm.machine_note())}",
+        "",
+        "| variant | steps/s (sum) | distinct ids seen (per worker) | rows held | admitted | evicted | "
+        "evicted rows/s | shard RSS MiB (sum) at 1/4, 1/2, 3/4, end of training | max | "
+        "payload KiB / worker-step | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        t = r.get("table", {})
+        at = r.get("shard_rss_mib_sum_at", {})
+        lines.append(
+            f"| {r['variant']} | {r['steps_per_s']:.2f} | "
+            f"{', '.join(map(str, r['distinct_ids_per_worker']))} | "
+            f"{t.get('rows', '-')} | {t.get('admitted', '-')} | {t.get('evicted', '-')} | "
+            f"{'-' if r['evicted_rows_per_s'] is None else round(r['evicted_rows_per_s'])} | "
+            f"{', '.join(str(at[q]) for q in sorted(at))} | "
+            f"{r['shard_rss_mib_max']} | {r['bytes_per_worker_step'] / 1024:.1f} | "
+            f"{r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f} |"
+        )
+    lines += [
+        "",
+        "Shard RSS is sampled every 0.5 s from /proc while the workers run (both shards summed); the "
+        "fixed table's rows are all written at creation, the dynamic table's as ids arrive, up to the "
+        "capacity, after which eviction reuses them: flat after warm-up. Evicted rows/s: the table's "
+        "evictions over the longest worker's `fit` time.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
@@ -270,7 +358,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--dense-steps", type=int, default=12, help="steps of the (slow) dense variant")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--id-space", type=int, default=10_000_000, help="dynamic variants: ids in the stream")
+    ap.add_argument("--capacity", type=int, default=1_000_000, help="dynamic variants: rows of the table")
+    ap.add_argument("--zipf", type=float, default=0.9, help="dynamic variants: power-law exponent (< 1)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated, of {', '.join(VARIANTS + DYNAMIC_VARIANTS)} (default: %(default)s)",
+    )
     ap.add_argument("--out", help="write OUT.md and OUT.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -281,14 +376,22 @@ def main() -> None:
         worker_main(args)
         return
     results = []
-    for variant in args.variants.split(","):
-        if variant not in VARIANTS:
-            raise SystemExit(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    variants = args.variants.split(",")
+    dynamic = [v in DYNAMIC_VARIANTS for v in variants]
+    if any(dynamic) != all(dynamic):
+        raise SystemExit(f"run {', '.join(DYNAMIC_VARIANTS)} apart from {', '.join(VARIANTS)}")
+    if any(dynamic) and not 0 < args.zipf < 1:
+        raise SystemExit("--zipf must be in (0, 1)")
+    for variant in variants:
+        if variant not in VARIANTS + DYNAMIC_VARIANTS:
+            raise SystemExit(
+                f"unknown variant {variant!r}; choose from {', '.join(VARIANTS + DYNAMIC_VARIANTS)}"
+            )
         r = run_variant(args, variant)
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "shard_rss_samples"}), flush=True)
         results.append(r)
     command = "python bench/bench_embedding.py " + " ".join(sys.argv[1:])
-    md = _markdown(args, results, command)
+    md = (_markdown_dynamic if any(dynamic) else _markdown)(args, results, command)
     print(md)
     if args.out:
         Path(args.out + ".md").write_text(md)
