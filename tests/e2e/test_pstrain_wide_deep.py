@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import RUN_TIMEOUT_S  # the run takes about 20 s on 2 cores (three TensorFlow imports)
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
 SMALL = ["--model", "wide_deep", "--synthetic-size", "40000", "--users", "20000", "--epochs", "2"]
-RUN_TIMEOUT_S = 300  # about 20 s on 2 cores (three TensorFlow imports)
 
 
 def _demo(tmp_path: Path, mode: str) -> dict[str, Any]:

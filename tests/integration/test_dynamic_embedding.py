@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
 from pscore.embedding import hash_keys, init_rows
@@ -16,8 +17,6 @@ from pscore.placement import dynamic_row_shard
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
-
-TIMEOUT_S = 30.0
 
 
 def _stats(c: psclient.PSClient, name: str) -> dict[str, int]:
