@@ -37,7 +37,7 @@ wall time (worker start to exit: TensorFlow import, table creation, training).
 Usage:
     python bench/bench_embedding.py --out bench/results/embedding          # embedding.md / .json
     python bench/bench_embedding.py --rows 100000 --steps 20 --variants psk   # a quick look
-    python bench/bench_embedding.py --variants psk-capacity,psk-dynamic --steps 600 \
+    python bench/bench_embedding.py --variants psk-capacity,psk-dynamic --steps 4000 \
         --out bench/results/embedding_dynamic                               # 10M-id stream, 1M rows
 """
 
