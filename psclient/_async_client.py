@@ -191,12 +191,14 @@ class AsyncPSClient:
         token = self.config.auth_token
         return (("authorization", f"Bearer {token}"),) if token else ()
 
-    async def _call(self, shard: int, method: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(
+        self, shard: int, method: str, fn: Callable[[], Awaitable[T]], *, timeout: float | None = None
+    ) -> T:
         """Runs one RPC to ``shard``, converting gRPC errors to PSError.
 
         ``fn`` starts a fresh RPC each time it is called: UNAVAILABLE (shard
         down or restarting, connection broken) is retried with backoff until
-        ``config.timeout`` has passed (see ``psclient._retry``).
+        ``timeout`` (default ``config.timeout``) has passed (see ``psclient._retry``).
         """
         address = self.config.addresses[shard]
         watch = self._watch(shard)
@@ -205,7 +207,7 @@ class AsyncPSClient:
         try:
             return await _retry.call_with_retry(
                 fn,
-                timeout=self.config.timeout,
+                timeout=self.config.timeout if timeout is None else timeout,
                 policy=self.config.retry,
                 what=f"{method} on {address}",
                 on_retry=functools.partial(self._failover, shard),
@@ -535,6 +537,8 @@ class AsyncPSClient:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
         seq = next(self._seq)
+        # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
+        shards = sorted(per_shard) if len(per_shard) > 1 else []
         into = rq.Gather(pieces, self._pool.take) if return_values else None
         row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
 
@@ -553,6 +557,7 @@ class AsyncPSClient:
                 session=self.session,
                 step=step,
                 return_values=return_values,
+                shards=shards,
             )
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
@@ -1133,13 +1138,36 @@ class AsyncPSClient:
 
     # -- checkpoints --------------------------------------------------------
 
-    async def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
+    async def save_checkpoint(
+        self, *, consistent: bool = False, timeout: float | None = None
+    ) -> list[ps_pb2.SaveCheckpointResponse]:
         """Makes every shard write a checkpoint now; returns when all are durable (one reply per shard).
 
+        Each shard saves on its own, at its own instant, unless ``consistent``:
+        then every shard holds new updates back at one cut of the whole cluster
+        (a two-phase save, ``psclient._cut``): a push is in the checkpoint on all
+        the shards it went to or on none, sync shards are all at one step
+        boundary, and every file has the same id, so restoring them gives one
+        version of the whole model. Training pauses for the hold (about the
+        time of one push plus the snapshot; the files are written after it).
+
+        Args:
+            consistent: take one consistent cut of every shard.
+            timeout: seconds the consistent save may take in all (default: the
+                client's timeout); every hold ends by then, and on each shard by
+                itself a second later should this client die.
+
         Raises:
+            ConsistentCutError: (``consistent``) a shard was down, refused, or the
+                deadline passed: the save was aborted, every hold released and
+                any file already written deleted (its ``__cause__`` says why).
             FailedPreconditionError: a shard runs without ``--checkpoint-dir``.
             PSError: a shard failed.
         """
+        if consistent:
+            from psclient._cut import consistent_save
+
+            return await consistent_save(self, self.config.timeout if timeout is None else timeout)
         request = ps_pb2.SaveCheckpointRequest()
 
         async def one(shard: int) -> ps_pb2.SaveCheckpointResponse:

@@ -213,9 +213,12 @@ class PSClient:
         """
         self._run(self._async.assign(values))
 
-    def save_checkpoint(self) -> list[ps_pb2.SaveCheckpointResponse]:
-        """Makes every shard write a checkpoint now; see ``AsyncPSClient.save_checkpoint``."""
-        return list(self._run(self._async.save_checkpoint()))
+    def save_checkpoint(
+        self, *, consistent: bool = False, timeout: float | None = None
+    ) -> list[ps_pb2.SaveCheckpointResponse]:
+        """Makes every shard write a checkpoint now (``consistent``: at one cut of the whole cluster);
+        see ``AsyncPSClient.save_checkpoint``."""
+        return list(self._run(self._async.save_checkpoint(consistent=consistent, timeout=timeout)))
 
     def close(self) -> None:
         """Closes the channels and the private loop. Idempotent."""

@@ -27,6 +27,7 @@ examples:
   psctl status --json ps0:2222 ps1:2222
   TF_CONFIG=... psctl status            # the ps addresses of TF_CONFIG
   psctl save 127.0.0.1:50051 127.0.0.1:50052   # every shard writes a checkpoint now
+  psctl save --consistent ps0:2222 ps1:2222     # ... all at one cut of the cluster (one model version)
 
 exit status: 0 when every shard is SERVING, 1 otherwise, 2 on bad arguments.
 """
@@ -230,7 +231,7 @@ async def _save(args: argparse.Namespace, addresses: list[str]) -> list[Any]:
     from psclient import AsyncPSClient
 
     async with AsyncPSClient(addresses, worker_id="psctl", timeout=args.timeout, **_security(args)) as c:
-        return await c.save_checkpoint()
+        return await c.save_checkpoint(consistent=args.consistent)
 
 
 def _cmd_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -301,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     save.add_argument("addresses", nargs="*", help="HOST:PORT of every shard (default: TF_CONFIG's ps tasks)")
     save.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    save.add_argument(
+        "--consistent",
+        action="store_true",
+        help="hold every shard at one cut (two-phase: prepare, save, release; all within --timeout), so "
+        "the files are one version of the whole model; aborted, with nothing left held or written, if a "
+        "shard is down or the deadline passes",
+    )
     _add_connection_flags(save)
     save.set_defaults(func=_cmd_save, timeout=60.0)
     return parser

@@ -13,7 +13,8 @@ The tree (names as in ``tf.errors``; every class carries ``.code``)::
     ├── ResourceExhaustedError         RESOURCE_EXHAUSTED message too large, overloaded
     ├── FailedPreconditionError        FAILED_PRECONDITION
     │   └── WorkerIdConflictError                         two live clients push with one worker_id
-    ├── AbortedError                   ABORTED            not sent by shards (stale sync push: applied=False)
+    ├── AbortedError                   ABORTED            a consistent cut not held (another holds the shard)
+    │   └── ConsistentCutError                            a consistent save aborted (shard down, deadline)
     ├── OutOfRangeError                OUT_OF_RANGE
     ├── UnimplementedError             UNIMPLEMENTED
     ├── InternalError                  INTERNAL
@@ -113,6 +114,24 @@ class WorkerIdConflictError(FailedPreconditionError):
 
 class AbortedError(PSError):
     code = grpc.StatusCode.ABORTED
+
+
+class ConsistentCutError(AbortedError):
+    """A consistent save (``save_checkpoint(consistent=True)``, ``psctl save --consistent``) was aborted.
+
+    A shard was down or refused, or the deadline passed. Nothing is left held
+    and no partial set of files is left behind; ``__cause__`` is the shard's
+    error and ``shard`` its index (None when the deadline passed between calls).
+    Retryable: a later save may succeed.
+    """
+
+    retryable = True
+
+    def __init__(
+        self, details: str, *, shard: int | None = None, method: str | None = None, address: str | None = None
+    ) -> None:
+        super().__init__(details, method=method, address=address)
+        self.shard = shard
 
 
 class OutOfRangeError(PSError):

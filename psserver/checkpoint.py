@@ -18,6 +18,10 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
                       "iterations": 40, "value": "a0", "slots": {"momentum": "a1"},
                       "crc32": {"a0": 123, "a1": 456}}, ...]}
 
+  A file written by a cut of the whole cluster (``psserver.cut``: ``psctl save
+  --consistent``, or a sync-mode periodic checkpoint at a common step) also
+  holds ``"cut"``: ``{"id": "<cut id>", "num_shards": n}`` or ``{"step": k}``.
+
   ``dedup_sessions`` is the push dedup table: per worker id its client
   sessions, oldest first (the last is the current one), each with its window of
   applied sequence numbers. ``dedup`` is the current session's window alone,
@@ -139,6 +143,9 @@ class Snapshot:
     mode_state: dict[str, Any]
     id: int = 0
     created_unix: float = 0.0
+    # Set when the snapshot is one shard's part of a cut of the whole cluster (psserver.cut: a
+    # consistent save, or a sync step boundary): {"id": ..., "num_shards": n} or {"step": k, ...}.
+    cut: dict[str, Any] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -214,6 +221,7 @@ def dump(snapshot: Snapshot, f: BinaryIO, ckpt_id: int) -> None:
         "num_shards": snapshot.num_shards,
         "mode": snapshot.mode,
         "mode_state": snapshot.mode_state,
+        **({"cut": snapshot.cut} if snapshot.cut else {}),
         "dedup_sessions": {
             w: [[int(session), int(floor), [int(s) for s in seen]] for session, floor, seen in entries]
             for w, entries in snapshot.dedup.items()
@@ -334,6 +342,7 @@ def load(f: BinaryIO, label: str) -> Snapshot:
             mode_state=dict(manifest.get("mode_state") or {}),
             id=int(manifest["id"]),
             created_unix=float(manifest["created_unix"]),
+            cut=manifest.get("cut"),
         )
     except CheckpointError:
         raise
@@ -781,29 +790,51 @@ class Checkpointer:
         """True when variables were created, updated, assigned or given an optimizer since the last save."""
         return self._saved_at != (self.store.changes, len(self.store))
 
+    @property
+    def next_id(self) -> int:
+        """The id the next checkpoint of this shard gets (a consistent cut may pick a larger one)."""
+        return self._next_id
+
     async def save(self) -> SaveResult:
         """Writes a checkpoint now; returns once it is durable. Saves run one at a time.
 
         Raises:
             CheckpointError: the file could not be written.
+            TimeoutError: updates in progress did not finish (``Store.quiesced``).
         """
         async with self._lock:
             started = time.monotonic()
             snap = await self.snapshot()
-            ckpt_id = self._next_id
-            self._next_id += 1
-            path = await asyncio.to_thread(write, snap, self.directory, ckpt_id)
-            self._saved_at = self._pending_marker
-            self.saves += 1
-            if self.on_saved is not None:
-                self.on_saved(time.time())
-            await asyncio.to_thread(self.prune)
-            result = SaveResult(path, ckpt_id, len(snap.tensors), snap.nbytes, time.monotonic() - started)
-            log.info(
-                "shard %d: checkpoint %d written: %s (%d tensors, %.1f MiB, %.2fs)",
-                self.shard, ckpt_id, path.name, result.num_variables, result.nbytes / 2**20, result.seconds,
-            )  # fmt: skip
-            return result
+            return await self._write(snap, self._next_id, started)
+
+    async def write_snapshot(self, snap: Snapshot, ckpt_id: int, started: float | None = None) -> SaveResult:
+        """Writes a snapshot taken earlier (``snapshot``) as checkpoint ``ckpt_id``; returns once durable.
+
+        A consistent cut writes the same id on every shard; later saves of this
+        shard get larger ids. ``started`` (``time.monotonic()``) counts in the
+        reported seconds.
+
+        Raises:
+            CheckpointError: the file could not be written.
+        """
+        async with self._lock:
+            return await self._write(snap, ckpt_id, time.monotonic() if started is None else started)
+
+    async def _write(self, snap: Snapshot, ckpt_id: int, started: float) -> SaveResult:
+        self._next_id = max(self._next_id, ckpt_id + 1)
+        path = await asyncio.to_thread(write, snap, self.directory, ckpt_id)
+        self._saved_at = self._pending_marker
+        self.saves += 1
+        if self.on_saved is not None:
+            self.on_saved(time.time())
+        await asyncio.to_thread(self.prune)
+        result = SaveResult(path, ckpt_id, len(snap.tensors), snap.nbytes, time.monotonic() - started)
+        log.info(
+            "shard %d: checkpoint %d written: %s (%d tensors, %.1f MiB, %.2fs)%s",
+            self.shard, ckpt_id, path.name, result.num_variables, result.nbytes / 2**20, result.seconds,
+            f" (cut {snap.cut})" if snap.cut else "",
+        )  # fmt: skip
+        return result
 
     def prune(self) -> None:
         """Deletes this shard's files beyond the newest ``keep``."""

@@ -194,6 +194,11 @@ _FINISHED = 1 << 62  # the clock of a worker that left (ssp)
 _DEADLINE_MARGIN_S = (0.25, 1.0)
 
 
+def step_key(step: int) -> tuple[str, int]:
+    """The gate key of sync step ``step``'s update (``Store.apply``): what a consistent cut lets through."""
+    return ("step", step)
+
+
 def wait_limit(barrier_timeout_s: float, deadline: float | None) -> tuple[float, bool]:
     """How long a wait may last: ``(seconds, whether the caller's deadline is what bounds it)``.
 
@@ -431,8 +436,9 @@ class SyncMode(Mode):
             rnd.closed = True
             step = self.step
             chosen = list(rnd.contributions.values())[:n]
+            claims = [(w, session, seq) for w, ((session, seq), _) in list(rnd.contributions.items())[:n]]
             try:
-                await self.store.apply(await self._mean(chosen))
+                await self.store.apply(await self._mean(chosen), key=step_key(step), claims=claims)
             except BaseException as err:
                 for worker, ((session, seq), _) in rnd.contributions.items():
                     self.store.unclaim(worker, seq, session)

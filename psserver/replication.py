@@ -184,6 +184,7 @@ class Primary:
         *,
         session: int = 0,
         time_unix: float = 0.0,
+        shards: Sequence[int] = (),
     ) -> None:
         """Sends an applied push to the backup and waits for its acknowledgement (no-op without one).
 
@@ -193,7 +194,12 @@ class Primary:
         if link is None:
             return
         header = ps_pb2.ReplicateResponse(
-            worker_id=worker_id, seq=seq, session=session, versions=list(versions), time_unix=time_unix
+            worker_id=worker_id,
+            seq=seq,
+            session=session,
+            versions=list(versions),
+            time_unix=time_unix,
+            shards=list(shards),
         )
         await self._forward(link, header, tables.wire_tensors(grads))
 
@@ -438,6 +444,8 @@ class Backup:
             # Recorded, not claimed: the primary already decided (its order of claims may differ from
             # this order of applied updates, so a takeover must not refuse anything here).
             self.store.record(message.worker_id, message.seq, message.session)
+            if len(message.shards) > 1:
+                self.store.note_sent(message.worker_id, message.seq, message.session, message.shards)
         self._remaining[message.id] = len(tensors)
         if assign:
             self._assigns.add(message.id)

@@ -26,11 +26,13 @@ from pscore.errors import (
     InternalError,
     InvalidArgumentError,
     PSError,
+    UnavailableError,
     status_number,
 )
 from psproto.v1 import ps_pb2
 from psserver import tables
 from psserver.checkpoint import Checkpointer, CheckpointError
+from psserver.cut import CutHolds
 from psserver.modes import Mode
 from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
 from psserver.store import Store, Variable
@@ -163,6 +165,7 @@ class ParameterServerServicer:
         self.checkpointer = checkpointer
         self.primary = primary  # forwards updates to an attached backup
         self.backup = backup  # set when this process started as a backup (--backup-of)
+        self.cuts = CutHolds(store, mode, checkpointer, shard=shard, num_shards=num_shards)
         self.stopping = False  # drain() began: idle PushSession streams end, barriers give up
         self._idle_sessions: set[asyncio.Task[Any]] = set()  # PushSession handlers waiting for a push
         self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
@@ -192,6 +195,7 @@ class ParameterServerServicer:
         over) as for any UNAVAILABLE.
         """
         self.stopping = True
+        self.cuts.abort("the shard is shutting down")
         self.mode.shutdown()
         for task in list(self._idle_sessions):
             task.cancel()
@@ -296,6 +300,8 @@ class ParameterServerServicer:
         outcome = await self.mode.push(
             header.worker_id, header.seq, header.step, grads, header.session, deadline
         )
+        if outcome.applied and len(header.shards) > 1:  # in the same tick as the update: a cut sees both
+            self.store.note_sent(header.worker_id, header.seq, header.session, header.shards)
         if outcome.applied and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
                 header.worker_id,
@@ -304,6 +310,7 @@ class ParameterServerServicer:
                 outcome.versions,
                 session=header.session,
                 time_unix=outcome.time_unix,
+                shards=header.shards,
             )
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
@@ -414,6 +421,8 @@ class ParameterServerServicer:
                     step=req.step,
                     return_values=req.return_values,
                     timeout_s=req.timeout_s,
+                    shards=req.shards,
+                    checkpoint_step=req.checkpoint_step,
                 )
             for chunk in req.grads:
                 grads.add(chunk)
@@ -519,6 +528,31 @@ class ParameterServerServicer:
             bytes=result.nbytes,
             seconds=result.seconds,
         )
+
+    @_translated
+    async def PrepareCut(
+        self, request: ps_pb2.PrepareCutRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.PrepareCutResponse:
+        self._serving("PrepareCut")
+        if self.stopping:
+            raise UnavailableError("the shard is shutting down")
+        return await self.cuts.prepare(request.cut_id, request.hold_s, _deadline(context))
+
+    @_translated
+    async def CommitCut(
+        self, request: ps_pb2.CommitCutRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.SaveCheckpointResponse:
+        self._serving("CommitCut")
+        try:
+            return await self.cuts.commit(request, _deadline(context))
+        except CheckpointError as err:
+            raise InternalError(f"checkpoint failed: {err}") from err
+
+    async def ReleaseCut(
+        self, request: ps_pb2.ReleaseCutRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.ReleaseCutResponse:
+        released, discarded = self.cuts.release(request.cut_id, discard=request.discard)
+        return ps_pb2.ReleaseCutResponse(released=released, discarded=discarded)
 
     @_translated_stream
     async def Replicate(

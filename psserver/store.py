@@ -28,11 +28,12 @@ gather copies the rows at once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 
 _DEDUP_WINDOW = 4096  # sequence numbers remembered per session; older ones count as already applied
 _RETIRED_SESSIONS = 4  # older sessions remembered per worker id (beyond the newest); older ones are forgotten
+# Consistent cuts (psserver.cut): how long a session's pushes sent to several shards are remembered with
+# those shards. A push's pieces go to its shards at once and are retried for at most the client's deadline
+# (30 s by default), so a piece that has not arrived by then never will.
+CUT_WINDOW_S = 60.0
 
 # A push's dedup key: (worker_id, session, seq).
 PushKey = tuple[str, int, int]
@@ -103,11 +108,13 @@ class Variable:
 class _SeqWindow:
     """The sequence numbers of one session's recent pushes."""
 
-    __slots__ = ("floor", "seen")
+    __slots__ = ("floor", "seen", "sent")
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
         self.floor = -1  # every seq <= floor counts as seen
+        # Applied pushes that went to other shards too: (seq, bitmask of their shards, time.monotonic()).
+        self.sent: collections.deque[tuple[int, int, float]] | None = None
 
     def __contains__(self, seq: int) -> bool:
         return seq <= self.floor or seq in self.seen
@@ -148,13 +155,17 @@ class Store:
         self.pulls = 0
         self.changes = 0  # creates, updates, assignments, optimizer changes: what a checkpoint must save
         self.started = time.monotonic()
-        # Checkpoint gate (see ``quiesced``): updates in progress, and whether new ones may start.
+        # The update gate (see ``hold``): updates in progress, the holds keeping new ones back, the
+        # updates a consistent cut lets through, and the snapshots being read (nothing passes then).
         self._updating = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._open = asyncio.Event()
-        self._open.set()
-        self._held_claims: set[PushKey] = set()  # claimed while the gate was closed
+        self._holds = 0
+        self._snapshots = 0
+        self._let_through: set[Hashable] = set()
+        self._gate = asyncio.Event()  # replaced (and the old one set) whenever the gate changes
+        # Pushes whose update waits at the gate or is being applied (a snapshot must not count them).
+        self._pending: collections.Counter[PushKey] = collections.Counter()
 
     # -- inspection ---------------------------------------------------------
 
@@ -348,8 +359,6 @@ class Store:
                 "PSWorker(worker_index=...))"
             )
         window.add(seq)
-        if not self._open.is_set():
-            self._held_claims.add((worker_id, session, seq))  # its apply waits at the gate: not in a snapshot
         return True
 
     def record(self, worker_id: str, seq: int, session: int = 0) -> None:
@@ -359,6 +368,50 @@ class Store:
         if window is None:
             window = self._take_over(worker_id, sessions, session)
         window.add(seq)
+
+    def note_sent(self, worker_id: str, seq: int, session: int, shards: Iterable[int]) -> None:
+        """Remembers an applied push that was sent to other shards too (``PushRequest.shards``).
+
+        Kept for ``CUT_WINDOW_S`` (and at most the dedup window's length per
+        session): a consistent cut asks the other shards to hold it as well
+        (``sent_pushes``). A no-op for a push sent to one shard.
+        """
+        mask = 0
+        for s in shards:
+            mask |= 1 << int(s)
+        if mask & (mask - 1) == 0:  # one shard (or none): nothing another shard must match
+            return
+        window = self._sessions.get(worker_id, {}).get(session)
+        if window is None:
+            return
+        if window.sent is None:
+            window.sent = collections.deque(maxlen=_DEDUP_WINDOW)
+        window.sent.append((seq, mask, time.monotonic()))
+
+    def sent_pushes(self, window_s: float = CUT_WINDOW_S) -> list[tuple[str, int, int, list[int]]]:
+        """Pushes applied in the last ``window_s`` seconds that went to several shards.
+
+        Returns ``(worker_id, session, shard bitmask, sorted seqs)``, one entry per
+        worker session and set of shards.
+        """
+        since = time.monotonic() - window_s
+        out = []
+        for worker, sessions in self._sessions.items():
+            for session, window in sessions.items():
+                if not window.sent:
+                    continue
+                while window.sent and window.sent[0][2] < since:
+                    window.sent.popleft()
+                by_mask: dict[int, list[int]] = {}
+                for seq, mask, _ in window.sent:
+                    by_mask.setdefault(mask, []).append(seq)
+                out.extend((worker, session, mask, sorted(seqs)) for mask, seqs in by_mask.items())
+        return out
+
+    def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
+        """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
+        window = self._sessions.get(worker_id, {}).get(session)
+        return window is not None and seq in window and (worker_id, session, seq) not in self._pending
 
     def _take_over(self, worker_id: str, sessions: dict[int, _SeqWindow], session: int) -> _SeqWindow:
         if sessions:
@@ -376,7 +429,6 @@ class Store:
         window = self._sessions.get(worker_id, {}).get(session)
         if window is not None:
             window.discard(seq)
-        self._held_claims.discard((worker_id, session, seq))
 
     async def apply_once(
         self,
@@ -391,31 +443,43 @@ class Store:
         The one claim / apply / unclaim sequence of every mode that applies a push
         on arrival: a push whose apply fails is forgotten, so its retry applies it.
         ``now``: the push's time (see ``apply``).
+        At a held gate the push is named by its key (a consistent cut may let it through).
 
         Raises:
             WorkerIdConflictError: see ``claim``; nothing applied.
         """
         if not self.claim(worker_id, seq, session):
             return None
+        key = (worker_id, session, seq)
         try:
-            return await self.apply(pairs, now)
+            return await self.apply(pairs, now, key=key, claims=(key,))
         except BaseException:
             self.unclaim(worker_id, seq, session)
             raise
 
-    async def apply(self, pairs: list[tuple[Variable, tables.Grad]], now: float | None = None) -> list[int]:
+    async def apply(
+        self,
+        pairs: list[tuple[Variable, tables.Grad]],
+        now: float | None = None,
+        *,
+        key: Hashable = None,
+        claims: Iterable[PushKey] = (),
+    ) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
-        Waits while a checkpoint snapshot is being taken (``quiesced``), so a
-        snapshot never holds half of one update.
+        Waits while updates are held back (``hold``: a checkpoint snapshot, a
+        consistent cut), so a snapshot never holds half of one update.
 
         Args:
             pairs: from ``validate_grads``.
             now: the push's time (``time.time()``; default: now): dynamic tables'
                 ``ttl_seconds`` counts from it (a backup replays its primary's).
+            key: names the update at the gate: a consistent cut may let it through
+                (a push's ``(worker_id, session, seq)``; a sync step's ``("step", k)``).
+            claims: the pushes this update applies (a snapshot counts them as seen only once it is done).
         """
         now = time.time() if now is None else now
-        async with self._updates():
+        async with self._updates(key, claims):
             versions = []
             for var, grad in pairs:
                 async with var.lock:
@@ -470,19 +534,34 @@ class Store:
         return version
 
     @contextlib.asynccontextmanager
-    async def _updates(self) -> AsyncIterator[None]:
-        """Counts an update in progress; waits first while a checkpoint snapshot is taken (``quiesced``)."""
-        while not self._open.is_set():
-            await self._open.wait()
-        self._updating += 1
-        self._idle.clear()
+    async def _updates(self, key: Hashable = None, claims: Iterable[PushKey] = ()) -> AsyncIterator[None]:
+        """Counts an update in progress; waits first while updates are held back (``hold``).
+
+        An update whose ``key`` a consistent cut lets through (``let_through``)
+        passes a held gate, unless a snapshot is being read.
+        """
+        claims = tuple(claims)
+        pending = self._pending
+        for claim in claims:
+            pending[claim] += 1
+        try:
+            while self._holds and (key is None or key not in self._let_through or self._snapshots):
+                await self._gate.wait()
+            self._updating += 1
+            self._idle.clear()
+        except BaseException:
+            self._unpend(claims)
+            raise
         try:
             yield
         finally:
+            self._unpend(claims)
             self._updating -= 1
             self.changes += 1
             if not self._updating:
                 self._idle.set()
+            if self._holds:
+                self._notify()  # a cut waiting for what it let through
 
     def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
         """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
@@ -574,29 +653,84 @@ class Store:
         self.changes += 1
         return version
 
+    # -- the update gate (checkpoint snapshots, consistent cuts) ---------------
+
+    def hold(self) -> None:
+        """Holds new updates back (pushes, assignments, optimizer changes wait) until ``release``.
+
+        Holds nest: the gate opens when every hold is released. Updates in
+        progress go on (``wait_idle`` waits for them); pulls and creates are not
+        held.
+        """
+        self._holds += 1
+
+    def release(self) -> None:
+        """Ends one ``hold``; the last one lets the waiting updates go on."""
+        if self._holds <= 0:
+            raise RuntimeError("Store.release without a hold")
+        self._holds -= 1
+        if not self._holds:
+            self._let_through.clear()
+        self._notify()
+
+    @property
+    def held(self) -> bool:
+        """True while a hold keeps updates back."""
+        return self._holds > 0
+
+    @property
+    def updating(self) -> int:
+        """Updates in progress (past the gate, not done)."""
+        return self._updating
+
+    def let_through(self, keys: Iterable[Hashable]) -> None:
+        """While held, lets the updates with these keys (``apply(key=...)``) pass (a consistent cut's)."""
+        self._let_through.update(keys)
+        self._notify()
+
+    async def wait_idle(self) -> None:
+        """Waits until no update is in progress (bound it with a timeout)."""
+        await self._idle.wait()
+
+    async def changed(self) -> None:
+        """Waits for the next change of the gate, or the end of an update while held."""
+        await self._gate.wait()
+
+    def _unpend(self, claims: tuple[PushKey, ...]) -> None:
+        pending = self._pending
+        for claim in claims:
+            left = pending[claim] - 1
+            if left > 0:
+                pending[claim] = left
+            else:
+                del pending[claim]
+
+    def _notify(self) -> None:
+        gate, self._gate = self._gate, asyncio.Event()
+        gate.set()
+
     @contextlib.asynccontextmanager
     async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[PushKey]]:
         """Holds new updates back and waits for those in progress (checkpoint snapshots).
 
         Inside the block no ``apply`` (nor assignment, nor optimizer change)
-        runs, so values, slots, versions and the dedup table agree. Pulls and
-        creates go on. Yields the pushes claimed while the gate was closed
-        (their updates are not applied yet, so a snapshot must not count them
-        as seen). Not reentrant.
+        runs, not even one a consistent cut lets through, so values, slots,
+        versions and the dedup table agree. Pulls and creates go on. Yields the
+        pushes claimed whose update waits at the gate (a snapshot must not count
+        them as seen). Nests with ``hold``.
 
         Raises:
             TimeoutError: updates in progress did not finish within ``timeout_s``.
         """
-        if not self._open.is_set():
-            raise RuntimeError("Store.quiesced is not reentrant")
-        self._open.clear()
+        self.hold()
+        self._snapshots += 1
         try:
             async with asyncio.timeout(timeout_s):
                 await self._idle.wait()
-            yield self._held_claims
+            yield set(self._pending)
         finally:
-            self._held_claims = set()
-            self._open.set()
+            self._snapshots -= 1
+            self.release()
 
     def assign(self, name: str, value: np.ndarray, version: int) -> None:
         """Replaces a value (checkpoint restore, aggregated sync updates)."""

@@ -51,6 +51,8 @@ ALLOWED = {
 }
 # Request bytes that do not parse are INVALID_ARGUMENT (pscore.security.MalformedRequestInterceptor).
 ALLOWED_RAW = ALLOWED
+# Consistent cuts: ABORTED for a cut the shard does not hold (or another one holds it).
+ALLOWED_BY_METHOD = {"PrepareCut": {grpc.StatusCode.ABORTED}, "CommitCut": {grpc.StatusCode.ABORTED}}
 # Every RPC of the service, from its descriptor: a new RPC is fuzzed without a change here.
 # (Replicate: a fuzzed "backup" is attached, sent the snapshot, detached at half-close.)
 METHODS = {m.name: m.kind for m in rpc.methods()}
@@ -272,7 +274,13 @@ def optimizer_updates(draw: Callable[..., Any]) -> ps_pb2.UpdateOptimizerRequest
 
 
 def _check_raw(shard: Shard, method: str, payload: Any) -> None:
-    shard.check(method, shard.call(method, payload), ALLOWED_RAW)
+    shard.check(method, shard.call(method, payload), ALLOWED_RAW | ALLOWED_BY_METHOD.get(method, set()))
+    if method == "PrepareCut" and isinstance(payload, bytes):  # a hold that parsed: end it, as its
+        try:  # coordinator would (the shard also ends it by itself, after up to 300 s)
+            cut_id = ps_pb2.PrepareCutRequest.FromString(payload).cut_id
+        except Exception:  # protobuf's DecodeError: nothing was held
+            return
+        shard.stub.ReleaseCut(ps_pb2.ReleaseCutRequest(cut_id=cut_id), timeout=TIMEOUT_S)
 
 
 # -- the fuzz runs ------------------------------------------------------------------

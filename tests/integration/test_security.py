@@ -78,6 +78,8 @@ def _stubs(address: str, metadata: tuple[tuple[str, str], ...]) -> dict[str, obj
         "Push": lambda: stub.Push(push, **kw),
         "GetStatus": lambda: stub.GetStatus(ps_pb2.GetStatusRequest(), **kw),
         "SaveCheckpoint": lambda: stub.SaveCheckpoint(ps_pb2.SaveCheckpointRequest(), **kw),
+        "PrepareCut": lambda: stub.PrepareCut(ps_pb2.PrepareCutRequest(cut_id="c", hold_s=60), **kw),
+        "ReleaseCut": lambda: stub.ReleaseCut(ps_pb2.ReleaseCutRequest(cut_id="c"), **kw),
         "ListVariables": lambda: stub.ListVariables(ps_pb2.ListVariablesRequest(), **kw),
         "CreateVariables": lambda: stub.CreateVariables(iter([ps_pb2.CreateVariablesRequest()]), **kw),
         "PullStream": lambda: list(stub.PullStream(ps_pb2.PullRequest(), **kw)),
