@@ -136,6 +136,9 @@ class AsyncPSClient:
         self._seq = itertools.count(1)
         # Never 0 (0 is "no session": a client from before sessions).
         self.session = secrets.randbits(64) or 1
+        # Sync mode: the step of the cluster's next periodic checkpoint, learnt from push answers and
+        # passed on in every push, so that every shard learns it in time (see psserver.cut.StepCuts).
+        self._checkpoint_step = 0
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------
@@ -558,10 +561,12 @@ class AsyncPSClient:
                 step=step,
                 return_values=return_values,
                 shards=shards,
+                checkpoint_step=self._checkpoint_step,
             )
             if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
                 resp = await self._push_small(shard, request)
+                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
                 for c in resp.values:
                     add(shard, c)
                 return resp.applied
@@ -582,6 +587,7 @@ class AsyncPSClient:
                     row_parts.pop(shard, None)
                 async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
                     applied = applied and resp.applied
+                    self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
                     for c in resp.values:
                         add(shard, c)
 

@@ -890,7 +890,9 @@ class Checkpointer:
                 best_other = (created, n)
         own_created = _created(own[0]) if own else None
         if own and (best_other is None or own_created >= best_other[0]):
-            return _first_valid(own, f"shard {self.shard} of {self.num_shards}")
+            return _first_valid(
+                self._complete_cut_first(own, files), f"shard {self.shard} of {self.num_shards}"
+            )
         if best_other is not None:
             n = best_other[1]
             snaps = [_first_valid(others[n][i], f"shard {i} of {n}") for i in range(n)]
@@ -900,6 +902,42 @@ class Checkpointer:
             )  # fmt: skip
             return reshard(snaps, self.shard, self.num_shards)
         return None
+
+    def _complete_cut_first(
+        self, own: list[CheckpointFile], files: list[CheckpointFile]
+    ) -> list[CheckpointFile]:
+        """``own`` (newest first); the newest complete cut first when the newest file is part of a torn one.
+
+        When this shard's newest file belongs to a cut of the whole cluster
+        (``Snapshot.cut``) that another shard's files lack (the cluster stopped
+        while the cut was written), and the directory holds every shard's files
+        (a shared one), the newest cut that every shard holds is restored
+        instead, so that a restart of every shard gives one version of the model.
+        """
+        newest = _manifest_or_none(own[0])
+        if newest is None or not newest.get("cut"):
+            return own
+        by_shard: dict[int, set[str]] = {}
+        for f in files:
+            if f.num_shards == self.num_shards:
+                m = _manifest_or_none(f)
+                if m is not None and m.get("cut"):
+                    by_shard.setdefault(f.shard, set()).add(_cut_key(m["cut"]))
+        if len(by_shard) != self.num_shards:
+            return own  # not every shard's files are here (one directory per shard): nothing to compare
+        complete = set.intersection(*by_shard.values())
+        if _cut_key(newest["cut"]) in complete:
+            return own
+        for i, f in enumerate(own):
+            m = _manifest_or_none(f)
+            if m is not None and m.get("cut") and _cut_key(m["cut"]) in complete:
+                log.warning(
+                    "shard %d: the newest checkpoint %s is part of a cut of the cluster that another shard "
+                    "did not finish writing; restoring %s, the newest cut every shard holds",
+                    self.shard, own[0].path.name, f.path.name,
+                )  # fmt: skip
+                return [f, *own[i + 1 :]]
+        return own
 
     async def restore(self) -> bool:
         """Loads the newest valid checkpoint into the (empty) store and mode; False if there is none.
@@ -925,6 +963,18 @@ class Checkpointer:
             self._saved_at = None
             await self.save()
         return True
+
+
+def _manifest_or_none(f: CheckpointFile) -> dict[str, Any] | None:
+    try:
+        return read_manifest(f.path)
+    except CheckpointError:
+        return None
+
+
+def _cut_key(cut: Mapping[str, Any]) -> str:
+    """What identifies one cut of the cluster in every shard's file (its id, or its sync step)."""
+    return json.dumps({k: v for k, v in cut.items() if k in ("id", "step")}, sort_keys=True)
 
 
 def _created(f: CheckpointFile) -> float:

@@ -35,7 +35,7 @@ from pathlib import Path
 from pscore.errors import AbortedError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint
-from psserver.modes import Mode, step_key
+from psserver.modes import Mode, SyncMode, step_key
 from psserver.store import PushKey, Store
 
 log = logging.getLogger(__name__)
@@ -351,3 +351,103 @@ def _limit(cut: _Cut, deadline: float | None) -> float:
 
 def _shards(mask: int) -> list[int]:
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
+
+
+class StepCuts:
+    """Sync mode's periodic checkpoints (``--checkpoint-every``): all at one step boundary on every shard.
+
+    Shard 0 picks the boundary: when its timer fires and something changed, its
+    step + 2. The choice travels with the workers, with no shard-to-shard link:
+    every push answer carries it (``PushResponse.checkpoint_step``) and the
+    client sends the largest it has seen on every later push
+    (``PushRequest.checkpoint_step``). A worker pushes step k + 1 only after
+    every shard answered its push of step k, and shard 0 answers pushes of step
+    t + 1 only after it picked t + 2 (its step was t): so every push of step t + 2
+    carries the choice, and no shard completes step t + 2 (passes the boundary)
+    before it learnt it. When its step reaches the boundary a shard holds the
+    next step's update back, snapshots and releases: every shard's file holds
+    the same steps. A shard whose step has not moved for a whole period, with no
+    gradient gathered, saves on its own (the workers stopped: every shard that
+    got every step is at that step too).
+
+    Args:
+        mode: the shard's sync mode.
+        store: its variables.
+        checkpointer: writes the files.
+        shard: this shard's index (shard 0 picks the boundaries).
+    """
+
+    def __init__(
+        self, mode: SyncMode, store: Store, checkpointer: checkpoint.Checkpointer, *, shard: int
+    ) -> None:
+        self.mode = mode
+        self.store = store
+        self.checkpointer = checkpointer
+        self.shard = shard
+        self.target = 0  # the boundary picked or learnt (0: none yet)
+        self.saving: asyncio.Task[None] | None = None
+        mode.on_step = self._stepped
+
+    @property
+    def announced(self) -> int:
+        """The boundary to tell workers (``PushResponse.checkpoint_step``): 0 once passed."""
+        return self.target if self.target >= self.mode.step else 0
+
+    def learn(self, step: int) -> None:
+        """A push carried a boundary (``PushRequest.checkpoint_step``)."""
+        if step <= self.target:
+            return
+        if step < self.mode.step:
+            log.warning(
+                "shard %d: the periodic checkpoint at step %d was learnt at step %d, too late; skipped here "
+                "(a worker joined without having seen it)",
+                self.shard, step, self.mode.step,
+            )  # fmt: skip
+            self.target = step
+            return
+        self.target = step
+        if step == self.mode.step and self.mode.at_boundary():
+            self._stepped(step)  # at the boundary already
+
+    def pick(self) -> None:
+        """Shard 0's timer: the next boundary is two steps on (unless one is pending)."""
+        if self.target < self.mode.step:
+            self.target = self.mode.step + 2
+            log.debug("shard %d: next periodic checkpoint at step %d", self.shard, self.target)
+
+    def _stepped(self, step: int) -> None:
+        if step != self.target or self.saving is not None:
+            return
+        self.store.hold()  # the next step's update waits here: the snapshot is at this boundary
+        self.saving = asyncio.create_task(self._save(step, held=True))
+
+    async def _save(self, step: int, *, held: bool) -> None:
+        try:
+            started = time.monotonic()
+            snap = await self.checkpointer.snapshot()
+            if held:
+                self.store.release()
+                held = False
+            snap.cut = {"step": step}
+            await self.checkpointer.write_snapshot(snap, self.checkpointer.next_id, started)
+        except (checkpoint.CheckpointError, TimeoutError) as err:
+            log.error("shard %d: periodic checkpoint at step %d failed: %s", self.shard, step, err)
+        finally:
+            if held:
+                self.store.release()
+            self.saving = None
+
+    async def run_periodic(self, every_s: float) -> None:
+        """The ``--checkpoint-every`` timer of a sync shard; runs until cancelled."""
+        last = self.mode.step
+        while True:
+            await asyncio.sleep(every_s)
+            if not self.checkpointer.dirty or self.saving is not None:
+                last = self.mode.step
+                continue
+            if self.mode.step == last and self.mode.idle():
+                self.saving = asyncio.create_task(self._save(self.mode.step, held=False))
+                await asyncio.shield(self.saving)
+            elif self.shard == 0:
+                self.pick()
+            last = self.mode.step

@@ -11,7 +11,14 @@ push is applied and when a pull may proceed.
   ``M > N`` workers, the ``M - N`` extra ones are backups absorbing stragglers.
   Each shard runs its own barrier over the variables it owns; the shard's step
   is the number of updates applied so far (equal to each variable's version
-  when every push carries every variable).
+  when every push carries every variable). A shard restored from a checkpoint
+  at step ``t`` answers a push for a later step at once, not applied
+  (``reason="restored"``), until it completes a step: it cannot gather a later
+  step before ``t``, and a worker that kept running would wait at that barrier
+  until it timed out. The worker goes back to the smallest of the shards'
+  steps (``GetStatus.step``; ``psclient.keras.PSWorker`` does) and trains on
+  from there: every shard then applies the same steps (shards that are ahead
+  drop the repeated ones as stale).
 - ``ssp`` (stale synchronous parallel): pushes are applied on arrival; a worker
   whose clock (steps pushed so far) is more than ``S`` ahead of the slowest of
   the ``M`` workers waits in its pull.
@@ -31,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -273,6 +280,10 @@ class SyncMode(Mode):
         self._workers: dict[str, int] = {}  # every worker seen -> the last step it pushed (-1: none)
         self.left: set[str] = set()  # workers done with training (Leave): not waited for
         self.dropped = 0
+        self.resuming = False  # restored, and no step completed since: later steps are refused
+        # Called (on the event loop, with no await between) each time a step completes, with the new
+        # step: periodic checkpoints at a step boundary hold the next step's update there (psserver.cut).
+        self.on_step: Callable[[int], None] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "dropped": self.dropped, "left": sorted(self.left)}
@@ -281,6 +292,16 @@ class SyncMode(Mode):
         self.step = int(state.get("step", 0))
         self.dropped = int(state.get("dropped", 0))
         self.left = {str(w) for w in state.get("left", ())}
+        self.resuming = True  # the workers may be at other steps (see the module docstring)
+
+    def at_boundary(self) -> bool:
+        """True unless the current step's update is being applied (the state is between two steps)."""
+        current = self._rounds.get(self.step)
+        return current is None or not current.closed
+
+    def idle(self) -> bool:
+        """True when no gradient is gathered for any step (every worker is between steps, or gone)."""
+        return not any(rnd.contributions for rnd in self._rounds.values())
 
     def current_step(self) -> int:
         """The step being gathered (= steps completed)."""
@@ -348,6 +369,13 @@ class SyncMode(Mode):
             return PushOutcome(applied=False, reason="duplicate")
         self._seen(worker_id, step)
         self.left.discard(worker_id)  # pushing again: counted in again
+        if self.resuming and step > self.step:
+            self.dropped += 1
+            log.info(
+                "sync: restored at step %d: refused %s's push for step %d (it goes back to step %d)",
+                self.step, worker_id, step, self.step,
+            )  # fmt: skip
+            return PushOutcome(applied=False, reason="restored")
         rnd = self._rounds.get(step)
         if step < self.step or (rnd is not None and rnd.closed):
             self.dropped += 1
@@ -449,7 +477,10 @@ class SyncMode(Mode):
                 raise
             del self._rounds[step]
             self.step = step + 1
+            self.resuming = False
             rnd.done.set_result(None)
+            if self.on_step is not None:
+                self.on_step(self.step)
 
     async def _mean(
         self, chosen: list[tuple[tuple[int, int], list[tuple[Variable, np.ndarray]]]]

@@ -23,8 +23,9 @@ from pscore import security
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
+from psserver.cut import StepCuts
 from psserver.metrics import ShardMetrics
-from psserver.modes import Mode, make_mode
+from psserver.modes import Mode, SyncMode, make_mode
 from psserver.replication import Backup, Primary
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store
@@ -256,6 +257,8 @@ async def start(config: ServerConfig) -> Shard:
         primary=primary,
         backup=backup,
     )
+    if checkpointer is not None and isinstance(mode, SyncMode):
+        servicer.step_cuts = StepCuts(mode, store, checkpointer, shard=config.shard)
     # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
     add_to_server(servicer, server)
     health_servicer = HealthServicer()
@@ -276,7 +279,7 @@ async def start(config: ServerConfig) -> Shard:
         backup.start()
         shard.on_shutdown.insert(0, backup.stop)
     if checkpointer is not None:
-        shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer))
+        shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer, servicer.step_cuts))
     if config.metrics_port is not None:
         try:
             metrics_port = metrics.serve(config.host, config.metrics_port)
@@ -291,10 +294,16 @@ async def start(config: ServerConfig) -> Shard:
     return shard
 
 
-def _checkpoint_hooks(shard: Shard, checkpointer: Checkpointer) -> Callable[[], Awaitable[None]]:
-    """Starts periodic checkpoints (``--checkpoint-every``); returns the shutdown hook (stop them, save)."""
+def _checkpoint_hooks(
+    shard: Shard, checkpointer: Checkpointer, step_cuts: StepCuts | None
+) -> Callable[[], Awaitable[None]]:
+    """Starts periodic checkpoints (``--checkpoint-every``); returns the shutdown hook (stop them, save).
+
+    In sync mode the periodic checkpoints are at one step boundary on every shard (``StepCuts``).
+    """
     every = shard.config.checkpoint_every_s
-    periodic = asyncio.create_task(checkpointer.run_periodic(every)) if every else None
+    run = step_cuts.run_periodic if step_cuts is not None else checkpointer.run_periodic
+    periodic = asyncio.create_task(run(every)) if every else None
 
     async def on_shutdown() -> None:
         if periodic is not None:

@@ -32,7 +32,7 @@ from pscore.errors import (
 from psproto.v1 import ps_pb2
 from psserver import tables
 from psserver.checkpoint import Checkpointer, CheckpointError
-from psserver.cut import CutHolds
+from psserver.cut import CutHolds, StepCuts
 from psserver.modes import Mode
 from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
 from psserver.store import Store, Variable
@@ -166,6 +166,7 @@ class ParameterServerServicer:
         self.primary = primary  # forwards updates to an attached backup
         self.backup = backup  # set when this process started as a backup (--backup-of)
         self.cuts = CutHolds(store, mode, checkpointer, shard=shard, num_shards=num_shards)
+        self.step_cuts: StepCuts | None = None  # sync mode with a checkpoint dir: periodic checkpoints
         self.stopping = False  # drain() began: idle PushSession streams end, barriers give up
         self._idle_sessions: set[asyncio.Task[Any]] = set()  # PushSession handlers waiting for a push
         self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
@@ -297,6 +298,8 @@ class ParameterServerServicer:
     async def _push_updating(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:
+        if self.step_cuts is not None and header.checkpoint_step:  # before the push can complete a step
+            self.step_cuts.learn(header.checkpoint_step)
         outcome = await self.mode.push(
             header.worker_id, header.seq, header.step, grads, header.session, deadline
         )
@@ -314,7 +317,11 @@ class ParameterServerServicer:
             )
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
-        return ps_pb2.PushResponse(applied=outcome.applied, reason=outcome.reason)
+        return ps_pb2.PushResponse(
+            applied=outcome.applied,
+            reason=outcome.reason,
+            checkpoint_step=self.step_cuts.announced if self.step_cuts is not None else 0,
+        )
 
     @_translated
     async def Push(

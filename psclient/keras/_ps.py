@@ -558,8 +558,9 @@ class PSWorker:
             self.step = self._shards_step()
 
     def _shards_step(self) -> int:
-        """Sync mode: the step the shards gather now (every shard completes every step)."""
-        return max((s.step for s in self.client.status()), default=0)
+        """Sync mode: the step the shards gather now (every shard completes every step): the smallest,
+        so that a shard restored from an earlier checkpoint gets every step from its own on."""
+        return min((s.step for s in self.client.status()), default=0)
 
     def sync_learning_rates(self) -> None:
         """Sends a learning rate changed on a ``DistributedOptimizer`` (by a callback) to the shards."""
@@ -689,8 +690,15 @@ class PSWorker:
                 self.step = step + 1
             else:
                 self.stale_steps += 1
-                self.step = max(step + 1, self._shards_step())
-                log.info("worker %d: gradient for step %d dropped as stale", self.worker_index, step)
+                shards = self._shards_step()
+                # Behind (a straggler): on at the shards' step. Ahead of a shard restored from a
+                # checkpoint (it refuses later steps): back to its step, so every shard applies the
+                # same steps again (the others drop the repeats as stale).
+                self.step = shards if shards < step else max(step + 1, shards)
+                log.info(
+                    "worker %d: gradient for step %d not applied on every shard; next step %d",
+                    self.worker_index, step, self.step,
+                )  # fmt: skip
             return values
         # Straight onto the client's loop: no helper thread blocks on the call.
         fut = self.client.push_pull_future(gmap, step=self.step)

@@ -1,0 +1,109 @@
+"""Sync mode: periodic checkpoints at one step boundary on every shard; workers resume after a restore.
+
+Counters again: SGD with learning rate 1 and gradients of -1 from both workers,
+so each completed step adds 1 to every variable's value and version.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import psclient
+from psserver import checkpoint
+from trainer.cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(180)
+
+TIMEOUT_S = 30.0
+COUNTERS = [f"count/{i}" for i in range(4)]
+
+
+def _cut_steps(directory: Path, shard: int) -> set[int]:
+    steps = set()
+    for f in checkpoint.list_files(directory):
+        if f.shard == shard:
+            try:
+                cut = checkpoint.read_manifest(f.path).get("cut") or {}
+            except checkpoint.CheckpointError:  # pruned while read
+                continue
+            if "step" in cut:
+                steps.add(int(cut["step"]))
+    return steps
+
+
+def _wait(condition, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_restore(tmp_path: Path) -> None:
+    args = [
+        "--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2", "--barrier-timeout", "20",
+        "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0.3",
+    ]  # fmt: skip
+    with LocalCluster(2, args, workdir="/tmp/synclogs") as cluster:
+        with psclient.PSClient(cluster.addresses, "init", timeout=TIMEOUT_S) as c:
+            c.create_many({n: np.zeros(2, np.float32) for n in COUNTERS}, optimizer=psclient.SGD(1.0))
+        stop = threading.Event()
+        steps = [0, 0]
+        errors: list[BaseException] = []
+        minus_one = {n: np.full(2, -1.0, np.float32) for n in COUNTERS}
+
+        def work(i: int) -> None:  # a sync worker, as psclient.keras.PSWorker runs one
+            try:
+                with psclient.PSClient(cluster.addresses, f"w{i}", timeout=TIMEOUT_S) as c:
+                    step = 0
+                    while not stop.is_set():
+                        if c.push(minus_one, step=step, every_shard=True):
+                            step += 1
+                        else:  # stale (behind), or refused by a restored shard (ahead): as PSWorker
+                            shards = min(s.step for s in c.status())
+                            step = shards if shards < step else max(step + 1, shards)
+                        steps[i] += 1
+            except BaseException as err:
+                errors.append(err)
+
+        workers = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(2)]
+        for t in workers:
+            t.start()
+        try:
+            _wait(
+                lambda: min(len(_cut_steps(tmp_path, s)) for s in range(2)) >= 2, "two periodic checkpoints"
+            )
+            ports = [int(a.rpartition(":")[2]) for a in cluster.addresses]
+            for s in range(2):  # the whole cluster dies mid-training ...
+                cluster.kill_shard(s)
+            before = list(steps)
+            for s in range(2):  # ... and comes back from its checkpoints while the workers wait
+                cluster.start_shard(s, port=ports[s])
+            _wait(lambda: min(steps[i] - before[i] for i in range(2)) >= 20, "20 steps after the restore")
+        finally:
+            stop.set()
+            for t in workers:
+                t.join(timeout=60)
+        assert not errors, errors  # no barrier timeout, no failure: the workers went on
+        restored = []
+        for s in range(2):
+            m = re.findall(r"restored \d+ tensors .* from checkpoint (\d+)", cluster.log_tail(s, 200))
+            assert m, cluster.log_tail(s, 40)
+            path = tmp_path / checkpoint.file_name(int(m[-1]), s, 2)
+            restored.append(checkpoint.read(path))
+        assert restored[0].cut is not None and restored[0].cut == restored[1].cut  # one step boundary
+        assert restored[0].mode_state["step"] == restored[1].mode_state["step"] == restored[0].cut["step"]
+        assert {t.version for r in restored for t in r.tensors} == {restored[0].cut["step"]}
+        with psclient.PSClient(cluster.addresses, "reader", timeout=TIMEOUT_S) as c:
+            values, versions = c.pull_with_versions()
+        assert len(set(versions.values())) == 1, versions  # every shard applied the same steps since
+        for name, value in values.items():
+            np.testing.assert_array_equal(value, np.full(2, versions[name], np.float32))
+        # Every periodic checkpoint was taken at the same steps on both shards (the newest may be
+        # written on one shard and not yet on the other when the workers stop).
+        _wait(lambda: _cut_steps(tmp_path, 0) == _cut_steps(tmp_path, 1), "the same checkpoint steps", 10)
