@@ -138,3 +138,26 @@ async def test_a_sync_cut_lets_held_steps_through_up_to_its_step(tmp_path: objec
         assert (await step0).applied
         snap = checkpoint.read(reply.path)
         assert snap.mode_state["step"] == 1 and snap.tensors[0].version == 1
+
+
+def test_a_restart_restores_the_newest_cut_every_shard_holds(tmp_path: object) -> None:
+    def write(shard: int, ckpt_id: int, step: int) -> None:
+        snap = checkpoint.Snapshot(
+            shard=shard, num_shards=2, mode="sync", tensors=[], dedup={}, mode_state={"step": step},
+            cut={"step": step},
+        )  # fmt: skip
+        checkpoint.write(snap, tmp_path, ckpt_id)  # type: ignore[arg-type]
+
+    def chosen(shard: int) -> int:
+        store = Store()
+        ckpt = checkpoint.Checkpointer(tmp_path, store, AsyncMode(store), shard=shard, num_shards=2)  # type: ignore[arg-type]
+        snap = ckpt.choose()
+        assert snap is not None
+        return int(snap.mode_state["step"])
+
+    write(0, 1, 5)
+    write(1, 1, 5)
+    write(0, 2, 10)  # the cluster stopped before shard 1 wrote step 10
+    assert (chosen(0), chosen(1)) == (5, 5)
+    write(1, 2, 10)
+    assert (chosen(0), chosen(1)) == (10, 10)
