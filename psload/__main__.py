@@ -16,6 +16,7 @@ examples:
   psload --workers 4 --model 8x1MiB --duration 10                 # starts a local 2-shard cluster
   psload --workers 4 --mode sync --json out.json --plot out.png
   psload --workers 8 --model 16x4MiB,1x64MiB 10.0.0.5:2222 10.0.0.6:2222
+  psload --chaos --kill-every 5 --workers 4 --model 4x64KiB --duration 300 --json chaos.json
 
 Model spec: COUNTxSIZE[,COUNTxSIZE...] of float32 variables (sizes: 4096, 64KiB, 1MiB, 2.5MB).
 Each step a worker pushes a gradient for every variable and reads them back
@@ -26,7 +27,14 @@ model's variables (PREFIX/v<i>_<elements>) stay, because the shards have no dele
 They go only when the shards restart (without restoring a checkpoint written since).
 Their names carry the sizes, so a rerun with the same --prefix and --model reuses
 them instead of adding more; the summary's "left" line names them.
-exit status: 0 when the run had no errors, 1 when some step failed, 2 on bad arguments.
+Chaos soak (--chaos): a local cluster of primary+backup pairs (psserver --backup-at/--backup-of on
+fixed ports); every --kill-every seconds the next shard's primary is kill -9-ed and restarted with the
+same command (it rejoins as the backup of the process that took over). Every push also adds 1 to an
+exact counter per shard: at the end counters and versions must equal the acknowledged pushes (none
+lost, none applied twice). Reported: failover and redundancy-restored time per kill (p50/max), and the
+RSS of shard and worker processes after warm-up vs at the end (Linux /proc).
+exit status: 0 when the run had no errors (and with --chaos: counters exact, RSS growth below
+--max-rss-growth), 1 otherwise, 2 on bad arguments.
 """
 
 
@@ -63,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--server-arg", action="append", default=[], help="extra psserver flag for the local cluster"
     )
+    p.add_argument(
+        "--chaos",
+        action="store_true",
+        help="chaos soak: replicated local cluster, a primary kill -9-ed every --kill-every seconds",
+    )
+    p.add_argument(
+        "--kill-every", type=float, default=10.0, help="--chaos: seconds between kills (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=10.0,
+        help="--chaos: largest accepted RSS growth after warm-up, percent (default: %(default)s)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot of throughput and latency over time")
     p.add_argument("-q", "--quiet", action="store_true", help="no live progress lines")
@@ -77,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s psload: %(message)s",
     )
     addresses = tuple(a for item in args.addresses for a in item.split(",") if a)
+    if args.chaos and addresses:
+        parser.error("--chaos starts (and kills) its own local cluster: give no addresses")
     token = None
     if args.auth_token_file:
         with open(args.auth_token_file) as f:
@@ -90,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             addresses=addresses, local_shards=args.shards, mode=args.mode, staleness=args.staleness,
             op=args.op, timeout_s=args.timeout, prefix=args.prefix, auth_token=token,
             server_args=tuple(args.server_arg), client_options=options,
+            chaos_every_s=args.kill_every if args.chaos else None, max_rss_growth=args.max_rss_growth / 100,
         )  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
@@ -105,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         why = report.plot(args.plot, result)
         print(f"  plot        {args.plot}" if why is None else f"  plot        skipped: {why}")
-    return 0 if result["summary"]["errors"] == 0 and not result["summary"]["failed_workers"] else 1
+    ok = result["summary"]["errors"] == 0 and not result["summary"]["failed_workers"]
+    if "chaos" in result:
+        ok = ok and all(result["chaos"]["ok"].values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

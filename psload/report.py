@@ -169,12 +169,47 @@ def format_summary(result: dict[str, Any]) -> str:
         ),
         f"  balance     max/mean bytes per shard {result['balance']['max_over_mean']:.2f}",
     ]
+    if "chaos" in result:
+        lines += chaos_lines(result["chaos"])
     if not cfg["local_cluster"]:
         lines.append(
             f"  left        {cfg['variables']} variable(s) named {cfg['prefix']}/* "
             f"({cfg['model_bytes'] / 2**20:.2f} MiB) stay on the cluster: {LEFT_ON_CLUSTER}"
         )
     return "\n".join(lines)
+
+
+def chaos_lines(chaos: dict[str, Any]) -> list[str]:
+    """The chaos soak's summary lines (``psload --chaos``)."""
+    rec, cnt, rss, ok = chaos["recovery"], chaos["counters"], chaos["rss"], chaos["ok"]
+
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} s"
+
+    def mem(r: dict[str, Any]) -> str:
+        if r["growth"] is None:
+            return "-"
+        base, end, peak = r["baseline_mib"], r["end_mib"], r["peak_mib"]
+        return f"{base:.0f} -> {end:.0f} MiB ({r['growth']:+.1%}, peak {peak:.0f})"
+
+    def verdict(flag: bool) -> str:
+        return "ok" if flag else "FAIL"
+
+    applied = ", ".join(map(str, sorted(set(cnt["applied"].values()))))
+    other = len(cnt["variables_with_other_versions"])
+    lines = [
+        f"  chaos       {len(chaos['kills'])} kill -9 of a primary (every {chaos['kill_every_s']:g} s): "
+        f"failover p50 {s(rec['failover_p50_s'])} max {s(rec['failover_max_s'])}; redundant again "
+        f"p50 {s(rec['redundant_p50_s'])} max {s(rec['redundant_max_s'])}  [{verdict(ok['kills'])}]",
+        f"  counters    {cnt['acknowledged_pushes']} pushes acknowledged; counters applied {applied}: "
+        f"{cnt['lost']} lost, {cnt['applied_twice']} applied twice; {other} variable(s) at another "
+        f"version  [{verdict(ok['counters'])}]",
+        f"  rss         shards {mem(rss['shards'])}; workers {mem(rss['workers'])}, after "
+        f"{rss['warmup_s']:g} s warm-up (limit {chaos['max_rss_growth']:+.0%})  [{verdict(ok['rss'])}]",
+    ]
+    if chaos["monkey_error"]:
+        lines.append(f"  chaos error {chaos['monkey_error']}")
+    return lines
 
 
 LEFT_ON_CLUSTER = (

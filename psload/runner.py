@@ -57,6 +57,11 @@ class LoadConfig:
         auth_token: for secured clusters.
         server_args: extra psserver flags for the local cluster.
         client_options: extra ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...).
+        chaos_every_s: chaos soak (``psload.chaos``): the local cluster is replicated (a primary and a
+            backup process per shard) and a primary is ``kill -9``-ed every this many seconds and
+            restarted; every push also carries exact counters, checked at the end.
+        max_rss_growth: chaos soak: the largest accepted growth of shard and worker memory (RSS) from
+            the end of the warm-up (a fifth of the run, at least 5 s) to the end (0.10: 10 %).
     """
 
     workers: int = 2
@@ -72,6 +77,8 @@ class LoadConfig:
     auth_token: str | None = None
     server_args: tuple[str, ...] = ()
     client_options: dict[str, Any] = field(default_factory=dict)
+    chaos_every_s: float | None = None
+    max_rss_growth: float = 0.10
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -86,6 +93,13 @@ class LoadConfig:
             raise ValueError(f"local shards must be >= 1, got {self.local_shards}")
         if self.mode in ("sync", "ssp") and self.op == "pull":
             raise ValueError(f"{self.mode} mode advances on pushes: use op push_pull or push")
+        if self.chaos_every_s is not None:
+            if not self.chaos_every_s > 0:
+                raise ValueError(f"the kill interval must be > 0 seconds, got {self.chaos_every_s}")
+            if self.mode not in (None, "async"):
+                raise ValueError("--chaos needs async mode (replication runs in async mode only)")
+            if self.op == "pull":
+                raise ValueError("--chaos counts pushes: use op push_pull or push")
 
 
 def _local_server_args(config: LoadConfig, mode: str) -> list[str]:
@@ -125,10 +139,21 @@ def run_load(config: LoadConfig, *, progress: TextIO | None = sys.stderr) -> dic
 
     Raises:
         LoadError: the cluster is unreachable, or the workers did not start.
+        ValueError: chaos asked for on a running cluster (it starts and kills its own).
         psclient.PSError: creating the variables failed.
     """
+    if config.addresses and config.chaos_every_s is not None:
+        raise ValueError("--chaos starts (and kills) its own local cluster: give no addresses")
     if config.addresses:
         return _run(config, progress)
+    if config.chaos_every_s is not None:
+        from psload.chaos import ChaosCluster
+
+        with ChaosCluster(config.local_shards, config.server_args) as chaos:
+            local = LoadConfig(**{**_fields(config), "addresses": tuple(chaos.addresses), "mode": "async"})
+            result = _run(local, progress, chaos)
+            result["config"]["local_cluster"] = True
+            return result
     from trainer.cluster import LocalCluster
 
     mode = config.mode or "async"
@@ -143,7 +168,7 @@ def _fields(config: LoadConfig) -> dict[str, Any]:
     return {f: getattr(config, f) for f in config.__dataclass_fields__}
 
 
-def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
+def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict[str, Any]:
     names = config.model.names(config.prefix)
     bad = [s for s in _status(config, timeout_s=min(config.timeout_s, 10.0)) if not s.ok]
     if bad:
@@ -152,6 +177,10 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
             + "; ".join(f"shard {s.index} at {s.address}: {s.health} {s.error or ''}".rstrip() for s in bad)
         )
     statuses_before, start_step = asyncio.run(_prepare(config, names))
+    counters: list[str] = []
+    probes: dict[int, str] = {}
+    if chaos is not None:
+        counters, probes = asyncio.run(_prepare_counters(config))
     modes = {s.mode for s in statuses_before if s.mode}
     mode = modes.pop() if len(modes) == 1 else (config.mode or "async")
     if config.mode is not None and config.mode != mode:
@@ -168,7 +197,7 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
             index=w, worker_id=f"psload-{run_id}-w{w}", addresses=tuple(config.addresses), names=tuple(names),
             shapes=tuple(config.model.shapes()), op=config.op, coordinated=coordinated, start_step=start_step,
             duration_s=config.duration_s, timeout_s=config.timeout_s, auth_token=config.auth_token,
-            client_options=dict(config.client_options),
+            client_options=dict(config.client_options), counters=tuple(counters),
         )  # fmt: skip
         p = ctx.Process(target=worker_main, args=(args, results, shared), name=f"psload-w{w}", daemon=True)
         p.start()
@@ -176,10 +205,21 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
 
     collector = report.Collector()
     done: dict[int, tuple[int, dict[str, int], dict[str, str], str | None]] = {}
+    monkey = sampler = None
     try:
         _wait_ready(results, procs, done, config.workers)
         shared.start.value = time.time()
         t_start = time.monotonic()
+        if chaos is not None:
+            from psload.chaos import Monkey, RssSampler, probe_read
+
+            def probe(shard: int) -> None:
+                asyncio.run(probe_read(config.addresses, shard, probes[shard]))
+
+            monkey = Monkey(chaos, config.chaos_every_s, probe, t_start)
+            sampler = RssSampler(chaos.pids, lambda: [p.pid for p in procs if p.is_alive()], t_start)
+            monkey.start()
+            sampler.start()
         next_tick = 1.0
         stop_set = False
         hard_deadline = t_start + config.duration_s + _STOP_GRACE_S + config.timeout_s
@@ -192,6 +232,8 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
                 with shared.lock:
                     shared.stop_at.value = start_step + max(shared.progress) + 1
                 stop_set = True
+            if sampler is not None and now - t_start >= config.duration_s:
+                sampler.stop()  # before the workers exit: the end window is the run's
             if progress is not None and now - t_start >= next_tick + _PROGRESS_LAG_S:
                 second = int(next_tick) - 1
                 if second < config.duration_s:
@@ -211,6 +253,10 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
             print(line, file=progress, flush=True)
             next_tick += 1.0
     finally:
+        if monkey is not None:
+            monkey.stop()
+        if sampler is not None:
+            sampler.stop()
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -219,7 +265,94 @@ def _run(config: LoadConfig, progress: TextIO | None) -> dict[str, Any]:
     if not coordinated:
         elapsed = min(elapsed, config.duration_s)  # the tail after the deadline is one in-flight step
     statuses_after = _status(config)
-    return _result(config, mode, names, collector, done, elapsed, statuses_before, statuses_after)
+    result = _result(config, mode, names, collector, done, elapsed, statuses_before, statuses_after)
+    if chaos is not None:
+        result["chaos"] = _chaos_result(config, names, counters, result, monkey, sampler)
+    return result
+
+
+async def _prepare_counters(config: LoadConfig) -> tuple[list[str], dict[int, str]]:
+    """Chaos: one exact counter per shard (SGD, learning rate 1, every push adds 1); a small variable per
+    shard for the failover probe."""
+    import psclient
+
+    counters = [f"{config.prefix}/counter_{i}" for i in range(config.local_shards)]
+    async with psclient.AsyncPSClient(
+        list(config.addresses), worker_id="psload-setup-counters", timeout=config.timeout_s,
+        auth_token=config.auth_token,
+    ) as client:  # fmt: skip
+        await client.create_many(
+            {n: np.zeros(1, np.float32) for n in counters}, optimizer=psclient.SGD(learning_rate=1.0)
+        )
+        listed = await client.list_variables()
+    probes: dict[int, tuple[int, str]] = {}
+    for name, infos in listed.items():
+        for info in infos:
+            shard = next(p.shard for p in client.registry.pieces[name] if p.stored_name == info.spec.name)
+            size = int(np.prod(info.spec.shape))
+            if shard not in probes or size < probes[shard][0]:
+                probes[shard] = (size, name)
+    return counters, {shard: name for shard, (_, name) in probes.items()}
+
+
+def _chaos_result(
+    config: LoadConfig,
+    names: list[str],
+    counters: list[str],
+    result: dict[str, Any],
+    monkey: Any,
+    sampler: Any,
+) -> dict[str, Any]:
+    """The soak's verdict: counters and versions against the acknowledged pushes, recovery times, RSS."""
+    import psclient
+    from psload.chaos import kills_json, recovery, rss_growth
+
+    async def read() -> tuple[dict[str, Any], dict[str, int]]:
+        async with psclient.AsyncPSClient(
+            list(config.addresses), worker_id="psload-chaos-check", timeout=config.timeout_s,
+            auth_token=config.auth_token,
+        ) as client:  # fmt: skip
+            return await client.pull_with_versions([*names, *counters])
+
+    values, versions = asyncio.run(read())
+    s = result["summary"]
+    acknowledged = int(s["steps"]) if config.op != "pull" else 0
+    applied = {n: round(float(values[n][0])) for n in counters}
+    wrong_versions = {n: v for n, v in versions.items() if v != acknowledged}
+    lost = max((acknowledged - v for v in applied.values()), default=0)
+    doubled = max((v - acknowledged for v in applied.values()), default=0)
+    warmup = max(5.0, config.duration_s / 5)
+    rss = {
+        "shards": rss_growth(sampler.samples, "shards_mib", warmup, config.duration_s),
+        "workers": rss_growth(sampler.samples, "workers_mib", warmup, config.duration_s),
+        "warmup_s": warmup,
+        "samples": sampler.samples,
+    }
+    growths = [g["growth"] for g in (rss["shards"], rss["workers"]) if g["growth"] is not None]
+    rss_ok = bool(growths) and max(growths) < config.max_rss_growth
+    counters_ok = lost == 0 and doubled == 0 and not wrong_versions
+    workers_ok = s["errors"] == 0 and not s["failed_workers"]
+    return {
+        "kill_every_s": config.chaos_every_s,
+        "kills": kills_json(monkey.kills),
+        "monkey_error": repr(monkey.error) if monkey.error is not None else None,
+        "recovery": recovery(monkey.kills),
+        "counters": {
+            "acknowledged_pushes": acknowledged,
+            "applied": applied,
+            "lost": max(lost, 0),
+            "applied_twice": max(doubled, 0),
+            "variables_with_other_versions": wrong_versions,
+        },
+        "rss": rss,
+        "max_rss_growth": config.max_rss_growth,
+        "ok": {
+            "counters": counters_ok,
+            "workers": workers_ok,
+            "rss": rss_ok,
+            "kills": bool(monkey.kills) and monkey.error is None,
+        },
+    }
 
 
 class _Shared:

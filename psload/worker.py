@@ -39,6 +39,7 @@ class WorkerArgs:
     timeout_s: float
     auth_token: str | None
     client_options: dict[str, Any]
+    counters: tuple[str, ...] = ()  # chaos soak: exact counters every push adds 1 to (SGD, rate 1)
 
 
 def main(args: WorkerArgs, queue: Any, shared: Any) -> None:
@@ -76,6 +77,7 @@ async def _run(args: WorkerArgs, queue: Any, shared: Any) -> None:
         for n, s in zip(args.names, args.shapes, strict=True)
     }
     nbytes = sum(g.nbytes for g in grads.values())
+    grads.update({n: np.full(1, -1.0, np.float32) for n in args.counters})
     step_bytes = {"push_pull": 2 * nbytes, "push": nbytes, "pull": nbytes}[args.op]
     errors: Counter[str] = Counter()
     first: dict[str, str] = {}
