@@ -163,8 +163,9 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  errors      {s['errors']}" + (f" {s['errors_by_type']}" if s["errors_by_type"] else ""),
         "  shards      "
         + "; ".join(
-            f"{sh['index']} {sh['address']}: {sh['share']:.0%} of bytes, +{sh['pushes']} pushes, "
-            f"+{sh['pulls']} pulls"
+            f"{sh['index']} {sh['address']}: {sh['share']:.0%} of bytes"
+            # a chaos soak restarts the processes: their counters start again
+            + ("" if "chaos" in result else f", +{sh['pushes']} pushes, +{sh['pulls']} pulls")
             for sh in result["shards"]
         ),
         f"  balance     max/mean bytes per shard {result['balance']['max_over_mean']:.2f}",
