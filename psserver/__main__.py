@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--grace", type=float, default=10.0, help="seconds to finish in-flight calls on SIGTERM")
     p.add_argument("--checkpoint-dir", help="directory for checkpoints (restored on start)")
-    p.add_argument("--checkpoint-every", type=float, help="seconds between periodic checkpoints")
+    p.add_argument(
+        "--checkpoint-every",
+        type=float,
+        help="seconds between periodic checkpoints (sync mode: shard 0's paces every shard, all at one step)",
+    )
     p.add_argument("--auth-token-file", help="file holding the shared auth token clients must send")
     p.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
     p.add_argument("--tls-key", help="PEM private key for --tls-cert")

@@ -7,7 +7,7 @@ servicer's handlers to know about metrics:
 
 - ``ShardMetrics.interceptor()``: a grpc.aio server interceptor that times every
   ``ParameterServer`` RPC, counts errors by status code, counts tensor bytes in
-  and out, counts pushes by outcome (applied, duplicate, stale) and pulls, and
+  and out, counts pushes by outcome (applied, duplicate, stale, restored) and pulls, and
   measures each push's staleness.
 - ``ShardMetrics`` as the mode's ``listener`` (``psserver.modes.WaitListener``):
   times how long pushes and pulls wait inside the mode (the sync barrier, the
