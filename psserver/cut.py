@@ -217,6 +217,7 @@ class CutHolds:
             raise AbortedError(f"consistent cut {request.cut_id} is not held by this shard{why}")
         if cut.committing is None:
             cut.committing = asyncio.create_task(self._commit(cut, request, deadline))
+            cut.committing.add_done_callback(_retrieve)  # its caller may have gone (a cancelled call)
         return await asyncio.shield(cut.committing)
 
     async def _commit(
@@ -349,6 +350,11 @@ def _limit(cut: _Cut, deadline: float | None) -> float:
     return max(left, 0.0)
 
 
+def _retrieve(task: asyncio.Task[object]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _shards(mask: int) -> list[int]:
     return [i for i in range(mask.bit_length()) if mask >> i & 1]
 
@@ -416,13 +422,16 @@ class StepCuts:
             log.debug("shard %d: next periodic checkpoint at step %d", self.shard, self.target)
 
     def _stepped(self, step: int) -> None:
-        if step != self.target or self.saving is not None:
+        if step != self.target:
             return
         self.store.hold()  # the next step's update waits here: the snapshot is at this boundary
-        self.saving = asyncio.create_task(self._save(step, held=True))
+        self.saving = asyncio.create_task(self._save(step, held=True, after=self.saving))
 
-    async def _save(self, step: int, *, held: bool) -> None:
+    async def _save(self, step: int, *, held: bool, after: asyncio.Task[None] | None = None) -> None:
         try:
+            if after is not None:  # a save still running (an idle one): this one follows it
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(after)
             started = time.monotonic()
             snap = await self.checkpointer.snapshot()
             if held:
@@ -435,7 +444,8 @@ class StepCuts:
         finally:
             if held:
                 self.store.release()
-            self.saving = None
+            if self.saving is asyncio.current_task():
+                self.saving = None
 
     async def run_periodic(self, every_s: float) -> None:
         """The ``--checkpoint-every`` timer of a sync shard; runs until cancelled."""
