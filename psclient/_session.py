@@ -93,9 +93,9 @@ class PushSession:
                     try:
                         await call.write(request)
                     except grpc.RpcError as err:
-                        self._broken(call, pending, err)
+                        self._broken(call, pending, self._unsupported(err))
                     except asyncio.InvalidStateError:  # the stream had ended: fail with its status
-                        self._broken(call, pending, await _ended(call))
+                        self._broken(call, pending, self._unsupported(await _ended(call)))
                     except asyncio.CancelledError:  # the message may be half written: start afresh
                         cancelled = SessionError(grpc.StatusCode.CANCELLED, "write cancelled")
                         self._broken(call, pending, cancelled)
@@ -143,6 +143,16 @@ class PushSession:
             raise
         finally:
             self._broken(call, pending, error or SessionError(grpc.StatusCode.UNAVAILABLE, "session ended"))
+
+    def _unsupported(self, err: grpc.RpcError) -> BaseException:
+        """A stream the shard refused as UNIMPLEMENTED (an older psserver): ``SessionUnsupported``.
+
+        The reader usually sees it first; a push written just after the refusal sees it here.
+        """
+        if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+            return err
+        self.supported = False
+        return SessionUnsupported(str(err.details()))
 
     def _broken(
         self, call: Any, pending: collections.deque[asyncio.Future[Any]], error: BaseException
