@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HOLD_MARGIN_S = 1.0  # a shard's hold outlives the coordinator's deadline by this much
-_RELEASE_TIMEOUT_S = 5.0  # the abort's own calls
+_RELEASE_TIMEOUT_S = 2.0  # the abort's own calls (a live shard answers at once; a dead one holds nothing)
 _STATUS_TIMEOUT_S = 10.0  # a shard that does not answer GetStatus within this fails the save, unheld
 
 
