@@ -1,4 +1,4 @@
-"""AsyncRing: ring all-reduce, broadcast, all-gather and barrier over gRPC on one event loop."""
+"""AsyncRing: ring all-reduce, broadcast, all-gather and barrier on one event loop, over a RingTransport."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import numpy as np
 
 from psclient.collective import _fusion
 from psclient.collective._config import RingConfig
-from psclient.collective._frame import HEADER_BYTES, FrameHeader, encode, encode_header
-from psclient.collective._link import Link
+from psclient.collective._frame import FrameHeader, encode
+from psclient.collective._link import GrpcTransport, Link
 from psclient.collective._schedule import (
     chunk_range,
     even_segments,
@@ -28,11 +28,11 @@ from psclient.collective._service import (
     DATA_PORT_METHOD,
     EXCHANGE_METHOD,
     CollectiveService,
-    Delivery,
     Mailboxes,
 )
-from psclient.collective._tcp import DataLink, DataListener, client_context, server_context, tcp_error
-from pscore import security
+from psclient.collective._tcp import DataLink, DataListener, TcpTransport, tcp_error
+from psclient.collective._transport import RingTransport
+from pscore import security, transport
 from pscore.codec import CodecError, as_wire_array, wire_dtype
 from pscore.errors import (
     DeadlineExceededError,
@@ -63,18 +63,14 @@ _KIND_NAMES: Final[dict[int, str]] = {
     _pb.COLLECTIVE_KIND_ALLGATHER: "allgather",
     _pb.COLLECTIVE_KIND_BARRIER: "barrier",
 }
-_ABORT_WRITE_S: Final[float] = 0.2
 _ABORT_TEXT_BYTES: Final[int] = 1000  # fits any frame buffer (chunk_bytes >= 1024)
 _CLOSE_GRACE_S: Final[float] = 1.0
-_LINK_LOST: Final[frozenset[grpc.StatusCode]] = frozenset(
-    {grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}
-)
 _LINK_LIFETIME_S: Final[float] = 3600.0
 _MALLOC_MMAP_THRESHOLD: Final[int] = 32 << 20  # glibc's upper limit on 64-bit
 _MALLOC_TRIM_THRESHOLD: Final[int] = 256 << 20
 
-# process(step, chunk, frame): applies a received frame to the buffer and returns the slice to
-# forward, or None; frame None means the payload was received straight into the slice (a copy step).
+# process(step, chunk, payload): applies a received frame's payload to the buffer and returns the slice
+# to forward, or None; payload None means it was received straight into the slice (a copy step).
 Process = Callable[[int, int, "bytes | memoryview | None"], "np.ndarray | None"]
 # direct(step, chunk): the slice that a copy step's payload may be received straight into, or None.
 Direct = Callable[[int, int], "np.ndarray | None"]
@@ -154,9 +150,8 @@ class AsyncRing:
         self._lock: asyncio.Lock | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
-        self._link: Link | None = None
-        self._data: DataListener | None = None
-        self._data_link: DataLink | None = None
+        self._transport: RingTransport | None = None
+        self._data: DataListener | None = None  # the data port (transport "tcp")
         self._closed = False
         self._metadata = security.auth_metadata(self._cfg.auth_token) or None
 
@@ -214,7 +209,7 @@ class AsyncRing:
             server_tls = None
             if cfg.tls:  # the data connections are TLS too, with the same certificates
                 assert cfg.tls_cert is not None and cfg.tls_key is not None
-                server_tls = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+                server_tls = transport.server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
             data = DataListener(
                 address.rpartition(":")[0],
                 rank=cfg.rank,
@@ -242,26 +237,31 @@ class AsyncRing:
         try:
             security.add_port(server, address, server_creds)
         except (OSError, RuntimeError) as err:
+            if self._data is not None:
+                await self._data.close()
             raise UnavailableError(
                 f"rank {cfg.rank}: cannot bind {address}: {err}", address=address
             ) from None
         await server.start()
         self._server = server
+        link: Link | None = None
+        data_link: DataLink | None = None
+        target = cfg.addresses[cfg.next_rank]
         if cfg.world > 1:
-            target = cfg.addresses[cfg.next_rank]
             if channel_creds is not None:
                 self._channel = grpc.aio.secure_channel(target, channel_creds, options=limits)
             else:
                 self._channel = grpc.aio.insecure_channel(target, options=limits)
-            close = FrameHeader(0, 0, _pb.COLLECTIVE_KIND_CLOSE, 0, 0, 0, 0, 0, cfg.rank, cfg.world)
-            self._link = Link(
-                self._channel.stream_unary(EXCHANGE_METHOD),
-                self._metadata,
-                max(_LINK_LIFETIME_S, 2 * cfg.timeout + 10.0),
-                encode(close, b""),
-            )
-            if self._data is not None:
-                self._data_link = DataLink(
+            if self._data is None:
+                close = FrameHeader(0, 0, _pb.COLLECTIVE_KIND_CLOSE, 0, 0, 0, 0, 0, cfg.rank, cfg.world)
+                link = Link(
+                    self._channel.stream_unary(EXCHANGE_METHOD),
+                    self._metadata,
+                    max(_LINK_LIFETIME_S, 2 * cfg.timeout + 10.0),
+                    encode(close, b""),
+                )
+            else:
+                data_link = DataLink(
                     self._channel.unary_unary(
                         DATA_PORT_METHOD,
                         request_serializer=_pb.DataPortRequest.SerializeToString,
@@ -273,8 +273,12 @@ class AsyncRing:
                     world=cfg.world,
                     next_rank=cfg.next_rank,
                     next_address=target,
-                    tls=client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls else None,
+                    tls=transport.client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls else None,
                 )
+        if self._data is not None:
+            self._transport = TcpTransport(self._data, data_link)
+        else:
+            self._transport = GrpcTransport(self._boxes, link, next_rank=cfg.next_rank, next_address=target)
         logger.info("ring rank %d/%d serving Collective on %s", cfg.rank, cfg.world, address)
         return self
 
@@ -283,13 +287,10 @@ class AsyncRing:
         if self._closed:
             return
         self._closed = True
-        if self._data_link is not None:
-            self._data_link.reset()
-        if self._data is not None:
+        if self._transport is not None:
+            await self._transport.close(_CLOSE_GRACE_S)
+        elif self._data is not None:
             await self._data.close()
-        if self._link is not None:
-            # Let the last frames reach the next rank before the channel cancels the stream.
-            await self._link.close(_CLOSE_GRACE_S)
         if self._channel is not None:
             await self._channel.close()
         if self._server is not None:
@@ -523,13 +524,13 @@ class AsyncRing:
             if msg is None:
                 pass  # received in place
             elif step < n - 1:
-                src = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+                src = np.frombuffer(msg, dtype, b - a)
                 with np.errstate(over="ignore", invalid="ignore"):  # inf/nan as numpy gives them
                     ufunc(dst, src, out=dst)
                 if mean and step == n - 2:  # this rank now owns the full sum of this segment
                     np.divide(dst, n, out=dst, casting="unsafe" if integer else "same_kind")
             else:
-                dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+                dst[...] = np.frombuffer(msg, dtype, b - a)
             return dst if step + 1 < 2 * (n - 1) else None
 
         await self._ring_pass(op, buf, segs, steps=2 * (n - 1), reduce_steps=n - 1, process=process)
@@ -591,7 +592,7 @@ class AsyncRing:
                 a, b = chunk_range(segs[recv_segment(r, step, n)], k, chunk)
                 dst = buf[a:b]
                 if msg is not None:
-                    dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+                    dst[...] = np.frombuffer(msg, dtype, b - a)
                 return dst if step + 1 < steps else None
 
         def direct(step: int, chunk: int) -> np.ndarray | None:
@@ -623,7 +624,7 @@ class AsyncRing:
             a, b = chunk_range(segs[0], k, chunk)
             dst = buf[a:b]
             if msg is not None:
-                dst[...] = np.frombuffer(msg, dtype, b - a, HEADER_BYTES)
+                dst[...] = np.frombuffer(msg, dtype, b - a)
             return dst if dist < n - 1 else None
 
         def direct(step: int, chunk: int) -> np.ndarray | None:
@@ -657,12 +658,11 @@ class AsyncRing:
         """Streams ``initial`` (and whatever ``process`` forwards) to the next rank while receiving ``plan``.
 
         ``plan`` lists the expected frames (step, chunk, payload bytes) from the previous rank in order.
-        With transport "tcp", a frame of a copy step (``direct`` gives its slice) whose header is
-        exactly the expected one is received straight into that slice.
+        A frame of a copy step (``direct`` gives its slice) whose header is exactly the expected one
+        is received straight into that slice where the transport can (transport "tcp").
         """
-        data, data_link = self._data, self._data_link
-        box = self._boxes.open(op.seq) if data is None else None
-        inbound: list[Any] = []  # the data connection this operation reads (transport "tcp")
+        t = self._transport
+        assert t is not None
         prev = self._cfg.prev_rank
         sendq: asyncio.Queue[tuple[int, int, np.ndarray] | None] = asyncio.Queue()
         for item in initial:
@@ -671,140 +671,90 @@ class AsyncRing:
         async def receiver() -> None:
             for step, chunk, nbytes in plan:
                 op.receiving = (step, chunk)
-                msg: bytes | memoryview | None
-                if data is not None:
-                    want = FrameHeader(
-                        op.seq, op.total, op.kind, op.dtype, op.op, step, chunk, op.chunks, prev, self.world
-                    )
-                    dst = direct(step, chunk) if direct is not None and nbytes else None
+                want = FrameHeader(
+                    op.seq, op.total, op.kind, op.dtype, op.op, step, chunk, op.chunks, prev, self.world
+                )
+                dst = direct(step, chunk) if direct is not None and nbytes else None
 
-                    def dest(
-                        h: FrameHeader, size: int, dst: np.ndarray | None = dst, want: FrameHeader = want
-                    ) -> memoryview | None:
-                        if dst is None or h != want or size != dst.nbytes:
-                            return None
-                        return memoryview(dst).cast("B")
+                def into(
+                    h: FrameHeader, size: int, dst: np.ndarray | None = dst, want: FrameHeader = want
+                ) -> list[memoryview] | None:
+                    if dst is None or h != want or size != dst.nbytes:
+                        return None
+                    return [memoryview(dst).cast("B")]
 
-                    try:
-                        inbound[:] = [await data.connection()]
-                        header, frame = await data.recv(op.seq, dest)
-                    except PSError as err:
-                        msg = self._check(op, err, step, chunk, nbytes)
-                    else:
-                        # frame None: the payload went straight into dst
-                        msg = None if frame is None else self._check(op, (header, frame), step, chunk, nbytes)
-                else:
-                    assert box is not None
-                    msg = self._check(op, await box.get(), step, chunk, nbytes)
-                fwd = process(step, chunk, msg)
+                try:
+                    header, payload = await t.recv(into)
+                except PSError as err:
+                    self._check(op, err, step, chunk, nbytes)  # raises it, naming the operation
+                # payload None: it went straight into dst
+                if payload is not None:
+                    self._check(op, (header, payload), step, chunk, nbytes)
+                fwd = process(step, chunk, payload)
                 if fwd is not None:
                     sendq.put_nowait((step + 1, chunk, fwd))
             op.receiving = None
             sendq.put_nowait(None)
 
         async def sender() -> None:
+            where = f"{op.name} on rank {self.rank}"
             header = FrameHeader(
                 op.seq, op.total, op.kind, op.dtype, op.op, 0, 0, op.chunks, self.rank, self.world
             )
-            if data_link is not None:
-                await self._send_tcp(op, header, sendq, data_link)
-                return
+            op.sending = "the data connection"
+            op.writing = True
+            try:
+                await t.connect(op.deadline)
+            except PSError as err:
+                raise tcp_error(err, f"{where}: opening the data connection", op.method) from None
+            op.writing = False
+            op.sending = None  # connected: what it waits for now is a frame to send
             while (item := await sendq.get()) is not None:
                 step, chunk, view = item
                 op.sending = (step, chunk)
                 op.writing = True
                 try:
-                    await link.write(encode(header._replace(step=step, chunk=chunk), view))
-                    op.writing = False
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
-                    # A failed write reports INTERNAL; the stream's own status says why.
-                    raise self._link_error(
-                        op, *(await link.status()), f"sending {self._where(op.sending)}"
-                    ) from err
+                    await t.send(header._replace(step=step, chunk=chunk), (memoryview(view).cast("B"),))
+                except PSError as err:
+                    raise tcp_error(err, f"{where}: sending {self._where(op.sending)}", op.method) from None
+                op.writing = False
                 op.sent += 1
             op.sending = None
 
+        lost = t.begin(op.seq, op.deadline, sends=sends)
         tasks = [asyncio.create_task(receiver(), name=f"{op.name} receive")]
-        ended: asyncio.Future[tuple[grpc.StatusCode, str]] | None = None
         if sends:
-            link = self._link
-            assert link is not None
-            if data_link is None:
-                ended = link.ensure(op.deadline)
             tasks.append(asyncio.create_task(sender(), name=f"{op.name} send"))
         try:
             async with asyncio.timeout_at(op.deadline):
-                pending: set[asyncio.Future[Any]] = {*tasks, ended} if ended is not None else set(tasks)
-                while any(t in pending for t in tasks):
+                pending: set[asyncio.Future[Any]] = {*tasks, lost} if lost is not None else set(tasks)
+                while any(task in pending for task in tasks):
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for t in done:
-                        if t is ended:
+                    for task in done:
+                        if task is lost:
                             # The next rank ended the stream mid-operation (auth, abort, shutdown,
                             # death): fail now rather than at the deadline.
-                            raise self._link_error(op, *t.result(), "the stream")
-                        if (exc := t.exception()) is not None:
-                            raise self._translate(op, exc, sender=t is not tasks[0]) from exc
+                            err = task.result()
+                            raise tcp_error(err, f"{op.name} on rank {self.rank}", op.method)
+                        if (exc := task.exception()) is not None:
+                            raise self._translate(op, exc, sender=task is not tasks[0]) from exc
         except TimeoutError:
             error: PSError = self._deadline_error(op)
-            await self._abort(op, tasks, error, inbound)
+            await self._abort(op, tasks, error)
             raise error from None
         except PSError as error:
-            await self._abort(op, tasks, error, inbound)
+            await self._abort(op, tasks, error)
             raise
         except BaseException:
-            await self._abort(op, tasks, None, inbound)
+            await self._abort(op, tasks, None)
             raise
         finally:
-            if box is not None:
-                self._boxes.close(op.seq)
-
-    async def _send_tcp(
-        self,
-        op: _Op,
-        header: FrameHeader,
-        sendq: asyncio.Queue[tuple[int, int, np.ndarray] | None],
-        data_link: DataLink,
-    ) -> None:
-        """The sender of transport "tcp": frames straight from the buffer to the data connection."""
-        where = f"{op.name} on rank {self.rank}"
-        op.sending = "the data connection"
-        op.writing = True
-        try:
-            await data_link.connect(op.deadline)
-        except PSError as err:
-            raise tcp_error(err, f"{where}: opening the data connection", op.method) from None
-        op.writing = False
-        while (item := await sendq.get()) is not None:
-            step, chunk, view = item
-            op.sending = (step, chunk)
-            op.writing = True
-            payload = memoryview(view).cast("B")
-            try:
-                await data_link.send(
-                    encode_header(header._replace(step=step, chunk=chunk), len(payload)), payload
-                )
-            except PSError as err:
-                raise tcp_error(err, f"{where}: sending {self._where(op.sending)}", op.method) from None
-            op.writing = False
-            op.sent += 1
-        op.sending = None
-
-    def _link_error(self, op: _Op, code: grpc.StatusCode, details: str, what: str) -> PSError:
-        """The error for a stream to the next rank that ended with ``code``."""
-        nxt = self._cfg.next_rank
-        # A peer that dies mid-stream surfaces as INTERNAL ("Internal error from Core") or CANCELLED
-        # on this side, and one that closes as OK: all mean the link is gone.
-        cls = UnavailableError if code in _LINK_LOST else error_class(code)
-        return cls(
-            f"{op.name} on rank {self.rank}: rank {nxt} ended {what}: {code.name}: {details}",
-            method=op.method,
-            address=self._cfg.addresses[nxt],
-        )
+            t.end(op.seq)
 
     def _check(
-        self, op: _Op, item: Delivery | tuple[FrameHeader, memoryview], step: int, chunk: int, nbytes: int
-    ) -> bytes:
-        """Validates a received frame against what this rank expects; returns the message bytes.
+        self, op: _Op, item: PSError | tuple[FrameHeader, memoryview], step: int, chunk: int, nbytes: int
+    ) -> None:
+        """Validates a received frame (header and payload) against what this rank expects.
 
         Raises:
             PSError: the frame is an abort, or an error was delivered instead of a frame.
@@ -819,7 +769,7 @@ class AsyncRing:
         h, msg = item
         prev = self._cfg.prev_rank
         if h.kind == _pb.COLLECTIVE_KIND_ABORT:
-            text = bytes(msg[HEADER_BYTES:]).decode("utf-8", "replace")
+            text = bytes(msg).decode("utf-8", "replace")
             code = _STATUS_BY_NUMBER.get(h.op, grpc.StatusCode.UNKNOWN)
             raise error_class(code)(
                 f"{op.name} on rank {self.rank}: rank {h.rank} aborted it: {text}",
@@ -836,7 +786,7 @@ class AsyncRing:
             h.rank,
             h.step,
             h.chunk,
-            len(msg) - HEADER_BYTES,
+            len(msg),
         )
         want = (op.kind, op.dtype, op.op, op.total, op.chunks, self.world, prev, step, chunk, nbytes)
         if got != want:
@@ -851,7 +801,6 @@ class AsyncRing:
                 method=op.method,
                 address=self._cfg.addresses[prev],
             )
-        return msg
 
     def _translate(self, op: _Op, exc: BaseException, *, sender: bool) -> PSError:
         if isinstance(exc, PSError):
@@ -908,51 +857,20 @@ class AsyncRing:
             address=cfg.addresses[peer],
         )
 
-    async def _abort(
-        self, op: _Op, tasks: list[asyncio.Task[None]], error: PSError | None, inbound: list[Any]
-    ) -> None:
+    async def _abort(self, op: _Op, tasks: list[asyncio.Task[None]], error: PSError | None) -> None:
         """Stops both directions; tells the next rank why (best effort) so the whole ring fails fast."""
-        writing = op.writing  # a cancelled write leaves the stream unusable for the abort frame
-        for t in tasks:
-            t.cancel()
+        writing = op.writing  # a cancelled write leaves the link unusable for the abort frame
+        for task in tasks:
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._data is not None:
-            await self._abort_tcp(op, error, inbound, writing=writing or len(tasks) < 2)
-            return
-        link = self._link
-        if link is None or len(tasks) < 2:
-            return
-        if error is not None and not writing:
-            h = FrameHeader(
-                op.seq, op.total, _pb.COLLECTIVE_KIND_ABORT, op.dtype, error.code.value[0], 0, 0, op.chunks,
-                self.rank, self.world,
-            )  # fmt: skip
-            try:
-                text = str(error).encode()[:_ABORT_TEXT_BYTES]
-                await asyncio.wait_for(link.write(encode(h, text)), _ABORT_WRITE_S)
-            except Exception:  # best effort only: the stream may already be broken
-                logger.debug("%s: could not send the abort frame", op.name)
-        # Frames of the failed operation may be in flight: start the next one on a fresh stream.
-        link.reset()
-
-    async def _abort_tcp(self, op: _Op, error: PSError | None, inbound: list[Any], *, writing: bool) -> None:
-        """Transport "tcp": the abort frame (best effort), then fresh connections for the next operation."""
-        assert self._data is not None
-        for conn in inbound:  # it may hold the rest of this operation's frames
-            self._data.drop(conn)
-        data_link = self._data_link
-        if data_link is None:
-            return
-        if error is not None and not writing and data_link.connected:
-            h = FrameHeader(
+        assert self._transport is not None
+        header = None
+        text = b""
+        if error is not None and not writing and len(tasks) > 1:
+            header = FrameHeader(
                 op.seq, op.total, _pb.COLLECTIVE_KIND_ABORT, op.dtype, error.code.value[0], 0, 0, op.chunks,
                 self.rank, self.world,
             )  # fmt: skip
             text = str(error).encode()[:_ABORT_TEXT_BYTES]
-            try:
-                await asyncio.wait_for(
-                    data_link.send(encode_header(h, len(text)), memoryview(text)), _ABORT_WRITE_S
-                )
-            except Exception:  # best effort only: the connection may already be broken
-                logger.debug("%s: could not send the abort frame", op.name)
-        data_link.reset()
+        # Frames of the failed operation may be in flight: the next one starts on fresh links.
+        await self._transport.abort(header, text)

@@ -1,0 +1,404 @@
+"""Frame transports: the one interface tensor bytes move through, and its raw-TCP pieces.
+
+``FrameTransport`` is what the ring collective (``psclient.collective``: frames to
+the next rank, from the previous one, over gRPC or raw TCP) and the shards' bulk
+data path (``pscore.bulk``: requests and replies over raw TCP) send and receive
+frames through. A frame is a header (whose type each protocol defines) and a
+payload of raw bytes, sent straight from the caller's buffers and received
+straight into the caller's (``Into``).
+
+The raw-TCP pieces both use:
+
+- a data port (``DataPort``): a listening socket on an ephemeral port that only
+  accepts a connection presenting a one-time nonce. The nonce is handed out by
+  an authenticated gRPC call of the service the port belongs to (the control
+  plane: ``Collective.DataPort``, ``ParameterServer.DataPort``), so the auth token
+  guards the data port too;
+- ``dial``: opens a connection to a data port and presents the nonce;
+- ``Conn`` / ``TlsConn``: the connection, driven by the event loop's ``sock_*``
+  calls (no Python ``bytes`` per frame, no HTTP/2 framing); with TLS the
+  standard library's ``ssl`` over memory BIOs, with the same certificates and
+  checks as the gRPC side (``server_context``, ``client_context``).
+
+The handshake, after TLS when configured: the connecting side sends ``magic``
+(8 bytes naming the protocol), the nonce and a 32-bit ``who`` (the ring: its
+rank); the port answers one byte ``0x01`` if it accepts, else closes.
+
+Not thread-safe: everything runs on one event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import os
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+
+NONCE_BYTES: Final[int] = 16
+MAGIC_BYTES: Final[int] = 8
+_HELLO: Final = struct.Struct(f"<{MAGIC_BYTES}s{NONCE_BYTES}sI")  # magic, nonce, who
+_ACK: Final[bytes] = b"\x01"
+HANDSHAKE_S: Final[float] = 10.0  # a connection that does not finish its handshake by then is closed
+_TLS_RECORD_BYTES: Final[int] = 256 << 10  # plaintext per SSLObject.write; ciphertext read per recv
+
+H = TypeVar("H")
+Buffer = bytes | bytearray | memoryview
+# into(header, payload_bytes): writable views whose lengths add up to payload_bytes, to receive the
+# payload straight into (in order), or None to have it returned in the transport's own buffer.
+Into = Callable[[H, int], Sequence[memoryview] | None]
+
+
+class FrameTransport(abc.ABC, Generic[H]):
+    """Moves frames (a header, then a payload of raw bytes) out to a peer and in from a peer, in order.
+
+    Implementations: the ring's ``GrpcTransport`` and ``TcpTransport``
+    (``psclient.collective``), and the shards' ``pscore.bulk.BulkConnection``.
+    Errors are ``pscore.errors.PSError`` s whose message names the peer.
+    """
+
+    @abc.abstractmethod
+    async def send(self, header: H, payload: Sequence[Buffer] = ()) -> None:
+        """Sends one frame: ``header``, then the buffers of ``payload`` back to back, not copied.
+
+        Raises:
+            PSError: the connection broke or the peer refused it (UnavailableError, or its status).
+        """
+
+    @abc.abstractmethod
+    async def recv(self, into: Into[H] | None = None) -> tuple[H, memoryview | None]:
+        """Receives the next frame: its header, and its payload.
+
+        ``into(header, nbytes)`` may give writable views to receive the payload
+        straight into (the payload is then returned as None); otherwise it is a
+        view of the transport's buffer, valid until the next ``recv``.
+
+        Raises:
+            PSError: the connection broke, or the bytes are not a frame (InvalidArgumentError).
+        """
+
+    async def abort(self, header: H | None, reason: bytes = b"") -> None:
+        """After a failed exchange: sends ``header`` with ``reason`` as its payload (best effort,
+        bounded in time) when given, so that the peer fails fast with the cause; then ``reset``."""
+        self.reset()
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Drops the connection(s) after a failure; the next ``send`` / ``recv`` starts on fresh ones."""
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay; buffer sizes stay autotuned by the kernel (setting them stops that)."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """``AF_INET6`` for an IPv6 literal (bracketed or not), else ``AF_INET``."""
+    return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+
+
+class Conn:
+    """A plain data connection: the socket, driven by the event loop's ``sock_*`` calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def handshake(self) -> None:
+        """Nothing to negotiate on a plain connection."""
+
+    async def sendall(self, data: Buffer) -> None:
+        """Sends every byte of ``data``. Raises: OSError."""
+        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def recv_exactly(self, view: memoryview) -> None:
+        """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError."""
+        loop = asyncio.get_running_loop()
+        got, n = 0, len(view)
+        while got < n:
+            k = await loop.sock_recv_into(self.sock, view[got:])
+            if k == 0:
+                raise ConnectionResetError("connection closed by the peer")
+            got += k
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TlsConn(Conn):
+    """A TLS data connection: ``ssl.SSLObject`` over memory BIOs on a non-blocking socket.
+
+    Args:
+        sock: the connected socket.
+        context: the side's ``ssl.SSLContext``.
+        server_side: True on the accepting side.
+        server_hostname: the name the peer's certificate must carry (connecting side).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
+        super().__init__(sock)
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._tls = context.wrap_bio(
+            self._in, self._out, server_side=server_side, server_hostname=server_hostname
+        )
+        self._rbuf = memoryview(bytearray(_TLS_RECORD_BYTES))
+
+    async def handshake(self) -> None:
+        """Runs the TLS handshake. Raises: ssl.SSLError (refused), OSError."""
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                await self._fill()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        data = self._out.read()
+        if data:
+            await asyncio.get_running_loop().sock_sendall(self.sock, data)
+
+    async def _fill(self) -> None:
+        n = await asyncio.get_running_loop().sock_recv_into(self.sock, self._rbuf)
+        if n == 0:
+            raise ConnectionResetError("connection closed by the peer")
+        self._in.write(self._rbuf[:n])
+
+    async def sendall(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _TLS_RECORD_BYTES):
+            self._tls.write(view[start : start + _TLS_RECORD_BYTES])
+            await self._flush()
+
+    async def recv_exactly(self, view: memoryview) -> None:
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self._tls.read(n - got, view[got:])
+            except ssl.SSLWantReadError:
+                await self._fill()
+                continue
+            except ssl.SSLZeroReturnError:
+                k = 0
+            if k == 0:
+                raise ConnectionResetError("connection closed by the peer")
+            got += k
+
+
+def server_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:
+    """The accepting side's TLS context: this process's certificate; ``client_ca`` requires client certs."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
+    """The connecting side's TLS context: trust ``ca`` (default: system roots), present ``cert``."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+    if cert and key:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+class DataPort:
+    """A listening socket on an ephemeral port that accepts only connections presenting a one-time nonce.
+
+    Args:
+        host: the host to bind (that of the service's gRPC address).
+        magic: the 8 bytes that open a connection of this protocol.
+        on_connection: ``on_connection(conn, who)``, called (on the loop) with each accepted connection.
+        accept: ``accept(who)``: whether a connection that says it is ``who`` may connect (default: any).
+        tls: the accepting side's TLS context (``server_context``), or None for plaintext.
+        max_nonces: nonces kept unused at most (the oldest expire first).
+        nonce_ttl_s: seconds a nonce stays valid (None: until it is one of the oldest).
+        name: what log lines call this port.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        magic: bytes,
+        on_connection: Callable[[Conn, int], Awaitable[None] | None],
+        accept: Callable[[int], bool] = lambda who: True,
+        tls: ssl.SSLContext | None = None,
+        max_nonces: int = 64,
+        nonce_ttl_s: float | None = None,
+        name: str = "data port",
+    ) -> None:
+        if len(magic) != MAGIC_BYTES:
+            raise ValueError(f"magic must be {MAGIC_BYTES} bytes")
+        self._host = host.strip("[]")
+        self._magic = magic
+        self._on_connection = on_connection
+        self._accept = accept
+        self._tls = tls
+        self._max_nonces = max_nonces
+        self._ttl = nonce_ttl_s
+        self._name = name
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._nonces: dict[bytes, float] = {}  # nonce -> when issued (time.monotonic())
+        self.closed = False
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        assert self._sock is not None
+        return int(self._sock.getsockname()[1])
+
+    async def start(self) -> None:
+        """Binds an ephemeral port on the host and starts accepting.
+
+        Raises:
+            OSError: the host cannot be bound.
+        """
+        sock = socket.socket(family_of(self._host), socket.SOCK_STREAM)
+        try:
+            sock.bind((self._host, 0))
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accept_task = asyncio.create_task(self._accept_loop(), name=f"{self._name} accept")
+
+    def issue_nonce(self) -> bytes:
+        """A fresh one-time nonce for one connection (the oldest unused ones expire)."""
+        nonce = os.urandom(NONCE_BYTES)
+        self._nonces[nonce] = time.monotonic()
+        while len(self._nonces) > self._max_nonces:
+            del self._nonces[next(iter(self._nonces))]
+        return nonce
+
+    def _redeem(self, nonce: bytes) -> bool:
+        issued = self._nonces.pop(nonce, None)
+        if issued is None:
+            return False
+        return self._ttl is None or time.monotonic() - issued <= self._ttl
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as err:  # pragma: no cover - e.g. out of file descriptors
+                log.warning("%s: accept failed: %s", self._name, err)
+                await asyncio.sleep(0.1)
+                continue
+            self.spawn(self._handshake(sock), f"{self._name} connection")
+
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Runs ``coro`` as a task that ``close`` cancels."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _handshake(self, sock: socket.socket) -> None:
+        conn: Conn = Conn(sock)
+        try:
+            tune_socket(sock)
+            if self._tls is not None:
+                conn = TlsConn(sock, self._tls, server_side=True)
+            hello = bytearray(_HELLO.size)
+            async with asyncio.timeout(HANDSHAKE_S):
+                await conn.handshake()
+                await conn.recv_exactly(memoryview(hello))
+            magic, nonce, who = _HELLO.unpack(hello)
+            if magic != self._magic or not self._accept(who) or not self._redeem(nonce):
+                log.warning("%s: refused a connection without a valid nonce", self._name)
+                conn.close()
+                return
+            await conn.sendall(_ACK)
+        except (OSError, TimeoutError) as err:  # ssl.SSLError is an OSError
+            log.debug("%s: handshake failed: %s", self._name, err)
+            conn.close()
+            return
+        if self.closed:
+            conn.close()
+            return
+        served = self._on_connection(conn, who)
+        if served is not None:
+            await served
+
+    async def close(self) -> None:
+        """Stops accepting and cancels the connection tasks (idempotent); the owner closes its connections."""
+        self.closed = True
+        tasks = [t for t in (self._accept_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+
+
+async def dial(
+    host: str,
+    port: int,
+    *,
+    magic: bytes,
+    nonce: bytes,
+    who: int = 0,
+    tls: ssl.SSLContext | None = None,
+    timeout: float = HANDSHAKE_S,
+) -> Conn:
+    """Connects to a ``DataPort`` and presents ``nonce``; returns the accepted connection.
+
+    Args:
+        host: the data port's host (that of the service's gRPC address).
+        port: the port the control-plane call gave.
+        magic: the protocol's 8 bytes.
+        nonce: the one-time nonce the control-plane call gave.
+        who: what this side says it is (the ring: its rank).
+        tls: the connecting side's TLS context (``client_context``), or None for plaintext.
+        timeout: bound of the whole connect and handshake, seconds.
+
+    Raises:
+        OSError: no connection (refused, unreachable, TLS refused: ``ssl.SSLError``), or the
+            port closed it without acknowledging (a wrong nonce).
+        TimeoutError: no connection or acknowledgement within ``timeout``.
+    """
+    loop = asyncio.get_running_loop()
+    host = host.strip("[]")
+    sock = socket.socket(family_of(host), socket.SOCK_STREAM)
+    conn: Conn = Conn(sock)
+    try:
+        tune_socket(sock)
+        async with asyncio.timeout(max(timeout, 0.001)):
+            await loop.sock_connect(sock, (host, port))
+            if tls is not None:
+                conn = TlsConn(sock, tls, server_side=False, server_hostname=host)
+                await conn.handshake()
+            await conn.sendall(_HELLO.pack(magic, nonce, who))
+            ack = bytearray(1)
+            await conn.recv_exactly(memoryview(ack))
+        if bytes(ack) != _ACK:
+            raise ConnectionRefusedError("bad acknowledgement")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
