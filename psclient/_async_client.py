@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from psclient import _reach, _retry, _session
+from psclient import _bulk, _reach, _retry, _session
 from psclient import _requests as rq
 from psclient.config import ClientConfig
-from pscore import codec, embedding, rpc
+from pscore import bulk, codec, embedding, rpc, transport
 from pscore.embedding import Rows
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
 from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
@@ -133,6 +133,8 @@ class AsyncPSClient:
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
+        self._links: dict[tuple[int, int], _bulk.DataLink] = {}  # (shard, replica) -> its data port
+        self._data_tls: Any = None  # the TLS context of data connections (made on first use)
         self._seq = itertools.count(1)
         # Never 0 (0 is "no session": a client from before sessions).
         self.session = secrets.randbits(64) or 1
@@ -248,12 +250,42 @@ class AsyncPSClient:
             "wait_for_ready": len(self._replicas[shard]) == 1,
         }
 
+    def _data_link(self, shard: int, nbytes: int | None = None) -> _bulk.DataLink | None:
+        """The data port of ``shard``'s current replica, for a transfer of ``nbytes`` (None: any size);
+        None: use gRPC (turned off, too small, or the data port could not be reached lately)."""
+        cfg = self.config
+        if not cfg.data_port or (nbytes is not None and nbytes < cfg.data_port_min_bytes):
+            return None
+        self._stub(shard)  # the channels exist
+        replica = self._current[shard]
+        link = self._links.get((shard, replica))
+        if link is None:
+            if self._data_tls is None and (cfg.tls_ca or cfg.tls_cert):
+                self._data_tls = transport.client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
+            stub = self._stubs[shard][replica]
+
+            def data_port(timeout: float) -> Any:
+                return stub.DataPort(
+                    _DATA_PORT_REQUEST,
+                    timeout=timeout,
+                    metadata=self._metadata(),
+                    wait_for_ready=len(self._replicas[shard]) == 1,
+                )
+
+            link = self._links[(shard, replica)] = _bulk.DataLink(
+                self._replicas[shard][replica], data_port, self._data_tls
+            )
+        return link if link.usable else None
+
     async def close(self) -> None:
         """Closes the channels. Idempotent."""
         self._closed = True
         sessions, self._sessions = self._sessions, {}
         for session in sessions.values():
             await session.close()
+        links, self._links = self._links, {}
+        for link in links.values():
+            link.close()
         channels, self._channels, self._stubs = self._channels, [], []
         await gather(ch.close() for r in channels for ch in r)
         for closing in list(self._closing):
@@ -444,7 +476,16 @@ class AsyncPSClient:
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes,
             )  # fmt: skip
-            if sum(p.nbytes for p in wanted) <= self.config.unary_max_bytes:
+            nbytes = sum(p.nbytes for p in wanted)
+            if self._data_link(shard, nbytes) is not None:
+                try:
+                    await self._call(
+                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
+                    )
+                    return
+                except _bulk.Unusable:
+                    pass  # logged; over gRPC
+            if nbytes <= self.config.unary_max_bytes:
                 resp = await self._call(
                     shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
                 )
@@ -464,6 +505,28 @@ class AsyncPSClient:
 
         await _each(one, per_shard)
         return into.result(), into.versions
+
+    async def _pull_data_port(
+        self, shard: int, request: ps_pb2.PullRequest, wanted: list[rq.Piece], into: rq.Gather
+    ) -> None:
+        """One attempt of a pull over the shard's data port: values straight into ``into``'s arrays.
+
+        Raises:
+            _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
+        """
+        link = self._data_link(shard)
+        if link is None:
+            raise _bulk.Unusable
+        into.restart(wanted)  # a retried attempt starts over
+        timeout = _retry.attempt_timeout(self.config.timeout)
+        request.timeout_s = timeout
+        spare: list[codec.WireChunk] = []
+        reply = await link.request(
+            bulk.Frame(bulk.PULL, request), (), functools.partial(_receive, into.place, spare), timeout
+        )
+        for chunk in spare:
+            into.add(chunk)
+        into.add_versions(rq.versions_of(reply.head.values, reply.head.versions))
 
     # -- push ---------------------------------------------------------------
 
@@ -563,7 +626,23 @@ class AsyncPSClient:
                 shards=shards,
                 checkpoint_step=self._checkpoint_step,
             )
-            if rq.payload_bytes(tensors) <= self.config.unary_max_bytes:
+            nbytes = rq.payload_bytes(tensors)
+            if self._data_link(shard, nbytes) is not None:
+
+                def restart() -> None:
+                    if into is not None:
+                        into.restart(p for group in pieces.values() for p in group if p.shard == shard)
+                        row_parts.pop(shard, None)
+
+                try:
+                    return await self._call(
+                        shard,
+                        "Push",
+                        lambda: self._push_data_port(shard, header, tensors, into, add, restart),
+                    )
+                except _bulk.Unusable:
+                    pass  # logged; over gRPC
+            if nbytes <= self.config.unary_max_bytes:
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
                 resp = await self._push_small(shard, request)
                 self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
@@ -605,6 +684,44 @@ class AsyncPSClient:
                 hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
                 values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
         return all(results), values
+
+    async def _push_data_port(
+        self,
+        shard: int,
+        header: ps_pb2.PushRequest,
+        tensors: list[tuple[str, np.ndarray]],
+        into: rq.Gather | None,
+        add: Callable[[int, Any], None],
+        restart: Callable[[], None],
+    ) -> bool:
+        """One attempt of a push over the shard's data port; returns whether it was applied.
+
+        The gradients go straight from their arrays to the socket; push_pull's values come
+        straight into ``into``'s arrays (embedding rows through ``add``).
+
+        Raises:
+            _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
+        """
+        link = self._data_link(shard)
+        if link is None:
+            raise _bulk.Unusable
+        restart()  # a retried attempt starts over
+        timeout = _retry.attempt_timeout(self.config.timeout)
+        head = ps_pb2.PushRequest()
+        head.CopyFrom(header)
+        head.timeout_s = timeout
+        head.grads.extend(bulk.describe(n, t) for n, t in tensors)
+        spare: list[codec.WireChunk] = []
+        place = into.place if into is not None else None
+        reply = await link.request(
+            bulk.Frame(bulk.PUSH, head),
+            bulk.payload_of(t for _, t in tensors),
+            functools.partial(_receive, place, spare),
+            timeout,
+        )
+        for chunk in spare:
+            add(shard, chunk)
+        return bool(reply.head.applied)
 
     def _session(self, shard: int) -> _session.PushSession:
         session = self._sessions.get(shard)
@@ -1400,11 +1517,34 @@ def _returned_rows(
     return out
 
 
+def _receive(
+    place: Callable[[Any], memoryview | None] | None,
+    spare: list[codec.WireChunk],
+    frame: bulk.Frame,
+    nbytes: int,
+) -> list[memoryview]:
+    """Where an answer's tensors are received: ``place(chunk)``'s view in the result, else a buffer of
+    their own (appended to ``spare`` as chunks for ``Gather.add``: rows of a table, or no ``place``).
+
+    Raises:
+        CodecError: a tensor that was not asked for, or a malformed description.
+    """
+    views = []
+    for chunk, size in zip(frame.tensors(), bulk.tensor_sizes(frame.tensors()), strict=True):
+        view = place(chunk) if place is not None and "\x00" not in chunk.name else None
+        if view is None:
+            view = memoryview(bytearray(size))
+            spare.append(codec.WireChunk(chunk.name, chunk.dtype, tuple(chunk.shape), 0, view))
+        views.append(view)
+    return views
+
+
 _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 _EMPTY_CREATE = ps_pb2.CreateVariablesRequest()
+_DATA_PORT_REQUEST = ps_pb2.ShardDataPortRequest()
 
 
 def _finite(arr: np.ndarray) -> bool:

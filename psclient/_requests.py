@@ -180,6 +180,31 @@ class Gather:
             if flat is not None and not flat.flags.writeable:  # a zero-copy view: drop it
                 del self._flat[p.variable]
 
+    def place(self, chunk: Any) -> memoryview | None:
+        """Where the whole stored tensor ``chunk`` announces is to be received: a writable byte view of
+        its place in the variable's array (it then counts as received), or None where it must go
+        through ``add`` (a piece of a table spread over several shards).
+
+        Raises:
+            CodecError: a malformed chunk, or one that does not match the requested piece.
+        """
+        piece = self._by_stored.get(chunk.name)
+        if piece is None:
+            raise codec.CodecError(f"a shard sent tensor {chunk.name!r}, which was not requested")
+        dtype, shape = codec.numpy_dtype(chunk.dtype), codec.chunk_shape(chunk)
+        if dtype != piece.dtype or shape != piece.stored_shape:
+            raise codec.CodecError(
+                f"tensor {chunk.name!r}: got {dtype.name}{list(shape)}, "
+                f"expected {piece.dtype.name}{list(piece.stored_shape)}"
+            )
+        if piece.table and piece.count > 1:
+            return None
+        flat = self._flat.get(piece.variable)
+        if flat is None or not flat.flags.writeable:
+            flat = self._flat[piece.variable] = self._alloc(math.prod(piece.full_shape), piece.dtype)
+        self._covered(piece).add(0, piece.size)
+        return memoryview(flat[piece.offset : piece.offset + piece.size]).cast("B")
+
     def add(self, chunk: Any) -> None:
         """Adds one received chunk (``ps_pb2.TensorChunk`` or ``codec.WireChunk``).
 

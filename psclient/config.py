@@ -16,6 +16,7 @@ DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message
 DEFAULT_UNARY_MAX_BYTES = 4 << 20  # payloads up to this go in one unary call (the fast path)
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # matches psserver's default --max-message-mib
+DEFAULT_DATA_PORT_MIN_BYTES = 256 << 10  # per shard: smaller pulls and pushes stay on gRPC (PushSession)
 
 
 def default_worker_id() -> str:
@@ -40,6 +41,10 @@ class ClientConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # UNAVAILABLE is retried with backoff until `timeout` (RetryPolicy(enabled=False): never).
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Pulls and pushes of at least data_port_min_bytes per shard go over the shard's raw-TCP data
+    # port (psclient._bulk; gRPC where the shard has none or it cannot be reached); False: gRPC only.
+    data_port: bool = True
+    data_port_min_bytes: int = DEFAULT_DATA_PORT_MIN_BYTES
 
     def __post_init__(self) -> None:
         if not self.addresses:
@@ -61,6 +66,8 @@ class ClientConfig:
             raise ValueError(f"chunk_bytes must be in [1 KiB, max_message_bytes/2], got {self.chunk_bytes}")
         if self.unary_max_bytes > self.max_message_bytes // 2:
             raise ValueError("unary_max_bytes must be at most max_message_bytes/2")
+        if self.data_port_min_bytes < 0:
+            raise ValueError(f"data_port_min_bytes must be >= 0, got {self.data_port_min_bytes}")
 
     @property
     def num_shards(self) -> int:

@@ -345,6 +345,14 @@ class DataPort:
         if served is not None:
             await served
 
+    def stop_accepting(self) -> None:
+        """Closes the listening socket; connections already accepted go on (idempotent)."""
+        self.closed = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        if self._sock is not None:
+            self._sock.close()
+
     async def close(self) -> None:
         """Stops accepting and cancels the connection tasks (idempotent); the owner closes its connections."""
         self.closed = True

@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="primary: seconds an update waits for its backup before going on without it (default: 30)",
     )
+    p.add_argument(
+        "--no-data-port",
+        dest="data_port",
+        action="store_false",
+        help="serve no raw-TCP data port: clients pull and push over gRPC only (by default big pulls and "
+        "pushes use an ephemeral TCP port next to --port, advertised by the token-guarded DataPort call)",
+    )
     p.add_argument("--log-level", default=env("PS_LOG_LEVEL", "INFO"), help="logging level (default: INFO)")
     return p
 
@@ -139,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backup_of=args.backup_of,
         backup_at=args.backup_at,
         replication_timeout_s=args.replication_timeout,
+        data_port=args.data_port,
     )
 
 

@@ -45,6 +45,7 @@ class ServerConfig:
     backup_of: str | None = None  # HOST:PORT of the primary this process backs up (psserver.replication)
     backup_at: str | None = None  # a primary's backup: if it has taken over, start as its backup instead
     replication_timeout_s: float = 30.0
+    data_port: bool = True  # serve the raw-TCP data port (psserver.dataport) next to gRPC
 
     @property
     def peer_ca(self) -> str | None:

@@ -183,6 +183,29 @@ class ShardMetrics:
         if code != grpc.StatusCode.OK:
             self._errors.labels(shard=str(self.shard), rpc=rpc, code=code.name).inc()
 
+    def push_received(self, request: Any, nbytes: int) -> None:
+        """A push arrived (any RPC, or the data port) with ``nbytes`` of gradients."""
+        if request.worker_id:
+            self.saw_worker(request.worker_id)
+            self.push_arrived(request.worker_id)
+        self.push_bytes.inc(nbytes)
+
+    def push_done(self, request: Any, response: Any, code: grpc.StatusCode, seconds: float, rpc: str) -> None:
+        """A push ended with ``code`` after ``seconds`` (``response``: its first answer, or None)."""
+        self.rpc_done(rpc, seconds, code)
+        if code != grpc.StatusCode.OK or request is None or response is None:
+            return
+        self.pushed("applied" if response.applied else (response.reason or "not_applied"))
+        if request.return_values:
+            self.read_by(request.worker_id)
+
+    def pull_done(self, request: Any, code: grpc.StatusCode, seconds: float, rpc: str) -> None:
+        """A pull ended with ``code`` after ``seconds``."""
+        self.rpc_done(rpc, seconds, code)
+        if code == grpc.StatusCode.OK and request is not None:
+            self.pulls.inc()
+            self.read_by(request.worker_id)
+
     def barrier_wait(self, op: str, seconds: float) -> None:
         self._barrier.labels(shard=str(self.shard), op=op).observe(seconds)
 
@@ -463,10 +486,7 @@ class _MetricsInterceptor(HandlerWrappingInterceptor):
 
         def on_request(req: Any) -> None:
             if rpc in _PUSHES:
-                if req.worker_id:
-                    m.saw_worker(req.worker_id)
-                    m.push_arrived(req.worker_id)
-                m.push_bytes.inc(_chunk_bytes(req.grads))
+                m.push_received(req, _chunk_bytes(req.grads))
             elif rpc in _PULLS:
                 m.saw_worker(req.worker_id)
 
@@ -475,16 +495,13 @@ class _MetricsInterceptor(HandlerWrappingInterceptor):
                 m.pull_bytes.inc(_chunk_bytes(resp.values))
 
         def on_done(req: Any, first_resp: Any, code: grpc.StatusCode, started: float) -> None:
-            m.rpc_done(rpc, time.perf_counter() - started, code)
-            if code != grpc.StatusCode.OK or req is None:
-                return
+            seconds = time.perf_counter() - started
             if rpc in _PULLS:
-                m.pulls.inc()
-                m.read_by(req.worker_id)
-            elif rpc in _PUSHES and first_resp is not None:
-                m.pushed("applied" if first_resp.applied else (first_resp.reason or "not_applied"))
-                if req.return_values:
-                    m.read_by(req.worker_id)
+                m.pull_done(req, code, seconds, rpc)
+            elif rpc in _PUSHES:
+                m.push_done(req, first_resp, code, seconds, rpc)
+            else:
+                m.rpc_done(rpc, seconds, code)
 
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
@@ -606,22 +623,17 @@ def _metered_session(m: ShardMetrics, inner: Callable[..., AsyncIterator[Any]]) 
 
         async def requests() -> AsyncIterator[Any]:
             async for req in iterator:
-                if req.worker_id:
-                    m.saw_worker(req.worker_id)
-                    m.push_arrived(req.worker_id)
-                m.push_bytes.inc(_chunk_bytes(req.grads))
+                m.push_received(req, _chunk_bytes(req.grads))
                 arrived.append((req, time.perf_counter()))
                 yield req
 
         async for resp in inner(requests(), context):
             req, started = arrived.popleft() if arrived else (None, time.perf_counter())
             code = _STATUS_BY_VALUE.get(resp.code, grpc.StatusCode.UNKNOWN)
-            m.rpc_done("Push", time.perf_counter() - started, code)  # a push, whichever RPC carried it
-            if code == grpc.StatusCode.OK and req is not None:
-                m.pushed("applied" if resp.applied else (resp.reason or "not_applied"))
-                if req.return_values:
-                    m.read_by(req.worker_id)
-                    m.pull_bytes.inc(_chunk_bytes(resp.values))
+            # A push, whichever RPC carried it.
+            m.push_done(req, resp, code, time.perf_counter() - started, "Push")
+            if code == grpc.StatusCode.OK and req is not None and req.return_values:
+                m.pull_bytes.inc(_chunk_bytes(resp.values))
             yield resp
 
     return stream_stream

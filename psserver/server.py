@@ -19,11 +19,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pscore import security
+from pscore import security, transport
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.cut import StepCuts
+from psserver.dataport import DataPortServer
 from psserver.metrics import ShardMetrics
 from psserver.modes import Mode, SyncMode, make_mode
 from psserver.replication import Backup, Primary
@@ -118,6 +119,7 @@ class Shard:
     primary: Primary | None = None
     backup: Backup | None = None
     servicer: ParameterServerServicer | None = None
+    data_port: DataPortServer | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks.
@@ -130,9 +132,12 @@ class Shard:
         grace = self.config.grace_s if grace_s is None else grace_s
         await self.health.enter_graceful_shutdown()
         stopping = asyncio.create_task(self.server.stop(grace))  # refuses new calls from now on
+        data_port = asyncio.create_task(self.data_port.stop(grace)) if self.data_port is not None else None
         if self.servicer is not None:
             await self.servicer.drain(grace)
         await stopping
+        if data_port is not None:
+            await data_port
         for hook in self.on_shutdown:
             await hook()
 
@@ -268,12 +273,28 @@ async def start(config: ServerConfig) -> Shard:
         server,
     )
     port = security.add_port(server, f"{config.host}:{config.port}", credentials)
+    data_port = None
+    if config.data_port:
+        data_tls = None
+        if config.tls_cert and config.tls_key:  # the same certificates and client checks as gRPC
+            data_tls = transport.server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
+        data_port = DataPortServer(servicer, metrics, host=config.host, tls=data_tls)
+        await data_port.start()
+        servicer.data_port = data_port
     await server.start()
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
     address = f"{host}:{port}"
     shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
     shard.checkpointer = checkpointer
     shard.primary, shard.backup, shard.servicer = primary, backup, servicer
+    shard.data_port = data_port
+    if data_port is not None:
+        log.info(
+            "shard %d: data port on %s:%d (raw TCP for big pulls and pushes)",
+            config.shard,
+            host,
+            data_port.port,
+        )
     if backup is not None:
         backup.address = address
         backup.start()

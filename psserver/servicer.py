@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -36,6 +36,9 @@ from psserver.cut import CutHolds, StepCuts
 from psserver.modes import Mode
 from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
 from psserver.store import Store, Variable
+
+if TYPE_CHECKING:
+    from psserver.dataport import DataPortServer
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +129,7 @@ def _stream_values(
         yield batch, [versions[c.name] for c in batch if c.offset == 0]
 
 
-def _deadline(context: grpc.aio.ServicerContext | None, timeout_s: float = 0.0) -> float | None:
+def deadline_of(context: grpc.aio.ServicerContext | None, timeout_s: float = 0.0) -> float | None:
     """The caller's deadline (``time.monotonic()`` clock): the call's own, or sooner the push's ``timeout_s``.
 
     A PushSession stream has one long deadline for all its pushes; each push
@@ -167,6 +170,7 @@ class ParameterServerServicer:
         self.backup = backup  # set when this process started as a backup (--backup-of)
         self.cuts = CutHolds(store, mode, checkpointer, shard=shard, num_shards=num_shards)
         self.step_cuts: StepCuts | None = None  # sync mode with a checkpoint dir: periodic checkpoints
+        self.data_port: DataPortServer | None = None  # the raw-TCP data port (psserver.dataport), if served
         self.stopping = False  # drain() began: idle PushSession streams end, barriers give up
         self._idle_sessions: set[asyncio.Task[Any]] = set()  # PushSession handlers waiting for a push
         self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
@@ -211,10 +215,15 @@ class ParameterServerServicer:
         if self.backup is not None:
             self.backup.check_serving(what)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, err: PSError | codec.CodecError) -> None:
+    def failure(self, err: PSError | codec.CodecError) -> tuple[grpc.StatusCode, str, str]:
+        """What a call that raised ``err`` answers: its status code, message and reason."""
         code, reason = _status(err)
+        return code, f"shard {self.shard}: {err}", reason
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: PSError | codec.CodecError) -> None:
+        code, message, reason = self.failure(err)
         trailing = ((ERROR_REASON_KEY, reason),) if reason else ()
-        await context.abort(code, f"shard {self.shard}: {err}", trailing_metadata=trailing)
+        await context.abort(code, message, trailing_metadata=trailing)
 
     @_translated
     async def CreateVariables(
@@ -263,10 +272,7 @@ class ParameterServerServicer:
     async def Pull(
         self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.PullResponse:
-        self._serving("Pull")
-        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
-        self.store.pulls += 1
+        snapshot = await self.pull_snapshot(request, deadline_of(context, request.timeout_s))
         return codec.WireMessage(
             ps_pb2.PullResponse(versions=[version for _, _, version in snapshot]),
             "values",
@@ -277,15 +283,26 @@ class ParameterServerServicer:
     async def PullStream(
         self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ps_pb2.PullResponse]:
-        self._serving("PullStream")
-        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
-        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
-        self.store.pulls += 1
+        snapshot = await self.pull_snapshot(request, deadline_of(context, request.timeout_s), "PullStream")
         # At least 64 KiB a message: a tiny (or negative) request would make the stream crawl.
         wanted = request.max_chunk_bytes
         chunk_bytes = max(wanted, _MIN_CHUNK_BYTES) if wanted else DEFAULT_CHUNK_BYTES
         for chunks, versions in _stream_values(snapshot, chunk_bytes):
             yield codec.WireMessage(ps_pb2.PullResponse(versions=versions), "values", chunks)
+
+    async def pull_snapshot(
+        self, request: ps_pb2.PullRequest, deadline: float | None, what: str = "Pull"
+    ) -> list[tuple[str, np.ndarray, int]]:
+        """What a pull returns (Pull, PullStream, the data port): each named variable's value and version.
+
+        Raises:
+            PSError: as Pull (NOT_FOUND, a standby backup's UNAVAILABLE, an ssp wait's DEADLINE_EXCEEDED).
+        """
+        self._serving(what)
+        await self.mode.before_pull(request.worker_id, request.step, deadline)
+        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
+        self.store.pulls += 1
+        return snapshot
 
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
@@ -327,12 +344,12 @@ class ParameterServerServicer:
     async def Push(
         self, request: ps_pb2.PushRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.PushResponse:
-        return await self._push_one(request, _deadline(context, request.timeout_s))
+        return await self.push_one(request, deadline_of(context, request.timeout_s))
 
-    async def _push_one(
-        self, request: ps_pb2.PushRequest, deadline: float | None
+    async def push_one(
+        self, request: ps_pb2.PushRequest | codec.WireMessage, deadline: float | None
     ) -> ps_pb2.PushResponse | codec.WireMessage:
-        """One whole push (Push, or a message of PushSession). Raises: PSError, CodecError."""
+        """One whole push (Push, a message of PushSession, the data port). Raises: PSError, CodecError."""
         grads = codec.Assembler()
         for chunk in request.grads:
             grads.add(chunk)
@@ -370,7 +387,7 @@ class ParameterServerServicer:
         for name, ids in wanted:  # every id checked before any row is read
             var = self.store.get(name)
             checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
-        await self.mode.before_pull(request.worker_id, request.step, _deadline(context))
+        await self.mode.before_pull(request.worker_id, request.step, deadline_of(context))
         chunks, versions = [], []
         for var, ids in checked:
             rows, version = _rows(var, ids)
@@ -402,12 +419,10 @@ class ParameterServerServicer:
             finally:
                 self._idle_sessions.discard(task)
             try:
-                response = await self._push_one(request, _deadline(context, request.timeout_s))
+                response = await self.push_one(request, deadline_of(context, request.timeout_s))
             except (PSError, codec.CodecError) as err:
-                code, reason = _status(err)
-                response = ps_pb2.PushResponse(
-                    code=status_number(code), message=f"shard {self.shard}: {err}", reason=reason
-                )
+                code, message, reason = self.failure(err)
+                response = ps_pb2.PushResponse(code=status_number(code), message=message, reason=reason)
             yield response
         await context.abort(
             grpc.StatusCode.UNAVAILABLE, f"shard {self.shard} is shutting down; retry on its restart"
@@ -436,7 +451,7 @@ class ParameterServerServicer:
         if header is None:
             raise InvalidArgumentError("push stream carried no messages")
         tensors = tables.pair(grads.result())
-        response = await self._push(header, tensors, _deadline(context, header.timeout_s))
+        response = await self._push(header, tensors, deadline_of(context, header.timeout_s))
         snapshot = self._after_push(tensors) if header.return_values else []
         if not snapshot:
             yield response
@@ -543,7 +558,7 @@ class ParameterServerServicer:
         self._serving("PrepareCut")
         if self.stopping:
             raise UnavailableError("the shard is shutting down")
-        return await self.cuts.prepare(request.cut_id, request.hold_s, _deadline(context))
+        return await self.cuts.prepare(request.cut_id, request.hold_s, deadline_of(context))
 
     @_translated
     async def CommitCut(
@@ -551,7 +566,7 @@ class ParameterServerServicer:
     ) -> ps_pb2.SaveCheckpointResponse:
         self._serving("CommitCut")
         try:
-            return await self.cuts.commit(request, _deadline(context))
+            return await self.cuts.commit(request, deadline_of(context))
         except CheckpointError as err:
             raise InternalError(f"checkpoint failed: {err}") from err
 
@@ -575,6 +590,15 @@ class ParameterServerServicer:
         peer = str(metadata.get(BACKUP_ADDRESS_KEY) or context.peer())
         async for message in self.primary.serve(request_iterator, peer):
             yield message
+
+    @_translated
+    async def DataPort(
+        self, request: ps_pb2.ShardDataPortRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.ShardDataPortResponse:
+        self._serving("DataPort")
+        if self.data_port is None:
+            raise FailedPreconditionError("this shard serves no data port (psserver --no-data-port)")
+        return ps_pb2.ShardDataPortResponse(port=self.data_port.port, nonce=self.data_port.issue_nonce())
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:

@@ -41,6 +41,8 @@ from pscore.errors import (
     PSError,
     UnavailableError,
     error_class,
+    status_from_number,
+    status_number,
 )
 from pscore.memory import tune_malloc
 from psproto.v1 import collective_pb2 as _pb
@@ -56,7 +58,6 @@ REDUCE_OPS: Final[dict[str, tuple[int, np.ufunc]]] = {
 ALLREDUCE_DTYPES: Final[frozenset[np.dtype]] = frozenset(
     np.dtype(d) for d in ("<f2", "<f4", "<f8", "<i4", "<i8")
 )
-_STATUS_BY_NUMBER: Final[dict[int, grpc.StatusCode]] = {c.value[0]: c for c in grpc.StatusCode}
 _KIND_NAMES: Final[dict[int, str]] = {
     _pb.COLLECTIVE_KIND_ALLREDUCE: "allreduce",
     _pb.COLLECTIVE_KIND_BROADCAST: "broadcast",
@@ -770,7 +771,7 @@ class AsyncRing:
         prev = self._cfg.prev_rank
         if h.kind == _pb.COLLECTIVE_KIND_ABORT:
             text = bytes(msg).decode("utf-8", "replace")
-            code = _STATUS_BY_NUMBER.get(h.op, grpc.StatusCode.UNKNOWN)
+            code = status_from_number(h.op)
             raise error_class(code)(
                 f"{op.name} on rank {self.rank}: rank {h.rank} aborted it: {text}",
                 method=op.method,
@@ -867,10 +868,19 @@ class AsyncRing:
         header = None
         text = b""
         if error is not None and not writing and len(tasks) > 1:
+            code = status_number(error.code)
             header = FrameHeader(
-                op.seq, op.total, _pb.COLLECTIVE_KIND_ABORT, op.dtype, error.code.value[0], 0, 0, op.chunks,
-                self.rank, self.world,
-            )  # fmt: skip
+                op.seq,
+                op.total,
+                _pb.COLLECTIVE_KIND_ABORT,
+                op.dtype,
+                code,
+                0,
+                0,
+                op.chunks,
+                self.rank,
+                self.world,
+            )
             text = str(error).encode()[:_ABORT_TEXT_BYTES]
         # Frames of the failed operation may be in flight: the next one starts on fresh links.
         await self._transport.abort(header, text)

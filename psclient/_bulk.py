@@ -1,0 +1,169 @@
+"""Big pulls and pushes over a shard's raw-TCP data port (``pscore.bulk``), with a clean fall back to gRPC.
+
+Per shard replica a ``DataLink`` keeps a few open data connections. A new one
+costs a ``DataPort`` call (over the shard's authenticated gRPC channel: port and
+one-time nonce), a TCP connection to that port on the shard's host (TLS with
+the client's TLS settings) and the nonce handshake.
+
+A failed request raises a ``SessionError`` with the status the gRPC call would
+have had, so the client's retries (UNAVAILABLE: pushes are idempotent), fail
+over and error types apply unchanged. ``Unusable`` means "use gRPC for this
+request": the shard serves no data port (``psserver --no-data-port``, or an
+older psserver), or its data port cannot be reached (a firewall that lets only
+the gRPC port through). The latter is logged once per shard and tried again
+after ``RETRY_AFTER_S``.
+
+Not thread-safe: used from the client's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
+
+import grpc
+
+from psclient._session import SessionError
+from pscore import bulk, transport
+from pscore.errors import PSError, status_from_number
+from pscore.transport import Buffer, Into
+from psproto.v1 import ps_pb2
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S: Final[float] = 3.0  # a data port that does not accept by then is taken as firewalled
+RETRY_AFTER_S: Final[float] = 60.0  # after a failed connection, gRPC only for this long
+MAX_IDLE: Final[int] = 4  # open connections kept per shard replica
+_NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
+    {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION}
+)
+
+
+class Unusable(Exception):
+    """The shard's data port cannot be used for this request: send it over gRPC (already logged)."""
+
+
+class DataLink:
+    """The data connections to one shard replica.
+
+    Args:
+        address: the replica's ``HOST:PORT`` (gRPC); the data port is on the same host.
+        data_port: starts a ``DataPort`` call with the given timeout (on the replica's channel,
+            with the auth token).
+        tls: the client side's TLS context (``pscore.transport.client_context``), or None.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        data_port: Callable[[float], Awaitable[ps_pb2.ShardDataPortResponse]],
+        tls: ssl.SSLContext | None,
+    ) -> None:
+        self.address = address
+        self._host = address.rpartition(":")[0]
+        self._data_port = data_port
+        self._tls = tls
+        self._idle: list[bulk.BulkConnection] = []
+        self._off_until = 0.0  # time.monotonic() before which the data port is not tried
+        self._said = False
+        self._closed = False
+
+    @property
+    def usable(self) -> bool:
+        """Whether to try the data port now (not after a recent failure to reach it)."""
+        return time.monotonic() >= self._off_until
+
+    def _fall_back(self, why: str, *, permanent: bool) -> None:
+        self._off_until = float("inf") if permanent else time.monotonic() + RETRY_AFTER_S
+        for conn in self._idle:
+            conn.reset()
+        self._idle.clear()
+        if not self._said:
+            self._said = True
+            level = logging.INFO if permanent else logging.WARNING
+            log.log(level, "shard %s: %s; big pulls and pushes go over gRPC", self.address, why)
+        else:
+            log.debug("shard %s: %s; gRPC", self.address, why)
+
+    async def _connect(self, timeout: float) -> bulk.BulkConnection:
+        try:
+            reply = await self._data_port(timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _NO_DATA_PORT:
+                self._fall_back(f"it serves no data port ({err.details()})", permanent=True)
+                raise Unusable from None
+            raise  # the shard is down, or refuses the token: as any call to it
+        try:
+            conn = await transport.dial(
+                self._host,
+                reply.port,
+                magic=bulk.MAGIC,
+                nonce=reply.nonce,
+                tls=self._tls,
+                timeout=min(CONNECT_TIMEOUT_S, timeout),
+            )
+        except (OSError, TimeoutError) as err:  # ssl.SSLError is an OSError
+            why = str(err) or type(err).__name__
+            self._fall_back(
+                f"its data port {self._host}:{reply.port} cannot be reached ({why})", permanent=False
+            )
+            raise Unusable from None
+        return bulk.BulkConnection(conn, f"the data port of {self.address}")
+
+    async def request(
+        self, frame: bulk.Frame, payload: Sequence[Buffer], into: Into[bulk.Frame], timeout: float
+    ) -> bulk.Frame:
+        """Sends one request and receives its answer (its tensors through ``into``).
+
+        Raises:
+            Unusable: use gRPC for this request.
+            SessionError: the request failed: the shard's answer, a broken connection
+                (UNAVAILABLE) or no answer within ``timeout`` (DEADLINE_EXCEEDED).
+            grpc.RpcError: the DataPort call failed.
+            Exception: what ``into`` raised.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            reused = bool(self._idle)
+            left = max(deadline - time.monotonic(), 0.001)
+            conn = self._idle.pop() if reused else await self._connect(left)
+            try:
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    await conn.send(frame, payload)
+                    reply, _ = await conn.recv(into)
+            except TimeoutError:
+                conn.reset()
+                raise SessionError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data port within {timeout:.3g} s"
+                ) from None
+            except bulk.Closed:
+                if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
+                    continue
+                raise SessionError(
+                    grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
+                ) from None
+            except PSError as err:
+                conn.reset()
+                raise SessionError(err.code, err.details) from None
+            except BaseException:
+                conn.reset()
+                raise
+            if len(self._idle) < MAX_IDLE and not self._closed:
+                self._idle.append(conn)
+            else:
+                conn.reset()
+            if reply.kind == bulk.ERROR:
+                code = status_from_number(reply.head.code)
+                raise SessionError(code, reply.head.message, reply.head.reason)
+            return reply
+
+    def close(self) -> None:
+        """Closes the idle connections, and the busy ones once their request ends (idempotent)."""
+        self._closed = True
+        for conn in self._idle:
+            conn.reset()
+        self._idle.clear()

@@ -1,0 +1,214 @@
+"""The shards' bulk data path on raw TCP (the data port): its frames, and the connection that carries them.
+
+Big pulls and pushes skip gRPC: the tensor bytes go from the sender's arrays to
+the socket and from the socket into the receiver's arrays (one kernel copy
+each way, no HTTP/2 framing, no protobuf copies). gRPC stays the control plane:
+the ``ParameterServer.DataPort`` call (token-guarded like every call) hands out
+the port and a one-time nonce (``pscore.transport``).
+
+A frame (the full description is in ``ps.proto``, above ``ShardDataPortRequest``)
+is a 16-byte prefix (kind, head length, payload length), a head (a ``ps.proto``
+message) and a payload: the raw bytes of the head's ``TensorChunk`` s, each a
+whole tensor whose ``data`` is left empty, in order.
+
+>>> import numpy as np
+>>> head = ps_pb2.PushRequest(worker_id="w0", grads=[describe("w", np.zeros((2, 3), np.float32))])
+>>> tensor_sizes(head.grads)
+[24]
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from pscore import codec
+from pscore.errors import InvalidArgumentError, UnavailableError
+from pscore.transport import Buffer, Conn, FrameTransport, Into
+from psproto.v1 import ps_pb2
+
+MAGIC: Final[bytes] = b"PSDATA1\n"
+
+PUSH: Final[int] = 1
+PULL: Final[int] = 2
+PUSHED: Final[int] = 3
+PULLED: Final[int] = 4
+ERROR: Final[int] = 5
+HEADS: Final[dict[int, type]] = {
+    PUSH: ps_pb2.PushRequest,
+    PULL: ps_pb2.PullRequest,
+    PUSHED: ps_pb2.PushResponse,
+    PULLED: ps_pb2.PullResponse,
+    ERROR: ps_pb2.DataPortError,
+}
+TENSOR_FIELDS: Final[dict[int, str]] = {PUSH: "grads", PUSHED: "values", PULLED: "values"}
+
+_PREFIX: Final = struct.Struct("<BxxxIQ")  # kind, head bytes, payload bytes
+PREFIX_BYTES: Final[int] = _PREFIX.size
+MAX_HEAD_BYTES: Final[int] = 64 << 20  # a head holds names, shapes and versions only
+_SMALL_FRAME: Final[int] = 64 << 10  # a frame up to this is sent in one write
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A frame's kind and its head (a message of ``HEADS[kind]``)."""
+
+    kind: int
+    head: Any
+
+    def tensors(self) -> Sequence[ps_pb2.TensorChunk]:
+        """The head's tensors (described, their bytes are the payload); none for a kind without."""
+        field = TENSOR_FIELDS.get(self.kind)
+        return getattr(self.head, field) if field is not None else ()
+
+
+class _Refused(Exception):
+    """``into`` raised ``err`` (carried through ``recv``'s own error handling unchanged)."""
+
+    def __init__(self, err: BaseException) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+class Closed(UnavailableError):
+    """The peer closed the connection between two frames (not an error for a server)."""
+
+
+def describe(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
+    """The ``TensorChunk`` announcing the whole of ``value`` (a wire array) in a head, without its bytes."""
+    return ps_pb2.TensorChunk(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
+
+
+def tensor_sizes(chunks: Iterable[ps_pb2.TensorChunk]) -> list[int]:
+    """Each announced tensor's byte count, from its dtype and shape.
+
+    Raises:
+        CodecError: an unknown dtype, a negative dimension, or a chunk that is not a whole
+            tensor (an offset, or data in the head).
+    """
+    sizes = []
+    for chunk in chunks:
+        try:
+            dtype = codec.numpy_dtype(chunk.dtype)
+        except codec.CodecError as err:
+            raise codec.CodecError(f"tensor {chunk.name!r}: {err}") from None
+        shape = codec.chunk_shape(chunk)
+        if chunk.offset or chunk.data:
+            raise codec.CodecError(f"tensor {chunk.name!r}: on the data port a tensor travels whole")
+        sizes.append(math.prod(shape) * dtype.itemsize)
+    return sizes
+
+
+def payload_of(values: Iterable[np.ndarray]) -> list[memoryview]:
+    """The payload buffers of wire arrays (C-contiguous, little-endian), not copied."""
+    return [memoryview(v.reshape(-1)).cast("B") for v in values]
+
+
+class BulkConnection(FrameTransport[Frame]):
+    """One data-port connection: frames out and in (see the module doc).
+
+    Args:
+        conn: the connection (from ``transport.dial`` or a ``transport.DataPort``).
+        peer: who is at the other end (for messages).
+    """
+
+    def __init__(self, conn: Conn, peer: str) -> None:
+        self._conn: Conn | None = conn
+        self.peer = peer
+        self._prefix = bytearray(PREFIX_BYTES)
+        self._buf = bytearray()  # payloads nobody gave a place for
+
+    @property
+    def open(self) -> bool:
+        """Whether the connection is usable (not reset)."""
+        return self._conn is not None
+
+    def _live(self) -> Conn:
+        if self._conn is None:
+            raise UnavailableError(f"the data connection to {self.peer} is closed", address=self.peer)
+        return self._conn
+
+    async def send(self, header: Frame, payload: Sequence[Buffer] = ()) -> None:
+        conn = self._live()
+        head = header.head.SerializeToString()
+        size = sum(len(p) for p in payload)
+        first = _PREFIX.pack(header.kind, len(head), size) + head
+        try:
+            if size <= _SMALL_FRAME:
+                await conn.sendall(b"".join((first, *payload)))
+                return
+            await conn.sendall(first)
+            for part in payload:
+                await conn.sendall(part)
+        except OSError as err:
+            self.reset()
+            raise UnavailableError(
+                f"the data connection to {self.peer} broke: {type(err).__name__}: {err}", address=self.peer
+            ) from None
+
+    async def recv(self, into: Into[Frame] | None = None) -> tuple[Frame, memoryview | None]:
+        """Receives a frame (see ``FrameTransport.recv``).
+
+        Raises:
+            Closed: the peer closed the connection before a frame began.
+            UnavailableError: the connection broke inside a frame.
+            InvalidArgumentError: the bytes are not a frame (the connection is reset).
+            Exception: what ``into`` raised (the connection is reset: the payload was not read).
+        """
+        conn = self._live()
+        try:
+            try:
+                await conn.recv_exactly(memoryview(self._prefix))
+            except ConnectionError:
+                self.reset()
+                raise Closed(f"{self.peer} closed the data connection", address=self.peer) from None
+            kind, head_len, size = _PREFIX.unpack(self._prefix)
+            message = HEADS.get(kind)
+            if message is None or head_len > MAX_HEAD_BYTES:
+                raise codec.CodecError(f"not a data-port frame (kind {kind}, head of {head_len} bytes)")
+            head = bytearray(head_len)
+            await conn.recv_exactly(memoryview(head))
+            try:
+                frame = Frame(kind, message.FromString(bytes(head)))
+            except Exception as err:  # protobuf's DecodeError
+                raise codec.CodecError(f"malformed {message.__name__} head: {err}") from None
+            try:
+                targets = into(frame, size) if into is not None else None
+            except BaseException as err:
+                raise _Refused(err) from err
+            if targets is None:
+                if len(self._buf) < size:
+                    self._buf = bytearray(size)
+                view = memoryview(self._buf)[:size]
+                await conn.recv_exactly(view)
+                return frame, view
+            if sum(len(t) for t in targets) != size:
+                raise codec.CodecError(f"frame announces {size} payload bytes; its head describes others")
+            for target in targets:
+                await conn.recv_exactly(target)
+            return frame, None
+        except _Refused as refused:
+            self.reset()  # the payload was not read
+            raise refused.err from None
+        except codec.CodecError as err:
+            self.reset()
+            raise InvalidArgumentError(f"bad frame from {self.peer}: {err}", address=self.peer) from None
+        except OSError as err:
+            self.reset()
+            raise UnavailableError(
+                f"the data connection to {self.peer} broke inside a frame: {type(err).__name__}: {err}",
+                address=self.peer,
+            ) from None
+        except BaseException:
+            self.reset()  # cancelled or failed inside a frame: the stream is out of step
+            raise
+
+    def reset(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

@@ -1,0 +1,286 @@
+"""The shard's raw-TCP data port: big pulls and pushes without gRPC's copies, served by the servicer's paths.
+
+A client gets the port and a one-time nonce from the ``DataPort`` call (so the
+auth token guards the port too), connects (TLS when the shard serves TLS, with
+its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
+
+- A pull is ``ParameterServerServicer.pull_snapshot``, as for ``Pull``; the values
+  are sent straight from the stored arrays (copy-on-write, so a snapshot stays
+  put while it is sent).
+- A push's gradients are received straight into a buffer of a small pool
+  (reused once nothing refers to it, so a steady stream of pushes does not
+  fault in fresh pages), then go through ``ParameterServerServicer.push_one``, as
+  ``Push``: validation, the mode (idempotence, sync barrier, ssp clock),
+  replication and the returned values are exactly those of the gRPC calls. The
+  shard applies a push once all of it has arrived (a push is all or nothing).
+- Failures are answered with the status, message and reason the gRPC call
+  would have ended with (``ParameterServerServicer.failure``); bytes that are not
+  frames end the connection (the shard goes on serving).
+- Metrics count these requests as ``Push`` and ``Pull`` RPCs.
+
+Shutdown (``stop``): the port stops accepting; connections waiting for a
+request are closed, and a request in progress is answered (up to the grace
+period) before its connection closes. Clients retry on the restarted shard.
+
+Memory: besides the state, the pool keeps up to ``POOL_BUFFERS`` idle buffers,
+each the size of the push it last held (rounded up to 1 MiB); a buffer is
+allocated per push in flight beyond that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import ssl
+import sys
+import time
+from typing import Final
+
+import grpc
+import numpy as np
+
+from pscore import bulk, codec, transport
+from pscore.errors import PSError, UnavailableError, status_number
+from psproto.v1 import ps_pb2
+from psserver.metrics import ShardMetrics
+from psserver.servicer import ParameterServerServicer, deadline_of
+
+log = logging.getLogger(__name__)
+
+POOL_BUFFERS: Final[int] = 2  # idle receive buffers kept for reuse
+_ROUND: Final[int] = 1 << 20  # buffer sizes are rounded up to this
+_NONCES: Final[int] = 4096  # unused nonces kept (one per connection a client is opening)
+_NONCE_TTL_S: Final[float] = 120.0
+
+
+class BufferPool:
+    """Receive buffers for pushes: a buffer is reused once no gradient array refers to it any more.
+
+    Not thread-safe: used from the shard's event loop.
+    """
+
+    def __init__(self, keep: int = POOL_BUFFERS) -> None:
+        self.keep = keep
+        self._free: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least ``nbytes`` (a free pooled one if any fits)."""
+        best = None
+        for buf in self._free:
+            # References: the pool's list, this loop variable and getrefcount's argument.
+            if (
+                buf.nbytes >= nbytes
+                and sys.getrefcount(buf) <= 3
+                and (best is None or buf.nbytes < best.nbytes)
+            ):
+                best = buf
+        if best is not None:
+            return best
+        buf = np.empty(-(-max(nbytes, 1) // _ROUND) * _ROUND, np.uint8)
+        self._free.append(buf)
+        if len(self._free) > self.keep:  # forget the smallest idle one (a busy one lives on with its users)
+            idle = [b for b in self._free if b is not buf and sys.getrefcount(b) <= 3]
+            if idle:
+                self._free.remove(min(idle, key=lambda b: b.nbytes))
+            else:
+                self._free.remove(buf)
+        return buf
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the pool keeps."""
+        return sum(b.nbytes for b in self._free)
+
+
+class DataPortServer:
+    """The data port of one shard (see the module doc).
+
+    Args:
+        servicer: the shard's servicer (its push and pull paths).
+        metrics: the shard's metrics (requests counted as ``Push`` / ``Pull``), or None.
+        host: the host the gRPC server binds (the port is ephemeral).
+        tls: the accepting side's TLS context (``pscore.transport.server_context``), or None.
+    """
+
+    def __init__(
+        self,
+        servicer: ParameterServerServicer,
+        metrics: ShardMetrics | None,
+        *,
+        host: str,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self._servicer = servicer
+        self._metrics = metrics
+        self._shard = servicer.shard
+        self._port = transport.DataPort(
+            host,
+            magic=bulk.MAGIC,
+            on_connection=self._serve,
+            tls=tls,
+            max_nonces=_NONCES,
+            nonce_ttl_s=_NONCE_TTL_S,
+            name=f"shard {servicer.shard} data port",
+        )
+        self.pool = BufferPool()
+        self._idle: set[asyncio.Task[None]] = set()  # serving tasks waiting for a request
+        self._busy: set[asyncio.Task[None]] = set()  # serving tasks answering one
+        self._links: set[bulk.BulkConnection] = set()
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self.stopping = False
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return self._port.port
+
+    async def start(self) -> None:
+        """Binds an ephemeral port and starts accepting. Raises: OSError."""
+        await self._port.start()
+
+    def issue_nonce(self) -> bytes:
+        """A one-time nonce for one connection (``DataPort`` call)."""
+        return self._port.issue_nonce()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops accepting; answers requests in progress (for ``grace_s`` at most), then closes all."""
+        self.stopping = True
+        self._port.stop_accepting()
+        for task in list(self._idle):
+            task.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self._quiet.wait()
+        await self._port.close()
+        for link in list(self._links):
+            link.reset()
+
+    async def _serve(self, conn: transport.Conn, _who: int) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        link = bulk.BulkConnection(conn, f"shard {self._shard} data port client")
+        self._links.add(link)
+        try:
+            while link.open and not self.stopping:
+                buffers: list[np.ndarray] = []
+                self._idle.add(task)
+                try:
+                    frame, _ = await link.recv(functools.partial(self._receive_into, buffers=buffers))
+                except bulk.Closed:
+                    return
+                except PSError as err:  # garbage, or a broken connection: drop it, serve the others
+                    log.warning("shard %d: data port connection dropped: %s", self._shard, err.details)
+                    return
+                finally:
+                    self._idle.discard(task)
+                self._busy.add(task)
+                self._quiet.clear()
+                try:
+                    await self._answer(link, frame, buffers[0] if buffers else None)
+                finally:
+                    self._busy.discard(task)
+                    if not self._busy:
+                        self._quiet.set()
+                    del buffers
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+        finally:
+            link.reset()
+            self._links.discard(link)
+
+    def _receive_into(self, frame: bulk.Frame, nbytes: int, buffers: list[np.ndarray]) -> list[memoryview]:
+        """Where a request's payload goes: a push's gradients into a pooled buffer. Raises: CodecError."""
+        if frame.kind not in (bulk.PUSH, bulk.PULL):
+            raise codec.CodecError(f"a request cannot be a frame of kind {frame.kind}")
+        if sum(bulk.tensor_sizes(frame.tensors())) != nbytes:
+            raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
+        if not nbytes:
+            return []
+        buf = self.pool.take(nbytes)
+        buffers.append(buf)
+        return [memoryview(buf)[:nbytes]]
+
+    async def _answer(self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None) -> None:
+        started = time.perf_counter()
+        head = frame.head
+        kind, rpc = (bulk.PUSH, "Push") if frame.kind == bulk.PUSH else (bulk.PULL, "Pull")
+        reply: bulk.Frame
+        payload: list[memoryview] = []
+        code = grpc.StatusCode.OK
+        request = head
+        response = None
+        try:
+            if self.stopping:
+                raise UnavailableError("the shard is shutting down; retry on its restart")
+            if kind == bulk.PUSH:
+                request = _push_request(head, buf)
+                if self._metrics is not None:
+                    self._metrics.push_received(head, sum(c.data.nbytes for c in request.grads))
+                response = await self._servicer.push_one(request, deadline_of(None, head.timeout_s))
+                answer = response.header if isinstance(response, codec.WireMessage) else response
+                chunks = response.chunks if isinstance(response, codec.WireMessage) else []
+                answer.values.extend(_described(chunks))
+                payload = [c.data for c in chunks]
+                reply = bulk.Frame(bulk.PUSHED, answer)
+            else:
+                if self._metrics is not None:
+                    self._metrics.saw_worker(head.worker_id)
+                snapshot = await self._servicer.pull_snapshot(head, deadline_of(None, head.timeout_s))
+                chunks = [codec.WireChunk.of(name, value) for name, value, _ in snapshot]
+                answer = ps_pb2.PullResponse(versions=[v for _, _, v in snapshot], values=_described(chunks))
+                payload = [c.data for c in chunks]
+                reply = bulk.Frame(bulk.PULLED, answer)
+        except (PSError, codec.CodecError) as err:
+            code, message, reason = self._servicer.failure(err)
+            reply = bulk.Frame(
+                bulk.ERROR, ps_pb2.DataPortError(code=status_number(code), message=message, reason=reason)
+            )
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code = grpc.StatusCode.UNKNOWN
+            log.exception("shard %d: data port %s failed", self._shard, rpc)
+            reply = bulk.Frame(
+                bulk.ERROR,
+                ps_pb2.DataPortError(
+                    code=status_number(code), message=f"shard {self._shard}: internal error"
+                ),
+            )
+        finally:
+            if self._metrics is not None:
+                seconds = time.perf_counter() - started
+                if kind == bulk.PUSH:
+                    self._metrics.push_done(request, response, code, seconds, rpc)
+                else:
+                    self._metrics.pull_done(request, code, seconds, rpc)
+        sent = sum(len(p) for p in payload)
+        try:
+            await link.send(reply, payload)
+        except PSError as err:  # the client went away; its retry (a push: idempotent) gets a new answer
+            log.info("shard %d: data port answer not delivered: %s", self._shard, err.details)
+            return
+        if self._metrics is not None and sent:
+            self._metrics.pull_bytes.inc(sent)
+
+
+def _push_request(head: ps_pb2.PushRequest, buf: np.ndarray | None) -> codec.WireMessage:
+    """The push as ``Push`` gets it: the head's fields, each gradient a read-only view of the buffer."""
+    sizes = bulk.tensor_sizes(head.grads)
+    view = memoryview(buf).toreadonly() if buf is not None else memoryview(b"")
+    chunks, start = [], 0
+    for chunk, size in zip(head.grads, sizes, strict=True):
+        chunks.append(
+            codec.WireChunk(chunk.name, chunk.dtype, tuple(chunk.shape), 0, view[start : start + size])
+        )
+        start += size
+    return codec.WireMessage(head, "grads", chunks)
+
+
+def _described(chunks: list[codec.WireChunk]) -> list[ps_pb2.TensorChunk]:
+    """The head entries announcing whole-tensor ``chunks`` (their bytes follow as the payload)."""
+    return [ps_pb2.TensorChunk(name=c.name, dtype=c.dtype, shape=c.shape) for c in chunks]
