@@ -82,10 +82,8 @@ class BufferPool:
         self._free.append(buf)
         if len(self._free) > self.keep:  # forget the smallest idle one (a busy one lives on with its users)
             idle = [b for b in self._free if b is not buf and sys.getrefcount(b) <= 3]
-            if idle:
-                self._free.remove(min(idle, key=lambda b: b.nbytes))
-            else:
-                self._free.remove(buf)
+            drop = min(idle, key=lambda b: b.nbytes) if idle else buf
+            self._free = [b for b in self._free if b is not drop]  # by identity: arrays do not compare
         return buf
 
     @property
