@@ -224,6 +224,7 @@ class DataPort:
 
     Args:
         host: the host to bind (that of the service's gRPC address).
+        port: the port to bind (0: an ephemeral one).
         magic: the 8 bytes that open a connection of this protocol.
         on_connection: ``on_connection(conn, who)``, called (on the loop) with each accepted connection.
         accept: ``accept(who)``: whether a connection that says it is ``who`` may connect (default: any).
@@ -236,6 +237,7 @@ class DataPort:
     def __init__(
         self,
         host: str,
+        port: int = 0,
         *,
         magic: bytes,
         on_connection: Callable[[Conn, int], Awaitable[None] | None],
@@ -248,6 +250,7 @@ class DataPort:
         if len(magic) != MAGIC_BYTES:
             raise ValueError(f"magic must be {MAGIC_BYTES} bytes")
         self._host = host.strip("[]")
+        self._bind_port = port
         self._magic = magic
         self._on_connection = on_connection
         self._accept = accept
@@ -268,14 +271,16 @@ class DataPort:
         return int(self._sock.getsockname()[1])
 
     async def start(self) -> None:
-        """Binds an ephemeral port on the host and starts accepting.
+        """Binds the port (an ephemeral one for 0) on the host and starts accepting.
 
         Raises:
-            OSError: the host cannot be bound.
+            OSError: the address cannot be bound (in use, or not this machine's).
         """
         sock = socket.socket(family_of(self._host), socket.SOCK_STREAM)
         try:
-            sock.bind((self._host, 0))
+            if self._bind_port:  # a fixed port: rebind at once after a restart
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._bind_port))
             sock.listen(64)
             sock.setblocking(False)
         except OSError:

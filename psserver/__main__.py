@@ -97,11 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="primary: seconds an update waits for its backup before going on without it (default: 30)",
     )
     p.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="the raw-TCP port for big pulls and pushes, on --host, advertised to clients by the "
+        "token-guarded DataPort call (default 0: an ephemeral port; give one to open it in a firewall)",
+    )
+    p.add_argument(
         "--no-data-port",
         dest="data_port",
-        action="store_false",
-        help="serve no raw-TCP data port: clients pull and push over gRPC only (by default big pulls and "
-        "pushes use an ephemeral TCP port next to --port, advertised by the token-guarded DataPort call)",
+        action="store_const",
+        const=None,
+        help="serve no data port: clients pull and push over gRPC only",
     )
     p.add_argument("--log-level", default=env("PS_LOG_LEVEL", "INFO"), help="logging level (default: INFO)")
     return p

@@ -45,7 +45,7 @@ class ServerConfig:
     backup_of: str | None = None  # HOST:PORT of the primary this process backs up (psserver.replication)
     backup_at: str | None = None  # a primary's backup: if it has taken over, start as its backup instead
     replication_timeout_s: float = 30.0
-    data_port: bool = True  # serve the raw-TCP data port (psserver.dataport) next to gRPC
+    data_port: int | None = 0  # the raw-TCP data port (psserver.dataport): 0 ephemeral, None: none
 
     @property
     def peer_ca(self) -> str | None:
@@ -59,6 +59,10 @@ class ServerConfig:
             raise ConfigError(f"--shard must be in [0, {self.num_shards}), got {self.shard}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.data_port is not None and not 0 <= self.data_port <= 65535:
+            raise ConfigError(f"--data-port must be in [0, 65535], got {self.data_port}")
+        if self.data_port and self.data_port == self.port:
+            raise ConfigError(f"--data-port and --port must differ, both are {self.port}")
         if self.mode not in MODES:
             raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.staleness < 0:

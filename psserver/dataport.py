@@ -98,7 +98,8 @@ class DataPortServer:
     Args:
         servicer: the shard's servicer (its push and pull paths).
         metrics: the shard's metrics (requests counted as ``Push`` / ``Pull``), or None.
-        host: the host the gRPC server binds (the port is ephemeral).
+        host: the host the gRPC server binds.
+        port: the port to bind (0: an ephemeral one).
         tls: the accepting side's TLS context (``pscore.transport.server_context``), or None.
     """
 
@@ -108,6 +109,7 @@ class DataPortServer:
         metrics: ShardMetrics | None,
         *,
         host: str,
+        port: int = 0,
         tls: ssl.SSLContext | None = None,
     ) -> None:
         self._servicer = servicer
@@ -115,6 +117,7 @@ class DataPortServer:
         self._shard = servicer.shard
         self._port = transport.DataPort(
             host,
+            port,
             magic=bulk.MAGIC,
             on_connection=self._serve,
             tls=tls,
@@ -136,7 +139,7 @@ class DataPortServer:
         return self._port.port
 
     async def start(self) -> None:
-        """Binds an ephemeral port and starts accepting. Raises: OSError."""
+        """Binds the port and starts accepting. Raises: OSError."""
         await self._port.start()
 
     def issue_nonce(self) -> bytes:

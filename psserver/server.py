@@ -274,12 +274,17 @@ async def start(config: ServerConfig) -> Shard:
     )
     port = security.add_port(server, f"{config.host}:{config.port}", credentials)
     data_port = None
-    if config.data_port:
+    if config.data_port is not None:
         data_tls = None
         if config.tls_cert and config.tls_key:  # the same certificates and client checks as gRPC
             data_tls = transport.server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-        data_port = DataPortServer(servicer, metrics, host=config.host, tls=data_tls)
-        await data_port.start()
+        data_port = DataPortServer(servicer, metrics, host=config.host, port=config.data_port, tls=data_tls)
+        try:
+            await data_port.start()
+        except OSError as err:
+            bind = f"{config.host}:{config.data_port}"
+            why = "address already in use" if err.errno == errno.EADDRINUSE else (err.strerror or str(err))
+            raise security.BindError(err.errno or 0, f"cannot bind --data-port {bind}: {why}") from err
         servicer.data_port = data_port
     await server.start()
     host = config.host if config.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from _support import CALL_TIMEOUT_S
+from _support import CALL_TIMEOUT_S, free_port
 
 import psclient
 from pscore import bulk, codec, transport
@@ -364,7 +364,10 @@ async def test_the_data_port_needs_the_token_and_a_fresh_nonce(
     make_cluster: Callable[..., LocalCluster], tmp_path: Path
 ) -> None:
     (tmp_path / "token").write_text(TOKEN)
-    cluster = make_cluster(num_shards=1, server_args=["--auth-token-file", str(tmp_path / "token")])
+    fixed = free_port()  # --data-port: a port a firewall can be opened for
+    cluster = make_cluster(
+        num_shards=1, server_args=["--auth-token-file", str(tmp_path / "token"), "--data-port", str(fixed)]
+    )
     address = cluster.addresses[0]
     async with psclient.AsyncPSClient(
         cluster.addresses, "w0", auth_token=TOKEN, timeout=CALL_TIMEOUT_S, **WIRE
@@ -379,6 +382,7 @@ async def test_the_data_port_needs_the_token_and_a_fresh_nonce(
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     async with _stub(address, TOKEN) as call:
         reply = await call("DataPort", ps_pb2.ShardDataPortRequest())
+    assert reply.port == fixed
     hello = bulk.MAGIC + os.urandom(16) + bytes(4)  # a forged nonce
     reader, writer = await asyncio.open_connection("127.0.0.1", reply.port)
     writer.write(hello)
