@@ -293,13 +293,6 @@ async def start(config: ServerConfig) -> Shard:
     shard.checkpointer = checkpointer
     shard.primary, shard.backup, shard.servicer = primary, backup, servicer
     shard.data_port = data_port
-    if data_port is not None:
-        log.info(
-            "shard %d: data port on %s:%d (raw TCP for big pulls and pushes)",
-            config.shard,
-            host,
-            data_port.port,
-        )
     if backup is not None:
         backup.address = address
         backup.start()
@@ -354,6 +347,9 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
         config.shard, config.num_shards, config.mode, shard.address,
         f" as the backup of {shard.config.backup_of}" if shard.config.backup_of else "",
     )  # fmt: skip
+    if shard.data_port is not None:
+        data_host = shard.address.rpartition(":")[0]
+        log.info("shard %d: data port on %s:%d (raw TCP)", config.shard, data_host, shard.data_port.port)
     if config.ready_file:
         if shard.metrics is not None and shard.metrics.port is not None:  # for tools: before the ready file
             write_ready_file(

@@ -190,7 +190,7 @@ async def test_ps_process_sigterm_releases_a_sync_barrier_with_unavailable(
     assert await asyncio.to_thread(proc.wait, 20) == 0
 
 
-@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port", "--data-port"])
 def test_ps_process_port_in_use_is_one_line_and_exit_2(flag: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -203,6 +203,6 @@ def test_ps_process_port_in_use_is_one_line_and_exit_2(flag: str) -> None:
         )  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"psserver: error: cannot bind {'--metrics-port ' if flag == '--metrics-port' else ''}"
+        f"psserver: error: cannot bind {flag + ' ' if flag != '--port' else ''}"
         f"127.0.0.1:{port}: address already in use"
     ], out.stderr
