@@ -7,6 +7,9 @@ they must agree on lives here, once:
   one chunker and assembler);
 - ``errors``: the exception tree and the one gRPC status <-> exception table;
 - ``security``: auth-token and TLS credentials and the server-side interceptors;
+- ``transport``: the one ``FrameTransport`` interface (the ring's and the shards' data paths)
+  and the raw-TCP pieces: nonce-guarded data ports, connections, TLS;
+- ``bulk``: the frames of the shards' data port (big pulls and pushes without gRPC);
 - ``optimizers``: the optimizer specs a worker sends and a shard builds from;
 - ``placement``: which shard holds which variable or row partition;
 - ``embedding``: embedding-table wire names and deterministic row initializers;
