@@ -1,15 +1,22 @@
-"""Parameter-server data path vs a bare grpc.aio echo and TensorFlow's own PS runtime, side by side.
+"""Parameter-server data path vs raw sockets, a bare grpc.aio echo and TensorFlow's own PS runtime.
 
-One run starts three servers on loopback and drives each from its own client
+One run starts the servers on loopback and drives each from its own client
 process, one system after the other:
 
+* ``raw``: the physical limit: a raw Python loopback socket (blocking sockets,
+  a thread per connection) moving the same bytes into a reused buffer. pull:
+  the server sends N bytes from a buffer, the client ``recv_into`` s a reused
+  one; push: the other way, answered by one byte; push_pull: both.
 * ``echo``: a bare grpc.aio bytes service (one process, uvloop, identity
   serializers). ``Source`` answers N bytes (the pull peer), ``Sink`` takes N
   bytes (the push peer), ``Echo`` returns what it got (the push_pull peer).
 * ``ps``: a 2-shard psserver cluster (``trainer.cluster.LocalCluster``) driven by
-  ``psclient.AsyncPSClient``: ``pull([v])``, ``push({v: g})``, ``push_pull({v: g})``
-  of one float32 variable of N bytes (64 MiB is split over both shards by the
-  client's placement rule).
+  ``psclient.AsyncPSClient`` as shipped (transfers of 256 KiB or more per shard
+  over the shards' raw-TCP data port): ``pull([v])``, ``push({v: g})``,
+  ``push_pull({v: g})`` of one float32 variable of N bytes (64 MiB is split over
+  both shards by the client's placement rule).
+* ``ps_grpc``: the same cluster and calls with ``ClientConfig(data_port=False)``:
+  everything over gRPC (what the data port replaced).
 * ``tf``: TensorFlow's ParameterServerStrategy runtime: two ``tf.distribute.Server``
   ps tasks; the client process joins with ``tf.config.experimental_connect_to_cluster``
   and holds ``tf.Variable``s on ``/job:ps``. pull = ``read_value()`` fetched to
@@ -25,6 +32,12 @@ leaves everything as installed (psserver tunes itself at start, nothing else
 is tuned: the out-of-the-box comparison); ``default`` runs every process,
 psserver included, on glibc's defaults.
 
+Server CPU: each round reads the CPU time (user + system, /proc) of the system's
+server processes (both shards for ``ps``); the report gives it per MiB moved
+(per op, N bytes; push_pull counts N once). Shard memory: the shards' RSS when
+they start (empty), at the end, and their peak, next to the state they hold
+(the bench variables: float32, SGD without momentum, so no slots).
+
 Every case runs for ``--seconds`` seconds (or ``--max-iters`` ops) per system,
 cut into ``--rounds`` short rounds (each after a short warm-up) that alternate
 between the systems in rotating order, so that load from other work on the
@@ -35,7 +48,7 @@ once per op (push_pull moves 2N).
 
 Usage:
     python bench/bench_ps.py --out bench/results/ps   # writes ps.md and ps.json
-    python bench/bench_ps.py --sizes 1KiB --systems echo,ps --seconds 1   # a quick look
+    python bench/bench_ps.py --sizes 64MiB --systems raw,ps,ps_grpc --seconds 1   # a quick look
 """
 
 from __future__ import annotations
@@ -61,7 +74,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as cm
 
 OPS = ("pull", "push", "push_pull")
-SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20}
+SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "64MiB": 64 << 20}
+SYSTEMS = ("raw", "echo", "ps", "ps_grpc", "tf")
+_RAW_OPS = {"pull": 1, "push": 2, "push_pull": 3}
+_RAW_HEAD = struct.Struct("<BQ")  # op, bytes
 MAX_MESSAGE = 256 << 20
 TF_SPLIT_BYTES = 8 << 20  # psclient's default partition size: bigger variables go to both ps tasks
 ECHO_SERVICE = "/bench.Echo/"
@@ -118,6 +134,87 @@ def _budget(args: argparse.Namespace, nbytes: int, seconds: float) -> tuple[int,
 
 def _grpc_options() -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+
+# -- raw sockets: the physical limit ------------------------------------------------
+
+
+def _recv_into(sock: Any, view: memoryview) -> bool:
+    """Fills ``view`` from a blocking socket; False if the peer closed first."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if not k:
+            return False
+        got += k
+    return True
+
+
+def _raw_server_main(ready_file: str) -> None:
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+
+    def serve(conn: Any) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = bytearray(_RAW_HEAD.size)
+        buf = bytearray()
+        with conn:
+            while _recv_into(conn, memoryview(head)):
+                op, n = _RAW_HEAD.unpack(head)
+                if len(buf) < n:
+                    buf = bytearray(n)
+                view = memoryview(buf)[:n]
+                if op != _RAW_OPS["pull"] and not _recv_into(conn, view):
+                    return
+                conn.sendall(view if op != _RAW_OPS["push"] else b"\x01")
+
+    with open(ready_file + ".tmp", "w") as f:
+        f.write(f"127.0.0.1:{listener.getsockname()[1]}\n")
+    os.replace(ready_file + ".tmp", ready_file)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _raw_client(args: argparse.Namespace) -> list[cm.Stat]:
+    import socket
+
+    host, _, port = args.target.rpartition(":")
+    concurrency = max(c for _, _, c in _cases(args))
+    conns = []
+    for _ in range(concurrency):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conns.append(s)
+    stats = []
+    try:
+        for op, n, conc, budget_s in _feed():
+            out = memoryview(bytearray(n))
+            into = [memoryview(bytearray(max(n, 1))) for _ in range(conc)]
+            head = _RAW_HEAD.pack(_RAW_OPS[op], n)
+
+            def run(
+                i: int, op: str = op, out: memoryview = out, head: bytes = head, into: list[memoryview] = into
+            ) -> None:
+                s = conns[i]
+                s.sendall(head)
+                if op != "pull":
+                    s.sendall(out)
+                _recv_into(s, into[i][: len(out) if op != "push" else 1])
+
+            iters, seconds, warmup = _budget(args, n, budget_s)
+            lat, elapsed = cm.measure_threads(
+                run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
+            )
+            stats.append(cm.summarize("raw", op, n, conc, lat, elapsed))
+            cm.emit(stats[-1:])
+    finally:
+        for s in conns:
+            s.close()
+    return stats
 
 
 # -- echo server and client ------------------------------------------------------
@@ -202,14 +299,18 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
 # -- psserver client ----------------------------------------------------------------
 
 
-async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
+async def _ps_client(args: argparse.Namespace, system: str) -> list[cm.Stat]:
     import numpy as np
 
     import psclient
 
     addresses = args.target.split(",")
     concurrency = max(c for _, _, c in _cases(args))
-    clients = [psclient.AsyncPSClient(addresses, worker_id=f"bench-{i}") for i in range(concurrency)]
+    options = {"data_port": False} if system == "ps_grpc" else {}
+    clients = [
+        psclient.AsyncPSClient(addresses, worker_id=f"bench-{system}-{i}", **options)
+        for i in range(concurrency)
+    ]
     stats = []
     try:
         names = {}
@@ -236,7 +337,7 @@ async def _ps_client(args: argparse.Namespace) -> list[cm.Stat]:
             lat, elapsed = await cm.measure_async(
                 run, concurrency=conc, max_iters=iters, max_seconds=seconds, warmup=warmup
             )
-            stats.append(cm.summarize("ps", op, n, conc, lat, elapsed))
+            stats.append(cm.summarize(system, op, n, conc, lat, elapsed))
             cm.emit(stats[-1:])
     finally:
         for c in clients:
@@ -342,23 +443,54 @@ def _popen(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Any
                 proc.wait(timeout=15)
 
 
-def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _memory_mib(pid: int) -> dict[str, float]:
+    """A process's resident set now (VmRSS) and at its peak (VmHWM), MiB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out["rss_mib" if key == "VmRSS" else "peak_mib"] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def _run_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Runs every case on every system; returns the results and the shards' memory (empty without ps)."""
     from trainer.cluster import LocalCluster
 
     me = str(Path(__file__).resolve())
     results: list[dict[str, Any]] = []
+    memory: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-ps-")))
         targets: dict[str, str] = {}
-        if "echo" in args.systems:
-            ready = work / "echo.addr"
-            proc = stack.enter_context(
-                _popen([me, "--role", "echo-server", "--ready-file", str(ready)], work / "echo.log")
-            )
-            targets["echo"] = cm.wait_for_file(ready, 30, proc)
-        if "ps" in args.systems:
+        pids: dict[str, list[int]] = {}
+        for system in ("raw", "echo"):
+            if system in args.systems:
+                ready = work / f"{system}.addr"
+                proc = stack.enter_context(
+                    _popen(
+                        [me, "--role", f"{system}-server", "--ready-file", str(ready)], work / f"{system}.log"
+                    )
+                )
+                targets[system] = cm.wait_for_file(ready, 30, proc)
+                pids[system] = [proc.pid]
+        shards: list[int] = []
+        if "ps" in args.systems or "ps_grpc" in args.systems:
             cluster = stack.enter_context(LocalCluster(num_shards=2, server_args=args.ps_server_args))
-            targets["ps"] = ",".join(cluster.addresses)
+            shards = [p.pid for p in cluster.procs if p is not None]
+            memory["start"] = [_memory_mib(pid) for pid in shards]
+            for system in ("ps", "ps_grpc"):
+                targets[system] = ",".join(cluster.addresses)
+                pids[system] = shards
         if "tf" in args.systems:
             spec = json.dumps({"ps": [f"127.0.0.1:{cm.free_port()}" for _ in range(2)]})
             procs = []
@@ -389,11 +521,17 @@ def _run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             for ready, proc in procs:
                 cm.wait_for_file(ready, 120, proc)
             targets["tf"] = spec
-        results.extend(_interleaved(args, targets, work))
-    return results
+            pids["tf"] = [proc.pid for _, proc in procs]
+        results.extend(_interleaved(args, targets, pids, work))
+        if shards:
+            memory["end"] = [_memory_mib(pid) for pid in shards]
+            memory["state_mib"] = round(sum(args.sizes) / (1 << 20), 3)  # one float32 variable per size
+    return results, memory
 
 
-def _interleaved(args: argparse.Namespace, targets: dict[str, str], work: Path) -> list[dict[str, Any]]:
+def _interleaved(
+    args: argparse.Namespace, targets: dict[str, str], pids: dict[str, list[int]], work: Path
+) -> list[dict[str, Any]]:
     """Runs every case on every system back to back (rotating which goes first), one client process each.
 
     Interleaving keeps the ratios of one case honest on a machine whose load
@@ -424,10 +562,14 @@ def _interleaved(args: argparse.Namespace, targets: dict[str, str], work: Path) 
                 for system in order:
                     child = children[system]
                     assert child.stdin is not None
+                    cpu = _cpu_s(pids[system])
                     child.stdin.write(json.dumps([op, n, conc, args.seconds / args.rounds]) + "\n")
                     child.stdin.flush()
                     line = _read_until(child, system, work, cm.RESULT_PREFIX)
-                    rounds[system].extend(json.loads(line[len(cm.RESULT_PREFIX) :]))
+                    (stat,) = json.loads(line[len(cm.RESULT_PREFIX) :])
+                    # The round's warm-up ops are included: a few % more per timed op.
+                    stat["server_cpu_s"] = _cpu_s(pids[system]) - cpu
+                    rounds[system].append(stat)
             results.extend(_merge(r) for r in rounds.values())
             print(f"  {op} {_size_name(n)} x{conc}: done", file=sys.stderr, flush=True)
     finally:
@@ -452,6 +594,8 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     iters = sum(r["iters"] for r in rounds)
     seconds = sum(r["seconds"] for r in rounds)
     ops = iters / seconds if seconds > 0 else 0.0
+    cpu = sum(r.get("server_cpu_s", 0.0) for r in rounds)
+    mib = iters * first["nbytes"] / (1 << 20)
     return {
         **first,
         "iters": iters,
@@ -461,6 +605,8 @@ def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "p50_ms": sorted(r["p50_ms"] for r in rounds)[len(rounds) // 2],
         "p99_ms": max(r["p99_ms"] for r in rounds),
         "rounds": len(rounds),
+        "server_cpu_s": round(cpu, 3),
+        "server_cpu_ms_per_mib": round(cpu * 1e3 / mib, 3) if mib else None,
     }
 
 
@@ -503,14 +649,17 @@ def goals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return ps["ops_s"] / other["ops_s"]
 
     for op in OPS:
-        for peer, want in (("tf", 1.5), ("echo", 1.0)):
+        for peer, want in (("tf", 1.5), ("raw", 0.5)):
             r = ratio(op, 64 << 20, 1, peer)
             if r is not None:
                 out.append(_goal(f"64MiB {op} vs {peer}", want, r))
+    r = ratio("push", 4 << 20, 1, "echo")
+    if r is not None:
+        out.append(_goal("4MiB push vs echo", 1.0, r))
     concs = sorted({r["concurrency"] for r in results if r["nbytes"] == 1 << 10 and r["concurrency"] > 1})
     for conc in concs:
         r = ratio("push", 1 << 10, conc, "echo")
-        if r is not None:
+        if r is not None:  # 0.83-0.86x before the data port (bench/results/ps.md): no worse than that
             out.append(_goal(f"1KiB push x{conc} vs echo", 0.8, r))
     return out
 
@@ -524,23 +673,44 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             f"### Run {k} ({run['started']}, malloc {run.get('malloc', 'tuned')}, "
             f"load before {run['machine']['loadavg_1_5_15']}, after {run['load_after']})\n"
         )
-        lines.append("| size | op | clients | system | GB/s | ops/s | p50 ms | p99 ms | vs echo | vs TF |")
-        lines.append("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        lines.append(
+            "| size | op | clients | system | GB/s | ops/s | p50 ms | p99 ms | server CPU ms/MiB "
+            "| vs raw | vs echo | vs TF |"
+        )
+        lines.append("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         keys = sorted({_key(r) for r in results}, key=lambda k: (k[1], k[2], OPS.index(k[0])))
         for op, n, conc in keys:
+            raw = by.get(("raw", op, n, conc))
             echo = by.get(("echo", op, n, conc))
             tf = by.get(("tf", op, n, conc))
-            for system in ("ps", "echo", "tf"):
+            for system in ("ps", "ps_grpc", "raw", "echo", "tf"):
                 r = by.get((system, op, n, conc))
                 if r is None:
                     continue
+                vs_raw = _ratio(r["ops_s"], raw and raw["ops_s"]) if system != "raw" else ""
                 vs_echo = _ratio(r["ops_s"], echo and echo["ops_s"]) if system != "echo" else ""
                 vs_tf = _ratio(r["ops_s"], tf and tf["ops_s"]) if system != "tf" else ""
+                cpu = r.get("server_cpu_ms_per_mib")
                 lines.append(
                     f"| {_size_name(n)} | {op} | {conc} | {system} | {r['gb_s']:.3f} | {r['ops_s']:.1f} | "
-                    f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {vs_echo} | {vs_tf} |"
+                    f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {'-' if cpu is None else f'{cpu:.2f}'} | "
+                    f"{vs_raw} | {vs_echo} | {vs_tf} |"
                 )
         lines.append("")
+        memory = run.get("shard_memory") or {}
+        if memory.get("end"):
+            start = " + ".join(str(m["rss_mib"]) for m in memory["start"])
+            rss = " + ".join(str(m["rss_mib"]) for m in memory["end"])
+            peak = " + ".join(str(m["peak_mib"]) for m in memory["end"])
+            base = sum(m["rss_mib"] for m in memory["start"])
+            state = memory["state_mib"]
+            above = (sum(m["rss_mib"] for m in memory["end"]) - base) / state
+            above_peak = (sum(m["peak_mib"] for m in memory["end"]) - base) / state
+            lines.append(
+                f"Shard memory (2 shards): state {state:.1f} MiB; RSS at start {start} MiB, at the end {rss} "
+                f"MiB, peak {peak} MiB: {above:.2f} MiB of RSS above the empty shards per MiB of state "
+                f"(peak: {above_peak:.2f}).\n"
+            )
         lines.append("Goals (ratios of ops/s in this run):\n")
         lines.append("| goal | want | got | met |")
         lines.append("| --- | ---: | ---: | --- |")
@@ -556,9 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", help=argparse.SUPPRESS)
     p.add_argument("--task", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--ready-file", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), help="model sizes (default: 1KiB 1MiB 64MiB)")
+    p.add_argument(
+        "--sizes", nargs="+", default=list(SIZES), help=f"model sizes (default: {' '.join(SIZES)})"
+    )
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
-    p.add_argument("--systems", default="echo,ps,tf", help="comma list of echo, ps, tf (default: all)")
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)} (default: all)"
+    )
     p.add_argument("--seconds", type=float, default=3.0, help="time budget per case and system (default: 3)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per case (default: 3)")
     p.add_argument("--max-iters", type=int, default=3000, help="op budget per case (default: 3000)")
@@ -589,6 +763,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["BENCH_MALLOC"] = args.malloc  # inherited by every child
         if args.malloc == "default":
             os.environ["PS_MALLOC_TUNING"] = "0"  # psserver too
+    if args.role == "raw-server":
+        _raw_server_main(args.ready_file)
+        return 0
+    if args.role == "client-raw":
+        _raw_client(args)
+        return 0
     if args.role == "echo-server":
         import uvloop
 
@@ -602,10 +782,10 @@ def main(argv: list[str] | None = None) -> int:
 
         uvloop.run(_echo_client(args))  # results go out case by case (_feed)
         return 0
-    if args.role == "client-ps":
+    if args.role in ("client-ps", "client-ps_grpc"):
         import uvloop
 
-        uvloop.run(_ps_client(args))
+        uvloop.run(_ps_client(args, args.role.removeprefix("client-")))
         return 0
     if args.role == "client-tf":
         _tf_client(args)
@@ -618,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         busy = cm.top_processes()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         print(f"run {k + 1}/{args.repeat} (load {machine['loadavg_1_5_15']})", file=sys.stderr, flush=True)
-        results = _run_all(args)
+        results, memory = _run_all(args)
         runs.append(
             {
                 "started": started,
@@ -627,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
                 "busy_before": busy,
                 "load_after": [round(x, 2) for x in os.getloadavg()],
                 "results": results,
+                "shard_memory": memory,
                 "goals": goals(results),
             }
         )
