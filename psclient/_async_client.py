@@ -95,7 +95,9 @@ class AsyncPSClient:
         auth_token: sent as ``authorization: Bearer <token>`` on every call.
         timeout: deadline of each call, seconds.
         tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
-        **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...).
+        **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...); ``data_port=False``
+            keeps every transfer on gRPC (by default those of ``data_port_min_bytes``, 256 KiB, or more
+            per shard go over the shard's raw-TCP data port, see ``psclient._bulk``).
     """
 
     def __init__(
