@@ -551,7 +551,9 @@ def test_a_shard_killed_during_big_pushes_retries_each_push_once_or_gives_a_type
         assert versions["v"] == len(applied) >= 2
         # What the restarted shard holds is a gap-free run of pushes ending with the last acknowledged.
         assert list(applied) == list(range(acknowledged - len(applied), acknowledged))
-        assert acknowledged - len(applied) <= at_kill  # the push in flight at the kill was not lost
+        # The push in flight at the kill was retried onto the restarted shard (+ 1: the kill may fall
+        # between a push's acknowledgement by the old shard and the count going up).
+        assert acknowledged - len(applied) <= at_kill + 1
         cluster.kill_shard(0)
     with (
         psclient.PSClient([address], "w1", timeout=2.0, data_port_min_bytes=0) as gone,
