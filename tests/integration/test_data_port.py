@@ -265,7 +265,7 @@ async def test_sync_mode_barrier_stale_push_and_timeout(make_cluster: Callable[.
     cluster = make_cluster(
         num_shards=1,
         server_args=["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2",
-                     "--barrier-timeout", "2"],
+                     "--barrier-timeout", "30"],
     )  # fmt: skip
     clients = [
         psclient.AsyncPSClient(cluster.addresses, f"s{i}", timeout=CALL_TIMEOUT_S, **WIRE) for i in range(2)
@@ -277,8 +277,10 @@ async def test_sync_mode_barrier_stale_push_and_timeout(make_cluster: Callable[.
         )
         assert both == [True, True]  # the push is the barrier: both return once the step is applied
         assert not await clients[0].push({"v": np.ones(64, np.float32)}, step=0)  # stale: dropped
-        with pytest.raises(psclient.DeadlineExceededError, match="sync barrier for step 1"):
-            await clients[0].push({"v": np.ones(64, np.float32)}, step=1)  # nobody else comes
+        # Nobody else comes: the barrier gives up just before the push's own deadline (sent with it).
+        async with psclient.AsyncPSClient(cluster.addresses, "late", timeout=2.0, **WIRE) as late:
+            with pytest.raises(psclient.DeadlineExceededError, match=r"sync barrier for step 1.*deadline"):
+                await late.push({"v": np.ones(64, np.float32)}, step=1)
         values, versions = await clients[1].pull_with_versions(["v"])
         assert all(_used_data_port(c) for c in clients)
     finally:
@@ -291,7 +293,7 @@ async def test_sync_mode_barrier_stale_push_and_timeout(make_cluster: Callable[.
 async def test_ssp_mode_pull_waits_for_the_slowest_worker(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(
         num_shards=1,
-        server_args=["--mode", "ssp", "--total-replicas", "2", "--staleness", "0", "--barrier-timeout", "1"],
+        server_args=["--mode", "ssp", "--total-replicas", "2", "--staleness", "0", "--barrier-timeout", "30"],
     )
     async with (
         psclient.AsyncPSClient(cluster.addresses, "fast", timeout=CALL_TIMEOUT_S, **WIRE) as fast,
@@ -299,8 +301,10 @@ async def test_ssp_mode_pull_waits_for_the_slowest_worker(make_cluster: Callable
     ):
         await fast.create("v", np.zeros(64, np.float32), optimizer=psclient.SGD(1.0))
         assert await fast.push({"v": np.ones(64, np.float32)}, step=0)
-        with pytest.raises(psclient.DeadlineExceededError, match="ssp wait timed out"):
-            await fast.pull(["v"], step=1)  # "slow" has not pushed step 0
+        # "slow" has not pushed step 0: the wait gives up just before the pull's own deadline.
+        async with psclient.AsyncPSClient(cluster.addresses, "fast", timeout=2.0, **WIRE) as hasty:
+            with pytest.raises(psclient.DeadlineExceededError, match=r"ssp wait timed out.*deadline"):
+                await hasty.pull(["v"], step=1)
         assert await slow.push({"v": np.ones(64, np.float32)}, step=0)
         values = await fast.pull(["v"], step=1)
         assert _used_data_port(fast)
