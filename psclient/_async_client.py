@@ -776,7 +776,11 @@ class AsyncPSClient:
 
         Row ``i`` lives on shard ``i % num_shards`` (``pscore.placement``). The
         initial values are a function of (``name``, row id) only, so every
-        process creates the same table; a table of any size is sent in chunks.
+        process creates the same table. A named initializer travels in the
+        spec and each shard computes its own rows: the create sends no values,
+        so the caller's memory and the upload do not grow with the table. A
+        callable initializer runs here (one shard's piece at a time) and its
+        values are sent in chunks.
         Idempotent like ``create``: an existing table with an equal spec (rows,
         dim, dtype, optimizer) is left as it is (its current rows win) and False
         returned.
@@ -918,6 +922,10 @@ class AsyncPSClient:
                     table=name, num_rows=num_rows, dim=dim, index=piece.index, count=piece.count, rows=rows
                 ),
             )
+            if not callable(initializer):  # the shard makes the rows: nothing to compute or send here
+                kind, args = embedding.initializer_args(initializer)
+                spec.table.initializer.CopyFrom(ps_pb2.RowInitializer(name=kind, args=args))
+                return await self._create_piece(piece.shard, spec, None)
             ids = global_row(np.arange(rows, dtype=np.int64), piece.index, piece.count)
             if piece.nbytes > _INLINE_INIT_BYTES:
                 value = await asyncio.to_thread(embedding.init_rows, name, ids, dim, dt, initializer)
@@ -930,7 +938,7 @@ class AsyncPSClient:
         return all(created)
 
     async def _create_piece(self, shard: int, spec: ps_pb2.VariableSpec, value: np.ndarray | None) -> bool:
-        """Creates one stored tensor (``value`` None: a dynamic table piece); True if this call created it."""
+        """Creates one stored tensor (``value`` None: a piece whose rows the shard makes); True if created."""
 
         def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
             yield ps_pb2.CreateVariablesRequest(variables=[spec])

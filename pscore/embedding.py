@@ -161,11 +161,11 @@ def initializer_args(initializer: Initializer) -> tuple[str, tuple[float, ...]]:
     return str(kind).lower(), tuple(float(a) for a in args)
 
 
-def check_initializer(initializer: Initializer) -> None:
-    """Raises ValueError for an initializer ``init_rows`` does not know."""
+def check_initializer(initializer: Initializer, table: str = "check") -> None:
+    """Raises ValueError (naming ``table``) for an initializer ``init_rows`` does not know."""
     if callable(initializer):  # called with the table's real ids and dim when it is created
         return
-    init_rows("check", np.zeros(1, np.int64), 1, np.dtype(np.float32), initializer)
+    init_rows(table, np.zeros(1, np.int64), 1, np.dtype(np.float32), initializer)
 
 
 def init_rows(table: str, rows: np.ndarray, dim: int, dtype: Any, initializer: Initializer) -> np.ndarray:

@@ -86,7 +86,7 @@ from google.protobuf import json_format
 from pscore import codec
 from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
-from psserver import dynamic, optimizers
+from psserver import dynamic, optimizers, tables
 from psserver.modes import Mode
 from psserver.store import SessionState, Store, Variable
 
@@ -444,9 +444,8 @@ def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: i
         shape=[rows, dim],
         optimizer=old[0].spec.optimizer,
     )
-    spec.table.CopyFrom(
-        ps_pb2.TableRows(table=name, num_rows=num_rows, dim=dim, index=shard, count=num_shards, rows=rows)
-    )
+    spec.table.CopyFrom(first)  # its initializer too
+    spec.table.index, spec.table.count, spec.table.rows = shard, num_shards, rows
     return StoredTensor(
         spec=spec,
         value=np.ascontiguousarray(value[shard::num_shards]),
@@ -1004,8 +1003,12 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
     if len(store):
         raise CheckpointError("restore needs an empty store")
     try:
+        # A table piece with an initializer takes its rows from the checkpoint (as made), not anew.
+        made = {t.spec.name: t.value for t in snap.tensors if tables.made_here(t.spec)}
         store.create(
-            [t.spec for t in snap.tensors], {t.spec.name: t.value for t in snap.tensors if t.rows is None}
+            [t.spec for t in snap.tensors],
+            {t.spec.name: t.value for t in snap.tensors if t.rows is None and t.spec.name not in made},
+            made,
         )
     except Exception as err:
         raise CheckpointError(f"checkpoint {snap.id} does not load: {err}") from err

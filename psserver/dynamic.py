@@ -49,9 +49,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pscore.embedding import init_rows
+from pscore.embedding import check_initializer, init_rows
 from pscore.placement import dynamic_capacity, mix64
 from psproto.v1 import ps_pb2
+from psserver.tables import row_initializer
 
 _INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
 _MIN_INDEX = 16
@@ -242,7 +243,7 @@ class Config:
     lfu: bool
     ttl_steps: int
     ttl_seconds: float
-    initializer: tuple[Any, ...]
+    initializer: str | tuple[Any, ...]
 
     @classmethod
     def of(cls, spec: ps_pb2.VariableSpec) -> Config:
@@ -266,8 +267,8 @@ class Config:
             raise ValueError(f"unknown key type {d.key_type}")
         if d.eviction not in ps_pb2.Eviction.values():
             raise ValueError(f"unknown eviction policy {d.eviction}")
-        init = (d.initializer.name or "uniform", *d.initializer.args)
-        init_rows(d.table, np.zeros(1, np.int64), 1, np.float32, init)  # raises ValueError if unknown
+        init = row_initializer(d.initializer)
+        check_initializer(init, d.table)
         return cls(
             table=d.table,
             dim=int(d.dim),

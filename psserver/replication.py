@@ -210,7 +210,8 @@ class Primary:
         link = self._link
         if link is None or not specs:
             return
-        tensors = [(s.name, values[s.name]) for s in specs if s.name in values]  # a dynamic table has none
+        # A dynamic table piece, or one with an initializer, has none: the backup makes its rows.
+        tensors = [(s.name, values[s.name]) for s in specs if s.name in values]
         await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
 
     async def forward_assign(self, values: Mapping[str, np.ndarray], versions: Sequence[int]) -> None:
@@ -409,8 +410,9 @@ class Backup:
                 continue
             header, tensors = update
             update = None
-            if header.create:
-                self.store.create(list(header.create), tensors.result())
+            if header.create:  # a table piece with an initializer comes without rows: made here too
+                made = await self.store.make_rows(header.create)
+                self.store.create(list(header.create), tensors.result(), made)
                 self._acks.put_nowait(header.id)
             elif header.optimizer_updates:
                 self._update_optimizers(header)

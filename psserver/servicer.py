@@ -239,8 +239,9 @@ class ParameterServerServicer:
                 values.add(chunk)
         self._serving("CreateVariables")
         tensors = values.result()
+        made = await self.store.make_rows(specs)  # rows the shard makes: neither sent nor forwarded
         with self._update():
-            created = self.store.create(specs, tensors)
+            created = self.store.create(specs, tensors, made)
             if self.primary is not None:
                 await self.primary.forward_create(
                     [s for s, c in zip(specs, created, strict=True) if c], tensors

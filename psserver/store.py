@@ -131,6 +131,11 @@ class _SeqWindow:
 
 
 def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
+    """What makes two specs equal for an idempotent create: all but a fixed table's initializer (how its
+    rows started, not what the table is: an equal table created with another initializer keeps its rows)."""
+    if spec.HasField("table") and spec.table.HasField("initializer"):
+        spec = ps_pb2.VariableSpec.FromString(spec.SerializeToString())
+        spec.table.ClearField("initializer")
     return spec.SerializeToString(deterministic=True)
 
 
@@ -201,13 +206,24 @@ class Store:
 
     # -- create -------------------------------------------------------------
 
-    def create(self, specs: list[ps_pb2.VariableSpec], values: Mapping[str, np.ndarray]) -> list[bool]:
+    def create(
+        self,
+        specs: list[ps_pb2.VariableSpec],
+        values: Mapping[str, np.ndarray],
+        made: Mapping[str, np.ndarray] | None = None,
+    ) -> list[bool]:
         """Creates variables all-or-nothing; returns which ones this call created.
 
+        A table piece whose spec names an initializer (``TableRows.initializer``)
+        takes no value: its rows are ``made[name]`` (from ``make_rows``, which
+        computes them off the event loop) or, when absent, computed here.
+
         Raises:
-            InvalidArgumentError: a spec is malformed or its value missing or mismatched.
+            InvalidArgumentError: a spec is malformed or its value missing or mismatched, or a
+                value was sent for a piece whose rows the shard makes.
             AlreadyExistsError: a name exists with a different spec.
         """
+        made = made or {}
         staged: list[Variable | None] = []
         seen: set[str] = set()
         for spec in specs:
@@ -226,7 +242,15 @@ class Store:
                     )
                 staged.append(None)
                 continue
-            staged.append(self._build(spec, values.get(name)))
+            if tables.made_here(spec):
+                if name in values:
+                    raise InvalidArgumentError(
+                        f"table piece {name!r}: a value was sent, but its spec names an initializer "
+                        "(the shard makes its rows)"
+                    )
+                staged.append(self._build(spec, made.get(name), made=True))
+            else:
+                staged.append(self._build(spec, values.get(name)))
         extra = set(values) - seen
         if extra:
             raise InvalidArgumentError(f"values given for variables without a spec: {sorted(extra)}")
@@ -239,24 +263,37 @@ class Store:
                 )
         return [var is not None for var in staged]
 
-    def _build(self, spec: ps_pb2.VariableSpec, value: np.ndarray | None) -> Variable:
+    async def make_rows(self, specs: Iterable[ps_pb2.VariableSpec]) -> dict[str, np.ndarray]:
+        """The rows of the new table pieces in ``specs`` whose spec names an initializer, for ``create``.
+
+        Computed block by block (``tables.initial_rows``), in a worker thread when
+        large, so a big table neither blocks the event loop nor needs the client to
+        send it. Pieces that exist already are skipped (``create`` keeps them).
+
+        Raises:
+            InvalidArgumentError: a malformed table piece spec, or an unknown initializer.
+        """
+        made: dict[str, np.ndarray] = {}
+        for spec in specs:
+            if not tables.made_here(spec) or spec.name in self._vars or spec.name in made:
+                continue
+            dtype, shape = _parse(spec)
+            _check_table(spec, dtype, shape, _optimizer(spec))
+            if math.prod(shape) * dtype.itemsize > self.inline_apply_bytes:
+                made[spec.name] = await asyncio.to_thread(_initial_rows, spec, dtype)
+            else:
+                made[spec.name] = _initial_rows(spec, dtype)
+        return made
+
+    def _build(self, spec: ps_pb2.VariableSpec, value: np.ndarray | None, *, made: bool = False) -> Variable:
+        """A new variable from its spec and initial value; ``made``: a table piece whose rows the shard
+        makes (``value`` from ``make_rows``, or None to compute them now), kept without a copy."""
         name = spec.name
-        try:
-            dtype = codec.numpy_dtype(spec.dtype)
-        except codec.CodecError as err:
-            raise InvalidArgumentError(f"variable {name!r}: {err}") from None
-        shape = tuple(int(d) for d in spec.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgumentError(f"variable {name!r}: negative dimension in shape {shape}")
+        dtype, shape = _parse(spec)
         if spec.HasField("dynamic"):
             return _build_dynamic(spec, dtype, value)
-        if value is None:
+        if value is None and not made:
             raise InvalidArgumentError(f"variable {name!r}: no initial value was sent")
-        if value.dtype != dtype or value.shape != shape:
-            raise InvalidArgumentError(
-                f"variable {name!r}: initial value is {value.dtype.name}{list(value.shape)}, "
-                f"spec says {dtype.name}{list(shape)}"
-            )
         if spec.HasField("partition"):
             p = spec.partition
             full = math.prod(int(d) for d in p.full_shape)
@@ -264,10 +301,7 @@ class Store:
                 raise InvalidArgumentError(
                     f"variable {name!r}: partition {p.index}/{p.count} is inconsistent"
                 )
-        try:
-            optimizer = optimizers.from_spec(spec.optimizer)
-        except ValueError as err:
-            raise InvalidArgumentError(f"variable {name!r}: {err}") from None
+        optimizer = _optimizer(spec)
         if spec.HasField("table"):
             _check_table(spec, dtype, shape, optimizer)
         if spec.HasField("partition") and optimizer.needs_whole_variable:
@@ -277,14 +311,23 @@ class Store:
                 "use norms or means over the whole variable); create it unpartitioned "
                 "(ClientConfig(partition_bytes=0)) or use clipvalue / global_clipnorm"
             )
-        value = np.array(value, dtype=dtype, copy=True)
+        if made and value is None:
+            value = _initial_rows(spec, dtype)
+        assert value is not None
+        if value.dtype != dtype or value.shape != shape:
+            raise InvalidArgumentError(
+                f"variable {name!r}: initial value is {value.dtype.name}{list(value.shape)}, "
+                f"spec says {dtype.name}{list(shape)}"
+            )
+        # The shard's own array is kept writable (a table piece's rows are updated in place).
+        state = (value, 0) if made else (_freeze(np.array(value, dtype=dtype, copy=True)), 0)
         return Variable(
             spec=spec,
             dtype=dtype,
             shape=shape,
             optimizer=optimizer,
-            slots=optimizer.init_slots(value),
-            state=(_freeze(value), 0),
+            slots=optimizer.init_slots(state[0]),
+            state=state,
         )
 
     # -- push ---------------------------------------------------------------
@@ -877,6 +920,34 @@ class Store:
                 sessions.pop(int(session), None)  # listed twice: the later place counts
                 sessions[int(session)] = window
             self._sessions[worker] = sessions
+
+
+def _parse(spec: ps_pb2.VariableSpec) -> tuple[np.dtype, tuple[int, ...]]:
+    """A spec's dtype and shape. Raises: InvalidArgumentError."""
+    try:
+        dtype = codec.numpy_dtype(spec.dtype)
+    except codec.CodecError as err:
+        raise InvalidArgumentError(f"variable {spec.name!r}: {err}") from None
+    shape = tuple(int(d) for d in spec.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(f"variable {spec.name!r}: negative dimension in shape {shape}")
+    return dtype, shape
+
+
+def _optimizer(spec: ps_pb2.VariableSpec) -> optimizers.ServerOptimizer:
+    """A (non-dynamic) spec's optimizer. Raises: InvalidArgumentError."""
+    try:
+        return optimizers.from_spec(spec.optimizer)
+    except ValueError as err:
+        raise InvalidArgumentError(f"variable {spec.name!r}: {err}") from None
+
+
+def _initial_rows(spec: ps_pb2.VariableSpec, dtype: np.dtype) -> np.ndarray:
+    """``tables.initial_rows`` of a checked piece. Raises: InvalidArgumentError (an unknown initializer)."""
+    try:
+        return tables.initial_rows(spec, dtype)
+    except ValueError as err:
+        raise InvalidArgumentError(f"table piece {spec.name!r}: {err}") from None
 
 
 def _check_table(

@@ -8,18 +8,24 @@ piece of a dynamic table (spec ``DynamicTable``: rows in a hash table,
 ``values_name``) and is paired here; the store validates it (``validate``)
 before anything is claimed or applied, and applies it in place, row by row
 (``Store.apply``).
+
+A fixed table piece whose spec names an initializer (``TableRows.initializer``)
+is created without values: the shard computes its rows (``initial_rows``), the
+same values the client would have computed and sent, since each row is a
+function of (table, row id) only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from pscore import embedding
 from pscore.errors import InvalidArgumentError
-from pscore.placement import dynamic_row_shard
+from pscore.placement import dynamic_row_shard, global_row
 from psproto.v1 import ps_pb2
 
 
@@ -36,6 +42,42 @@ class RowGrad:
 
 
 Grad = np.ndarray | RowGrad
+
+_INIT_BLOCK_ELEMENTS = 1 << 20  # elements initialized at once: the float64/uint64 temporaries stay ~8 MiB
+
+
+def made_here(spec: ps_pb2.VariableSpec) -> bool:
+    """Whether the shard makes a fixed table piece's initial rows (its spec names an initializer)."""
+    return spec.HasField("table") and spec.table.HasField("initializer")
+
+
+def row_initializer(init: ps_pb2.RowInitializer) -> str | tuple[Any, ...]:
+    """The ``pscore.embedding.init_rows`` initializer of a wire ``RowInitializer`` ("" is "uniform")."""
+    name = init.name or "uniform"
+    return (name, *init.args) if init.args else name
+
+
+def initial_rows(spec: ps_pb2.VariableSpec, dtype: np.dtype) -> np.ndarray:
+    """The initial rows of fixed table piece ``spec`` (checked) from its ``TableRows.initializer``.
+
+    Exactly the rows ``init_rows`` gives for the piece's global row ids,
+    computed a block of rows at a time into the result, so the temporaries stay
+    small whatever the piece's size.
+
+    Raises:
+        ValueError: an unknown initializer.
+    """
+    t = spec.table
+    init = row_initializer(t.initializer)
+    embedding.check_initializer(init, t.table)
+    out = np.empty((t.rows, t.dim), dtype)
+    block = max(1, _INIT_BLOCK_ELEMENTS // max(1, t.dim))
+    for start in range(0, t.rows, block):
+        local = np.arange(start, min(start + block, t.rows), dtype=np.int64)
+        out[start : start + local.size] = embedding.init_rows(
+            t.table, global_row(local, t.index, t.count), t.dim, dtype, init
+        )
+    return out
 
 
 def is_table(spec: ps_pb2.VariableSpec) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,59 @@ def test_a_table_bigger_than_a_message_is_created_in_chunks(make_cluster: Any, v
         np.testing.assert_array_equal(
             c.lookup(var_name, ids), init_rows(var_name, ids, dim, np.float32, ("normal", 1.0))
         )
+
+
+def test_the_shards_make_a_named_initializers_rows_and_the_client_never_holds_the_table(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    rows, dim = 400_000, 16  # 25.6 MB of rows: once computed and sent by the client
+    tracemalloc.start()
+    try:
+        assert client.create_embedding(var_name, rows, dim, initializer=("normal", 0.1, 2.0)) is True
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 << 20, f"the client allocated {peak} bytes to create the table"
+    ids = np.array([0, 1, 7, rows - 2, rows - 1, 123_457])
+    expected = init_rows(var_name, ids, dim, np.float32, ("normal", 0.1, 2.0))
+    np.testing.assert_array_equal(client.lookup(var_name, ids), expected)
+    infos = client.list_variables([var_name])[var_name]
+    assert {(i.spec.table.initializer.name, tuple(i.spec.table.initializer.args)) for i in infos} == {
+        ("normal", (0.1, 2.0))
+    }
+    # A callable initializer runs on the client, and its rows are sent.
+    assert client.create_embedding(var_name + "c", 7, 2, initializer=_row_id_initializer) is True
+    np.testing.assert_array_equal(client.lookup(var_name + "c", [6, 1]), [[6, 6], [1, 1]])
+
+
+def _row_id_initializer(ids: np.ndarray, dim: int, dtype: np.dtype) -> np.ndarray:
+    return np.repeat(ids[:, None], dim, axis=1).astype(dtype)
+
+
+def test_a_create_with_rows_and_an_initializer_is_refused(
+    client: psclient.PSClient, raw_stubs: list[Any], var_name: str
+) -> None:
+    import grpc
+
+    from pscore import codec
+    from psproto.v1 import ps_pb2
+
+    spec = ps_pb2.VariableSpec(
+        name=f"{var_name}/rows_0",
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        shape=[1, 2],
+        optimizer=psclient.SGD().to_proto(),
+        table=ps_pb2.TableRows(
+            table=var_name, num_rows=1, dim=2, index=0, count=2, rows=1, initializer=ps_pb2.RowInitializer()
+        ),
+    )
+    value = codec.encode(spec.name, np.zeros((1, 2), np.float32))
+    request = ps_pb2.CreateVariablesRequest(variables=[spec], values=[value])
+    with pytest.raises(grpc.RpcError) as err:
+        raw_stubs[0].CreateVariables(iter([request]), timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "a value was sent, but its spec names an initializer" in err.value.details()
+    assert not client.list_variables([var_name])
 
 
 def test_duplicate_ids_are_summed_and_push_pull_returns_the_rows(

@@ -146,3 +146,60 @@ def test_store_refuses_inconsistent_table_specs() -> None:
     spec.optimizer.CopyFrom(Lamb().to_proto())
     with pytest.raises(InvalidArgumentError, match="whole variable"):
         Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
+
+
+@pytest.mark.parametrize(
+    "init", ["uniform", ("uniform", -1.0, 2.0), "normal", ("normal", 0.5, 3.0), "zeros", "ones"]
+)
+async def test_a_shard_makes_a_pieces_rows_exactly_as_the_client_would(
+    init: embedding.Initializer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tables, "_INIT_BLOCK_ELEMENTS", 7)  # blocks of 2 rows: the block seams are exact
+    store = Store(inline_apply_bytes=0)  # make_rows in a thread, as for a large piece
+    kind, args = embedding.initializer_args(init)
+    specs = [_table_spec("t", 11, 3, i, 3) for i in range(3)]
+    for spec in specs:
+        spec.table.initializer.CopyFrom(ps_pb2.RowInitializer(name=kind, args=args))
+    made = await store.make_rows(specs)
+    assert store.create(specs, {}, made) == [True, True, True]
+    full = embedding.init_rows("t", np.arange(11), 3, np.float32, init)
+    for i, spec in enumerate(specs):
+        np.testing.assert_array_equal(store.get(spec.name).value, full[i::3])
+    # Without make_rows (a small piece), create makes them itself: the same rows.
+    alone = Store()
+    assert alone.create(specs[:1], {}) == [True]
+    np.testing.assert_array_equal(alone.get(specs[0].name).value, full[0::3])
+
+
+async def test_a_made_piece_is_updated_in_place_and_its_spec_identity_ignores_the_initializer() -> None:
+    store = Store()
+    spec = _table_spec("t", 5, 2, 1, 2)
+    spec.table.initializer.name = "ones"
+    store.create([spec], {})
+    var = store.get(spec.name)
+    rows = var.value
+    pairs = store.validate_grads({spec.name: tables.RowGrad(np.array([3]), np.ones((1, 2), np.float32))})
+    await store.apply(pairs)
+    assert var.value is rows  # no copy of the whole piece on the first push
+    np.testing.assert_array_equal(rows, [[1, 1], [0, 0]])
+    other = ps_pb2.VariableSpec()
+    other.CopyFrom(spec)
+    other.table.initializer.name = "zeros"
+    assert store.create([other], {}) == [False]  # the same table: its rows are kept
+    np.testing.assert_array_equal(store.get(spec.name).value, [[1, 1], [0, 0]])
+
+
+async def test_a_piece_with_an_initializer_refuses_values_and_unknown_initializers() -> None:
+    spec = _table_spec("t", 5, 2, 0, 2)
+    spec.table.initializer.name = "ones"
+    with pytest.raises(InvalidArgumentError, match="a value was sent, but its spec names an initializer"):
+        Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
+    spec.table.initializer.name = "glorot"
+    with pytest.raises(InvalidArgumentError, match="unknown initializer 'glorot'"):
+        await Store().make_rows([spec])
+    with pytest.raises(InvalidArgumentError, match="unknown initializer 'glorot'"):
+        Store().create([spec], {})
+    spec.table.initializer.name = "ones"
+    spec.table.rows = 10**12  # checked before anything is allocated
+    with pytest.raises(InvalidArgumentError, match="holds 3 of 5 rows"):
+        await Store().make_rows([spec])
