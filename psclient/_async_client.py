@@ -570,24 +570,59 @@ class AsyncPSClient:
         applied, _ = await self._push(grads, step=step, return_values=False, every_shard=every_shard)
         return applied
 
-    async def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, Any]:
+    async def push_pull(
+        self,
+        grads: Tensors,
+        *,
+        step: int = 0,
+        every_shard: bool = False,
+        return_rows: bool | Iterable[str] = True,
+    ) -> dict[str, Any]:
         """Pushes gradients and returns the updated values of those variables, in one round trip per shard.
+
+        Args:
+            grads, step, every_shard: as ``push``.
+            return_rows: which tables' updated rows to return: True (all), False
+                (none: a caller that reads them by ``lookup`` anyway saves the bytes),
+                or the names of the tables whose rows it needs. The push itself, and
+                in ssp mode the wait for the staleness bound, are the same either way.
 
         Returns:
             name -> the variable's new value (read-only array); for a ``Rows``
-            gradient, ``psclient.Rows(ids, values)``: the distinct ids pushed
-            (int64, sorted) and their rows after the update, shape ``[n, dim]``
-            (a string-keyed dynamic table: the distinct keys, in the order of their
-            hashed ids; a row a dynamic table did not admit: its initializer's row).
+            gradient whose rows are returned, ``psclient.Rows(ids, values)``: the
+            distinct ids pushed (int64, sorted) and their rows after the update,
+            shape ``[n, dim]`` (a string-keyed dynamic table: the distinct keys, in
+            the order of their hashed ids; a row a dynamic table did not admit: its
+            initializer's row). A table whose rows are not returned is absent.
+
+        Raises:
+            As ``push``.
         """
-        _, values = await self._push(grads, step=step, return_values=True, every_shard=every_shard)
+        _, values = await self._push(
+            grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
+        )
         return values
 
     async def _push(
-        self, grads: Tensors, *, step: int, return_values: bool, every_shard: bool = False
+        self,
+        grads: Tensors,
+        *,
+        step: int,
+        return_values: bool,
+        every_shard: bool = False,
+        return_rows: bool | Iterable[str] = True,
     ) -> tuple[bool, dict[str, Any]]:
         known = await self._known(list(grads))
         pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
+        row_tables = [n for n in known if n not in pieces]
+        if isinstance(return_rows, bool):
+            omitted = set() if return_rows else set(row_tables)
+        else:
+            omitted = set(row_tables) - set(return_rows)
+        omit: dict[int, list[str]] = {}  # per shard: the stored names whose rows are not returned
+        for name in omitted:
+            for piece in known[name]:
+                omit.setdefault(piece.shard, []).append(piece.stored_name)
         for name, group in known.items():
             if group[0].table != isinstance(grads[name], Rows):
                 raise InvalidArgumentError(
@@ -627,6 +662,7 @@ class AsyncPSClient:
                 return_values=return_values,
                 shards=shards,
                 checkpoint_step=self._checkpoint_step,
+                omit_values=omit.get(shard, []) if return_values else [],
             )
             nbytes = rq.payload_bytes(tensors)
             if self._data_link(shard, nbytes) is not None:
@@ -679,7 +715,7 @@ class AsyncPSClient:
         if into is None:
             return all(results), {}
         values: dict[str, Any] = dict(into.result())
-        values.update(_returned_rows([n for n in known if n not in pieces], known, row_parts))
+        values.update(_returned_rows([n for n in row_tables if n not in omitted], known, row_parts))
         for name, rows in values.items():  # a string-keyed table's rows come back under their keys
             if isinstance(rows, Rows) and known[name][0].keys == "string":
                 keys = np.asarray(grads[name].ids).reshape(-1)

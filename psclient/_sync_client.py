@@ -106,9 +106,18 @@ class PSClient:
         """Applies gradients; see ``AsyncPSClient.push``."""
         return bool(self._run(self._async.push(grads, step=step, every_shard=every_shard)))
 
-    def push_pull(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> dict[str, Any]:
-        """Pushes gradients and returns the updated values; see ``AsyncPSClient.push_pull``."""
-        return dict(self._run(self._async.push_pull(grads, step=step, every_shard=every_shard)))
+    def push_pull(
+        self,
+        grads: Tensors,
+        *,
+        step: int = 0,
+        every_shard: bool = False,
+        return_rows: bool | Iterable[str] = True,
+    ) -> dict[str, Any]:
+        """Pushes gradients and returns the updated values (``return_rows``: which tables' rows); see
+        ``AsyncPSClient.push_pull``."""
+        coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
+        return dict(self._run(coro))
 
     def create_embedding(
         self,
@@ -144,18 +153,19 @@ class PSClient:
         return list(self._run(self._async.status()))
 
     def push_pull_future(
-        self, grads: Tensors, *, step: int = 0
-    ) -> concurrent.futures.Future[dict[str, np.ndarray]]:
+        self, grads: Tensors, *, step: int = 0, return_rows: bool | Iterable[str] = True
+    ) -> concurrent.futures.Future[dict[str, Any]]:
         """Starts a ``push_pull`` and returns at once; ``.result(timeout)`` gives the updated values.
 
         For callers that overlap the exchange with other work (the Keras glue):
         no helper thread sits blocked on the call. Cancelling the future cancels
-        the request. Errors are raised by ``.result()``, as by ``push_pull``.
+        the request. Errors are raised by ``.result()``, as by ``push_pull``;
+        ``return_rows`` as there.
 
         Raises:
             RuntimeError: the client is closed.
         """
-        return self._loop.submit(self._async.push_pull(grads, step=step))
+        return self._loop.submit(self._async.push_pull(grads, step=step, return_rows=return_rows))
 
     @property
     def wait_timeout(self) -> float:

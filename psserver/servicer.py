@@ -357,17 +357,23 @@ class ParameterServerServicer:
         tensors = tables.pair(grads.result())
         response = await self._push(request, tensors, deadline)
         if request.return_values:
-            snapshot = self._after_push(tensors)
+            snapshot = self._after_push(tensors, request.omit_values)
             response.versions.extend(version for _, _, version in snapshot)
             return codec.WireMessage(
                 response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
             )
         return response
 
-    def _after_push(self, grads: dict[str, tables.Grad]) -> list[tuple[str, np.ndarray, int]]:
-        """What push_pull returns: dense variables' values; a row gradient's distinct ids and their rows."""
+    def _after_push(
+        self, grads: dict[str, tables.Grad], omit: Iterable[str] = ()
+    ) -> list[tuple[str, np.ndarray, int]]:
+        """What push_pull returns: dense variables' values; a row gradient's distinct ids and their rows;
+        nothing for the names in ``omit``."""
         out = []
+        skip = set(omit)
         for name, grad in grads.items():
+            if name in skip:
+                continue
             var = self.store.get(name)
             if isinstance(grad, tables.RowGrad):
                 ids = np.unique(grad.ids.astype(np.int64))
@@ -446,6 +452,7 @@ class ParameterServerServicer:
                     timeout_s=req.timeout_s,
                     shards=req.shards,
                     checkpoint_step=req.checkpoint_step,
+                    omit_values=req.omit_values,
                 )
             for chunk in req.grads:
                 grads.add(chunk)
@@ -453,7 +460,7 @@ class ParameterServerServicer:
             raise InvalidArgumentError("push stream carried no messages")
         tensors = tables.pair(grads.result())
         response = await self._push(header, tensors, deadline_of(context, header.timeout_s))
-        snapshot = self._after_push(tensors) if header.return_values else []
+        snapshot = self._after_push(tensors, header.omit_values) if header.return_values else []
         if not snapshot:
             yield response
             return

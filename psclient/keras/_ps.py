@@ -700,8 +700,10 @@ class PSWorker:
                     self.worker_index, step, self.step,
                 )  # fmt: skip
             return values
-        # Straight onto the client's loop: no helper thread blocks on the call.
-        fut = self.client.push_pull_future(gmap, step=self.step)
+        # Straight onto the client's loop: no helper thread blocks on the call. A remote table's rows
+        # do not come back (the layer's next lookup reads them): only those of a local copy's table.
+        local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
+        fut = self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
         self.step += 1
         if not self.overlap:
             return self._wait(fut)
@@ -710,7 +712,8 @@ class PSWorker:
             self._inflight = None
             return self._wait(fut)
         values = self._wait(prev)
-        if not set(gmap) <= set(values):  # variables the previous step did not push
+        wanted = {n for n in gmap if n not in self._remote}
+        if not wanted <= set(values):  # variables the previous step did not push
             values = {**values, **self._wait(fut)}
             self._inflight = None
         return values

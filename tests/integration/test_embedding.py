@@ -126,6 +126,67 @@ def test_duplicate_ids_are_summed_and_push_pull_returns_the_rows(
     assert not table[[0, 1, 2, 5, 6, 7, 8]].any()  # untouched rows stay
 
 
+@pytest.mark.parametrize("unary_max_bytes", [None, 1024], ids=["unary", "stream"])
+def test_push_pull_returns_only_the_rows_asked_for(
+    cluster: Any, var_name: str, unary_max_bytes: int | None
+) -> None:
+    # 1 KiB: each shard's push (2 x 7 rows of 128 B, and w) goes as a PushStream.
+    options = {} if unary_max_bytes is None else {"unary_max_bytes": unary_max_bytes}
+    with psclient.PSClient(cluster.addresses, timeout=TIMEOUT_S, **options) as c:
+        a, b, w = var_name + "a", var_name + "b", var_name + "w"
+        c.create_embedding(a, 40, 32, optimizer=psclient.SGD(1.0), initializer="zeros")
+        c.create_embedding(b, 40, 32, optimizer=psclient.SGD(1.0), initializer="zeros")
+        c.create(w, np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+        ids = np.arange(0, 40, 3)
+        ones = np.ones((ids.size, 32), np.float32)
+
+        def grads() -> dict[str, Any]:
+            return {a: psclient.Rows(ids, ones), b: psclient.Rows(ids, ones), w: np.ones(3, np.float32)}
+
+        new = c.push_pull(grads(), return_rows=False)
+        assert set(new) == {w}
+        np.testing.assert_array_equal(new[w], [-1, -1, -1])
+        new = c.push_pull(grads(), return_rows=[b])
+        assert set(new) == {w, b}
+        np.testing.assert_array_equal(new[b].ids, ids)
+        np.testing.assert_array_equal(new[b].values, np.full((ids.size, 32), -2, np.float32))
+        assert set(c.push_pull(grads(), return_rows=True)) == {w, a, b}
+        for table in (a, b):  # every push was applied, returned or not
+            np.testing.assert_array_equal(c.lookup(table, ids), np.full((ids.size, 32), -3, np.float32))
+
+
+def test_a_shard_omits_the_values_a_push_names_in_omit_values(
+    client: psclient.PSClient, raw_stubs: list[Any], var_name: str
+) -> None:
+    from pscore import codec, embedding
+    from psproto.v1 import ps_pb2
+
+    a, b = var_name + "a", var_name + "b"
+    for table in (a, b):
+        client.create_embedding(table, 4, 2, optimizer=psclient.SGD(1.0), initializer="zeros")
+    pieces = [f"{table}/rows_0" for table in (a, b)]
+    grads = [
+        codec.encode(name(p), arr)
+        for p in pieces
+        for name, arr in (
+            (embedding.ids_name, np.array([2])),
+            (embedding.values_name, np.ones((1, 2), np.float32)),
+        )
+    ]
+
+    def request(seq: int) -> ps_pb2.PushRequest:
+        return ps_pb2.PushRequest(
+            worker_id="raw", seq=seq, session=7, grads=grads, return_values=True, omit_values=[pieces[0]]
+        )
+
+    unary = raw_stubs[0].Push(request(1), timeout=TIMEOUT_S)
+    streamed = list(raw_stubs[0].PushStream(iter([request(2)]), timeout=TIMEOUT_S))
+    for values in (unary.values, [c for r in streamed for c in r.values]):
+        assert {c.name for c in values} == {embedding.ids_name(pieces[1]), embedding.values_name(pieces[1])}
+    for table in (a, b):  # both pushes applied to both tables
+        np.testing.assert_array_equal(client.lookup(table, [2]), [[-2, -2]])
+
+
 def test_dense_and_row_gradients_in_one_push(client: psclient.PSClient, var_name: str) -> None:
     client.create_embedding(var_name + "e", 4, 2, optimizer=psclient.SGD(1.0), initializer="ones")
     client.create(var_name + "w", np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
