@@ -167,6 +167,17 @@ class PSClient:
         """
         return self._loop.submit(self._async.push_pull(grads, step=step, return_rows=return_rows))
 
+    def lookup_future(self, name: str, ids: Any, *, step: int = 0) -> concurrent.futures.Future[np.ndarray]:
+        """Starts a ``lookup`` and returns at once; ``.result(timeout)`` gives the rows.
+
+        For callers that read rows ahead of their use (``psclient.keras.prefetch_rows``).
+        Cancelling the future cancels the request; errors are raised by ``.result()``.
+
+        Raises:
+            RuntimeError: the client is closed.
+        """
+        return self._loop.submit(self._async.lookup(name, ids, step=step))
+
     @property
     def wait_timeout(self) -> float:
         """The outer bound, in seconds, the blocking methods wait for one call (a hang guard)."""

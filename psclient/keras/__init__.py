@@ -4,7 +4,8 @@ This subpackage is the only part of psclient that imports TensorFlow and Keras.
 
 - Parameter server (``_ps``): ``PSWorker``, ``DistributedOptimizer``, ``PSCallback``,
   ``load_from_ps``; variables and optimizer live on the shards. ``Embedding``
-  (``_embedding``): a layer whose table lives only on the shards.
+  (``_embedding``): a layer whose table lives only on the shards, and
+  ``prefetch_rows``, which reads the next batch's rows while a step computes.
 - All-reduce (``_allreduce``): ``AllReduceWorker``, ``AllReduceOptimizer``,
   ``AllReduceCallback``; every rank holds a replica and gradients are averaged
   over the ring (``psclient.collective``), as with MirroredStrategy or Horovod.
@@ -17,7 +18,7 @@ from psclient.keras._allreduce import (
     ring_from_tf_config,
 )
 from psclient.keras._common import variable_name
-from psclient.keras._embedding import Embedding
+from psclient.keras._embedding import Embedding, prefetch_rows
 from psclient.keras._env import Distribution, from_env
 from psclient.keras._naming import model_variable_names
 from psclient.keras._ps import (
@@ -46,6 +47,7 @@ __all__ = [
     "from_env",
     "load_from_ps",
     "model_variable_names",
+    "prefetch_rows",
     "ring_from_tf_config",
     "server_optimizer",
     "variable_name",

@@ -42,13 +42,37 @@ that initializer row.
     users = psk.Embedding(None, 32, worker=worker, capacity=1_000_000, min_count=2)
     tags = psk.Embedding(None, 8, worker=worker, key_type="string")  # keras.Input((k,), dtype="string")
 
+Prefetch (``prefetch_rows``): the layer sees only the batch of the step it runs
+in, so it cannot know the next batch's ids; the *dataset* can. ::
+
+    ds = psk.prefetch_rows(ds, model)   # before model.fit(ds, ...)
+
+maps every element through the model's ids (a sub-model from the inputs to each
+``psclient.keras.Embedding``'s input, or ``ids=``), starts the lookup of its
+distinct ids on the client's event loop, and hands the element on through
+``Dataset.prefetch(depth)``: while step ``k`` computes, tf.data prepares element
+``k + 1`` and its rows are read. In the step, the layer's lookup (the same
+``tf.numpy_function`` in ``fit``'s compiled step) takes the prefetched rows when
+their ids are exactly the batch's distinct ids, and reads them itself otherwise
+(validation data, ``predict``, a failed prefetch), so results never depend on
+whether a prefetch happened, only on when the rows were read. Staleness: rows
+prefetched for step ``k + 1`` are read as step ``k`` starts, so they can miss
+this worker's own updates of steps ``k - 1`` and ``k`` (one step more than
+without prefetch) and whatever other workers pushed since. Sync mode never
+prefetches (a step must read the rows after the previous step's global update),
+and neither does a layer before its worker attached.
+
 Limits: ids are checked against ``input_dim`` (a clear error, before any request);
-no ``mask_zero``; no loss scaling of the layer's rows (``mixed_float16``); the next
-batch's rows are not prefetched (the lookup is on the step's critical path).
+no ``mask_zero``; no loss scaling of the layer's rows (``mixed_float16``).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import keras
@@ -57,7 +81,12 @@ import tensorflow as tf
 
 from psclient.keras._ps import PSWorker, server_optimizer
 from pscore.embedding import Initializer
+from pscore.errors import PSError
 from pscore.optimizers import Optimizer
+
+log = logging.getLogger(__name__)
+
+_PREFETCH_KEEP = 8  # lookups started ahead and not used yet, per layer, at most (the oldest are dropped)
 
 
 def _row_initializer(init: Any) -> Initializer:
@@ -163,6 +192,7 @@ class Embedding(keras.layers.Layer):
         self.server_optimizer: Optimizer | None = None if optimizer is None else server_optimizer(optimizer)
         self.initializer = _row_initializer(embeddings_initializer)
         self._pending: list[tuple[Any, Any, Any]] = []  # (graph, ids, row gradients) of backward passes
+        self._prefetched = _Prefetched()
 
     def build(self, input_shape: Any = None) -> None:
         # Not a table: a one-element handle whose name is the table's on the shards.
@@ -192,10 +222,37 @@ class Embedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape: Any) -> tuple[Any, ...]:
         return (*tuple(input_shape), self.output_dim)
 
-    def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(ids) if self.key_type == "string" else np.asarray(ids, np.int64)
+    @property
+    def prefetch_stats(self) -> dict[str, int]:
+        """``{"hits": lookups answered by a prefetch, "misses": lookups read in the step}``."""
+        return {"hits": self._prefetched.hits, "misses": self._prefetched.misses}
+
+    def _ids(self, ids: Any) -> np.ndarray:
+        return np.asarray(ids) if self.key_type == "string" else np.asarray(ids, np.int64)
+
+    def _bad_id(self, ids: np.ndarray) -> int | None:
         if self.input_dim is not None and ids.size and (ids.min() < 0 or ids.max() >= self.input_dim):
-            bad = int(ids[(ids < 0) | (ids >= self.input_dim)][0])
+            return int(ids[(ids < 0) | (ids >= self.input_dim)][0])
+        return None
+
+    def start_prefetch(self, ids: Any) -> bool:
+        """Starts reading the rows of distinct ``ids`` for a step to come (see ``prefetch_rows``).
+
+        Returns False, starting nothing, in sync mode, before the worker attached, or for
+        ids the step's own lookup will refuse (it raises the error then).
+        """
+        ids = self._ids(ids)
+        if not self.worker.attached or self.worker.mode == "sync" or not ids.size:
+            return False
+        if self._bad_id(ids) is not None:
+            return False
+        self._prefetched.add(_key(ids), self.worker.client.lookup_future(self.table_name, ids))
+        return True
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        ids = self._ids(ids)
+        bad = self._bad_id(ids)
+        if bad is not None:
             raise ValueError(
                 f"psclient.keras.Embedding {self.name!r}: id {bad} is out of range [0, {self.input_dim})"
             )
@@ -207,7 +264,10 @@ class Embedding(keras.layers.Layer):
         dtype = np.dtype(self.variable_dtype)
         if not ids.size:
             return np.zeros((0, self.output_dim), dtype)
-        return np.asarray(self.worker.client.lookup(self.table_name, ids), dtype)
+        rows = self._prefetched.take(_key(ids), self.worker.client.wait_timeout)
+        if rows is None:
+            rows = self.worker.client.lookup(self.table_name, ids)
+        return np.asarray(rows, dtype)
 
     def call(self, inputs: Any) -> Any:
         ids = tf.convert_to_tensor(inputs)
@@ -269,6 +329,153 @@ class Embedding(keras.layers.Layer):
         return config
 
 
+class _Prefetched:
+    """Lookups started ahead of the steps that use them, by the exact distinct ids they read.
+
+    Thread-safe: tf.data's thread adds, the step's ``numpy_function`` takes.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._futures: collections.OrderedDict[Any, concurrent.futures.Future[np.ndarray]] = (
+            collections.OrderedDict()
+        )
+        self.hits = 0
+        self.misses = 0
+
+    def add(self, key: Any, fut: concurrent.futures.Future[np.ndarray]) -> None:
+        with self._lock:
+            old = self._futures.pop(key, None)
+            self._futures[key] = fut
+            dropped = [old] if old is not None else []
+            while len(self._futures) > _PREFETCH_KEEP:
+                dropped.append(self._futures.popitem(last=False)[1])
+        for f in dropped:
+            f.cancel()
+
+    def take(self, key: Any, timeout: float) -> np.ndarray | None:
+        """The rows prefetched for ``key``, or None (none started, or it failed: read them anew)."""
+        with self._lock:
+            fut = self._futures.pop(key, None)
+        if fut is not None:
+            try:
+                rows = fut.result(timeout)
+            except (PSError, concurrent.futures.CancelledError, TimeoutError) as err:
+                log.debug("prefetched lookup failed (%s); reading the rows in the step", err)
+            else:
+                self.hits += 1
+                return rows
+        self.misses += 1
+        return None
+
+
+def _key(ids: np.ndarray) -> Any:
+    """An exact, hashable key of distinct ids: their bytes (int64), or the tuple of string keys."""
+    return ids.tobytes() if ids.dtype.kind in "iu" else tuple(ids.reshape(-1).tolist())
+
+
+def _remote_layers(model: keras.Model) -> list[Embedding]:
+    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
+    return [layer for layer in layers if isinstance(layer, Embedding)]
+
+
+def prefetch_rows(
+    dataset: tf.data.Dataset,
+    model: keras.Model,
+    *,
+    depth: int = 1,
+    ids: Callable[[Any], Any] | None = None,
+) -> tf.data.Dataset:
+    """The dataset, with the rows of each element's ids read while the step before it computes.
+
+    See the module docs (Prefetch) for what it does, and the staleness it adds.
+
+    >>> ds = psk.prefetch_rows(ds, model)  # doctest: +SKIP
+    >>> model.fit(ds, epochs=3, callbacks=[worker.callback()])  # doctest: +SKIP
+
+    Args:
+        dataset: what ``fit`` trains on: elements ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, w)``.
+        model: the model whose ``psclient.keras.Embedding`` layers read the rows.
+        depth: elements (steps) prepared ahead, >= 1 (``Dataset.prefetch``).
+        ids: ``ids(x)`` -> the ids tensor of the model's one such layer, or a dict from layer
+            name to ids tensor; default: the model's own inputs-to-layer graph (a functional or
+            ``Sequential`` model whose layers are each called once).
+
+    Returns:
+        A dataset with the same elements.
+
+    Raises:
+        ValueError: no ``psclient.keras.Embedding`` in the model, ``depth`` < 1, or the ids of a
+            layer cannot be derived from the model's inputs (pass ``ids=``).
+    """
+    layers = _remote_layers(model)
+    if not layers:
+        raise ValueError(f"model {model.name!r} has no psclient.keras.Embedding layer to prefetch rows for")
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    ids_of = _ids_function(model, layers, ids)
+    tupled = isinstance(dataset.element_spec, tuple)
+
+    def start(*uniques: np.ndarray) -> np.bool_:
+        for layer, unique in zip(layers, uniques, strict=True):
+            try:
+                layer.start_prefetch(unique)
+            except (PSError, RuntimeError) as err:  # a closed client: the step reads (and reports) itself
+                log.debug("prefetch for %s not started: %s", layer.name, err)
+        return np.bool_(True)
+
+    def tap(*element: Any) -> Any:
+        tensors = ids_of(element[0])
+        uniques = []
+        for layer, t in zip(layers, tensors, strict=True):
+            t = tf.convert_to_tensor(t)
+            if layer.key_type != "string":
+                t = tf.cast(t, tf.int64)
+            uniques.append(tf.unique(tf.reshape(t, [-1]))[0])  # as the layer's call computes them
+        started = tf.numpy_function(start, uniques, Tout=tf.bool, stateful=True, name="ps_prefetch")
+        with tf.control_dependencies([started]):
+            out = tf.nest.map_structure(tf.identity, element)
+        return out if tupled else out[0]
+
+    return dataset.map(tap).prefetch(depth)
+
+
+def _ids_function(
+    model: keras.Model, layers: list[Embedding], ids: Callable[[Any], Any] | None
+) -> Callable[[Any], list[Any]]:
+    """``x`` -> each layer's ids tensor, in ``layers`` order."""
+    if ids is not None:
+
+        def given(x: Any) -> list[Any]:
+            out = ids(x)
+            if isinstance(out, Mapping):
+                missing = [layer.name for layer in layers if layer.name not in out]
+                if missing:
+                    raise ValueError(f"prefetch_rows: ids(x) gave no ids for the layers {missing}")
+                return [out[layer.name] for layer in layers]
+            if len(layers) != 1:
+                raise ValueError(
+                    f"prefetch_rows: the model has {len(layers)} psclient.keras.Embedding layers; "
+                    "ids(x) must return a dict from layer name to ids"
+                )
+            return [out]
+
+        return given
+    try:
+        sub = keras.Model(model.inputs, [layer.input for layer in layers])
+    except (AttributeError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"prefetch_rows: the ids of {[layer.name for layer in layers]} cannot be derived from the "
+            f"inputs of model {model.name!r} ({err}); pass ids=lambda x: {{layer name: ids tensor}}"
+        ) from None
+
+    def derived(x: Any) -> list[Any]:
+        out = sub(x, training=False)
+        return list(out) if isinstance(out, list | tuple) else [out]
+
+    return derived
+
+
 _FIXED = {
     "key_type": "int64",
     "capacity": None,
@@ -283,4 +490,4 @@ def _graph_key() -> Any:
     return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-__all__ = ["Embedding"]
+__all__ = ["Embedding", "prefetch_rows"]

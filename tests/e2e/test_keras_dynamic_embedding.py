@@ -53,9 +53,12 @@ def test_dynamic_int64_and_string_tables_train_through_fit(make_cluster, var_nam
         model, user_emb, tag_emb = _model(worker, var_name, capacity=10_000, min_count=1)
         model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
         ds = tf.data.Dataset.from_tensor_slices(({"users": users, "tags": tags}, y)).batch(32)
+        ds = psk.prefetch_rows(ds, model)  # dict inputs, int64 and string keys: read a batch ahead
         hist = model.fit(ds, epochs=5, verbose=0, shuffle=False, callbacks=[worker.callback()])
         losses = hist.history["loss"]
         assert losses[-1] < 0.5 * losses[0], losses
+        for emb in (user_emb, tag_emb):
+            assert emb.prefetch_stats["hits"] >= 5 * 8 - 2, emb.prefetch_stats
         assert max(int(np.prod(w.shape)) for w in model.weights) < 1000  # no table on the worker
         client = worker.client
         uname, tname = user_emb.table_name, tag_emb.table_name

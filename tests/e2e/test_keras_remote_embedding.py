@@ -63,6 +63,33 @@ def test_trains_without_a_table_on_the_worker(make_cluster, var_name, mode) -> N
         np.testing.assert_allclose(fresh.layers[-1].kernel.numpy(), model.layers[-1].kernel.numpy())
 
 
+def test_prefetch_reads_each_batchs_rows_while_the_step_before_computes(make_cluster, var_name) -> None:
+    import tensorflow as tf
+
+    cluster = make_cluster(num_shards=2)
+    x, y = _data()
+    with psk.PSWorker(cluster.addresses) as worker:  # async, overlapped
+        model, emb = _model(worker, var_name)
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
+        ds = psk.prefetch_rows(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), model)
+        hist = model.fit(ds, epochs=6, verbose=0, shuffle=False, callbacks=[worker.callback()])
+        losses = hist.history["loss"]
+        assert losses[-1] < 0.5 * losses[0], losses
+        stats = emb.prefetch_stats
+        assert stats["hits"] + stats["misses"] == 6 * 8  # one lookup per step
+        assert stats["hits"] >= 6 * 8 - 2, stats  # all but a batch read before the worker attached
+        # A prefetched read is the shards' rows, as a lookup reads them; ids that were not prefetched
+        # (other data) are read in the step.
+        ids = np.unique(x[:5])
+        assert emb.start_prefetch(ids)
+        np.testing.assert_array_equal(emb._lookup(ids), worker.client.lookup(emb.table_name, ids))
+        assert emb.prefetch_stats["hits"] == stats["hits"] + 1
+        assert model.predict(x[:3] + 1, verbose=0).shape == (3, 1)
+        assert emb.prefetch_stats["misses"] == stats["misses"] + 1
+    with pytest.raises(ValueError, match=r"no psclient\.keras\.Embedding"):
+        psk.prefetch_rows(ds, keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+
+
 def test_bad_ids_give_a_clear_error(make_cluster, var_name) -> None:
     cluster = make_cluster(num_shards=2)
     x, y = _data(32)
@@ -75,6 +102,8 @@ def test_bad_ids_give_a_clear_error(make_cluster, var_name) -> None:
 
 
 def test_sync_one_step_per_batch_and_own_optimizer(make_cluster, var_name) -> None:
+    import tensorflow as tf
+
     cluster = make_cluster(
         num_shards=2, server_args=("--mode", "sync", "--replicas-to-aggregate", "1", "--total-replicas", "1")
     )
@@ -84,8 +113,10 @@ def test_sync_one_step_per_batch_and_own_optimizer(make_cluster, var_name) -> No
             worker, var_name, optimizer=keras.optimizers.SGD(0.5), embeddings_initializer="zeros"
         )
         model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker), loss="mse")
-        model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[worker.callback()])
+        ds = psk.prefetch_rows(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), model)
+        model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[worker.callback()])
         assert worker.step == 8 and worker.stale_steps == 0
+        assert emb.prefetch_stats == {"hits": 0, "misses": 8}  # sync mode never reads ahead
         name = emb.table_name
         assert worker.client.list_variables([name])[name][0].spec.optimizer.name.lower() == "sgd"
         assert np.any(worker.client.lookup(name, np.unique(x)))  # moved from zeros
