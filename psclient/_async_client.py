@@ -10,7 +10,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -1082,6 +1082,63 @@ class AsyncPSClient:
 
         await _each(one, per_shard) if per_shard else None
         return out[inverse].reshape((*arr.shape, dim))
+
+    async def export(
+        self, name: str, *, batch_rows: int | None = None
+    ) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        """Iterates over every row of an embedding table, in batches: ``(ids, rows)`` (for serving).
+
+        One shard after the other, each in ascending id order (``ScanRows``):
+        a fixed table's ids ``0 .. num_rows - 1``, a dynamic table's ids that
+        have a row (a string-keyed table's hashed ids: ``pscore.embedding.hash_keys``
+        maps keys to them). Memory is O(batch). Each batch is the shards' rows at
+        one instant; run it after training (or on a cluster restored from a
+        checkpoint) for one consistent table: while training runs, a dynamic table
+        may create rows in batches already read, or evict rows of batches to come.
+
+        >>> async for ids, rows in client.export("users"):  # doctest: +SKIP
+        ...     index.add(ids, rows)
+
+        Args:
+            name: the table.
+            batch_rows: rows per batch at most (default: about ``config.unary_max_bytes``
+                of rows; a shard caps a batch at about 32 MiB).
+
+        Yields:
+            ``(ids, rows)``: int64 ids ``[n]`` and their rows ``[n, dim]`` (new arrays), n >= 1.
+
+        Raises:
+            NotFoundError: no such table.
+            InvalidArgumentError: ``name`` is not a table, or ``batch_rows`` < 1.
+            PSError: a shard failed.
+        """
+        group = (await self._known([name]))[name]
+        if not group[0].table:
+            raise InvalidArgumentError(f"export: {name!r} is not an embedding table")
+        if batch_rows is not None and batch_rows < 1:
+            raise InvalidArgumentError(f"export of {name!r}: batch_rows must be >= 1, got {batch_rows}")
+        dim, itemsize = group[0].full_shape[1], group[0].dtype.itemsize
+        max_rows = batch_rows or max(1, self.config.unary_max_bytes // max(1, dim * itemsize))
+        for piece in group:
+            after: int | None = None
+            while True:
+                request = ps_pb2.ScanRowsRequest(name=piece.stored_name, max_rows=max_rows, after=after)
+                shard = piece.shard
+                resp = await self._call(
+                    shard, "ScanRows", lambda r=request, s=shard: self._stub(s).ScanRows(r, **self._kw(s))
+                )
+                got = {c.name: codec.decode(c) for c in resp.values}
+                ids = got.get(embedding.ids_name(piece.stored_name))
+                rows = got.get(embedding.values_name(piece.stored_name))
+                if ids is None or rows is None or rows.shape != (ids.size, dim) or ids.ndim != 1:
+                    raise codec.CodecError(f"table {name!r}: shard {shard} returned a malformed page")
+                if ids.size:
+                    yield np.array(ids, np.int64), np.array(rows)
+                    after = int(ids[-1])
+                if resp.done:
+                    break
+                if not ids.size:
+                    raise codec.CodecError(f"table {name!r}: shard {shard} returned an empty page (not done)")
 
     async def leave(self) -> None:
         """Tells every shard this worker is done (end of training), so that none waits for it.

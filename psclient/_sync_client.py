@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +14,10 @@ from psclient.config import ClientConfig
 from pscore.embedding import Initializer
 from pscore.optimizers import Optimizer
 from psproto.v1 import ps_pb2
+
+
+async def _next(batches: AsyncIterator[Any]) -> Any:
+    return await anext(batches)
 
 
 class PSClient:
@@ -147,6 +151,21 @@ class PSClient:
     def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:
         """Reads rows of a table, shape ``ids.shape + (dim,)``; see ``AsyncPSClient.lookup``."""
         return np.asarray(self._run(self._async.lookup(name, ids, step=step)))
+
+    def export(self, name: str, *, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Iterates over every row of a table in batches, ``(ids, rows)``; see ``AsyncPSClient.export``.
+
+        Each batch is read when the iteration asks for it (memory O(batch)).
+        """
+        batches = self._async.export(name, batch_rows=batch_rows)
+        try:
+            while True:
+                try:
+                    yield self._run(_next(batches))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(batches.aclose())
 
     def status(self) -> list[ps_pb2.GetStatusResponse]:
         """Every shard's status (mode, step, counters, role); see ``AsyncPSClient.status``."""

@@ -28,6 +28,7 @@ examples:
   TF_CONFIG=... psctl status            # the ps addresses of TF_CONFIG
   psctl save 127.0.0.1:50051 127.0.0.1:50052   # every shard writes a checkpoint now
   psctl save --consistent ps0:2222 ps1:2222     # ... all at one cut of the cluster (one model version)
+  psctl export users --out /tmp/users 127.0.0.1:50051 127.0.0.1:50052   # ids.npy, rows.npy, table.json
 
 exit status: 0 when every shard is SERVING, 1 otherwise, 2 on bad arguments.
 """
@@ -259,6 +260,46 @@ def _cmd_save(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from psclient import PSClient
+    from psclient.export import Progress, export_table
+    from pscore.errors import PSError
+
+    addresses = _addresses(args, parser)
+    if args.batch_rows is not None and args.batch_rows < 1:
+        parser.error("--batch-rows must be >= 1")
+    shown = [0.0]
+
+    def progress(p: Progress) -> None:  # on stderr, at most every --progress-every seconds
+        if args.quiet or p.seconds - shown[0] < args.progress_every:
+            return
+        shown[0] = p.seconds
+        share = f" ({100 * p.rows / p.expected:.0f}%)" if p.expected else ""
+        rate = p.bytes / p.seconds / 1e6 if p.seconds > 0 else 0.0
+        line = f"export {p.table}: {p.rows:,} / {p.expected:,} rows{share}, {_human_bytes(p.bytes)}"
+        print(f"{line}, {rate:.1f} MB/s", file=sys.stderr, flush=True)
+
+    try:
+        with PSClient(addresses, worker_id="psctl", timeout=args.timeout, **_security(args)) as client:
+            summary = export_table(
+                client, args.table, args.out, batch_rows=args.batch_rows, progress=progress
+            )
+    except ValueError as err:  # malformed addresses or TLS settings
+        parser.error(str(err))
+    except (PSError, OSError) as err:
+        print(f"psctl export: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(asdict(summary), indent=2))
+    else:
+        print(
+            f"exported {summary.table} ({summary.kind}, {summary.key_type} ids): {summary.rows:,} rows of "
+            f"{summary.dim} {summary.dtype}, {_human_bytes(summary.bytes)} in {summary.seconds:.1f}s -> "
+            f"{os.path.join(args.out, summary.ids_file)}, {os.path.join(args.out, summary.rows_file)}"
+        )
+    return 0
+
+
 def _add_connection_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: %(default)s)")
     p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
@@ -311,6 +352,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_connection_flags(save)
     save.set_defaults(func=_cmd_save, timeout=60.0)
+    export = sub.add_parser(
+        "export",
+        help="write every row of an embedding table to .npy files (for serving)",
+        description="Read every row of an embedding table (fixed or dynamic), batch by batch, shard by shard "
+        "in ascending id order, into OUT/ids.npy (int64 [n]; a string-keyed table's hashed ids), "
+        "OUT/rows.npy ([n, dim]) and OUT/table.json. Memory stays O(batch). Progress goes to stderr. "
+        "While training runs a dynamic table may change under the export: run it after training for "
+        "one consistent table. Exit status 1 if a shard failed (no partial files are left).",
+    )
+    export.add_argument("table", help="the table's name")
+    export.add_argument(
+        "addresses", nargs="*", help="HOST:PORT of every shard (default: TF_CONFIG's ps tasks)"
+    )
+    export.add_argument("--out", required=True, help="output folder (created if missing)")
+    export.add_argument(
+        "--batch-rows", type=int, help="rows per read (default: 4 MiB of rows, the client's unary_max_bytes)"
+    )
+    export.add_argument(
+        "--progress-every", type=float, default=1.0, help="seconds between progress lines (default: 1)"
+    )
+    export.add_argument("--quiet", action="store_true", help="no progress lines")
+    export.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_connection_flags(export)
+    export.set_defaults(func=_cmd_export, timeout=60.0)
     return parser
 
 

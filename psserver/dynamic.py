@@ -393,6 +393,18 @@ class DynamicRows:
         self.stats.initializer_reads += int(np.count_nonzero(missing))
         return out
 
+    def scan(self, holder: Holder, after: int | None, n: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The ``n`` smallest ids with a row that are ``> after``, ascending, with copies of their rows,
+        and whether they are the last. One pass over the piece's rows (a selection, not a sort)."""
+        ids = self.slot_ids[self.live]
+        if after is not None:
+            ids = ids[ids > after]
+        last = ids.size <= n
+        if not last:
+            ids = np.partition(ids, n - 1)[:n]
+        ids = np.sort(ids)
+        return ids, holder.state[0][self.index.get(ids)], last
+
     # -- a push -----------------------------------------------------------------
 
     def prepare(

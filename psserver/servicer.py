@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amortise per-message cost
 _MIN_CHUNK_BYTES = 64 << 10  # the smallest chunk a client may ask for
+_SCAN_MAX_BYTES = 32 << 20  # a ScanRows page at most: well inside a client's 64 MiB receive limit
 
 
 def _status(err: PSError | codec.CodecError) -> tuple[grpc.StatusCode, str]:
@@ -402,6 +403,34 @@ class ParameterServerServicer:
             versions.append(version)
         self.store.pulls += 1
         return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
+
+    @_translated
+    async def ScanRows(
+        self, request: ps_pb2.ScanRowsRequest, context: grpc.aio.ServicerContext
+    ) -> ps_pb2.ScanRowsResponse:
+        self._serving("ScanRows")
+        var = self.store.get(request.name)
+        if not var.is_table:
+            raise InvalidArgumentError(f"ScanRows: variable {request.name!r} is not an embedding table piece")
+        if request.max_rows < 0:
+            raise InvalidArgumentError(f"ScanRows: max_rows {request.max_rows} is negative")
+        row_bytes = max(1, var.dtype.itemsize * int(var.shape[1]))
+        wanted = request.max_rows or max(1, DEFAULT_CHUNK_BYTES // row_bytes)
+        n = max(1, min(wanted, _SCAN_MAX_BYTES // row_bytes))
+        after = request.after if request.HasField("after") else None
+        # No await from here to the answer: the ids, rows and version are one instant's.
+        if var.dyn is not None:
+            ids, rows, done = var.dyn.scan(var, after, n)
+            held = len(var.dyn)
+        else:
+            ids, rows, done = tables.scan_fixed(var.spec, var.value, after, n)
+            held = int(var.shape[0])
+        header = ps_pb2.ScanRowsResponse(done=done, version=var.version, rows=held)
+        chunks = [
+            _chunk_of(embedding.ids_name(var.name), ids),
+            _chunk_of(embedding.values_name(var.name), rows),
+        ]
+        return codec.WireMessage(header, "values", chunks)
 
     async def PushSession(
         self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext

@@ -203,6 +203,19 @@ def validate(spec: ps_pb2.VariableSpec, dtype: np.dtype, grad: RowGrad, *, allow
     return RowGrad(ids, values)
 
 
+def scan_fixed(
+    spec: ps_pb2.VariableSpec, value: np.ndarray, after: int | None, n: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A fixed table piece's first ``n`` global ids ``> after`` (ascending), copies of their rows, and
+    whether they are the last (``DynamicRows.scan`` for a fixed piece)."""
+    t = spec.table
+    start = 0 if after is None else max(0, (after - t.index) // t.count + 1)  # first local row past it
+    stop = min(int(t.rows), start + n)
+    start = min(start, stop)
+    ids = global_row(np.arange(start, stop, dtype=np.int64), t.index, t.count)
+    return ids, value[start:stop].copy(), stop >= t.rows
+
+
 def local_rows(spec: ps_pb2.VariableSpec, ids: np.ndarray) -> np.ndarray:
     """The local row indices of validated global ids."""
     return ids // spec.table.count

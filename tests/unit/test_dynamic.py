@@ -325,3 +325,36 @@ def test_a_dynamic_piece_refuses_ids_of_other_shards_floats_and_assignments() ->
         tables.check_ids(var.spec, np.array([1.5]), "lookup")
     with pytest.raises(InvalidArgumentError, match="cannot be assigned"):
         store.validate_values({spec.name: np.zeros((0, 2), np.float32)})
+
+
+def test_scan_pages_through_the_live_ids_in_order() -> None:
+    t = _Table()
+    ids = np.array([50, -3, 2**62, 7, -(2**63), 0, 9])
+    t.push(ids)
+    pages, after = [], None
+    while True:
+        got, rows, last = t.rows.scan(t.var, after, 3)
+        np.testing.assert_array_equal(rows, t.read(got))
+        pages.append(got.tolist())
+        if last:
+            break
+        after = int(got[-1])
+    assert pages == [[-(2**63), -3, 0], [7, 9, 50], [2**62]]
+    assert t.rows.scan(t.var, 2**62, 3)[0].size == 0
+
+
+def test_scan_of_a_fixed_piece_starts_after_any_id() -> None:
+    spec = ps_pb2.VariableSpec(
+        name="f/rows_1", table=ps_pb2.TableRows(table="f", num_rows=10, dim=1, index=1, count=3, rows=3)
+    )
+    value = np.array([[1.0], [4.0], [7.0]], np.float32)  # rows 1, 4, 7
+    for after, n, want, last in [
+        (None, 2, [1, 4], False),
+        (1, 5, [4, 7], True),
+        (2, 1, [4], False),
+        (-(2**63), 9, [1, 4, 7], True),
+        (7, 9, [], True),
+        (2**63 - 1, 9, [], True),
+    ]:
+        ids, rows, done = tables.scan_fixed(spec, value, after, n)
+        assert ids.tolist() == want and rows[:, 0].tolist() == want and done == last
