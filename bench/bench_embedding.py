@@ -13,7 +13,18 @@ shards, trained by ``model.fit`` with ``psclient.keras`` on a 2-shard async clus
   worker still holds the whole table (initial values sent by the chief, pushed rows
   scattered back into its copy).
 * ``psk``: ``psclient.keras.Embedding``: the rows live only on the shards; each step
-  looks up the batch's distinct ids and pushes their gradients.
+  looks up the batch's distinct ids and pushes their gradients (the pushed rows do not
+  come back: ``push_pull(return_rows=...)``).
+* ``psk-prefetch``: ``psk`` with ``psclient.keras.prefetch_rows``: the next batch's
+  rows are looked up while the current step computes.
+* ``tf-ps``: TensorFlow's ParameterServerStrategy: 2 ps + ``--workers`` worker
+  ``tf.distribute.Server`` processes and a coordinator running a custom loop
+  (``ClusterCoordinator.schedule`` of a ``tf.function`` step) on the same model,
+  the table a row-sharded ``ShardedVariable`` (``MinSizePartitioner``, 2 shards) read
+  by ``tf.nn.embedding_lookup`` and updated by a sparse Adagrad (scatter ops on the
+  ps tasks). Keras 3 ``fit`` cannot run on that strategy and tf_keras is not
+  installed, so the custom loop is the path measured. Throughput: steps completed by
+  all workers per second after 20 warm-up steps; payload bytes are not measured.
 
 Dynamic tables (issue 12), run by name (``--variants psk-capacity,psk-dynamic``): an
 id stream drawn by a power law (``P(rank r) ~ (r + 1) ** -zipf``) from ``--id-space``
@@ -31,14 +42,19 @@ the training time).
 
 Reported per variant: steps/s (the workers' sum; steps after the first), payload
 bytes per worker-step (tensor bytes through the client: gradients pushed, values
-pulled, rows looked up; framing not counted), the worker's peak RSS, and the run's
-wall time (worker start to exit: TensorFlow import, table creation, training).
+pulled, rows looked up; framing not counted) against the goal of issue 11,
+``2 x (rows touched x dim x 4 B) + the dense variables`` (rows touched: the mean
+distinct ids of a batch; the dense variables counted pushed and pulled, 2 x their
+bytes), the worker's peak RSS, and the run's wall time (worker start to exit:
+TensorFlow import, table creation, training).
 
 Usage:
     python bench/bench_embedding.py --out bench/results/embedding          # embedding.md / .json
     python bench/bench_embedding.py --rows 100000 --steps 20 --variants psk   # a quick look
     python bench/bench_embedding.py --variants psk-capacity,psk-dynamic --steps 4000 \
         --out bench/results/embedding_dynamic                               # 10M-id stream, 1M rows
+    python bench/bench_embedding.py --rows 10000000 --dim 32 --variants psk,psk-prefetch \
+        --workers 2 --out bench/results/embedding_10m                       # worker RSS, 10M x 32
 """
 
 from __future__ import annotations
@@ -57,8 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
+import _tfps
 
-VARIANTS = ("dense", "keras-table", "psk")
+VARIANTS = ("dense", "keras-table", "psk", "psk-prefetch", "tf-ps")
 DYNAMIC_VARIANTS = ("psk-capacity", "psk-dynamic")  # run by name: the id stream vs a capacity
 _RESULT = "RESULT "
 _RSS_SAMPLE_S = 0.5
@@ -97,6 +114,7 @@ def _examples(args: argparse.Namespace, n: int) -> tuple[Any, Any]:
 def worker_main(args: argparse.Namespace) -> None:
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import psclient.keras as psk
     from trainer.cluster import rss_mib
@@ -108,7 +126,7 @@ def worker_main(args: argparse.Namespace) -> None:
         args.addresses.split(","), worker_index=args.index, num_workers=args.workers, **dense
     )
     box = count_payload_bytes(worker.client)
-    if args.variant == "psk":
+    if args.variant in ("psk", "psk-prefetch"):
         emb: Any = psk.Embedding(args.rows, args.dim, worker=worker, name="emb")
     elif args.variant == "psk-capacity":
         emb = psk.Embedding(args.capacity, args.dim, worker=worker, name="emb")
@@ -125,6 +143,14 @@ def worker_main(args: argparse.Namespace) -> None:
     model.compile(optimizer=psk.DistributedOptimizer(opt, worker), loss="mse")
     n = max(1, args.steps // 2) * args.batch_size  # two epochs
     x, y = _examples(args, n)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
+    if args.variant == "psk-prefetch":
+        ds = psk.prefetch_rows(ds, model)
+    touched = float(
+        np.mean([np.unique(x[i : i + args.batch_size]).size for i in range(0, n, args.batch_size)])
+    )
+    table = {id(w) for w in emb.weights}
+    dense_bytes = sum(int(np.prod(w.shape)) * 4 for w in model.weights if id(w) not in table)
     cb = worker.callback()
     attach_bytes: dict[str, int] = {}
     end_bytes: dict[str, int] = {}
@@ -142,9 +168,7 @@ def worker_main(args: argparse.Namespace) -> None:
             end_bytes.update(box)
 
     fit_started = time.perf_counter()
-    hist = model.fit(
-        x, y, batch_size=args.batch_size, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Mark()]
-    )
+    hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Mark()])
     fit_seconds = time.perf_counter() - fit_started
     worker.close()
     steps = cb.steps
@@ -161,11 +185,121 @@ def worker_main(args: argparse.Namespace) -> None:
         "rss_end_mib": rss_mib(field="VmRSS"),
         "fit_s": fit_seconds,
         "distinct_ids": int(np.unique(x).size),
+        "rows_touched_per_step": touched,
+        "goal_bytes_per_step": 2 * touched * args.dim * 4 + 2 * dense_bytes,
+        "prefetch": emb.prefetch_stats if args.variant == "psk-prefetch" else None,
         "weights_mib": sum(int(np.prod(w.shape)) * 4 for w in model.weights) / 2**20,
         "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
         "wall_s": time.perf_counter() - t0,
     }
     print(_RESULT + json.dumps(result), flush=True)
+
+
+def tf_coordinator_main(args: argparse.Namespace) -> None:
+    """The ``tf-ps`` variant's coordinator: the same model and data, on TensorFlow's PS strategy."""
+    import numpy as np
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(args.addresses)), rpc_layer="grpc"
+    )
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=1 << 20, max_shards=2
+    )  # the table row-sharded over both ps tasks, the small tower variables whole
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    rows, dim, lr, eps = args.rows, args.dim, 0.1, 1e-7  # Keras's Adagrad: accumulators start at 0.1
+
+    def glorot(shape: list[int]) -> Any:  # Keras's Dense kernel initializer
+        limit = (6.0 / sum(shape)) ** 0.5
+        return tf.random.uniform(shape, -limit, limit, seed=0)
+
+    with strategy.scope():
+        emb = tf.Variable(lambda: tf.random.uniform([rows, dim], -0.05, 0.05, seed=0), name="emb")
+        emb_acc = tf.Variable(lambda: tf.fill([rows, dim], 0.1), name="emb_acc")
+        shapes = {"w1": [dim, 64], "b1": [64], "w2": [64, 1], "b2": [1]}
+        dense = {k: tf.Variable(glorot(s) if len(s) == 2 else tf.zeros(s), name=k) for k, s in shapes.items()}
+        dense_acc = {k: tf.Variable(tf.fill(s, 0.1), name=k + "_acc") for k, s in shapes.items()}
+    x, y = _examples(args, max(1, args.steps // 2) * args.batch_size)
+    x = x.astype(np.int64)
+
+    def dataset_fn() -> tf.data.Dataset:
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(args.batch_size).prefetch(2)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    def sparse_adagrad(var: Any, acc: Any, g: tf.IndexedSlices) -> None:
+        ids, pos = tf.unique(g.indices)
+        values = tf.math.unsorted_segment_sum(g.values, pos, tf.size(ids))
+        acc.scatter_add(tf.IndexedSlices(values * values, ids))
+        var.scatter_sub(tf.IndexedSlices(lr * values / (tf.sqrt(tf.gather(acc, ids)) + eps), ids))
+
+    @tf.function
+    def step(it: Any) -> Any:
+        def replica_fn(xb: Any, yb: Any) -> Any:
+            shards = emb.variables if hasattr(emb, "variables") else [emb]
+            with tf.GradientTape() as tape:
+                e = tf.nn.embedding_lookup(emb, xb)  # only the batch's rows, from the ps tasks
+                h = tf.nn.relu(tf.reduce_mean(e, axis=1) @ dense["w1"] + dense["b1"])
+                loss = tf.reduce_mean((h @ dense["w2"] + dense["b2"] - yb) ** 2)
+            grads = tape.gradient(loss, [*shards, *dense.values()])
+            acc_shards = emb_acc.variables if hasattr(emb_acc, "variables") else [emb_acc]
+            for var, acc, g in zip(shards, acc_shards, grads[: len(shards)], strict=True):
+                sparse_adagrad(var, acc, g)
+            for (k, var), g in zip(dense.items(), grads[len(shards) :], strict=True):
+                dense_acc[k].assign_add(g * g)
+                var.assign_sub(lr * g / (tf.sqrt(dense_acc[k]) + eps))
+            return loss
+
+        xb, yb = next(it)
+        return strategy.run(replica_fn, args=(xb, yb))
+
+    for _ in range(20):  # warm-up: tracing, first reads
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    steps = args.steps * args.workers  # as many steps as our workers take together
+    t0 = time.perf_counter()
+    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+    coordinator.join()
+    elapsed = time.perf_counter() - t0
+    first, last = (float(np.mean(r.fetch())) for r in (losses[0], losses[-1]))
+    result = {"steps_per_s": steps / elapsed, "steps": steps, "fit_s": elapsed, "loss": [first, last]}
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``tf-ps`` variant: a TF cluster (2 ps, ``--workers`` workers) and its coordinator."""
+    with _tfps.cluster(2, args.workers, env=_env()) as tf_cluster:
+        cmd = [sys.executable, __file__, "--tf-coordinator", "--addresses", tf_cluster.spec,
+               "--workers", str(args.workers), "--rows", str(args.rows), "--dim", str(args.dim),
+               "--ids", str(args.ids), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+               "--variant", "tf-ps"]  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
+        wall = time.perf_counter() - t0
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"tf-ps coordinator exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    r = json.loads(lines[-1][len(_RESULT) :])
+    rss = tf_cluster.peak_rss_mib
+    return {
+        "variant": "tf-ps",
+        "workers": args.workers,
+        "steps_per_worker": r["steps"] // args.workers,
+        "steps_per_s": r["steps_per_s"],
+        "bytes_per_worker_step": None,
+        "sent_per_worker_step": None,
+        "goal_bytes_per_worker_step": None,
+        "rows_touched_per_step": None,
+        "setup_bytes": None,
+        "peak_rss_mib_per_worker": [round(rss[f"worker:{i}"]) for i in range(args.workers)],
+        "end_rss_mib_per_worker": [],
+        "ps_peak_rss_mib": [round(rss[f"ps:{i}"]) for i in range(2)],
+        "worker_weights_mib": 0.0,
+        "loss_first_last": r["loss"],
+        "wall_s": wall,
+        "fit_s": r["fit_s"],
+    }
 
 
 def _sample_rss(cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]]) -> None:
@@ -188,6 +322,8 @@ def _table_counts(addresses: list[str]) -> dict[str, int]:
 def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from trainer.cluster import LocalCluster
 
+    if variant == "tf-ps":
+        return run_tf_ps(args)
     cluster = LocalCluster(num_shards=2, server_args=["--mode", "async"]).start()
     samples: list[tuple[float, list[float]]] = []
     stop = threading.Event()
@@ -248,6 +384,9 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "steps_per_worker": rows[0]["steps"],
         "steps_per_s": sum(r["steps_per_s"] for r in rows),
         "bytes_per_worker_step": sum(r["bytes_per_step"] for r in rows) / len(rows),
+        "goal_bytes_per_worker_step": sum(r["goal_bytes_per_step"] for r in rows) / len(rows),
+        "rows_touched_per_step": sum(r["rows_touched_per_step"] for r in rows) / len(rows),
+        "prefetch": [r["prefetch"] for r in rows] if variant == "psk-prefetch" else None,
         "sent_per_worker_step": sum(r["sent_per_step"] for r in rows) / len(rows),
         "setup_bytes": sum(r["setup_bytes"] for r in rows),
         "peak_rss_mib_per_worker": [round(r["peak_rss_mib"]) for r in rows],
@@ -303,47 +442,66 @@ def _markdown_dynamic(args: argparse.Namespace, results: list[dict[str, Any]], c
 
 def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
     mib = 2**20
+
+    def num(v: float | None, fmt: str, scale: float = 1.0) -> str:
+        return "-" if v is None else format(v / scale, fmt)
+
     lines = [
-        "# Embedding training: whole variable vs Keras Embedding table vs psclient.keras.Embedding",
+        "# Embedding training: whole variable vs Keras Embedding table vs psclient.keras.Embedding vs TF PS",
         "",
         f"Command: `{command}`",
         "",
         f"Model: Embedding {args.rows:,} x {args.dim} (float32, {args.rows * args.dim * 4 / mib:.0f} MiB), "
         f"{args.ids} power-law ids (zipf 1.2) per example mean-pooled, Dense 64 relu, Dense 1; Adagrad(0.1) "
         f"on the shards; batch {args.batch_size}; 2 async shards (overlap on), {args.workers} worker(s); "
-        f"`model.fit` with psclient.keras. Machine: {json.dumps(cm.machine_note())}",
+        f"`model.fit` with psclient.keras (`tf-ps`: TensorFlow's ParameterServerStrategy, 2 ps tasks, a "
+        f"custom loop). Machine: {json.dumps(cm.machine_note())}",
         "",
-        "| variant | steps/worker | steps/s (sum) | payload MiB / worker-step | of which sent | setup MiB "
-        "(attach, first step; all workers) | worker weights MiB | peak RSS MiB per worker | "
+        "| variant | steps/worker | steps/s (sum) | rows touched / step | payload KiB / worker-step | "
+        "of which sent | goal KiB (2 x rows x dim x 4 B + dense pushed and pulled) | payload / goal | "
+        "setup MiB (attach, first step; all workers) | worker weights MiB | peak RSS MiB per worker | "
         "RSS at end MiB per worker | wall s | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
+        payload, goal = r["bytes_per_worker_step"], r["goal_bytes_per_worker_step"]
+        ratio = None if payload is None or not goal else payload / goal
         lines.append(
             f"| {r['variant']} | {r['steps_per_worker']} | {r['steps_per_s']:.2f} | "
-            f"{r['bytes_per_worker_step'] / mib:.3f} | {r['sent_per_worker_step'] / mib:.3f} | "
-            f"{r['setup_bytes'] / mib:.1f} | {r['worker_weights_mib']:.2f} | "
+            f"{num(r['rows_touched_per_step'], '.0f')} | {num(payload, '.1f', 1024)} | "
+            f"{num(r['sent_per_worker_step'], '.1f', 1024)} | {num(goal, '.1f', 1024)} | "
+            f"{num(ratio, '.2f')} | {num(r['setup_bytes'], '.1f', mib)} | {r['worker_weights_mib']:.2f} | "
             f"{', '.join(map(str, r['peak_rss_mib_per_worker']))} | "
-            f"{', '.join(map(str, r['end_rss_mib_per_worker']))} | "
+            f"{', '.join(map(str, r['end_rss_mib_per_worker'])) or '-'} | "
             f"{r['wall_s']:.1f} | {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f} |"
         )
+    notes = []
+    for r in results:
+        if r.get("prefetch"):
+            notes.append(f"`{r['variant']}` lookups answered by a prefetch (per worker): {r['prefetch']}.")
+        if r.get("ps_peak_rss_mib"):
+            notes.append(f"`tf-ps` ps tasks' peak RSS MiB: {r['ps_peak_rss_mib']}.")
     lines += [
         "",
         "Payload bytes are tensor bytes through the client (gradients and ids sent; values, returned rows "
         "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull_future`, `pull` "
         "and `lookup`; gRPC framing is not counted. Bytes up to the end of the first step (attach, the "
         "first pull, the first step's pull of every variable) are the setup column (the chief's table "
-        "creation is not counted: `create_embedding` is not "
-        "wrapped); the final pull after training is not counted. Loss: the mean of epoch 1 -> epoch 2. "
+        "creation is not counted: `create_embedding` is not wrapped, and sends no rows for a named "
+        "initializer); the final pull after training is not counted. Loss: the mean of epoch 1 -> epoch 2 "
+        "(`tf-ps`: the first and last measured step). "
         "`dense` pushes and pulls the whole table each step; "
         "`keras-table` pushes the batch's rows and gets them back (the worker keeps a whole copy); `psk` "
-        "looks up the batch's distinct rows, pushes their gradients, and (async push_pull) gets the pushed "
-        "rows back too (not used: the next lookup reads the shards).",
+        "looks up the batch's distinct rows and pushes their gradients (nothing comes back for the table: "
+        "`push_pull(return_rows=...)`); `psk-prefetch` looks the rows up one step ahead. Goal (issue 11): "
+        "rows touched = the mean distinct ids of a batch; the ids themselves, sent with the lookup and "
+        "with the push, are what `psk` sends beyond it: counted here as given (8 B each), they travel "
+        "as int32 (4 B) for a fixed table.",
         "",
-        "Peak RSS: the chief's (worker 0) includes creating the table: with `keras-table` it holds "
-        "Keras's initial table and sends it; with `psk`, `create_embedding` computes the initial rows of "
-        "each shard's piece in the client before streaming them (transient: see its RSS at the end). "
-        "The other workers' RSS is the O(batch) steady state.",
+        "Peak RSS: the chief (worker 0) with `keras-table` holds Keras's initial table and sends it; with "
+        "`psk` the shards make the initial rows (the chief sends none). Every `psk` worker's RSS is the "
+        "O(batch) steady state plus TensorFlow.",
+        *(["", *notes] if notes else []),
         "",
     ]
     return "\n".join(lines)
@@ -368,12 +526,16 @@ def main() -> None:
     )
     ap.add_argument("--out", help="write OUT.md and OUT.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--addresses", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(args)
+        return
+    if args.tf_coordinator:
+        tf_coordinator_main(args)
         return
     results = []
     variants = args.variants.split(",")

@@ -27,7 +27,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
+import _tfps
 
 SYSTEMS = ("local", "ps-async", "ps-async-nooverlap", "ps-sync", "allreduce", "tf-ps")
 _RUN_TIMEOUT_S = 600
@@ -139,17 +139,6 @@ def run_allreduce(args: argparse.Namespace, model: str) -> dict[str, Any]:
 # -- TensorFlow's ParameterServerStrategy --------------------------------------------
 
 
-def _tf_task_main(args: argparse.Namespace) -> None:
-    import tensorflow as tf
-
-    job, index = args.tf_task.split(":")
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(json.loads(args.cluster)), job_name=job, task_index=int(index), protocol="grpc"
-    )
-    Path(args.ready).write_text(server.target + "\n")
-    server.join()
-
-
 def _tf_coordinator_main(args: argparse.Namespace) -> None:
     import keras
     import tensorflow as tf
@@ -200,41 +189,12 @@ def _tf_coordinator_main(args: argparse.Namespace) -> None:
 
 
 def run_tf_ps(args: argparse.Namespace, model: str) -> dict[str, Any]:
-    cluster = {"ps": [f"127.0.0.1:{cm.free_port()}" for _ in range(2)],
-               "worker": [f"127.0.0.1:{cm.free_port()}" for _ in range(2)]}  # fmt: skip
-    spec = json.dumps(cluster)
-    procs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            for job in ("ps", "worker"):
-                for i in range(2):
-                    ready = Path(tmp) / f"{job}{i}.ready"
-                    cmd = [
-                        sys.executable,
-                        __file__,
-                        "--tf-task",
-                        f"{job}:{i}",
-                        "--cluster",
-                        spec,
-                        "--ready",
-                        str(ready),
-                    ]
-                    p = subprocess.Popen(
-                        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env()
-                    )
-                    procs.append((p, ready))
-            for p, ready in procs:
-                cm.wait_for_file(ready, 120, p)  # type: ignore[arg-type]
-            result = cm.run_child(
-                [__file__, "--tf-coordinator", "--cluster", spec, "--model", model,
-                 "--steps", str(args.steps), "--batch-size", str(args.batch_size)],
-                timeout=_RUN_TIMEOUT_S, env=_env(),
-            )  # fmt: skip
-        finally:
-            for p, _ in procs:
-                p.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=10)
+    with _tfps.cluster(2, 2, env=_env()) as tf_cluster:
+        result = cm.run_child(
+            [__file__, "--tf-coordinator", "--cluster", tf_cluster.spec, "--model", model,
+             "--steps", str(args.steps), "--batch-size", str(args.batch_size)],
+            timeout=_RUN_TIMEOUT_S, env=_env(),
+        )  # fmt: skip
     return result[0]
 
 
@@ -294,15 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200, help="training steps per worker")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", help="write OUT.md and OUT.json")
-    p.add_argument("--tf-task", help=argparse.SUPPRESS)
     p.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster", help=argparse.SUPPRESS)
-    p.add_argument("--ready", help=argparse.SUPPRESS)
     p.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.tf_task:
-        _tf_task_main(args)
-        return 0
     if args.tf_coordinator:
         _tf_coordinator_main(args)
         return 0

@@ -1070,7 +1070,9 @@ class AsyncPSClient:
             for start in range(0, where.size, batch_rows):
                 part = where[start : start + batch_rows]
                 request = ps_pb2.LookupRequest(
-                    ids=[codec.encode(piece.stored_name, unique[part])], worker_id=self.worker_id, step=step
+                    ids=[codec.encode(piece.stored_name, _wire_ids(unique[part], piece))],
+                    worker_id=self.worker_id,
+                    step=step,
                 )
                 resp = await self._call(
                     shard, "Lookup", lambda r=request: self._stub(shard).Lookup(r, **self._kw(shard))
@@ -1559,6 +1561,13 @@ def _table_ids(name: str, ids: Any, num_rows: int, what: str) -> np.ndarray:
     return arr
 
 
+def _wire_ids(ids: np.ndarray, piece: rq.Piece) -> np.ndarray:
+    """Checked ids as they travel: int32 for a fixed table of up to 2**31 rows (half the bytes), or int64."""
+    if not piece.keys and piece.full_shape[0] <= _INT32_IDS_MAX_ROWS:
+        return ids.astype(np.int32)
+    return np.ascontiguousarray(ids)
+
+
 def _row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list[tuple[str, np.ndarray]]]:
     """A ``Rows`` gradient as wire tensors per shard: every shard of the table gets its ids (maybe none).
 
@@ -1592,7 +1601,7 @@ def _row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list
             mask = shard_of == piece.index
             mine_ids, mine = unique[mask], summed[mask]
         out[piece.shard] = [
-            (embedding.ids_name(piece.stored_name), np.ascontiguousarray(mine_ids)),
+            (embedding.ids_name(piece.stored_name), _wire_ids(mine_ids, piece)),
             (embedding.values_name(piece.stored_name), np.ascontiguousarray(mine)),
         ]
     return out
@@ -1643,6 +1652,7 @@ def _receive(
 
 
 _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
+_INT32_IDS_MAX_ROWS = 2**31  # a fixed table's ids travel as int32 up to this many rows
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()

@@ -111,7 +111,8 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
     """Wraps a ``PSClient``'s data calls to count tensor payload bytes (``{"sent", "received"}``).
 
     Gradients, rows and ids sent; values, returned rows and looked-up rows received (gRPC framing
-    not counted). Returns the live counters.
+    not counted; ids counted as 8 bytes each, as they are given), lookups started ahead
+    (``lookup_future``) included. Returns the live counters.
     """
     box = {"sent": 0, "received": 0}
 
@@ -128,6 +129,7 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
         return values
 
     push, push_pull_future, pull, lookup = client.push, client.push_pull_future, client.pull, client.lookup
+    lookup_future = client.lookup_future
 
     def w_push(grads: Any, **kw: Any) -> Any:
         sent(grads)
@@ -142,17 +144,29 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
     def w_pull(names: Any = None, **kw: Any) -> Any:
         return received(pull(names, **kw))
 
-    def w_lookup(name: str, ids: Any, **kw: Any) -> Any:
+    def lookup_sent(ids: Any) -> None:
         keys = np.asarray(ids)
-        box["sent"] += int(
-            keys.size * 8 if keys.dtype.kind in "OUS" else keys.nbytes
-        )  # strings: as hashed ids
+        box["sent"] += int(keys.size * 8 if keys.dtype.kind in "OUS" else keys.nbytes)  # strings: hashed
+
+    def w_lookup(name: str, ids: Any, **kw: Any) -> Any:
+        lookup_sent(ids)
         out = lookup(name, ids, **kw)
         box["received"] += int(out.nbytes)
         return out
 
-    client.push, client.push_pull_future, client.pull, client.lookup = (
-        w_push, w_push_pull_future, w_pull, w_lookup,
+    def w_lookup_future(name: str, ids: Any, **kw: Any) -> Any:
+        lookup_sent(ids)
+        fut = lookup_future(name, ids, **kw)
+
+        def done(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                box["received"] += int(f.result().nbytes)
+
+        fut.add_done_callback(done)
+        return fut
+
+    client.push, client.push_pull_future, client.pull, client.lookup, client.lookup_future = (
+        w_push, w_push_pull_future, w_pull, w_lookup, w_lookup_future,
     )  # fmt: skip
     return box
 
