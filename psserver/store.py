@@ -39,7 +39,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pscore import codec
-from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, WorkerIdConflictError
+from pscore.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    WorkerIdConflictError,
+)
 from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers, tables
@@ -272,13 +278,17 @@ class Store:
 
         Raises:
             InvalidArgumentError: a malformed table piece spec, or an unknown initializer.
+            ResourceExhaustedError: the piece's rows and optimizer slots need more memory than the
+                shard's machine has available (nothing is allocated).
         """
         made: dict[str, np.ndarray] = {}
         for spec in specs:
             if not tables.made_here(spec) or spec.name in self._vars or spec.name in made:
                 continue
             dtype, shape = _parse(spec)
-            _check_table(spec, dtype, shape, _optimizer(spec))
+            optimizer = _optimizer(spec)
+            _check_table(spec, dtype, shape, optimizer)
+            _check_memory(spec, dtype, shape, optimizer)
             if math.prod(shape) * dtype.itemsize > self.inline_apply_bytes:
                 made[spec.name] = await asyncio.to_thread(_initial_rows, spec, dtype)
             else:
@@ -312,6 +322,7 @@ class Store:
                 "(ClientConfig(partition_bytes=0)) or use clipvalue / global_clipnorm"
             )
         if made and value is None:
+            _check_memory(spec, dtype, shape, optimizer)
             value = _initial_rows(spec, dtype)
         assert value is not None
         if value.dtype != dtype or value.shape != shape:
@@ -940,6 +951,34 @@ def _optimizer(spec: ps_pb2.VariableSpec) -> optimizers.ServerOptimizer:
         return optimizers.from_spec(spec.optimizer)
     except ValueError as err:
         raise InvalidArgumentError(f"variable {spec.name!r}: {err}") from None
+
+
+def _available_bytes() -> int | None:
+    """The machine's available memory (``MemAvailable`` of /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _check_memory(
+    spec: ps_pb2.VariableSpec, dtype: np.dtype, shape: tuple[int, ...], optimizer: optimizers.ServerOptimizer
+) -> None:
+    """Raises ResourceExhaustedError for a piece the shard makes that could not fit in memory: a small
+    request must not make it allocate (and page in) more than the machine has."""
+    row = np.zeros((1, *shape[1:]), dtype)
+    per_row = row.nbytes + sum(a.nbytes for a in optimizer.init_slots(row).values() if a.shape == row.shape)
+    need = per_row * (shape[0] if shape else 1)
+    available = _available_bytes()
+    if available is not None and need > available:
+        raise ResourceExhaustedError(
+            f"table piece {spec.name!r}: its rows and optimizer slots need {need / 2**30:.1f} GiB; the "
+            f"shard's machine has {available / 2**30:.1f} GiB available (use more shards)"
+        )
 
 
 def _initial_rows(spec: ps_pb2.VariableSpec, dtype: np.dtype) -> np.ndarray:

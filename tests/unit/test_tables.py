@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pscore import embedding, placement
-from pscore.errors import InvalidArgumentError
+from pscore.errors import InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import SGD, Adagrad, Adam, Lamb
 from psproto.v1 import ps_pb2
 from psserver import optimizers, tables
@@ -203,3 +203,13 @@ async def test_a_piece_with_an_initializer_refuses_values_and_unknown_initialize
     spec.table.rows = 10**12  # checked before anything is allocated
     with pytest.raises(InvalidArgumentError, match="holds 3 of 5 rows"):
         await Store().make_rows([spec])
+
+
+async def test_a_piece_too_big_for_the_machine_is_refused_before_anything_is_allocated() -> None:
+    rows = 2**40  # 4 TiB of rows of dim 1: more than any test machine has
+    spec = _table_spec("t", rows, 1, 0, 1)
+    spec.table.initializer.name = "zeros"
+    with pytest.raises(ResourceExhaustedError, match=r"need 4096\.0 GiB"):
+        await Store().make_rows([spec])
+    with pytest.raises(ResourceExhaustedError, match="use more shards"):
+        Store().create([spec], {})
