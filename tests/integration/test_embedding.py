@@ -126,12 +126,15 @@ def test_duplicate_ids_are_summed_and_push_pull_returns_the_rows(
     assert not table[[0, 1, 2, 5, 6, 7, 8]].any()  # untouched rows stay
 
 
-@pytest.mark.parametrize("unary_max_bytes", [None, 1024], ids=["unary", "stream"])
+@pytest.mark.parametrize(
+    "options",
+    # 1 KiB: each shard's push (2 x 7 rows of 128 B, and w) goes as a PushStream; or over the data port.
+    [{"data_port": False}, {"data_port": False, "unary_max_bytes": 1024}, {"data_port_min_bytes": 0}],
+    ids=["unary", "stream", "data-port"],
+)
 def test_push_pull_returns_only_the_rows_asked_for(
-    cluster: Any, var_name: str, unary_max_bytes: int | None
+    cluster: Any, var_name: str, options: dict[str, Any]
 ) -> None:
-    # 1 KiB: each shard's push (2 x 7 rows of 128 B, and w) goes as a PushStream.
-    options = {} if unary_max_bytes is None else {"unary_max_bytes": unary_max_bytes}
     with psclient.PSClient(cluster.addresses, timeout=TIMEOUT_S, **options) as c:
         a, b, w = var_name + "a", var_name + "b", var_name + "w"
         c.create_embedding(a, 40, 32, optimizer=psclient.SGD(1.0), initializer="zeros")
