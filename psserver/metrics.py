@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
+from pscore.errors import status_from_number
 from pscore.security import HandlerWrappingInterceptor
 from psproto.v1 import ps_pb2
 from psserver.store import Store
@@ -639,9 +640,6 @@ def _metered_session(m: ShardMetrics, inner: Callable[..., AsyncIterator[Any]]) 
     return stream_stream
 
 
-_STATUS_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
-
-
 def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
     try:
         code = context.code()
@@ -650,7 +648,5 @@ def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grp
     if isinstance(code, grpc.StatusCode):
         return code
     if isinstance(code, int):
-        for status in grpc.StatusCode:
-            if status.value[0] == code:
-                return status
+        return status_from_number(code)
     return default
