@@ -630,7 +630,7 @@ def _metered_session(m: ShardMetrics, inner: Callable[..., AsyncIterator[Any]]) 
 
         async for resp in inner(requests(), context):
             req, started = arrived.popleft() if arrived else (None, time.perf_counter())
-            code = _STATUS_BY_VALUE.get(resp.code, grpc.StatusCode.UNKNOWN)
+            code = status_from_number(resp.code)
             # A push, whichever RPC carried it.
             m.push_done(req, resp, code, time.perf_counter() - started, "Push")
             if code == grpc.StatusCode.OK and req is not None and req.return_values:
