@@ -2,7 +2,7 @@
 
 No Docker engine runs here, so the test does what compose would: every
 service's ``command`` runs with its ``environment``, its TF_CONFIG host names
-mapped to 127.0.0.1 and its fixed ports (2222, 9090) to free ephemeral ones
+mapped to 127.0.0.1 and its fixed ports (2222, 2223, 9090) to free ephemeral ones
 (as a container's own network namespace would keep them apart), the named
 volume to a temporary directory, and ``depends_on: service_healthy`` honoured
 by running the services' own health-check commands until they pass. The
@@ -88,6 +88,8 @@ def test_compose_services_run_as_local_processes(tmp_path: Path) -> None:
             i = cmd.index("--metrics-port") + 1
             metrics_ports[name] = free_port()
             cmd[i] = str(metrics_ports[name])
+        if "--data-port" in cmd:  # every shard's fixed data port -> its own free one
+            cmd[cmd.index("--data-port") + 1] = str(free_port())
         return [executable(cmd[0]), *cmd[1:]]
 
     def env_of(name: str, service: dict) -> dict[str, str]:
