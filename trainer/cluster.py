@@ -57,6 +57,14 @@ def rss_mib(pid: int | str = "self", field: str = "VmRSS") -> float:
     return float("nan")
 
 
+_LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_local_host(name: str) -> bool:
+    """Whether ``name`` is this host (loopback, or its host name)."""
+    return name in _LOCAL_NAMES or name in (socket.gethostname(), socket.getfqdn())
+
+
 class ClusterError(RuntimeError):
     """A shard failed to start or exited unexpectedly; the message carries its log tail."""
 

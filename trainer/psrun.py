@@ -20,20 +20,18 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
-from trainer import supervise
-from trainer.cluster import reserve_ports
+from trainer import elastic, supervise
+from trainer.cluster import is_local_host, reserve_ports
 
 _GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 _DEFAULT_BASE_PORT = 29500
-_LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +84,6 @@ def assign_ranks(np_: int, hosts: Sequence[Host]) -> list[list[int]]:
     return out
 
 
-def _is_local(name: str) -> bool:
-    return name in _LOCAL_NAMES or name in (socket.gethostname(), socket.getfqdn())
-
-
 def rank_environments(
     np_: int, hosts: Sequence[Host] | None = None, host_index: int | None = None, base_port: int | None = None
 ) -> list[tuple[int, dict[str, str]]]:
@@ -104,7 +98,7 @@ def rank_environments(
     if np_ < 1:
         raise ValueError("-np must be >= 1")
     if host_index is None:
-        if hosts and (len(hosts) > 1 or not _is_local(hosts[0].name)):
+        if hosts and (len(hosts) > 1 or not is_local_host(hosts[0].name)):
             raise ValueError(_several_hosts_hint(np_, hosts))
         if hosts:
             assign_ranks(np_, hosts)  # enough slots
@@ -144,17 +138,6 @@ def _several_hosts_hint(np_: int, hosts: Sequence[Host]) -> str:
     return "\n".join(lines)
 
 
-_write_lock = threading.Lock()
-
-
-def _relay(rank: int, stream_name: str, source: IO[str], sink: IO[str]) -> None:
-    """Copies ``source`` to ``sink`` line by line, each prefixed ``[rank]<stream>:`` (horovodrun's format)."""
-    for line in source:
-        with _write_lock:
-            sink.write(f"[{rank}]<{stream_name}>:{line}")
-            sink.flush()
-
-
 def run(
     cmd: Sequence[str],
     np_: int,
@@ -176,17 +159,9 @@ def run(
     relays: list[threading.Thread] = []
     try:
         for r, extra in ranks:
-            env = {**os.environ, **extra}
-            proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    errors="replace", env=env)  # fmt: skip
+            proc, threads = supervise.start_prefixed(cmd, {**os.environ, **extra}, str(r))
             procs.append(proc)
-            for name, source, sink in (
-                ("stdout", proc.stdout, sys.stdout),
-                ("stderr", proc.stderr, sys.stderr),
-            ):
-                t = threading.Thread(target=_relay, args=(r, name, source, sink), daemon=True)
-                t.start()
-                relays.append(t)
+            relays.extend(threads)
         code = supervise.wait_all(procs, timeout)
     finally:
         supervise.stop(procs, _GRACE_S)
@@ -209,8 +184,83 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --host-index: a rank's port is BASE + its local rank (default {_DEFAULT_BASE_PORT})",
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="stop the job after this many seconds")
+    e = p.add_argument_group(
+        "elastic arguments (horovodrun's; any of --min-np, --max-np, --host-discovery-script turns them on)",
+        "The ranks run psclient.horovod with hvd.elastic.run. When a rank is lost the others restore their "
+        "last commit, form a smaller ring and go on; new ranks join at the next commit. One host only.",
+    )
+    e.add_argument(
+        "--min-np",
+        "--min-num-proc",
+        dest="min_np",
+        type=int,
+        default=None,
+        help="fewest ranks to go on with (default: -np)",
+    )
+    e.add_argument(
+        "--max-np",
+        "--max-num-proc",
+        dest="max_np",
+        type=int,
+        default=None,
+        help="most ranks (default: the slots: -H localhost:N, the discovery script's, or -np)",
+    )
+    e.add_argument(
+        "--host-discovery-script",
+        default=None,
+        help="prints HOST[:SLOTS] lines, run every second; this host's slots (others are ignored); "
+        "a free slot gets a new rank",
+    )
+    e.add_argument(
+        "--slots-per-host",
+        type=int,
+        default=1,
+        help="slots of a discovered host printed without :SLOTS (default 1)",
+    )
+    e.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        help="how long to wait for --min-np ranks after losing some (default 600 s)",
+    )
+    e.add_argument(
+        "--reset-limit",
+        type=int,
+        default=None,
+        help="end the job after the ring was re-formed this many times (default: no limit)",
+    )
+    e.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="a failed slot gets a new rank after MIN*2^failures+jitter s, at most MAX "
+        "(default: never, as horovodrun)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
+
+
+def _elastic_options(args: argparse.Namespace, hosts: Sequence[Host] | None) -> elastic.ElasticOptions:
+    if hosts and (len(hosts) > 1 or not is_local_host(hosts[0].name)):
+        raise ValueError("elastic mode runs ranks on this host only (-H localhost:SLOTS)")
+    slots = hosts[0].slots if hosts else args.np
+    if args.host_index is not None or args.base_port is not None:
+        raise ValueError("--host-index and --base-port are not used in elastic mode (one host)")
+    return elastic.ElasticOptions(
+        np_=args.np,
+        min_np=args.np if args.min_np is None else args.min_np,
+        max_np=args.max_np if args.max_np is not None else (1 << 16 if args.host_discovery_script else slots),
+        slots=slots,
+        discovery_script=args.host_discovery_script,
+        slots_per_host=args.slots_per_host,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.blacklist_cooldown_range) if args.blacklist_cooldown_range else None,
+        timeout=args.timeout,
+        extra_env={"PSTRAIN_MODE": "allreduce", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -223,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the ranks when psrun is stopped
     try:
         hosts = parse_hosts(args.hosts) if args.hosts else None
+        if args.min_np is not None or args.max_np is not None or args.host_discovery_script:
+            if not cmd:
+                raise ValueError("give the command to run, e.g. psrun -np 2 --min-np 1 python train.py")
+            code = elastic.run_elastic(cmd, _elastic_options(args, hosts))
+            return 128 - code if code < 0 else code
         return run(cmd, args.np, hosts=hosts, host_index=args.host_index, base_port=args.base_port,
                    timeout=args.timeout)  # fmt: skip
     except ValueError as err:

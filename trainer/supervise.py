@@ -4,8 +4,38 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+_write_lock = threading.Lock()
+
+
+def _relay(label: str, stream_name: str, source: IO[str], sink: IO[str]) -> None:
+    """Copies ``source`` to ``sink`` line by line, prefixed ``[label]<stream>:`` (horovodrun's format)."""
+    for line in source:
+        with _write_lock:
+            sink.write(f"[{label}]<{stream_name}>:{line}")
+            sink.flush()
+
+
+def start_prefixed(
+    cmd: Sequence[str], env: Mapping[str, str], label: str
+) -> tuple[subprocess.Popen[str], list[threading.Thread]]:
+    """Starts ``cmd``; relays its stdout and stderr to ours, each line prefixed ``[label]<stdout>:`` etc.
+
+    Returns:
+        The process and its two relay threads (daemons; they end with the process's output).
+    """
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            errors="replace", env=dict(env))  # fmt: skip
+    threads = []
+    for name, source, sink in (("stdout", proc.stdout, sys.stdout), ("stderr", proc.stderr, sys.stderr)):
+        t = threading.Thread(target=_relay, args=(label, name, source, sink), daemon=True)
+        t.start()
+        threads.append(t)
+    return proc, threads
 
 
 def stop(procs: Sequence[subprocess.Popen[str]], grace_s: float = 10.0) -> None:

@@ -34,7 +34,8 @@ Migration table
 | `allgather`, `grouped_allgather`, `broadcast` | same | Not differentiable. |
 | `reducescatter`, `grouped_reducescatter` | same | Horovod's blocks (the first `n % size` ranks get one row more); an all-reduce then a slice (twice the traffic). |
 | `broadcast_object`, `allgather_object` | same | pickle, not cloudpickle; eager only. |
-| `join()` | same | A barrier that returns the last rank to join. Joined ranks do not stand in for the others' all-reduces: every rank must run the same number of steps. |
+| `join()` | same | A rank out of data calls it; until all have joined it takes part in the others' all-reduces with zeros (`Average` still divides by `size()`, as Horovod's); returns the last rank to join. `Min`/`Max` ignore joined ranks (Horovod reduces their zeros too). Broadcasts and all-gathers raise while ranks are joined, as in Horovod. Each wait for the others' next collective is bounded by the ring's deadline (120 s). Every collective costs one extra small all-reduce (the control round that makes this possible). |
+| `size_op()`, `rank_op()`, `local_size_op()`, `local_rank_op()` | same | Read when the op runs (a `tf.numpy_function`), so a traced step follows an elastic resize. |
 | `callbacks.BroadcastGlobalVariablesCallback(0)` | same | After the first batch (lazily built models work), once; at the end of `fit` it checks that every rank holds the same weights. |
 | `callbacks.MetricAverageCallback()` | same | One fused all-reduce of every metric per epoch. |
 | `callbacks.LearningRateWarmupCallback(initial_lr, warmup_epochs)` | same | `momentum_correction` has no effect (a Keras 3 optimizer's momentum is a constant of the compiled step); needs a float learning rate. |
@@ -42,7 +43,8 @@ Migration table
 | `callbacks.BestModelCheckpoint(monitor=)` | same, plus `filepath=` | Horovod's Spark estimator set the path; here give it. |
 | `hvd.load_model(path)` | `keras.models.load_model(path)`, compile with `DistributedOptimizer` | Raises, naming the alternative. |
 | `global_process_set` | same | The only process set; `ProcessSet`, `add_process_set`, `remove_process_set` raise: start one psrun job per group. |
-| `hvd.elastic` | `keras.callbacks.BackupAndRestore` + a new psrun | Any use raises, naming the alternative. |
+| `hvd.elastic.run`, `State`, `ObjectState`, `TensorFlowKerasState`, `TensorFlowState`; Keras: `KerasState`, `CommitStateCallback`, `UpdateBatchStateCallback`, `UpdateEpochStateCallback` | same | Under `psrun --min-np M --max-np N` (one host; no `--network-interface`/ssh): a lost rank breaks the ring at once (psrun tells every rank: no deadline to wait for); the others restore the last commit, re-form a smaller ring (re-ranked, lowest surviving rank is the new rank 0), sync from it and go on; new ranks (a freed slot after `--blacklist-cooldown-range`, or a slot `--host-discovery-script` adds) join at the next `commit()`. `UpdateBatchStateCallback` does not shorten the resumed epoch (Keras 3 callbacks cannot). Outside an elastic psrun job, `run` syncs once and a failure ends the job. |
+| `HorovodInternalError`, `HostsUpdatedInterrupt` | same (`hvd.elastic.HorovodInternalError`, ...) | Told apart from other errors by the ring's state, never by message text. |
 | `start_timeline`, `stop_timeline` | `keras.callbacks.TensorBoard(profile_batch=...)` | Raise. |
 | `alltoall`, `SyncBatchNormalization`, `PartialDistributedGradientTape` | `allgather`; `BatchNormalization`; `register_local_source` | Raise, naming the alternative. |
 | `mpi_built()`, `gloo_built()`, `nccl_built()`, ... | same | All `False` (the ring is gRPC or TCP). |
@@ -54,6 +56,7 @@ not supported: the ring runs as host code in the step.
 
 from typing import Any, NoReturn
 
+from psclient.horovod import elastic
 from psclient.horovod._compression import Compression, Compressor
 from psclient.horovod._ops import (
     Adasum,
@@ -73,7 +76,11 @@ from psclient.horovod._ops import (
     grouped_allreduce,
     grouped_reducescatter,
     join,
+    local_rank_op,
+    local_size_op,
+    rank_op,
     reducescatter,
+    size_op,
 )
 from psclient.horovod._optimizer import (
     DistributedGradientTape,
@@ -111,7 +118,6 @@ from psclient.horovod._state import (
     stop_timeline,
     worker,
 )
-from psclient.horovod.keras._unsupported import elastic
 
 _ELSEWHERE = {
     "alltoall": "not supported; use allgather and slice",

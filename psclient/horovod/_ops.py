@@ -7,17 +7,16 @@ Every rank must call the same collectives in the same order.
 
 from __future__ import annotations
 
-import pickle
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from psclient import elastic
 from psclient.collective import ALLREDUCE_DTYPES
 from psclient.horovod._compression import Compression, Compressor
-from psclient.horovod._state import check_process_set, unsupported, worker
+from psclient.horovod._state import check_process_set, local_rank, local_size, unsupported, worker
 
 # Horovod's reduction ops (the same values as horovod.tensorflow.mpi_ops).
 Average = 0
@@ -103,6 +102,44 @@ def _allreduce_dense(
     return out
 
 
+def _runtime_int(value: Callable[[], int], name: str) -> tf.Tensor:
+    """An int32 scalar read when the step runs (a ``tf.numpy_function`` in a graph), not when it is traced.
+
+    In a psrun elastic job the size and rank change when the ring is re-formed, while a traced step
+    (Keras's ``train_function``) is kept.
+    """
+    if tf.executing_eagerly():
+        return tf.constant(value(), tf.int32)
+    out = tf.numpy_function(lambda: np.int32(value()), [], tf.int32, stateful=True, name=name)
+    return tf.reshape(out, [])
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """Horovod's ``size_op``: the number of ranks, as an int32 tensor evaluated when the op runs.
+
+    Raises:
+        UnsupportedError: a process set other than the global one (id 0).
+    """
+    if process_set_id != 0:
+        unsupported("process sets", "use the global process set")
+    return _runtime_int(lambda: worker().world, "hvd_size")
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``rank_op``: this process's rank, as an int32 tensor evaluated when the op runs."""
+    return _runtime_int(lambda: worker().rank, "hvd_rank")
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``local_size_op``: the ranks on this host, evaluated when the op runs."""
+    return _runtime_int(local_size, "hvd_local_size")
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """Horovod's ``local_rank_op``: this rank's index on its host, evaluated when the op runs."""
+    return _runtime_int(local_rank, "hvd_local_rank")
+
+
 def _allreduce_sparse(t: tf.IndexedSlices, op: int) -> tf.IndexedSlices:
     """As Horovod: an all-gather of the values and indices (Average divides the values by the size)."""
     if op not in (Average, Sum):
@@ -110,7 +147,7 @@ def _allreduce_sparse(t: tf.IndexedSlices, op: int) -> tf.IndexedSlices:
     values = allgather(t.values)
     indices = allgather(t.indices)
     if op == Average:
-        values = values / tf.cast(worker().world, values.dtype)
+        values = values / tf.cast(size_op(), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=t.dense_shape)
 
 
@@ -346,11 +383,11 @@ def reducescatter(
     if t.shape.rank == 0:
         raise ValueError("reducescatter needs a tensor with a first axis")
     reduced = _allreduce_dense([t], op, compression, prescale_factor, postscale_factor)[0]
-    w = worker()
     n = tf.shape(reduced)[0]
-    base, extra = n // w.world, n % w.world
-    start = w.rank * base + tf.minimum(w.rank, extra)
-    stop = start + base + tf.cast(w.rank < extra, n.dtype)
+    world, me = tf.cast(size_op(), n.dtype), tf.cast(rank_op(), n.dtype)
+    base, extra = n // world, n % world
+    start = me * base + tf.minimum(me, extra)
+    stop = start + base + tf.cast(me < extra, n.dtype)
     return reduced[start:stop]
 
 
@@ -375,14 +412,7 @@ def broadcast_object(
         PSError: the ring failed or timed out.
     """
     check_process_set(process_set)
-    w = worker()
-    if w.world == 1:
-        return obj
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8) if w.rank == root_rank else np.zeros(0, np.uint8)
-    length = w.ring.broadcast(np.array([payload.size], np.int64), root=root_rank)
-    buf = payload if w.rank == root_rank else np.zeros(int(length[0]), np.uint8)
-    data = w.ring.broadcast(buf, root=root_rank)
-    return obj if w.rank == root_rank else pickle.loads(data.tobytes())
+    return elastic.broadcast_object(worker().ring, obj, root_rank)
 
 
 def broadcast_object_fn(
@@ -402,29 +432,21 @@ def allgather_object(
         PSError: the ring failed or timed out.
     """
     check_process_set(process_set)
-    w = worker()
-    if w.world == 1:
-        return [obj]
-    data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    lengths = w.ring.allgather(np.array([data.size], np.int64))
-    blob = w.ring.allgather(data if data.size else np.zeros(0, np.uint8))
-    out, offset = [], 0
-    for n in lengths.tolist():
-        out.append(pickle.loads(blob[offset : offset + n].tobytes()))
-        offset += n
-    return out
+    return elastic.allgather_object(worker().ring, obj)
 
 
 def join(device: str = "") -> int:
-    """Waits until every rank has called ``join``; returns the rank that called it last.
+    """Horovod's ``join``: this rank has run out of data; returns the rank that joined last.
 
-    Unlike Horovod, ranks that joined do not stand in for the others' all-reduces: every rank
-    must run the same collectives before ``join`` (equal numbers of steps; see
-    ``psclient.horovod``'s notes for uneven data).
+    Until every rank has joined, this rank takes part in the all-reduces of the ranks still
+    training, contributing zeros, as Horovod's joined ranks do (so ``hvd.Average`` still divides by
+    ``hvd.size()``; ``hvd.Min``/``hvd.Max`` ignore joined ranks here, where Horovod reduces their
+    zeros too). Broadcasts and all-gathers raise while ranks are joined, as in Horovod. Call it
+    eagerly (outside a ``tf.function``), after the rank's last step. Each wait for the others' next
+    collective is bounded by the ring's deadline (120 s).
 
     Raises:
-        PSError: a rank did not join within the ring's deadline.
+        FailedPreconditionError: the ranks still training called a broadcast or all-gather.
+        PSError: the ring failed or timed out.
     """
-    w = worker()
-    stamps = w.ring.allgather(np.array([time.time()], np.float64))
-    return int(np.argmax(stamps))
+    return worker().ring.join()

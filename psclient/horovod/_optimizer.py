@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from psclient.horovod._compression import Compression, Compressor
-from psclient.horovod._ops import Average, Sum, resolve_op
+from psclient.horovod._ops import Average, Sum, resolve_op, size_op
 from psclient.horovod._state import check_process_set, unsupported, worker
 from psclient.keras import AllReduceOptimizer, AllReduceWorker
 
@@ -66,7 +66,7 @@ class _HorovodReducer(AllReduceWorker):
                 continue
             r = self.compression.decompress(r, ctx[0])
             r = tf.cast(r, ctx[1]) if r.dtype != ctx[1] else r
-            out.append(r * tf.cast(self.world, r.dtype) if self.op == Sum else r)
+            out.append(r * tf.cast(size_op(), r.dtype) if self.op == Sum else r)
         return out + list(reduced[n:])
 
 
@@ -185,10 +185,9 @@ class _DistributedGradientTape:
         for i, r in zip(shared, reduced, strict=True):
             out[i] = r
         if self._scale_local:
-            world = self._reducer.world
             for i, s in enumerate(flat_sources):
                 if id(s) in self._local_sources and out[i] is not None:
-                    out[i] = tf.convert_to_tensor(out[i]) / tf.cast(world, out[i].dtype)
+                    out[i] = tf.convert_to_tensor(out[i]) / tf.cast(size_op(), out[i].dtype)
         return tf.nest.pack_sequence_as(grads, out)
 
     def get_local_and_global_gradients(

@@ -1,7 +1,10 @@
 """The process's Horovod-style state: ``init`` reads the layout (TF_CONFIG) and opens the ring.
 
 Horovod's API is global by design (``hvd.init()`` then ``hvd.rank()`` anywhere), so this
-module holds one ``AllReduceWorker`` per process; everything else passes it down.
+module holds one ``AllReduceWorker`` per process; everything else passes it down. Its ring is a
+``psclient.elastic.ElasticRing`` (Horovod's ``join``); in a psrun elastic job (``psrun --min-np``)
+the layout comes from psrun's rendezvous instead, and ``reset`` moves the same worker and ring
+object onto each new generation of the ring (so optimizers and traced steps keep working).
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from psclient.collective import Ring
+from psclient.elastic import ElasticRing, ElasticSession, RendezvousClient
+from psclient.elastic.rendezvous import free_loopback_address
 from psclient.keras import AllReduceWorker, ring_from_tf_config
 
 log = logging.getLogger(__name__)
@@ -79,17 +84,13 @@ class Layout:
         return cls.from_addresses(addresses, rank)
 
 
-def _free_loopback_address() -> str:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.worker: AllReduceWorker | None = None
         self.layout: Layout | None = None
+        self.ring: ElasticRing | None = None
+        self.session: ElasticSession | None = None  # in a psrun elastic job
 
 
 _state = _State()
@@ -114,18 +115,58 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     with _state.lock:
         if _state.worker is not None:
             return
-        layout = Layout.from_env() or Layout.from_addresses([_free_loopback_address()], 0)
-        worker = AllReduceWorker(list(layout.addresses), layout.rank, timeout=_RING_TIMEOUT_S)
-        _state.worker, _state.layout = worker, layout
+        client = RendezvousClient.from_env()
+        session: ElasticSession | None = None
+        if client is not None:  # a psrun elastic job: psrun's rendezvous forms the ring
+            session = ElasticSession(client, _new_ring)
+            ring = session.start()
+            layout = Layout.from_addresses(session.assignment.addresses, session.assignment.rank)
+        else:
+            layout = Layout.from_env() or Layout.from_addresses([free_loopback_address()], 0)
+            ring = ElasticRing(_new_ring(layout.addresses, layout.rank))
+        _state.worker = AllReduceWorker(ring=ring)  # type: ignore[arg-type]  # the Ring's API, and join
+        _state.layout, _state.ring, _state.session = layout, ring, session
     log.info("rank %d/%d joined the ring at %s", layout.rank, layout.size, layout.addresses[layout.rank])
+
+
+def _new_ring(addresses: Sequence[str], rank: int) -> Ring:
+    return Ring(list(addresses), rank, timeout=_RING_TIMEOUT_S)
 
 
 def shutdown() -> None:
     """Leaves the ring (Horovod's ``hvd.shutdown``); idempotent, and run at exit."""
     with _state.lock:
-        worker, _state.worker, _state.layout = _state.worker, None, None
-    if worker is not None:
-        worker.close()
+        ring, session = _state.ring, _state.session
+        _state.worker = _state.layout = _state.ring = _state.session = None
+    if session is not None:
+        session.close()
+    if ring is not None:
+        ring.close()
+
+
+def elastic_session() -> ElasticSession | None:
+    """This process's psrun elastic session, or None outside a psrun elastic job (or before ``init``)."""
+    return _state.session
+
+
+def reset() -> None:
+    """Moves this rank onto psrun's next ring (the elastic run loop's reset); ``rank()``/``size()`` follow.
+
+    Raises:
+        RuntimeError: not in a psrun elastic job.
+        RendezvousError: psrun ended the job.
+    """
+    session = _state.session
+    if session is None:
+        raise RuntimeError("hvd.elastic needs a psrun elastic job (psrun --min-np ...) to re-form the ring")
+    a = session.reset()
+    _state.layout = Layout.from_addresses(a.addresses, a.rank)
+
+
+def ring_broken() -> bool:
+    """Whether the current ring is broken (a collective failed, or psrun reported a lost rank)."""
+    ring = _state.ring
+    return ring is not None and ring.broken
 
 
 atexit.register(shutdown)

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import psclient.horovod as hvd
 import psclient.horovod.keras as hvdk
+from pscore.errors import PSError
 
 
 def _raises(fn, error) -> str:  # type: ignore[no-untyped-def]
@@ -113,11 +114,23 @@ def main() -> None:
     out["errors"] = [
         _raises(lambda: hvd.allreduce(x, op=hvd.Adasum), hvd.UnsupportedError),
         _raises(lambda: hvd.broadcast_global_variables(0), RuntimeError),
-        _raises(lambda: hvd.elastic.run, hvd.UnsupportedError),
+        _raises(lambda: hvdk.load_model("model.keras"), hvd.UnsupportedError),
         _raises(lambda: hvd.ProcessSet([0]), hvd.UnsupportedError),
         _raises(lambda: hvd.start_timeline("t.json"), hvd.UnsupportedError),
     ]
+    out["size_op"] = int(tf.function(lambda: hvd.size_op())().numpy())
+
+    # hvd.elastic outside an elastic psrun job: the state is synced from rank 0 once, then the function runs.
+    state = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, hvd_seen=[r])
+    out["elastic_synced"] = hvd.elastic.run(lambda state: state.hvd_seen)(state)
+
+    # Uneven data: rank 0 runs out first and joins; rank 1's all-reduces go on with rank 0's zeros.
+    if r == 1:
+        out["with_joined"] = hvd.allreduce(tf.constant([4.0])).numpy().tolist()
+        out["with_joined_max"] = hvd.allreduce(tf.constant([-4.0]), op=hvd.Max).numpy().tolist()
+        out["broadcast_with_joined"] = _raises(lambda: hvd.broadcast(tf.constant([1]), 1), PSError)
     out["join"] = hvd.join()
+    out["after_join"] = hvd.allreduce(tf.constant([1.0 + r]), op=hvd.Sum).numpy().tolist()
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -48,10 +48,19 @@ def test_tensor_collectives_follow_horovod(ranks: list[dict[str, Any]]) -> None:
         assert r["broadcast"] == [1, 1] and r["keras_allreduce"] == [0.5]
         assert r["graph_broadcast"] == [1.0, 1.0]  # broadcast_variables inside a tf.function
         assert r["object"] == {"from": 1} and r["objects"] == ["rank0", "rank1"]
-        assert r["join"] == ranks[0]["join"]
+        assert r["size_op"] == 2  # read when the traced function runs
+        assert r["elastic_synced"] == [0]  # hvd.elastic.run synced rank 0's state (no psrun elastic job)
     # Horovod's blocks: 5 rows over 2 ranks -> 3 + 2
     assert ranks[0]["reducescatter"] == [[0.0, 2.0], [4.0, 6.0], [8.0, 10.0]]
     assert ranks[1]["reducescatter"] == [[12.0, 14.0], [16.0, 18.0]]
+
+
+def test_join_lets_the_ranks_still_training_allreduce_with_zeros(ranks: list[dict[str, Any]]) -> None:
+    # Rank 0 joined first: rank 1's Average is (4 + 0) / 2, as Horovod's; Max leaves the joined rank out.
+    assert ranks[1]["with_joined"] == [2.0] and ranks[1]["with_joined_max"] == [-4.0]
+    assert "joined" in ranks[1]["broadcast_with_joined"]  # as Horovod: no broadcast with joined ranks
+    assert ranks[0]["join"] == ranks[1]["join"] == 1  # the last rank to join
+    assert ranks[0]["after_join"] == ranks[1]["after_join"] == [3.0]  # then every rank is active again
 
 
 def test_distributed_optimizer_options(ranks: list[dict[str, Any]]) -> None:
@@ -79,10 +88,10 @@ def test_keras_callbacks_broadcast_average_and_warm_up(ranks: list[dict[str, Any
 
 
 def test_unsupported_features_name_the_alternative(ranks: list[dict[str, Any]]) -> None:
-    adasum, global_vars, elastic, process_set, timeline = ranks[0]["errors"]
+    adasum, global_vars, load_model, process_set, timeline = ranks[0]["errors"]
     assert "Adasum" in adasum and "hvd.Average" in adasum
     assert "broadcast_variables" in global_vars and "BroadcastGlobalVariablesCallback" in global_vars
-    assert "BackupAndRestore" in elastic
+    assert "keras.models.load_model" in load_model
     assert "psrun" in process_set
     assert "TensorBoard" in timeline
 

@@ -38,8 +38,8 @@ from psclient.horovod._state import (
     start_timeline,
     stop_timeline,
 )
-from psclient.horovod.keras import callbacks
-from psclient.horovod.keras._unsupported import elastic, load_model
+from psclient.horovod.keras import callbacks, elastic
+from psclient.horovod.keras._unsupported import load_model
 
 
 def allreduce(
