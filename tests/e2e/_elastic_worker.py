@@ -5,6 +5,9 @@ every rank holds the same ``w`` (so a rank that failed to restore its last commi
 commits. Prints one ``RESULT`` JSON line at the end. Environment:
 
 - ``STEPS``: steps to train (default 40); ``STEP_S``: seconds of "work" per step (default 0.05).
+- ``MIN_WORLD``: train on (past ``STEPS``, at most 100 times as many) until the ring has this many ranks,
+  so a test that adds a rank does not depend on how fast it starts.
+- ``MARK_FILE``: created after the first commit (a discovery script can wait for training to run).
 - ``KILL_WORKER`` / ``KILL_AT``: that worker id SIGKILLs itself during the all-reduce of that step.
 """
 
@@ -15,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +40,8 @@ def main() -> None:
     assert client is not None, "run under psrun --min-np"
     victim = os.environ.get("KILL_WORKER") == client.worker
     kill_at = int(os.environ.get("KILL_AT", "-1"))
+    min_world = int(os.environ.get("MIN_WORLD", "1"))
+    mark = os.environ.get("MARK_FILE")
     session = ElasticSession(client, lambda addresses, rank: Ring(addresses, rank, timeout=60.0))
     ring = session.start()
     bcast = lambda obj: broadcast_object(ring, obj, 0)  # noqa: E731
@@ -44,7 +50,9 @@ def main() -> None:
 
     def train(state: ObjectState) -> None:
         worlds.append(ring.world)
-        while state.step < steps:
+        while state.step < steps or ring.world < min_world:  # the same decision on every rank
+            if state.step >= 100 * steps:
+                raise AssertionError(f"the ring never reached {min_world} ranks")
             state.w = state.w + 1.0
             if victim and state.step == kill_at:
                 threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -54,6 +62,8 @@ def main() -> None:
             time.sleep(step_s)
             state.step += 1
             state.commit()
+            if mark:
+                Path(mark).touch()
 
     run = run_fn(train, session.reset, lambda err: isinstance(err, HorovodInternalError) or ring.broken)
     run(state)
