@@ -12,6 +12,11 @@ stops a job that runs too long (status 124). Imports no TensorFlow.
 Several hosts (``-H host1:2,host2:2``): psrun does not start ranks over ssh. Run one psrun per
 host with the same ``-np``, ``-H`` and ``--base-port`` and that host's ``--host-index``; the
 ring addresses are then ``host:base_port + local_rank`` on every host, with no rendezvous.
+
+Elastic mode (horovodrun's ``--min-np``/``--max-np``/``--host-discovery-script``, one host): the ranks
+form their ring through psrun's rendezvous instead of ``TF_CONFIG``; a lost rank does not end the job
+while ``--min-np`` are left (``hvd.elastic.run`` restores the last commit and goes on), and new ranks
+join at a commit. See :mod:`trainer.elastic`.
 """
 
 from __future__ import annotations

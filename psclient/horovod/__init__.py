@@ -18,6 +18,7 @@ Migration table
 | --- | --- | --- |
 | `horovodrun -np 4 python train.py` | `psrun -np 4 python train.py` | Output prefixed `[rank]<stdout>:`/`[rank]<stderr>:` as horovodrun's; a failing rank's exit status is psrun's and the other ranks are stopped (SIGTERM, then SIGKILL after 5 s); `--timeout` (default 1800 s) ends a hung job with status 124. |
 | `horovodrun -np 4 -H h1:2,h2:2 python train.py` | on each host: `psrun -np 4 -H h1:2,h2:2 --host-index I --base-port P python train.py` | No ssh: start one psrun per host (`I` = the host's index in `-H`, the same `P` on every host); ranks listen on `host:P+local_rank`. Without `--host-index`, psrun prints these commands and exits. |
+| `horovodrun -np 3 --min-np 2 --max-np 4 [--host-discovery-script S] python train.py` (elastic) | `psrun -np 3 --min-np 2 --max-np 4 [--host-discovery-script S] python train.py` | One host only (`-H localhost:N` gives the slots; a discovery script's other hosts are ignored). A lost rank does not end the job while `--min-np` are left; `--blacklist-cooldown-range`, `--reset-limit`, `--elastic-timeout`, `--slots-per-host` as horovodrun's. Output prefixed with the worker's start index (`[3]<stdout>:`), not its current rank. Status 0 when the job finishes, even with ranks lost on the way. No `TF_CONFIG`: `hvd.init()` asks psrun's rendezvous. |
 | `horovod.run(fn, np=2)` | `psrun -np 2 python script.py` | `hvd.run` raises, naming psrun. |
 | `import horovod.tensorflow as hvd` | `import psclient.horovod as hvd` | |
 | `import horovod.tensorflow.keras as hvd` | `import psclient.horovod.keras as hvd` | |
@@ -49,9 +50,9 @@ Migration table
 | `alltoall`, `SyncBatchNormalization`, `PartialDistributedGradientTape` | `allgather`; `BatchNormalization`; `register_local_source` | Raise, naming the alternative. |
 | `mpi_built()`, `gloo_built()`, `nccl_built()`, ... | same | All `False` (the ring is gRPC or TCP). |
 
-Every rank must call the same collectives in the same order; a rank that stops early makes
-the others fail with a deadline error naming it (never a hang). XLA (``jit_compile=True``) is
-not supported: the ring runs as host code in the step.
+Every rank must call the same collectives in the same order (a rank that runs out of data calls
+``hvd.join()``); a rank that stops early makes the others fail with a deadline error naming it
+(never a hang). XLA (``jit_compile=True``) is not supported: the ring runs as host code in the step.
 """
 
 from typing import Any, NoReturn
