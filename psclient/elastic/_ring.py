@@ -28,6 +28,7 @@ import logging
 import pickle
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,9 @@ class ElasticRing:
             errors into :class:`HorovodInternalError` (the generation is then broken).
         on_break: called (from the calling thread) with ``(generation, reason)`` when a collective of the
             generation fails, so that psrun can tell the other ranks at once.
+        negotiate: run the control round before each collective (default). Without it collectives cost
+            what the ring's do, and ``join`` is only a barrier that every rank must reach at the same
+            point; every rank must use the same setting.
     """
 
     def __init__(
@@ -176,8 +180,10 @@ class ElasticRing:
         generation: int = 0,
         elastic: bool = False,
         on_break: Callable[[int, str], None] | None = None,
+        negotiate: bool = True,
     ) -> None:
         self._elastic = elastic
+        self._negotiates = negotiate
         self._on_break = on_break
         self._gen = self._new_generation(ring, generation)
         self._closed = False
@@ -341,6 +347,9 @@ class ElasticRing:
         """
         if self.world == 1:
             return self.rank
+        if not self._negotiates:  # a barrier that names the rank that reached it last
+            stamps = self._call(lambda r: r.allgather(np.array([time.time()], np.float64), timeout=timeout))
+            return int(np.argmax(stamps))
         first = True
         while True:
             ctl = np.zeros(_HEAD + 2 * self.world, np.int64)
@@ -386,7 +395,7 @@ class ElasticRing:
     def _negotiate(self, kind: int, op_code: int, desc: np.ndarray, timeout: float | None) -> None:
         """The control round(s) before a collective; returns when the collective itself may run."""
         world = self.world
-        if world == 1:
+        if world == 1 or not self._negotiates:
             return
         ctl = np.zeros(_HEAD + 2 * world, np.int64)
         ctl[_ACTIVE], ctl[_KIND], ctl[_OP], ctl[_DESC_LEN] = 1, kind, op_code, desc.size

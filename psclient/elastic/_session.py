@@ -31,12 +31,20 @@ class ElasticSession:
     Args:
         client: the rendezvous client (``RendezvousClient.from_env()``).
         ring_factory: makes this rank's ``Ring`` from ``(addresses, rank)`` (timeouts, security, transport).
+        negotiate: the ring's control round (see :class:`ElasticRing`).
 
     Thread-safety: ``start``, ``reset`` and ``hosts_updated`` from the training thread only.
     """
 
-    def __init__(self, client: RendezvousClient, ring_factory: Callable[[Sequence[str], int], Ring]) -> None:
+    def __init__(
+        self,
+        client: RendezvousClient,
+        ring_factory: Callable[[Sequence[str], int], Ring],
+        *,
+        negotiate: bool = True,
+    ) -> None:
         self._client = client
+        self._negotiate = negotiate
         self._factory = ring_factory
         self._ring: ElasticRing | None = None
         self._assignment: Assignment | None = None
@@ -76,7 +84,9 @@ class ElasticSession:
         """
         ring = self._form(after=0)
         generation = self.assignment.generation
-        self._ring = ElasticRing(ring, generation=generation, elastic=True, on_break=self._report)
+        self._ring = ElasticRing(
+            ring, generation=generation, elastic=True, on_break=self._report, negotiate=self._negotiate
+        )
         self._watcher = threading.Thread(target=self._watch, name="psclient-elastic-watch", daemon=True)
         self._watcher.start()
         return self._ring

@@ -25,6 +25,7 @@ from psclient.keras import AllReduceWorker, ring_from_tf_config
 log = logging.getLogger(__name__)
 
 _RING_TIMEOUT_S = 120.0  # deadline of each collective; covers peers that import TF slowly
+JOIN_ENV = "PS_HOROVOD_JOIN"  # "0": no control round per collective; hvd.join() is then only a barrier
 
 
 class UnsupportedError(NotImplementedError):
@@ -100,8 +101,10 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """Joins the ring of this job (Horovod's ``hvd.init``); a no-op when already initialized.
 
     The layout comes from ``TF_CONFIG`` (``psrun`` and ``pstrain launch --mode allreduce`` set it: the
-    ring addresses in rank order and this task's index). Without ``TF_CONFIG`` this process is a world
-    of size 1 (every collective returns its input), as a script run without ``horovodrun``.
+    ring addresses in rank order and this task's index), or from psrun's rendezvous in an elastic job.
+    ``PS_HOROVOD_JOIN=0`` in the environment (on every rank) drops the control round that each
+    collective runs for ``hvd.join``; ``join`` is then only a barrier. Without ``TF_CONFIG`` this process
+    is a world of size 1 (every collective returns its input), as a script run without ``horovodrun``.
 
     Raises:
         UnsupportedError: ``comm`` (MPI communicators) or ``process_sets``.
@@ -116,14 +119,15 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         if _state.worker is not None:
             return
         client = RendezvousClient.from_env()
+        negotiate = os.environ.get(JOIN_ENV, "1") != "0"
         session: ElasticSession | None = None
         if client is not None:  # a psrun elastic job: psrun's rendezvous forms the ring
-            session = ElasticSession(client, _new_ring)
+            session = ElasticSession(client, _new_ring, negotiate=negotiate)
             ring = session.start()
             layout = Layout.from_addresses(session.assignment.addresses, session.assignment.rank)
         else:
             layout = Layout.from_env() or Layout.from_addresses([free_loopback_address()], 0)
-            ring = ElasticRing(_new_ring(layout.addresses, layout.rank))
+            ring = ElasticRing(_new_ring(layout.addresses, layout.rank), negotiate=negotiate)
         _state.worker = AllReduceWorker(ring=ring)  # type: ignore[arg-type]  # the Ring's API, and join
         _state.layout, _state.ring, _state.session = layout, ring, session
     log.info("rank %d/%d joined the ring at %s", layout.rank, layout.size, layout.addresses[layout.rank])

@@ -138,3 +138,13 @@ def test_a_ring_error_in_elastic_mode_breaks_the_generation_and_names_the_peer()
     assert isinstance(error, HorovodInternalError), error
     assert error.generation == 3 and error.lost_ranks == (1,), error
     assert reports and reports[0][0] == 3
+
+
+def test_without_the_control_round_collectives_pass_through_and_join_is_a_barrier() -> None:
+    def body(rank: int, ring: ElasticRing) -> Any:
+        total = ring.allreduce(np.array([rank + 1.0]), "sum").tolist()
+        return total, ring.join()
+
+    results = _ranks(2, body, negotiate=False)
+    assert [r[0] for r in results] == [[3.0], [3.0]]
+    assert results[0][1] == results[1][1] in (0, 1)  # every rank names the same last rank
