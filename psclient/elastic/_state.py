@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from psclient.elastic._errors import HostsUpdatedInterrupt
+from psclient.elastic._errors import HostsUpdatedInterrupt, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +136,9 @@ def run_fn(
     Syncs the state, then runs ``func``. When a collective fails because the ring broke
     (``is_ring_failure``), restores the last commit, calls ``reset`` (a new ring with the ranks that
     are left and any new ones), runs the state's reset callbacks, syncs and runs ``func`` again; when
-    ``commit`` raised :class:`HostsUpdatedInterrupt`, the same without the restore. Any other error
-    propagates.
+    ``commit`` raised :class:`HostsUpdatedInterrupt`, the same without the restore. A ring that breaks
+    during the reset callbacks or the sync is handled the same way. :class:`RendezvousError` (psrun
+    ended the job) and any other error propagate.
 
     Args:
         func: the training function; its first argument is the :class:`State`.
@@ -147,24 +148,29 @@ def run_fn(
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
-        skip_sync = False
+        skip_sync, pending_reset = False, False
         while True:
             try:
+                if pending_reset:
+                    assert reset is not None
+                    reset()
+                    pending_reset = False
+                    state.on_reset()  # may run collectives: a ring that breaks here is handled below
                 if not skip_sync:
                     state.sync()
                 return func(state, *args, **kwargs)
+            except RendezvousError:
+                raise  # psrun ended the job: nothing to retry
             except HostsUpdatedInterrupt as interrupt:
                 if reset is None:
                     raise
                 log.info("ranks are waiting to join: re-forming the ring at this commit")
-                skip_sync = interrupt.skip_sync
+                skip_sync, pending_reset = interrupt.skip_sync, True
             except Exception as err:
                 if reset is None or not is_ring_failure(err):
                     raise
                 log.warning("%s; restoring the last commit and re-forming the ring", err)
                 state.restore()
-                skip_sync = False
-            reset()
-            state.on_reset()
+                skip_sync, pending_reset = False, True
 
     return wrapper
