@@ -396,10 +396,10 @@ class ElasticOptions:
         """Raises ValueError for inconsistent counts."""
         if not 1 <= self.min_np <= self.np_:
             raise ValueError(f"need 1 <= --min-np ({self.min_np}) <= -np ({self.np_})")
-        if self.max_np < self.np_:
-            raise ValueError(f"--max-np ({self.max_np}) must be >= -np ({self.np_})")
         if self.discovery_script is None and self.slots < self.np_:
             raise ValueError(f"-np {self.np_} needs {self.np_} slots; -H gives {self.slots}")
+        if self.max_np < self.np_:
+            raise ValueError(f"--max-np ({self.max_np}) must be >= -np ({self.np_})")
         if self.cooldown_range is not None and not 0 < self.cooldown_range[0] <= self.cooldown_range[1]:
             raise ValueError("--blacklist-cooldown-range needs 0 < MIN <= MAX")
 

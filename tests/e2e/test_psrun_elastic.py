@@ -96,3 +96,19 @@ def test_fewer_ranks_than_min_np_end_the_job_with_the_lost_ranks_status(tmp_path
     assert proc.returncode == 128 + 9, proc.stderr[-4000:]
     assert "fewer than --min-np 2" in proc.stderr
     assert not results
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-np", "2", "--min-np", "3"], "--min-np (3) <= -np (2)"),
+        (["-np", "3", "--max-np", "2"], "--max-np (2) must be >= -np (3)"),
+        (["-np", "2", "--min-np", "1", "-H", "h1:1,h2:1"], "this host only"),
+        (["-np", "3", "--min-np", "1", "-H", "localhost:2"], "needs 3 slots"),
+    ],
+)
+def test_bad_elastic_flags_are_refused_before_anything_starts(args: list[str], message: str) -> None:
+    cmd = [sys.executable, "-m", "trainer.psrun", *args, sys.executable, "-c", "print('started')"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "started" not in proc.stdout
