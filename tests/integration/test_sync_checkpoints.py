@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
+from _support import wait_until
 
 import psclient
 from psserver import checkpoint
@@ -20,7 +21,6 @@ from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 
-TIMEOUT_S = 30.0
 COUNTERS = [f"count/{i}" for i in range(4)]
 
 
@@ -37,19 +37,12 @@ def _cut_steps(directory: Path, shard: int) -> set[int]:
     return steps
 
 
-def _wait(condition, what: str, timeout_s: float = 60.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_restore(tmp_path: Path) -> None:
     args = [
         "--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2", "--barrier-timeout", "20",
         "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0.3",
     ]  # fmt: skip
-    with LocalCluster(2, args, workdir="/tmp/synclogs") as cluster:
+    with LocalCluster(2, args) as cluster:
         with psclient.PSClient(cluster.addresses, "init", timeout=TIMEOUT_S) as c:
             c.create_many({n: np.zeros(2, np.float32) for n in COUNTERS}, optimizer=psclient.SGD(1.0))
         stop = threading.Event()
@@ -75,8 +68,10 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
         for t in workers:
             t.start()
         try:
-            _wait(
-                lambda: min(len(_cut_steps(tmp_path, s)) for s in range(2)) >= 2, "two periodic checkpoints"
+            wait_until(
+                lambda: min(len(_cut_steps(tmp_path, s)) for s in range(2)) >= 2,
+                "two periodic checkpoints",
+                timeout=60.0,
             )
             ports = [int(a.rpartition(":")[2]) for a in cluster.addresses]
             for s in range(2):  # the whole cluster dies mid-training ...
@@ -84,7 +79,11 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
             before = list(steps)
             for s in range(2):  # ... and comes back from its checkpoints while the workers wait
                 cluster.start_shard(s, port=ports[s])
-            _wait(lambda: min(steps[i] - before[i] for i in range(2)) >= 20, "20 steps after the restore")
+            wait_until(
+                lambda: min(steps[i] - before[i] for i in range(2)) >= 20,
+                "20 steps after the restore",
+                timeout=60.0,
+            )
         finally:
             stop.set()
             for t in workers:
@@ -106,4 +105,8 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
             np.testing.assert_array_equal(value, np.full(2, versions[name], np.float32))
         # Every periodic checkpoint was taken at the same steps on both shards (the newest may be
         # written on one shard and not yet on the other when the workers stop).
-        _wait(lambda: _cut_steps(tmp_path, 0) == _cut_steps(tmp_path, 1), "the same checkpoint steps", 10)
+        wait_until(
+            lambda: _cut_steps(tmp_path, 0) == _cut_steps(tmp_path, 1),
+            "the same checkpoint steps",
+            timeout=10.0,
+        )
