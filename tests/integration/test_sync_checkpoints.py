@@ -61,6 +61,9 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
                             shards = min(s.step for s in c.status())
                             step = shards if shards < step else max(step + 1, shards)
                         steps[i] += 1
+                    # Done, as PSWorker is at the end: the barrier stops waiting for this worker. (Without
+                    # it the other worker's push for the next step waits out the barrier timeout.)
+                    c.leave()
             except BaseException as err:
                 errors.append(err)
 
