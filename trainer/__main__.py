@@ -29,8 +29,9 @@ examples:
 """
 
 _TRANSPORT_HELP = (
-    "allreduce: the ring's data plane: grpc (default) or tcp (raw sockets negotiated over the "
-    "authenticated gRPC service: about 2x less CPU per byte; TLS too with the --tls-* flags)"
+    "allreduce: the ring's data plane: tcp (default: raw sockets negotiated over the authenticated gRPC "
+    "service, about 2x the bandwidth of grpc; TLS too with the --tls-* flags) or grpc (frames on the "
+    "ring's gRPC stream: only the ring port need be reachable)"
 )
 DEMO_MODES = ("async", "sync", "ssp", "allreduce", "local")
 _NO_LR_SCALING_HELP = (
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--compression", choices=("none", "fp16"), default="none", help="allreduce: gradients on the wire"
     )
-    demo.add_argument("--ring-transport", choices=("grpc", "tcp"), default="grpc", help=_TRANSPORT_HELP)
+    demo.add_argument("--ring-transport", choices=("grpc", "tcp"), default="tcp", help=_TRANSPORT_HELP)
     demo.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "its own (default: TF_CONFIG's chief and worker tasks)",
     )
     worker.add_argument("--compression", choices=("none", "fp16"), default="none", help="allreduce")
-    worker.add_argument("--ring-transport", choices=("grpc", "tcp"), default="grpc", help=_TRANSPORT_HELP)
+    worker.add_argument("--ring-transport", choices=("grpc", "tcp"), default="tcp", help=_TRANSPORT_HELP)
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")

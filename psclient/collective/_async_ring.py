@@ -131,8 +131,8 @@ class AsyncRing:
         max_message_bytes: gRPC message size limit of the server and channel.
         grpc_options: extra gRPC channel and server arguments.
         tune_malloc: apply :func:`pscore.memory.tune_malloc` at start (default True).
-        transport: ``"grpc"`` (default: frames on the ``Exchange`` stream) or ``"tcp"`` (frames on a
-            raw TCP connection per link, negotiated through the ``DataPort`` call; TLS with the TLS settings).
+        transport: ``"tcp"`` (default: frames on a raw TCP connection per link, negotiated through the
+            ``DataPort`` call; TLS with the TLS settings) or ``"grpc"`` (frames on the ``Exchange`` stream).
 
     Raises:
         ValueError: invalid settings.

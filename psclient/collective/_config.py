@@ -32,10 +32,12 @@ class RingConfig:
     client certificate signed by it (mutual TLS). The names match
     ``PSClient(tls_ca=, tls_cert=, tls_key=)`` and ``psserver --tls-client-ca``.
 
-    ``transport`` carries the frames: ``"grpc"`` (default) on the ``Exchange``
-    stream, or ``"tcp"`` on a raw TCP connection per link to an ephemeral data
-    port that each rank advertises through the authenticated ``DataPort`` call
-    (see :mod:`psclient.collective._tcp`); every rank must use the same one.
+    ``transport`` carries the frames: ``"tcp"`` (default: 1.7-2.5x the gRPC
+    transport's bandwidth at 2 and 4 ranks, bench/results/allreduce_tcp.md) on a
+    raw TCP connection per link to an ephemeral data port that each rank
+    advertises through the authenticated ``DataPort`` call, or ``"grpc"`` on the
+    ``Exchange`` stream (where only the ring's own port may be reached); every
+    rank must use the same one.
     With TLS settings, ``"tcp"`` data connections are TLS too (same certificates).
 
     Raises:
@@ -56,7 +58,7 @@ class RingConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grpc_options: tuple[tuple[str, int | str], ...] = ()
     tune_malloc: bool = True
-    transport: str = "grpc"
+    transport: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.auth_token is not None and not self.auth_token:

@@ -55,7 +55,7 @@ class Ring:
             ``max_message_bytes`` (default 64 MiB), ``grpc_options`` (extra channel/server
             arguments), ``tune_malloc`` (default True: :func:`pscore.memory.tune_malloc`,
             so message buffers are reused instead of page-faulted in) and ``transport``
-            (``"grpc"``, the default, or ``"tcp"``: frames on a raw TCP connection per link,
+            (``"tcp"``, the default, or ``"grpc"``: frames on a raw TCP connection per link,
             negotiated through the authenticated ``DataPort`` call; about half the CPU per byte;
             TLS with the TLS settings; every rank must use the same transport).
 
