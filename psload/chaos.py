@@ -122,23 +122,25 @@ class ChaosCluster:
         )
 
     def primary(self, shard: int) -> int | None:
-        """Which side (0: started as primary, 1: as backup) is the shard's primary now (None: neither)."""
+        """Which side (0: started as primary, 1: as backup) is the shard's primary now (None: neither).
+
+        A primary that serves first (it holds its lease, or needs none), then a backup whose primary
+        went away (the next client call promotes it), then a primary waiting for its backup.
+        """
         roles = [_role(address) for address in self.pairs[shard]]
-        for side, (role, _) in enumerate(roles):
-            if role == "primary":
-                return side
-        for side, (role, _) in enumerate(roles):
-            if role == "orphaned":  # a backup whose primary went away: the next client call promotes it
-                return side
+        for wanted in ("serving", "orphaned", "primary"):
+            for side, (role, _, serving) in enumerate(roles):
+                if (wanted == "serving" and serving) or role == wanted:
+                    return side
         return None
 
     def redundant(self, shard: int) -> bool:
-        """The shard's primary has its backup attached (it survives the next single fault)."""
+        """The shard's primary has its backup attached and confirmed (it survives the next single fault)."""
         side = self.primary(shard)
         if side is None:
             return False
-        role, peer = _role(self.pairs[shard][side])
-        return role == "primary" and peer != ""
+        role, peer, serving = _role(self.pairs[shard][side])
+        return role == "primary" and peer != "" and serving
 
     def wait_redundant(self, shard: int, timeout_s: float) -> float:
         """Waits until ``redundant(shard)``; returns the seconds waited. Raises: ChaosError."""
@@ -167,16 +169,20 @@ def _port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
-def _role(address: str) -> tuple[str, str]:
-    """``(role, peer)`` of one process ("down", "") when it does not answer."""
+def _role(address: str) -> tuple[str, str, bool]:
+    """``(role, peer, serving)`` of one process (``("down", "", False)`` when it does not answer).
+
+    ``serving``: a primary that holds its lease or needs none (``GetStatus.lease_s`` not 0).
+    """
     try:
         with grpc.insecure_channel(address) as channel:
             status = ps_pb2_grpc.ParameterServerStub(channel).GetStatus(
                 ps_pb2.GetStatusRequest(), timeout=_STATUS_TIMEOUT_S
             )
     except grpc.RpcError:
-        return "down", ""
-    return status.role or "primary", status.peer
+        return "down", "", False
+    role = status.role or "primary"
+    return role, status.peer, role == "primary" and status.lease_s != 0
 
 
 class Monkey:

@@ -8,6 +8,7 @@ import os
 import sys
 
 from psserver.config import MODES, ConfigError, ServerConfig, ps_task_from_tf_config
+from psserver.lease import DEFAULT_LEASE_S
 
 _EPILOG = """\
 examples:
@@ -18,8 +19,10 @@ examples:
   TF_CONFIG='{"cluster": {"ps": ["ps0:2222", "ps1:2222"]}, "task": {"type": "ps", "index": 0}}' psserver
 
 Without --shard, the shard index, shard count and port come from TF_CONFIG.
-Replication: clients given PRIMARY|BACKUP for a shard fail over to the backup when the primary dies;
-an update is acknowledged once the backup has applied it too (see the README's "Replication").
+Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to the backup when the
+primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
+only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
+and the backup takes over once that lease has expired (see the README's "Replication").
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags or an address that cannot be bound (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
@@ -94,7 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--replication-timeout",
         type=float,
         default=30.0,
-        help="primary: seconds an update waits for its backup before going on without it (default: 30)",
+        help="primary: seconds an update waits for its backup's acknowledgement before the backup is "
+        "detached (default: 30)",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=DEFAULT_LEASE_S,
+        help="primary: once its backup has confirmed, it serves only while the backup's acknowledgements "
+        "renew this lease (seconds); the backup takes over only after it has surely expired "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--data-port",
@@ -155,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backup_at=args.backup_at,
         replication_timeout_s=args.replication_timeout,
         data_port=args.data_port,
+        lease_s=args.lease,
     )
 
 

@@ -994,8 +994,10 @@ def _first_valid(files: list[CheckpointFile], what: str) -> Snapshot:
     raise CheckpointError(f"no valid checkpoint for {what}: " + "; ".join(errors))
 
 
-def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
+def load_into(snap: Snapshot, store: Store, mode: Mode, *, restored: bool = True) -> None:
     """Puts a snapshot's tensors, versions, slots, dedup table and mode state into an empty store.
+
+    ``restored``: from a checkpoint (``Mode.load_state_dict``); False: a backup's catch-up snapshot.
 
     Raises:
         CheckpointError: a tensor the store rejects, or slots that do not match its optimizer.
@@ -1040,4 +1042,4 @@ def load_into(snap: Snapshot, store: Store, mode: Mode) -> None:
             for k, a in t.slots.items()
         }
     store.load_dedup_state(snap.dedup)
-    mode.load_state_dict(snap.mode_state)
+    mode.load_state_dict(snap.mode_state, restored=restored)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pscore.tf_config import read_tf_config
+from psserver.lease import DEFAULT_LEASE_S
 
 MODES = ("async", "sync", "ssp")
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this
@@ -46,6 +47,7 @@ class ServerConfig:
     backup_at: str | None = None  # a primary's backup: if it has taken over, start as its backup instead
     replication_timeout_s: float = 30.0
     data_port: int | None = 0  # the raw-TCP data port (psserver.dataport): 0 ephemeral, None: none
+    lease_s: float = DEFAULT_LEASE_S  # a replicated primary serves only while its backup renews this lease
 
     @property
     def peer_ca(self) -> str | None:
@@ -93,14 +95,14 @@ class ServerConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ConfigError(f"{flag} must be HOST:PORT, got {address!r}")
-            if self.mode != "async":
-                raise ConfigError(f"{flag} needs --mode async (sync and ssp state is not replicated)")
             if self.tls_cert and not self.peer_ca:
                 raise ConfigError(
                     f"{flag} with TLS needs --tls-ca (or --tls-client-ca) to verify the other shard"
                 )
         if not self.replication_timeout_s > 0:
             raise ConfigError(f"--replication-timeout must be > 0 seconds, got {self.replication_timeout_s}")
+        if not self.lease_s > 0:
+            raise ConfigError(f"--lease must be > 0 seconds, got {self.lease_s}")
         if self.max_message_bytes < 1 << 20:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 

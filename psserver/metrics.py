@@ -396,10 +396,10 @@ class _StoreCollector(Collector):
             role.add_metric([shard, name], 1.0 if name == current else 0.0)
         yield role
         primary = self.m.primary
-        if primary is not None:  # async mode: a backup may attach
+        if primary is not None:  # a backup may attach
             attached = GaugeMetricFamily(
                 "psserver_replication_backup_attached",
-                "1 while a backup follows this shard (every update waits for its acknowledgement)",
+                "1 while a confirmed backup follows this shard (every update waits for its acknowledgement)",
                 labels=["shard"],
             )
             attached.add_metric([shard], 1.0 if primary.backup else 0.0)
@@ -409,7 +409,14 @@ class _StoreCollector(Collector):
                 labels=["shard"],
             )
             unacked.add_metric([shard], primary.unacknowledged)
-            yield from (attached, unacked)
+            lease_left = GaugeMetricFamily(
+                "psserver_replication_lease_seconds",
+                "Seconds left on the lease the backup's acknowledgements renew (a replicated primary "
+                "refuses client calls at 0); -1 when none is needed (no backup confirmed, or it resigned)",
+                labels=["shard"],
+            )
+            lease_left.add_metric([shard], primary.lease_left() if current == "primary" else 0.0)
+            yield from (attached, unacked, lease_left)
         if backup is not None:  # --backup-of: this process follows a primary
             applied = CounterMetricFamily(
                 "psserver_replication_updates_applied",

@@ -28,7 +28,14 @@ Every wait is bounded by the barrier timeout and by the caller's own deadline
 shard's diagnosis, not a bare deadline of its own); either is DEADLINE_EXCEEDED
 naming the step and the workers waited for. When the shard shuts down
 (``Mode.shutdown``), every wait ends at once with UNAVAILABLE and its gradient
-is withdrawn: the worker's retry applies it on the restarted shard.
+is withdrawn: the worker's retry applies it on the restarted shard. The same
+happens when a replicated primary loses its lease (``Mode.interrupt``): the
+workers retry on whichever process serves next.
+
+Replication (``psserver.replication``): a sync shard hands each step it applies
+to ``replicate_step`` and answers the step's pushes only once the backup has
+acknowledged it; a backup replays what its primary did with ``replay_step``,
+``replay_push`` (ssp clocks) and ``replay_leave``.
 """
 
 from __future__ import annotations
@@ -36,15 +43,22 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from pscore.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError, WorkerIdConflictError
+from pscore.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    PSError,
+    UnavailableError,
+    WorkerIdConflictError,
+)
 from psserver import tables
 from psserver.store import PushKey, Store, Variable
 
@@ -55,8 +69,18 @@ log = logging.getLogger(__name__)
 class PushOutcome:
     applied: bool
     reason: str = ""
-    versions: tuple[int, ...] = ()  # async mode: the version each gradient produced (replication)
-    time_unix: float = 0.0  # async mode: the time it was applied with (replication: dynamic tables' TTL)
+    versions: tuple[int, ...] = ()  # async, ssp: the version each gradient produced (replication)
+    time_unix: float = 0.0  # async, ssp: the time it was applied with (replication: dynamic tables' TTL)
+    # Async, ssp: this push was applied on its own, so the servicer forwards it to a backup (sync mode
+    # forwards whole steps itself, through ``SyncMode.replicate_step``).
+    forward: bool = False
+
+
+# A sync step's update handed to replication: (step, [(variable, mean gradient)], versions, claims).
+# It returns what waits for the backup's acknowledgement (None: no backup), queued at once.
+StepReplicator = Callable[
+    [int, Sequence[tuple[Variable, tables.Grad]], Sequence[int], Sequence[PushKey]], Awaitable[None] | None
+]
 
 
 class WaitListener(Protocol):
@@ -76,6 +100,9 @@ class Mode(abc.ABC):
         self.store = store
         self.stopping = False  # set by shutdown(): waits end, new pushes are refused
         self.listener: WaitListener | None = None  # told when pushes and pulls enter and leave the mode
+        # Raises UnavailableError while this shard may not apply updates (a replicated primary
+        # without its lease: psserver.replication); None: always may.
+        self.lease_check: Callable[[], None] | None = None
 
     def shutdown(self) -> None:
         """The shard is shutting down: ends every wait with UNAVAILABLE and refuses later pushes.
@@ -84,11 +111,20 @@ class Mode(abc.ABC):
         them on the restarted shard.
         """
         self.stopping = True
+        self.interrupt(UnavailableError("the shard is shutting down; retry on its restart"))
+
+    def interrupt(self, error: PSError) -> None:  # noqa: B027 - optional hook
+        """Ends every wait now with ``error`` (a gathered gradient is withdrawn; nothing half-applied).
+
+        Later pushes are taken as usual (``shutdown`` refuses them too).
+        """
 
     def _check_serving(self) -> None:
-        """Raises UnavailableError once the shard is shutting down."""
+        """Raises UnavailableError once the shard is shutting down, or while it holds no lease."""
         if self.stopping:
             raise UnavailableError("the shard is shutting down; retry on its restart")
+        if self.lease_check is not None:
+            self.lease_check()
 
     async def push(
         self,
@@ -165,12 +201,29 @@ class Mode(abc.ABC):
         """The mode's state to checkpoint: JSON-serialisable (default: none)."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
-        """Restores what ``state_dict`` returned (from a checkpoint)."""
+    def load_state_dict(  # noqa: B027 - optional hook
+        self, state: Mapping[str, Any], *, restored: bool = True
+    ) -> None:
+        """Restores what ``state_dict`` returned.
+
+        ``restored``: from a checkpoint (the workers may be anywhere); False: a
+        backup taking its live primary's state (``psserver.replication``).
+        """
 
     def pending_claims(self) -> list[PushKey]:
         """Pushes ``(worker_id, session, seq)`` claimed, not applied yet (a checkpoint forgets them)."""
         return []
+
+    # -- a backup replaying its primary (psserver.replication) -------------------
+
+    def replay_push(self, worker_id: str, step: int) -> None:  # noqa: B027 - optional hook
+        """A push of ``worker_id`` for ``step`` that the primary applied is applied here too (ssp clocks)."""
+
+    def replay_step(self, step: int, workers: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """The primary completed sync step ``step`` with the gradients of ``workers``."""
+
+    def replay_leave(self, worker_id: str) -> None:  # noqa: B027 - optional hook
+        """``worker_id`` left (``Leave``) on the primary."""
 
 
 class AsyncMode(Mode):
@@ -192,7 +245,7 @@ class AsyncMode(Mode):
         versions = await self.store.apply_once(worker_id, seq, session, pairs, now)
         if versions is None:
             return PushOutcome(applied=False, reason="duplicate")
-        return PushOutcome(applied=True, versions=tuple(versions), time_unix=now)
+        return PushOutcome(applied=True, versions=tuple(versions), time_unix=now, forward=True)
 
 
 _FINISHED = 1 << 62  # the clock of a worker that left (ssp)
@@ -284,15 +337,36 @@ class SyncMode(Mode):
         # Called (on the event loop, with no await between) each time a step completes, with the new
         # step: periodic checkpoints at a step boundary hold the next step's update there (psserver.cut).
         self.on_step: Callable[[int], None] | None = None
+        # Replication: each applied step is handed over here (queued for the backup at once) and its
+        # pushes are answered once the backup acknowledged it. None: no replication.
+        self.replicate_step: StepReplicator | None = None
+        # Steps applied here whose acknowledgement by the backup is awaited: a push for such a step is
+        # answered "stale" only once it is acknowledged (or fails with it).
+        self._replicating: dict[int, _Round] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "dropped": self.dropped, "left": sorted(self.left)}
+        return {
+            "step": self.step,
+            "dropped": self.dropped,
+            "left": sorted(self.left),
+            "resuming": self.resuming,
+        }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, restored: bool = True) -> None:
         self.step = int(state.get("step", 0))
         self.dropped = int(state.get("dropped", 0))
         self.left = {str(w) for w in state.get("left", ())}
-        self.resuming = True  # the workers may be at other steps (see the module docstring)
+        # Restored: the workers may be at other steps (see the module docstring). A backup's state is
+        # its live primary's.
+        self.resuming = True if restored else bool(state.get("resuming", False))
+
+    def replay_step(self, step: int, workers: Sequence[str]) -> None:
+        self.step = max(self.step, step + 1)
+        self.resuming = False
+        self.left.difference_update(workers)
+
+    def replay_leave(self, worker_id: str) -> None:
+        self.left.add(worker_id)
 
     def at_boundary(self) -> bool:
         """True unless the current step's update is being applied (the state is between two steps)."""
@@ -327,16 +401,34 @@ class SyncMode(Mode):
         ]
 
     def shutdown(self) -> None:
-        super().shutdown()
-        for rnd in self._rounds.values():
-            if not rnd.closed and not rnd.done.done():  # a round being applied completes
-                rnd.done.set_exception(
-                    UnavailableError(
-                        f"the shard is shutting down: the sync step {self.step} barrier was left "
-                        f"with {len(rnd.contributions)} of {self.needed} gradients; retry on its restart"
-                    )
-                )
+        self.stopping = True
+        self._fail_gathering(
+            lambda step, rnd: UnavailableError(
+                f"the shard is shutting down: the sync step {step} barrier was left "
+                f"with {len(rnd.contributions)} of {self.needed} gradients; retry on its restart"
+            )
+        )
+
+    def interrupt(self, error: PSError) -> None:
+        self._fail_gathering(lambda step, rnd: error)
+
+    def _fail_gathering(self, error: Callable[[int, _Round], PSError]) -> None:
+        """Ends the waits of every round still gathering (a round being applied completes).
+
+        The rounds and their gradients go at once (withdrawn: their pushes'
+        retries are applied; a later push starts a new round).
+        """
+        for step, rnd in list(self._rounds.items()):
+            if rnd.closed:
+                continue
+            del self._rounds[step]
+            if not rnd.done.done():
+                rnd.done.set_exception(error(step, rnd))
                 rnd.done.exception()  # retrieved: waiters re-raise it
+            for worker, ((session, seq), _) in rnd.contributions.items():
+                self.store.unclaim(worker, seq, session)
+            rnd.withdrawn.update(rnd.contributions)
+            rnd.contributions.clear()
 
     def _seen(self, worker_id: str, step: int = -1) -> None:
         if worker_id:
@@ -378,6 +470,15 @@ class SyncMode(Mode):
             return PushOutcome(applied=False, reason="restored")
         rnd = self._rounds.get(step)
         if step < self.step or (rnd is not None and rnd.closed):
+            # Answered once the step is on the backup too: were the primary to die first, the backup
+            # would gather this step again, and this worker must still count for it.
+            applying = rnd if rnd is not None else self._replicating.get(step)
+            if applying is not None:
+                try:
+                    await self._wait(step, applying, worker_id, key, deadline)
+                except BaseException:
+                    self.store.unclaim(worker_id, seq, session)  # its retry is judged afresh
+                    raise
             self.dropped += 1
             log.debug(
                 "sync: dropped stale gradient of %s for step %d (at step %d)", worker_id, step, self.step
@@ -466,7 +567,9 @@ class SyncMode(Mode):
             chosen = list(rnd.contributions.values())[:n]
             claims = [(w, session, seq) for w, ((session, seq), _) in list(rnd.contributions.items())[:n]]
             try:
-                await self.store.apply(await self._mean(chosen), key=step_key(step), claims=claims)
+                self._check_serving()  # a replicated primary without its lease applies nothing
+                update = await self._mean(chosen)
+                versions = await self.store.apply(update, key=step_key(step), claims=claims)
             except BaseException as err:
                 for worker, ((session, seq), _) in rnd.contributions.items():
                     self.store.unclaim(worker, seq, session)
@@ -475,12 +578,38 @@ class SyncMode(Mode):
                     rnd.done.set_exception(err)
                     rnd.done.exception()  # retrieved: waiters re-raise it
                 raise
+            # No await from here until the step is handed to replication: the mode's state (its step)
+            # and the store's (values, dedup table) change together, as a snapshot must see them.
             del self._rounds[step]
             self.step = step + 1
             self.resuming = False
-            rnd.done.set_result(None)
             if self.on_step is not None:
                 self.on_step(self.step)
+            replicate = self.replicate_step
+            acknowledged = replicate(step, update, versions, claims) if replicate is not None else None
+            if acknowledged is None:
+                rnd.done.set_result(None)
+                continue
+            # The step's pushes are answered once the backup has it (or fail with why it has not);
+            # its own task, so that no caller's cancellation leaves them waiting.
+            self._replicating[step] = rnd
+            ack = asyncio.ensure_future(acknowledged)
+            ack.add_done_callback(functools.partial(self._replicated, step, rnd))
+
+    def _replicated(self, step: int, rnd: _Round, ack: asyncio.Future[None]) -> None:
+        self._replicating.pop(step, None)
+        if rnd.done.done():
+            return
+        error = None if ack.cancelled() else ack.exception()
+        if ack.cancelled() or error is not None:
+            rnd.done.set_exception(
+                error
+                if isinstance(error, PSError)
+                else UnavailableError(f"sync step {step} was not replicated ({error!r}); retry")
+            )
+            rnd.done.exception()  # retrieved: waiters re-raise it
+        else:
+            rnd.done.set_result(None)
 
     async def _mean(
         self, chosen: list[tuple[tuple[int, int], list[tuple[Variable, np.ndarray]]]]
@@ -543,13 +672,27 @@ class SSPMode(Mode):
         self.clocks: dict[str, int] = {}  # pushing worker -> steps pushed
         self.left: set[str] = set()  # workers done with training (Leave): they hold nobody back
         self._tick = asyncio.Event()
+        self._interrupts = 0  # how many times waits were ended (interrupt): a waiter that saw one raises
+        self._interrupt_error: PSError | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"clocks": dict(self.clocks), "left": sorted(self.left)}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, restored: bool = True) -> None:
         self.clocks = {str(w): int(c) for w, c in dict(state.get("clocks", {})).items()}
         self.left = {str(w) for w in state.get("left", ())}
+
+    def replay_push(self, worker_id: str, step: int) -> None:
+        self._advance_clock(worker_id, step)
+
+    def replay_leave(self, worker_id: str) -> None:
+        self.left.add(worker_id)
+
+    def _advance_clock(self, worker_id: str, step: int) -> None:
+        self.left.discard(worker_id)  # pushing again: counted in again
+        if step + 1 > self.clocks.get(worker_id, 0):
+            self.clocks[worker_id] = step + 1
+            self._wake()
 
     def current_step(self) -> int:
         """The slowest worker's clock."""
@@ -588,16 +731,16 @@ class SSPMode(Mode):
         pairs = self.store.validate_grads(grads, allow_empty=True)
         if step < 0:
             raise InvalidArgumentError(f"ssp mode: step must be >= 0, got {step}")
-        if await self.store.apply_once(worker_id, seq, session, pairs) is None:
+        now = time.time()
+        versions = await self.store.apply_once(worker_id, seq, session, pairs, now)
+        if versions is None:
             return PushOutcome(applied=False, reason="duplicate")
-        self.left.discard(worker_id)  # pushing again: counted in again
-        if step + 1 > self.clocks.get(worker_id, 0):
-            self.clocks[worker_id] = step + 1
-            self._wake()
-        return PushOutcome(applied=True)
+        self._advance_clock(worker_id, step)  # in the same step as the update: a snapshot sees both
+        return PushOutcome(applied=True, versions=tuple(versions), time_unix=now, forward=True)
 
-    def shutdown(self) -> None:
-        super().shutdown()
+    def interrupt(self, error: PSError) -> None:
+        self._interrupts += 1
+        self._interrupt_error = error
         self._wake()
 
     async def _before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
@@ -605,10 +748,13 @@ class SSPMode(Mode):
             return
         started = time.monotonic()
         limit, by_caller = wait_limit(self.barrier_timeout_s, deadline)
+        interrupts = self._interrupts
         try:
             async with asyncio.timeout(limit):
                 while step - self.min_clock() > self.staleness:
                     self._check_serving()
+                    if self._interrupts != interrupts and (error := self._interrupt_error) is not None:
+                        raise type(error)(error.details)
                     await self._tick.wait()
         except TimeoutError:
             raise DeadlineExceededError(

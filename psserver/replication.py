@@ -1,37 +1,57 @@
-"""Primary-backup replication of a shard (``psserver --backup-of PRIMARY``).
+"""Primary-backup replication of a shard (``psserver --backup-of PRIMARY``), in every mode, under a lease.
 
 The backup opens a ``Replicate`` stream to its primary. The primary answers
-with a consistent snapshot of its state (the checkpoint format, in pieces),
-taken at the instant the backup is attached, then with every update it applies
-from then on: creates, and each push's gradients with the version each one
-produced, each Assign's values with the version each one produced, and each
-UpdateOptimizer with the version it took effect at. The backup applies them
-with the same optimizer code, per variable in version order, so its values,
-slots and step counts stay bit-identical to the primary's, and records each
-push's ``(worker_id, session, seq)`` in its dedup table. The primary
-answers a push only after the backup has acknowledged its update, so an
-acknowledged update is on both processes: ``kill -9`` of the primary loses none.
+with a consistent snapshot of its state (the checkpoint format, in pieces,
+with the mode's state: sync step, workers that left, ssp clocks), taken at the
+instant the backup is attached, then with every update it applies from then on:
+creates; each push's gradients with the version each one produced (ssp: and
+the worker's step, which advances its clock); each sync step's mean gradients
+with the pushes it applied; each Assign, UpdateOptimizer and Leave. The backup
+applies them with the same optimizer code, per variable in version order, so its
+values, slots, step counts, dedup table and mode state stay bit-identical to the
+primary's. The primary answers a push (in sync mode: a step's pushes) only after
+the backup has acknowledged its update, so an acknowledged update is on both
+processes: ``kill -9`` of the primary loses none, and a retry of it on the
+backup is recognised. A sync round still gathering is on the primary only and
+answered to nobody: its workers retry it on whichever process serves next.
+
+The lease (``psserver.lease``) keeps two processes from serving at once. The
+backup acknowledges the snapshot; from then on it is *confirmed* (the primary
+tells it so) and the primary serves client calls only while it holds a lease,
+renewed by every acknowledgement until ``lease_s`` after it sent the message
+acknowledged (heartbeats every ``lease_s / 4`` keep it fresh). A primary that
+cannot renew (its backup is down, paused or cut off) refuses client calls with
+UNAVAILABLE, ends the waits of sync barriers and ssp bounds, and fails updates
+its backup did not acknowledge (their retries are recognised). A confirmed
+backup whose stream ends (or that hears nothing for ``silence_limit``) takes over
+on a client call once ``backup_wait`` has passed since the last message it read,
+when the primary's lease has surely expired; a primary that stops on SIGTERM
+releases its lease first, so its backup takes over at once. A backup that shuts
+down resigns: its primary goes on alone.
 
 Roles (``GetStatus.role``):
 
-- ``primary``: serves clients; forwards updates while a backup is attached. A
-  backup that goes away or stops acknowledging (``ack_timeout_s``) is
-  detached, with a warning, and the primary goes on alone.
+- ``primary``: serves clients (while it holds its lease, once a backup has
+  confirmed); forwards updates while a backup is attached. A primary whose
+  backup is gone without resigning keeps refusing until a backup confirms
+  again, or until it finds that its backup took over: then it restarts in-process
+  as that one's backup (``on_taken_over``), dropping its own (unacknowledged) state.
 - ``backup``: a standby. Client calls get UNAVAILABLE naming the primary, so
   clients given ``PRIMARY|BACKUP`` for the shard stay on (or go back to) the
   primary.
-- ``orphaned``: a backup whose stream ended after it had caught up (the primary
-  died, or cut it off). It never re-attaches (a restarted primary may be older
-  than it); the next client call promotes it to ``primary``.
+- ``orphaned``: a confirmed backup whose stream ended. It never re-attaches (a
+  restarted primary may be older than it); the first client call after the
+  lease wait promotes it to ``primary``.
 
-A backup that never caught up keeps retrying to attach, and refuses clients.
-Replication needs ``--mode async`` (sync and ssp barriers are not replicated).
+A backup that was never confirmed keeps retrying to attach (starting over from a
+new snapshot), and refuses clients.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -45,9 +65,9 @@ import numpy as np
 from pscore import codec, rpc, security
 from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
-from psserver import checkpoint, optimizers, tables
+from psserver import checkpoint, lease, optimizers, tables
 from psserver.modes import Mode
-from psserver.store import Store, Variable
+from psserver.store import PushKey, Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +76,31 @@ UPDATE_PIECE_BYTES = 4 << 20  # updates are cut into messages of about this much
 DEFAULT_ACK_TIMEOUT_S = 30.0  # covers the catch-up snapshot of a large shard on a slow link
 _ATTACH_RETRY_S = (0.05, 1.0)  # backoff bounds while the primary is not reachable yet
 BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serves (for status and logs)
+_PEER_CHECK_EVERY_S = 0.5  # a primary without its lease asks its peer this often whether it took over
+_PEER_CHECK_TIMEOUT_S = 2.0
+_RESIGN_WAIT_S = 2.0  # a backup shutting down waits this long for its primary to take its resignation
+_PAUSE_CHECK_S = 1.0  # a backup that finds its primary silent listens this long more before giving up
+_RESIGN = object()  # in a backup's acknowledgement queue: send ``resign`` and end the stream
 
 
 class Primary:
-    """The primary's side: attaches one backup and forwards updates to it.
+    """The primary's side: attaches one backup, forwards updates to it, holds the lease it renews.
+
+    Every shard process has one (a backup's takes effect once it is promoted).
 
     Args:
         store, mode: the shard's state.
         shard, num_shards: the shard's identity (in the snapshot).
         ack_timeout_s: how long an update waits for the backup's acknowledgement
             before the backup is detached.
+        lease_s: the lease each acknowledgement renews (``psserver.lease``).
+        required: serve only under a lease from the start (``--backup-at``: this
+            shard is replicated, even before its backup has attached); otherwise
+            from the first backup's confirmation on.
+        peer: the other process of this shard (``--backup-at`` / ``--backup-of``),
+            asked whether it took over while this one holds no lease.
+        connect: opens a channel to ``peer`` (TLS, message sizes); default plaintext.
+        auth_token: sent to ``peer``.
     """
 
     def __init__(
@@ -76,21 +111,48 @@ class Primary:
         shard: int,
         num_shards: int,
         ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        lease_s: float = lease.DEFAULT_LEASE_S,
+        required: bool = False,
+        peer: str = "",
+        connect: Callable[[str], grpc.aio.Channel] | None = None,
+        auth_token: str | None = None,
     ) -> None:
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.store = store
         self.mode = mode
         self.shard = shard
         self.num_shards = num_shards
         self.ack_timeout_s = ack_timeout_s
+        self.lease_s = lease_s
+        self.required = required
+        self.peer = peer
+        self.connect = connect or grpc.aio.insecure_channel
+        self.auth_token = auth_token
         self._link: _Link | None = None
         self._ids = itertools.count(1)
+        self._lease_until = 0.0  # lease clock; 0: none held
+        self._released = False  # stopped serving for good (SIGTERM): never serves again
+        self._had_lease = False
+        self._task: asyncio.Task[None] | None = None
+        self._peer_check: asyncio.Task[None] | None = None
+        self._last_peer_check = 0.0
+        # Pushes applied here and forwarded, not acknowledged yet: a retry waits for the acknowledgement.
+        self.unsettled: dict[PushKey, asyncio.Future[bool]] = {}
         # Called with the seconds from forwarding an update to the backup's acknowledgement (metrics).
         self.on_ack: Callable[[float], None] | None = None
+        # Called with why when this primary loses its lease (the servicer ends the mode's waits).
+        self.on_lease_lost: Callable[[str], None] | None = None
+        # Called with the peer's address when it has taken over (the server restarts as its backup).
+        self.on_taken_over: Callable[[str], None] | None = None
+
+    # -- the lease -------------------------------------------------------------
 
     @property
     def backup(self) -> str:
-        """The attached backup's peer address ("" when none)."""
-        return self._link.peer if self._link is not None else ""
+        """The confirmed backup's address ("" when none)."""
+        link = self._link
+        return link.peer if link is not None and link.confirmed else ""
 
     @property
     def unacknowledged(self) -> int:
@@ -98,12 +160,127 @@ class Primary:
         link = self._link
         return len(link.waiting) if link is not None else 0
 
+    def holds_lease(self) -> bool:
+        """Whether this primary may serve clients now (always, while it needs no lease)."""
+        if self._released:
+            return False
+        return not self.required or lease.clock() < self._lease_until
+
+    def lease_left(self) -> float:
+        """Seconds left on the lease; -1 while none is needed (``GetStatus.lease_s``)."""
+        if self._released:
+            return 0.0
+        if not self.required:
+            return -1.0
+        return max(0.0, self._lease_until - lease.clock())
+
+    def check(self, what: str) -> None:
+        """Lets a client call through while this primary holds its lease. Raises: UnavailableError."""
+        if self.holds_lease():
+            return
+        self._note_lease(False)
+        if self._released:
+            raise UnavailableError(
+                f"shard {self.shard} is shutting down (its backup takes over): send {what} there"
+            )
+        raise UnavailableError(self._why_no_lease(what))
+
+    def _why_no_lease(self, what: str) -> str:
+        link = self._link
+        if link is None:
+            waited = f"backup {self.peer}" if self.peer else "a backup"
+            return (
+                f"replicated shard {self.shard} has no backup attached (waiting for {waited}): it cannot "
+                f"prove no backup took over, so it refuses {what}; retry, or fail over to the backup"
+            )
+        if not link.confirmed:
+            return (
+                f"replicated shard {self.shard}: backup {link.peer} is catching up; {what} is refused "
+                "until it has the snapshot; retry"
+            )
+        return (
+            f"shard {self.shard} holds no lease: backup {link.peer} has not acknowledged anything for "
+            f"{self.lease_s:g}s (down, paused or cut off), and may take over, so this primary refuses "
+            f"{what}; retry, or fail over to the backup"
+        )
+
+    def _renew(self, link: _Link, sent: float) -> None:
+        if link is self._link and link.confirmed and not self._released:
+            self._lease_until = max(self._lease_until, sent + self.lease_s)
+
+    def start(self) -> None:
+        """Starts the heartbeats and the lease watch (on the running loop)."""
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        for task in (self._task, self._peer_check):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def _note_lease(self, holding: bool) -> None:
+        """Logs a change of the lease; on its loss, ends the mode's waits (``on_lease_lost``)."""
+        if self._had_lease and not holding and self.required and not self._released:
+            why = self._why_no_lease("client calls")
+            log.warning("shard %d: lost its lease: %s", self.shard, why)
+            self._had_lease = holding
+            if self.on_lease_lost is not None:
+                self.on_lease_lost(why)
+        elif holding and not self._had_lease and self.required:
+            log.info("shard %d: holds the lease of backup %s; serving", self.shard, self.backup)
+        self._had_lease = holding
+
+    async def _run(self) -> None:
+        every = lease.heartbeat_every(self.lease_s)
+        while True:
+            link = self._link
+            if link is not None:
+                self._queue(link, ps_pb2.ReplicateResponse(heartbeat=True, confirmed=link.confirmed), [])
+            holding = self.holds_lease()
+            self._note_lease(holding)
+            if (
+                not holding
+                and self.required
+                and not self._released
+                and self.peer
+                and self.on_taken_over is not None
+                and (self._peer_check is None or self._peer_check.done())
+                and time.monotonic() - self._last_peer_check >= _PEER_CHECK_EVERY_S
+            ):
+                self._last_peer_check = time.monotonic()
+                self._peer_check = asyncio.create_task(self._ask_peer())
+            pause = every
+            if holding and self.required:  # awake when the lease runs out: the mode's waits end then
+                pause = min(every, max(self._lease_until - lease.clock(), 0.0) + 0.001)
+            await asyncio.sleep(pause)
+
+    async def _ask_peer(self) -> None:
+        """Asks the peer whether it took over; if so, hands this process over (``on_taken_over``)."""
+        try:
+            status = await peer_status(self.connect, self.peer, self.auth_token, _PEER_CHECK_TIMEOUT_S)
+        except grpc.RpcError:
+            return  # down or cut off: nothing known; the lease keeps this primary from serving
+        if not has_taken_over(status, self.shard):
+            return
+        if self.holds_lease() or self._released or self.on_taken_over is None:
+            return
+        log.warning(
+            "shard %d: %s is %s: it took over while this primary held no lease; becoming its backup "
+            "(the updates only this process has were never acknowledged)",
+            self.shard, self.peer, status.role,
+        )  # fmt: skip
+        self._released = True  # never serves again as this incarnation
+        self.on_taken_over(self.peer)
+
+    # -- the Replicate stream ----------------------------------------------------
+
     async def serve(
         self, requests: AsyncIterator[bytes], peer: str
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
         """The body of the ``Replicate`` handler. Raises: FailedPreconditionError."""
-        if self.mode.name != "async":
-            raise FailedPreconditionError(f"replication needs --mode async; this shard runs {self.mode.name}")
+        if self._released:
+            raise FailedPreconditionError(f"shard {self.shard} is shutting down: it cannot take a backup")
         if self._link is not None:
             raise FailedPreconditionError(f"this shard already has a backup ({self._link.peer})")
         link = _Link(peer)
@@ -122,15 +299,20 @@ class Primary:
             data = await asyncio.to_thread(_encode, snap)
             for start in range(0, max(len(data), 1), SNAPSHOT_PIECE_BYTES):
                 piece = data[start : start + SNAPSHOT_PIECE_BYTES]
-                done = start + SNAPSHOT_PIECE_BYTES >= len(data)
-                yield ps_pb2.ReplicateResponse(snapshot=piece, snapshot_done=done)
+                message = ps_pb2.ReplicateResponse(snapshot=piece)
+                if start + SNAPSHOT_PIECE_BYTES >= len(data):  # the last piece: acknowledged once loaded
+                    message.snapshot_done = True
+                    message.lease_s = self.lease_s
+                    message.id = link.snapshot_id = next(self._ids)
+                    link.sent[message.id] = lease.clock()  # before it goes: the lease counts from here
+                yield message
             while True:
-                message = await link.outbox.get()
-                if message is None:  # detached
+                out = await link.outbox.get()
+                if out is None:  # detached
                     if link.error is not None:  # raised here: the call ends from its own task
                         raise InvalidArgumentError(f"malformed replication stream: {link.error}")
                     return
-                yield message
+                yield out
         finally:
             acks.cancel()
             self._detach(link, "its replication stream ended")
@@ -141,9 +323,10 @@ class Primary:
             async for raw in requests:
                 request = ps_pb2.ReplicateRequest.FromString(raw)
                 for update_id in request.acks:
-                    waiter = link.waiting.pop(update_id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(True)
+                    self._acked(link, update_id)
+                if request.resign:
+                    self._resign(link)
+                    return
         except (grpc.RpcError, asyncio.CancelledError):
             pass
         except Exception as err:  # a malformed message
@@ -151,29 +334,154 @@ class Primary:
         finally:
             self._detach(link, "it closed its stream" if link.error is None else f"bad stream: {link.error}")
 
-    def close(self, why: str) -> None:
-        """Ends the attached backup's ``Replicate`` stream (shutdown: no update is in flight any more).
+    def _acked(self, link: _Link, update_id: int) -> None:
+        sent = link.sent.pop(update_id, None)
+        if update_id == link.snapshot_id and not link.confirmed and link is self._link:
+            link.confirmed = True
+            self.required = True
+            log.info(
+                "shard %d: backup %s has the snapshot; serving under its lease (%gs, renewed by every "
+                "acknowledgement)", self.shard, link.peer, self.lease_s,
+            )  # fmt: skip
+            self._queue(link, ps_pb2.ReplicateResponse(heartbeat=True, confirmed=True), [])
+        if sent is not None:
+            self._renew(link, sent)
+        waiter = link.waiting.pop(update_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
 
-        The backup sees its primary's stream end and takes over on the next client call.
+    def _resign(self, link: _Link) -> None:
+        if self._link is not link:
+            return
+        if link.confirmed:
+            self.required = False
+        log.warning(
+            "shard %d: backup %s resigned (it is shutting down and will not take over); going on without a "
+            "backup", self.shard, link.peer,
+        )  # fmt: skip
+        self._detach(link, "it resigned", quiet=True)
+
+    def close(self, why: str) -> None:
+        """Stops serving for good and hands over (shutdown, once no update is in flight any more).
+
+        The backup is told (``release``) after the last update, so it takes over
+        at once on the next client call, with no lease to wait out.
         """
+        self._released = True
+        self._lease_until = 0.0
         link = self._link
         if link is not None:
-            log.info("shard %d: ending the replication stream of backup %s (%s)", self.shard, link.peer, why)
+            log.info("shard %d: handing over to backup %s (%s)", self.shard, link.peer, why)
+            link.outbox.put_nowait(ps_pb2.ReplicateResponse(release=True))
             self._detach(link, why, quiet=True)
 
     def _detach(self, link: _Link, why: str, *, quiet: bool = False) -> None:
         if self._link is not link:
             return
         self._link = None
+        if link.confirmed and self.required:
+            self._lease_until = 0.0  # nothing can be replicated any more: serve nothing more
         if not quiet:
-            log.warning(
-                "shard %d: backup %s detached (%s); going on without a backup", self.shard, link.peer, why
-            )
+            alone = "refusing client calls until a backup confirms" if self.required else "going on alone"
+            log.warning("shard %d: backup %s detached (%s); %s", self.shard, link.peer, why, alone)
         for waiter in link.waiting.values():
             if not waiter.done():
                 waiter.set_result(False)
         link.waiting.clear()
         link.outbox.put_nowait(None)
+
+    # -- forwarding updates --------------------------------------------------------
+
+    def _queue(
+        self,
+        link: _Link,
+        header: ps_pb2.ReplicateResponse,
+        tensors: list[tuple[str, np.ndarray]],
+        keys: Sequence[PushKey] = (),
+    ) -> asyncio.Future[bool]:
+        """Queues an update (or heartbeat) for the backup, now; returns its acknowledgement's future.
+
+        ``keys``: the pushes it carries (``unsettled`` until it is acknowledged).
+        """
+        header.id = next(self._ids)
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if not header.heartbeat:
+            link.waiting[header.id] = waiter
+        link.sent[header.id] = lease.clock()
+        for key in keys:
+            self.unsettled[key] = waiter
+        if keys:
+            waiter.add_done_callback(functools.partial(self._settled, tuple(keys)))
+        batches = list(codec.wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
+        for i, batch in enumerate(batches):  # in application order; no await between the pieces
+            message = header if i == 0 else ps_pb2.ReplicateResponse()
+            message.more = i < len(batches) - 1
+            link.outbox.put_nowait(codec.WireMessage(message, "tensors", batch) if batch else message)
+        return waiter
+
+    def _settled(self, keys: tuple[PushKey, ...], waiter: asyncio.Future[bool]) -> None:
+        for key in keys:
+            if self.unsettled.get(key) is waiter:
+                del self.unsettled[key]
+
+    def _unreplicated(self) -> UnavailableError | None:
+        """Why an update applied with no backup attached may not be answered (None: it may)."""
+        if not self.required:
+            return None
+        return UnavailableError(
+            f"shard {self.shard}: the update was applied here, but no backup is attached to take it, so "
+            "it is not acknowledged; retry (a retry is recognised and answered once a backup has it)"
+        )
+
+    async def _await_ack(self, link: _Link, waiter: asyncio.Future[bool], what: str, sent: float) -> None:
+        """Waits for the backup's acknowledgement of an update queued at ``sent`` (``perf_counter``).
+
+        Gives up when the backup goes away, or (while this primary needs its lease)
+        when the lease runs out first; after ``ack_timeout_s`` the backup is detached.
+
+        Raises:
+            UnavailableError: not acknowledged, and this primary may not answer without it.
+        """
+        deadline = time.monotonic() + self.ack_timeout_s
+        while not waiter.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._detach(link, f"{what} not acknowledged within {self.ack_timeout_s:g}s")
+                break
+            if self.required and link.confirmed:
+                lease_left = self._lease_until - lease.clock()
+                if lease_left <= 0:
+                    break
+                left = min(left, lease_left)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await asyncio.shield(waiter)
+        if waiter.done() and waiter.result():
+            if self.on_ack is not None:
+                self.on_ack(time.perf_counter() - sent)
+            return
+        if self.required:
+            raise UnavailableError(
+                f"shard {self.shard}: {what} was applied here but backup {link.peer} has not acknowledged "
+                "it, and this primary's lease ran out (or the backup went away): it is not acknowledged; "
+                "retry (a retry is recognised and answered once the backup has it)"
+            )
+
+    async def wait_settled(self, key: PushKey) -> None:
+        """A retry of push ``key``: returns once its original is on the backup too (at once if it is).
+
+        Raises:
+            UnavailableError: the original is not acknowledged by the backup (and may not be).
+        """
+        waiter = self.unsettled.get(key)
+        if waiter is None:
+            return
+        link = self._link
+        if link is None:
+            if (error := self._unreplicated()) is not None and not (waiter.done() and waiter.result()):
+                raise error
+            return
+        await self._await_ack(link, waiter, "the push retried", time.perf_counter())
 
     async def forward_push(
         self,
@@ -185,13 +493,20 @@ class Primary:
         session: int = 0,
         time_unix: float = 0.0,
         shards: Sequence[int] = (),
+        step: int = 0,
     ) -> None:
         """Sends an applied push to the backup and waits for its acknowledgement (no-op without one).
 
         ``time_unix``: the time the push was applied with (the backup applies it with the same).
+        ``step``: the worker's step (ssp: the backup advances its clock).
+
+        Raises:
+            UnavailableError: see ``_await_ack``.
         """
         link = self._link
         if link is None:
+            if (error := self._unreplicated()) is not None:
+                raise error
             return
         header = ps_pb2.ReplicateResponse(
             worker_id=worker_id,
@@ -200,27 +515,74 @@ class Primary:
             versions=list(versions),
             time_unix=time_unix,
             shards=list(shards),
+            step=step,
         )
-        await self._forward(link, header, tables.wire_tensors(grads))
+        waiter = self._queue(link, header, tables.wire_tensors(grads), [(worker_id, session, seq)])
+        await self._await_ack(link, waiter, f"push {seq} of {worker_id}", time.perf_counter())
+
+    def send_step(
+        self,
+        step: int,
+        update: Sequence[tuple[Variable, tables.Grad]],
+        versions: Sequence[int],
+        claims: Sequence[PushKey],
+    ) -> Awaitable[None] | None:
+        """Queues a sync step's update for the backup now; returns what waits for its acknowledgement.
+
+        Called in the same event-loop step as the update was applied (``SyncMode.replicate_step``).
+        None without a backup, when this primary needs none.
+        """
+        link = self._link
+        if link is None:
+            error = self._unreplicated()
+            return None if error is None else _raise(error)
+        header = ps_pb2.ReplicateResponse(
+            sync_step=True,
+            step=step,
+            versions=list(versions),
+            claims=[ps_pb2.PushKeys(worker_id=w, session=s, seq_ranges=[q, q]) for w, s, q in claims],
+        )
+        waiter = self._queue(link, header, tables.wire_tensors({v.name: g for v, g in update}), claims)
+        return self._await_ack(link, waiter, f"sync step {step}", time.perf_counter())
+
+    async def forward_leave(self, worker_id: str) -> None:
+        """Sends a Leave (sync, ssp) and waits for its acknowledgement."""
+        link = self._link
+        if link is None:
+            if (error := self._unreplicated()) is not None:
+                raise error
+            return
+        waiter = self._queue(link, ps_pb2.ReplicateResponse(leave=worker_id), [])
+        await self._await_ack(link, waiter, f"the Leave of {worker_id}", time.perf_counter())
 
     async def forward_create(
         self, specs: Sequence[ps_pb2.VariableSpec], values: Mapping[str, np.ndarray]
     ) -> None:
         """Sends newly created variables to the backup and waits for its acknowledgement."""
         link = self._link
-        if link is None or not specs:
+        if not specs:
+            return
+        if link is None:
+            if (error := self._unreplicated()) is not None:
+                raise error
             return
         # A dynamic table piece, or one with an initializer, has none: the backup makes its rows.
         tensors = [(s.name, values[s.name]) for s in specs if s.name in values]
-        await self._forward(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
+        waiter = self._queue(link, ps_pb2.ReplicateResponse(create=list(specs)), tensors)
+        await self._await_ack(link, waiter, "a create", time.perf_counter())
 
     async def forward_assign(self, values: Mapping[str, np.ndarray], versions: Sequence[int]) -> None:
         """Sends an Assign (the values and the version each produced) and waits for its acknowledgement."""
         link = self._link
-        if link is None or not values:
+        if not values:
+            return
+        if link is None:
+            if (error := self._unreplicated()) is not None:
+                raise error
             return
         header = ps_pb2.ReplicateResponse(assign=True, versions=list(versions))
-        await self._forward(link, header, list(values.items()))
+        waiter = self._queue(link, header, list(values.items()))
+        await self._await_ack(link, waiter, "an Assign", time.perf_counter())
 
     def send_optimizer_update(
         self, variables: Sequence[Variable], *, reset: bool = False
@@ -233,45 +595,45 @@ class Primary:
         without a backup.
         """
         link = self._link
-        if link is None or not variables:
+        if not variables:
             return None
+        if link is None:
+            error = self._unreplicated()
+            return None if error is None else _raise(error)
         header = ps_pb2.ReplicateResponse(
-            id=next(self._ids),
             optimizer_updates=[v.spec for v in variables],
             versions=[v.version for v in variables],
             reset=reset,
         )
-        waiter = asyncio.get_running_loop().create_future()
-        link.waiting[header.id] = waiter
-        link.outbox.put_nowait(header)
-        return self._await_ack(link, header.id, waiter, time.perf_counter())
+        waiter = self._queue(link, header, [])
+        return self._await_ack(link, waiter, "an optimizer change", time.perf_counter())
 
-    async def _await_ack(
-        self, link: _Link, update_id: int, waiter: asyncio.Future[bool], sent: float
-    ) -> None:
-        """Waits for the backup's acknowledgement of an update queued at ``sent`` (``perf_counter``)."""
-        try:
-            async with asyncio.timeout(self.ack_timeout_s):
-                acked = await asyncio.shield(waiter)
-        except TimeoutError:
-            self._detach(link, f"update {update_id} not acknowledged within {self.ack_timeout_s:g}s")
-            return
-        if acked and self.on_ack is not None:
-            self.on_ack(time.perf_counter() - sent)
 
-    async def _forward(
-        self, link: _Link, header: ps_pb2.ReplicateResponse, tensors: list[tuple[str, np.ndarray]]
-    ) -> None:
-        header.id = next(self._ids)
-        waiter = asyncio.get_running_loop().create_future()
-        link.waiting[header.id] = waiter
-        sent = time.perf_counter()
-        batches = list(codec.wire_batches(tensors, UPDATE_PIECE_BYTES)) or [[]]
-        for i, batch in enumerate(batches):  # in application order; no await between the pieces
-            message = header if i == 0 else ps_pb2.ReplicateResponse()
-            message.more = i < len(batches) - 1
-            link.outbox.put_nowait(codec.WireMessage(message, "tensors", batch))
-        await self._await_ack(link, header.id, waiter, sent)
+async def _raise(error: Exception) -> None:
+    raise error
+
+
+def has_taken_over(status: ps_pb2.GetStatusResponse, shard: int) -> bool:
+    """Whether the other process of shard ``shard``, by its ``GetStatus``, holds the newest state.
+
+    A primary that serves (it holds its lease, or needs none), or a backup that
+    lost its primary ("orphaned": it takes over on the next client call). A
+    primary that holds no lease either has no more claim than this one.
+    """
+    if status.shard != shard:
+        return False
+    return status.role == "orphaned" or (status.role == "primary" and status.lease_s != 0)
+
+
+async def peer_status(
+    connect: Callable[[str], grpc.aio.Channel], address: str, token: str | None, timeout_s: float
+) -> ps_pb2.GetStatusResponse:
+    """``GetStatus`` of another shard process. Raises: grpc.RpcError."""
+    async with connect(address) as channel:
+        stub = rpc.Stub(channel)
+        return await stub.GetStatus(
+            ps_pb2.GetStatusRequest(), timeout=timeout_s, metadata=security.auth_metadata(token)
+        )
 
 
 @dataclass(eq=False)
@@ -280,7 +642,10 @@ class _Link:
     outbox: asyncio.Queue[codec.WireMessage | ps_pb2.ReplicateResponse | None] = field(
         default_factory=asyncio.Queue
     )
-    waiting: dict[int, asyncio.Future[bool]] = field(default_factory=dict)
+    waiting: dict[int, asyncio.Future[bool]] = field(default_factory=dict)  # update id -> acknowledged
+    sent: dict[int, float] = field(default_factory=dict)  # message id -> lease clock when queued
+    snapshot_id: int = 0
+    confirmed: bool = False  # the backup acknowledged the snapshot: it may take over from now on
     error: Exception | None = None  # why the backup's side of the stream failed
 
 
@@ -319,16 +684,28 @@ class Backup:
         self.auth_token = auth_token
         self.role = "backup"
         self.address = ""  # this backup's own HOST:PORT (set once it serves): the primary shows it
-        self.caught_up = False
+        self.loaded = False  # a snapshot is loaded (this attempt)
+        self.caught_up = False  # confirmed by the primary: it may take over when the primary goes
+        self.resigned = False  # shutting down: it will never take over
         self.applied = 0
+        self.lease_s = lease.DEFAULT_LEASE_S  # the primary's (from its snapshot)
+        self.last_heard = 0.0  # lease clock: when the last message from the primary was read
+        self._heard = 0  # messages read (a pause is told from silence by this)
+        self._takeover_at = float("inf")  # lease clock: when an orphaned backup may take over
+        self._released = False  # the primary released its lease (SIGTERM): take over at once
+        self._acks: asyncio.Queue[object] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forgets what a previous attempt to attach applied (a new snapshot replaces it)."""
         # Per variable: updates that arrived before their predecessor
         # (target version -> (gradient or assigned value, update id, whether it is an assignment,
         # the primary's time of the update)).
         self._early: dict[str, dict[int, tuple[np.ndarray, int, bool, float]]] = {}
         self._remaining: dict[int, int] = {}  # update id -> gradients (or assigned values) not applied yet
         self._assigns: set[int] = set()  # ids of the Assigns among them (not counted as pushes)
-        self._acks: asyncio.Queue[int | None] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
+        self._then: dict[int, Callable[[], None]] = {}  # update id -> the mode's replay once it is applied
         # UpdateOptimizer changes not applied yet: per variable, (version, spec, update id, reset) in order.
         self._swaps: dict[str, list[tuple[int, ps_pb2.OptimizerSpec, int, bool]]] = {}
         self._swaps_left: dict[int, int] = {}  # update id -> changes not applied yet
@@ -337,16 +714,31 @@ class Backup:
         self._task = asyncio.create_task(self.run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """Stops following. A standby that has its primary's state resigns first (it never takes over)."""
+        if self._task is None:
+            return
+        if self.role == "backup" and self.loaded and not self._task.done():
+            self.resigned = True
+            self._acks.put_nowait(_RESIGN)
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError, Exception):
+                async with asyncio.timeout(_RESIGN_WAIT_S):
+                    await asyncio.shield(self._task)  # the primary takes it and ends the stream
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
 
     def check_serving(self, what: str) -> None:
         """Lets a client call through on a primary; promotes an orphaned backup. Raises: UnavailableError."""
         if self.role == "primary":
             return
-        if self.role == "orphaned":
+        if self.role == "orphaned" and not self.resigned:
+            wait = self._takeover_at - lease.clock()
+            if wait > 0:
+                raise UnavailableError(
+                    f"backup of {self.primary}: its primary is gone; it takes over in {wait:.1f}s, once the "
+                    "primary's lease has surely expired; retry"
+                )
+            self._flush()
             self.role = "primary"
             log.warning(
                 "shard %d: promoted to primary on a client's %s (primary %s is gone); %d updates replicated",
@@ -356,51 +748,100 @@ class Backup:
         raise UnavailableError(f"standby backup of primary {self.primary}: send {what} to the primary")
 
     async def run(self) -> None:
-        """Attaches to the primary (retrying until it answers), then applies its updates until the end."""
+        """Attaches to the primary (retrying until it confirms this backup), then follows it until the end."""
         delay = _ATTACH_RETRY_S[0]
         async with self.connect(self.primary) as channel:
-            call = rpc.Stub(channel).Replicate
+            stub = rpc.Stub(channel)
             metadata = (*security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
             while True:
+                self._acks = asyncio.Queue()  # never an acknowledgement meant for another stream
+                call = stub.Replicate(self._ack_stream(self._acks), metadata=metadata, wait_for_ready=False)
+                self.last_heard = lease.clock()
+                follow = asyncio.create_task(self._follow(call))
+                silent = asyncio.create_task(self._watch_silence(follow))
                 try:
-                    await self._follow(call(self._ack_stream(), metadata=metadata, wait_for_ready=False))
+                    await follow
                     why = "the primary closed the stream"
                 except grpc.RpcError as err:
                     why = f"{err.code().name}: {err.details()}"
                     if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                         log.error("shard %d: primary %s refuses a backup: %s", self.shard, self.primary, why)
-                if self.caught_up:
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if (task is not None and task.cancelling()) or not silent.done():
+                        raise
+                    why = f"no word from it for {lease.clock() - self.last_heard:.1f}s"
+                finally:
+                    silent.cancel()
+                    call.cancel()
+                if self.caught_up or self.resigned:
                     break
-                await asyncio.sleep(delay)  # the primary is not up yet: try again
+                await asyncio.sleep(delay)  # the primary is not up yet (or dropped this backup): try again
                 delay = min(delay * 2, _ATTACH_RETRY_S[1])
+        if self.resigned:
+            return
         self.role = "orphaned"
+        wait = 0.0 if self._released else lease.backup_wait(self.lease_s)
+        self._takeover_at = (lease.clock() if self._released else self.last_heard) + wait
         log.warning(
-            "shard %d: replication from %s ended (%s); taking over on the next client call",
+            "shard %d: replication from %s ended (%s); taking over on the next client call%s",
             self.shard, self.primary, why,
+            " (it handed over)" if self._released else f", {wait:.2f}s after its last message (its lease)",
         )  # fmt: skip
 
-    async def _ack_stream(self) -> AsyncIterator[ps_pb2.ReplicateRequest]:
+    async def _watch_silence(self, follow: asyncio.Task[None]) -> None:
+        """Ends ``follow`` when the primary has said nothing for ``lease.silence_limit`` (a silent death)."""
         while True:
-            first = await self._acks.get()
+            await asyncio.sleep(lease.heartbeat_every(self.lease_s))
+            if lease.clock() - self.last_heard <= lease.silence_limit(self.lease_s):
+                continue
+            heard = self._heard
+            # Paused (SIGSTOP, a stalled machine)? Then the messages that waited in the socket come now.
+            await asyncio.sleep(max(lease.heartbeat_every(self.lease_s), _PAUSE_CHECK_S))
+            if self._heard == heard:
+                log.warning(
+                    "shard %d: no word from primary %s for %.1fs: counting it as gone",
+                    self.shard, self.primary, lease.clock() - self.last_heard,
+                )  # fmt: skip
+                follow.cancel()
+                return
+
+    async def _ack_stream(self, acks: asyncio.Queue[object]) -> AsyncIterator[ps_pb2.ReplicateRequest]:
+        while True:
+            first = await acks.get()
             if first is None:
                 return
-            acks = [first]
-            while not self._acks.empty():
-                more = self._acks.get_nowait()
-                if more is None:
+            if first is _RESIGN:
+                yield ps_pb2.ReplicateRequest(resign=True)
+                return
+            batch = [first]
+            while not acks.empty():
+                more = acks.get_nowait()
+                if more is None or more is _RESIGN:
+                    acks.put_nowait(more)  # after this batch
                     break
-                acks.append(more)
-            yield ps_pb2.ReplicateRequest(acks=acks)
+                batch.append(more)
+            yield ps_pb2.ReplicateRequest(acks=batch)  # type: ignore[arg-type]
+
+    def _ack(self, update_id: int) -> None:
+        if update_id:
+            self._acks.put_nowait(update_id)
 
     async def _follow(self, stream: grpc.aio.StreamStreamCall) -> None:
         pieces: list[bytes] = []
         update: tuple[ps_pb2.ReplicateResponse, codec.Assembler] | None = None
+        self.loaded = False
         async for message in stream:
-            if not self.caught_up:
+            self.last_heard = lease.clock()  # before any acknowledgement of it
+            self._heard += 1
+            if not self.loaded:
                 pieces.append(message.snapshot)
                 if message.snapshot_done:
                     await self._load(b"".join(pieces))
                     pieces = []
+                    if message.lease_s > 0:
+                        self.lease_s = message.lease_s
+                    self._ack(message.id)
                 continue
             if update is None:  # the first message of an update carries its header
                 update = (message, codec.Assembler())
@@ -410,12 +851,22 @@ class Backup:
                 continue
             header, tensors = update
             update = None
-            if header.create:  # a table piece with an initializer comes without rows: made here too
+            if header.heartbeat:
+                if header.confirmed and not self.caught_up:
+                    self.caught_up = True
+                    log.info("shard %d: confirmed by primary %s as its backup", self.shard, self.primary)
+                self._ack(header.id)
+            elif header.release:
+                self._released = True  # the stream ends next
+            elif header.create:  # a table piece with an initializer comes without rows: made here too
                 made = await self.store.make_rows(header.create)
                 self.store.create(list(header.create), tensors.result(), made)
-                self._acks.put_nowait(header.id)
+                self._ack(header.id)
             elif header.optimizer_updates:
                 self._update_optimizers(header)
+            elif header.leave:
+                self.mode.replay_leave(header.leave)
+                self._ack(header.id)
             elif header.assign:
                 self._apply(header, tensors.result(), assign=True)
             else:
@@ -427,8 +878,16 @@ class Backup:
             raise RuntimeError(
                 f"primary {self.primary} is shard {snap.shard}; this backup is shard {self.shard}"
             )
-        checkpoint.load_into(snap, self.store, self.mode)
-        self.caught_up = True
+        if snap.mode != self.mode.name:
+            raise RuntimeError(
+                f"primary {self.primary} runs {snap.mode} mode; this backup runs {self.mode.name} "
+                "(start it with the primary's --mode flags)"
+            )
+        if len(self.store):  # an earlier attempt loaded a snapshot and was not confirmed: start over
+            self.store.clear()
+            self._reset()
+        checkpoint.load_into(snap, self.store, self.mode, restored=False)
+        self.loaded = True
         log.info(
             "shard %d: caught up with primary %s (%d tensors, %.1f MiB); following",
             self.shard, self.primary, len(snap.tensors), snap.nbytes / 2**20,
@@ -437,20 +896,30 @@ class Backup:
     def _apply(
         self, message: ps_pb2.ReplicateResponse, tensors: Mapping[str, tables.Grad], *, assign: bool = False
     ) -> None:
-        """A push (gradients) or, with ``assign``, an Assign (values) of the primary."""
+        """A push or a sync step (gradients) or, with ``assign``, an Assign (values) of the primary."""
         if len(tensors) != len(message.versions):
             raise RuntimeError(
                 f"update {message.id}: {len(tensors)} tensors, {len(message.versions)} versions"
             )
-        if not assign:
+        if message.sync_step:
             # Recorded, not claimed: the primary already decided (its order of claims may differ from
             # this order of applied updates, so a takeover must not refuse anything here).
+            for key in message.claims:
+                self.store.record(key.worker_id, key.seq_ranges[0], key.session)
+            workers = [key.worker_id for key in message.claims]
+            self._then[message.id] = functools.partial(self.mode.replay_step, message.step, workers)
+        elif not assign:
             self.store.record(message.worker_id, message.seq, message.session)
             if len(message.shards) > 1:
                 self.store.note_sent(message.worker_id, message.seq, message.session, message.shards)
+            self._then[message.id] = functools.partial(self.mode.replay_push, message.worker_id, message.step)
         self._remaining[message.id] = len(tensors)
         if assign:
             self._assigns.add(message.id)
+        if not tensors:  # an empty push or step (sync and ssp allow them): nothing waits
+            self._remaining[message.id] = 1
+            self._done(message.id)
+            return
         for (name, tensor), version in zip(tensors.items(), message.versions, strict=True):
             if assign:  # kept by the store: its own copy, not a view of the message
                 tensor = np.array(tensor, copy=True, order="C")
@@ -468,13 +937,34 @@ class Backup:
             entry = early.pop(version + 1, None)
             if entry is None:
                 return
-            tensor, update_id, assign, when = entry
-            if assign:
-                self.store.assign_one(var, tensor)
-            else:
-                self.store.apply_one(var, tensor, when or None)
-            self._done(update_id)
+            self._apply_one(var, entry)
             self._swap_when_due(name)
+
+    def _apply_one(self, var: Variable, entry: tuple[np.ndarray, int, bool, float]) -> None:
+        tensor, update_id, assign, when = entry
+        if assign:
+            self.store.assign_one(var, tensor)
+        else:
+            self.store.apply_one(var, tensor, when or None)
+        self._done(update_id)
+
+    def _flush(self) -> None:
+        """At takeover: applies what waits for a predecessor that will never come, in version order.
+
+        The primary applied those updates after others it did not get to
+        forward (never acknowledged: their retries come here); every update read
+        is whole here (its pushes are recorded), so none is left half-applied.
+        """
+        for name in sorted(set(self._early) | set(self._swaps)):
+            var = self.store.get(name)
+            early = self._early.pop(name, {})
+            swaps = self._swaps.pop(name, [])
+            for version in sorted(early):
+                while swaps and swaps[0][0] < version:
+                    self._swap(var, swaps.pop(0))
+                self._apply_one(var, early[version])
+            for swap in swaps:
+                self._swap(var, swap)
 
     def _update_optimizers(self, message: ps_pb2.ReplicateResponse) -> None:
         """An UpdateOptimizer of the primary: each change takes effect at the version it was made at.
@@ -501,16 +991,19 @@ class Backup:
         pending = self._swaps.get(name)
         var = self.store.get(name)
         while pending and pending[0][0] == var.version:
-            _, spec, update_id, reset = pending.pop(0)
-            self.store.set_optimizer(var, optimizers.from_spec(spec), reset=reset)
-            left = self._swaps_left[update_id] - 1
-            if left:
-                self._swaps_left[update_id] = left
-            else:
-                del self._swaps_left[update_id]
-                self._acks.put_nowait(update_id)
+            self._swap(var, pending.pop(0))
         if not pending:
             self._swaps.pop(name, None)
+
+    def _swap(self, var: Variable, swap: tuple[int, ps_pb2.OptimizerSpec, int, bool]) -> None:
+        _, spec, update_id, reset = swap
+        self.store.set_optimizer(var, optimizers.from_spec(spec), reset=reset)
+        left = self._swaps_left[update_id] - 1
+        if left:
+            self._swaps_left[update_id] = left
+        else:
+            del self._swaps_left[update_id]
+            self._ack(update_id)
 
     def _done(self, update_id: int) -> None:
         left = self._remaining[update_id] - 1
@@ -523,4 +1016,7 @@ class Backup:
             self._assigns.discard(update_id)
         else:
             self.store.pushes += 1
-        self._acks.put_nowait(update_id)
+        then = self._then.pop(update_id, None)
+        if then is not None:
+            then()
+        self._ack(update_id)

@@ -20,14 +20,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pscore import security, transport
-from psproto.v1 import ps_pb2, ps_pb2_grpc
+from pscore.errors import UnavailableError
+from psproto.v1 import ps_pb2
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.cut import StepCuts
 from psserver.dataport import DataPortServer
 from psserver.metrics import ShardMetrics
 from psserver.modes import Mode, SyncMode, make_mode
-from psserver.replication import Backup, Primary
+from psserver.replication import Backup, Primary, has_taken_over, peer_status
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store
 
@@ -120,6 +121,15 @@ class Shard:
     backup: Backup | None = None
     servicer: ParameterServerServicer | None = None
     data_port: DataPortServer | None = None
+    # Set when this process's backup took over while it held no lease (``Primary.on_taken_over``):
+    # ``serve`` restarts it as that one's backup. Its state is dropped (no final checkpoint).
+    taken_over_by: str = ""
+    taken_over: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def hand_over(self, peer: str) -> None:
+        """``peer`` took over: this process is to restart as its backup (``serve`` does it)."""
+        self.taken_over_by = peer
+        self.taken_over.set()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks.
@@ -158,25 +168,24 @@ def peer_channel(config: ServerConfig, address: str) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
+def _token(config: ServerConfig) -> str | None:
+    return security.read_token_file(config.auth_token_file) if config.auth_token_file else None
+
+
 async def _took_over(config: ServerConfig) -> bool:
     """Whether this primary's backup (``--backup-at``) has taken over (or is about to) while we were down."""
     assert config.backup_at is not None
-    token = security.read_token_file(config.auth_token_file) if config.auth_token_file else None
     try:
-        async with peer_channel(config, config.backup_at) as channel:
-            status = await ps_pb2_grpc.ParameterServerStub(channel).GetStatus(
-                ps_pb2.GetStatusRequest(),
-                timeout=_PEER_CHECK_TIMEOUT_S,
-                metadata=security.auth_metadata(token),
-            )
+        status = await peer_status(
+            functools.partial(peer_channel, config), config.backup_at, _token(config), _PEER_CHECK_TIMEOUT_S
+        )
     except grpc.RpcError as err:
         log.info(
-            "shard %d: backup %s not reachable (%s): starting as primary",
-            config.shard, config.backup_at, err.code().name,
+            "shard %d: backup %s not reachable (%s): starting as a primary that serves once its backup "
+            "confirms", config.shard, config.backup_at, err.code().name,
         )  # fmt: skip
         return False
-    # "orphaned": it followed us and lost us; "primary": a client promoted it. Either way it is newer.
-    return status.role in ("primary", "orphaned") and status.shard == config.shard
+    return has_taken_over(status, config.shard)
 
 
 async def start(config: ServerConfig) -> Shard:
@@ -184,6 +193,9 @@ async def start(config: ServerConfig) -> Shard:
 
     A primary started with ``--backup-at`` whose backup took over while it was
     down starts as that backup's backup instead (its own checkpoint is older).
+    If the backup has not noticed yet, this primary starts without a lease: it
+    serves nothing until its backup confirms it, and restarts as the backup's
+    backup once that one takes over (``Primary.on_taken_over``, ``serve``).
     """
     if config.backup_at and await _took_over(config):
         log.warning(
@@ -224,26 +236,30 @@ async def start(config: ServerConfig) -> Shard:
         interceptors=interceptors,
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
-    primary = (
-        Primary(
-            store,
-            mode,
-            shard=config.shard,
-            num_shards=config.num_shards,
-            ack_timeout_s=config.replication_timeout_s,
-        )
-        if mode.name == "async"
-        else None
+    primary = Primary(
+        store,
+        mode,
+        shard=config.shard,
+        num_shards=config.num_shards,
+        ack_timeout_s=config.replication_timeout_s,
+        lease_s=config.lease_s,
+        required=bool(config.backup_at),  # replicated: serves nothing until its backup confirms
+        peer=config.backup_at or config.backup_of or "",
+        connect=functools.partial(peer_channel, config),
+        auth_token=_token(config),
     )
+    mode.lease_check = functools.partial(primary.check, "the update")
+    primary.on_lease_lost = lambda why: mode.interrupt(UnavailableError(why))
+    if isinstance(mode, SyncMode):
+        mode.replicate_step = primary.send_step
     backup = None
     if config.backup_of:
-        token = security.read_token_file(config.auth_token_file) if config.auth_token_file else None
         backup = Backup(
             config.backup_of,
             store,
             mode,
             shard=config.shard,
-            auth_token=token,
+            auth_token=_token(config),
             connect=functools.partial(peer_channel, config),
         )
     metrics.attach(
@@ -293,6 +309,9 @@ async def start(config: ServerConfig) -> Shard:
     shard.checkpointer = checkpointer
     shard.primary, shard.backup, shard.servicer = primary, backup, servicer
     shard.data_port = data_port
+    primary.on_taken_over = shard.hand_over
+    primary.start()
+    shard.on_shutdown.insert(0, primary.stop)
     if backup is not None:
         backup.address = address
         backup.start()
@@ -329,23 +348,53 @@ def _checkpoint_hooks(
             periodic.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await periodic
-        await checkpointer.save()  # after the server stopped: nothing changes any more
+        if not shard.taken_over.is_set():  # a state its backup superseded is not worth keeping
+            await checkpointer.save()  # after the server stopped: nothing changes any more
 
     return on_shutdown
 
 
 async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Runs a shard until SIGTERM/SIGINT (or ``stop`` is set), then shuts down gracefully."""
+    """Runs a shard until SIGTERM/SIGINT (or ``stop`` is set), then shuts down gracefully.
+
+    A primary whose backup took over while it held no lease restarts in this
+    process as that backup's backup, on the same port (``Shard.taken_over``).
+    """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     shard = await start(config)
+    while True:
+        _announce(shard)
+        watcher = asyncio.create_task(shard.metrics.watch_stalls()) if shard.metrics is not None else None
+        try:
+            await _first(stop.wait(), shard.taken_over.wait())
+            if stop.is_set():
+                log.info("shard %d: shutting down (grace %.1fs)", config.shard, config.grace_s)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            if stop.is_set() or not shard.taken_over.is_set():
+                await shard.stop()
+        if stop.is_set():
+            break
+        peer = shard.taken_over_by
+        await shard.stop(grace_s=min(config.grace_s, 1.0))  # it serves nothing: in-flight calls fail
+        config = dataclasses.replace(shard.config, backup_of=peer, backup_at=None, port=shard.port)
+        log.warning("shard %d: restarting on port %d as the backup of %s", config.shard, shard.port, peer)
+        shard = await start(config)
+    log.info("shard %d: stopped", config.shard)
+
+
+def _announce(shard: Shard) -> None:
+    """Logs ``listening on`` and writes the ready files."""
+    config = shard.config
     log.info(
         "shard %d/%d (%s mode) listening on %s%s",
         config.shard, config.num_shards, config.mode, shard.address,
-        f" as the backup of {shard.config.backup_of}" if shard.config.backup_of else "",
+        f" as the backup of {config.backup_of}" if config.backup_of else "",
     )  # fmt: skip
     if shard.data_port is not None:
         data_host = shard.address.rpartition(":")[0]
@@ -356,12 +405,13 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
                 config.ready_file + ".metrics", f"{shard.address.rpartition(':')[0]}:{shard.metrics.port}"
             )
         write_ready_file(config.ready_file, shard.address)
-    watcher = asyncio.create_task(shard.metrics.watch_stalls()) if shard.metrics is not None else None
+
+
+async def _first(*waits: Awaitable[Any]) -> None:
+    """Waits until the first of ``waits`` completes; cancels the others."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
     try:
-        await stop.wait()
-        log.info("shard %d: shutting down (grace %.1fs)", config.shard, config.grace_s)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if watcher is not None:
-            watcher.cancel()
-        await shard.stop()
-    log.info("shard %d: stopped", config.shard)
+        for task in tasks:
+            task.cancel()

@@ -212,9 +212,17 @@ class ParameterServerServicer:
             self.primary.close("this shard is shutting down")
 
     def _serving(self, what: str) -> None:
-        """Raises UnavailableError while this process is a standby backup (clients then go to the primary)."""
+        """Raises UnavailableError unless this process may serve a client now.
+
+        A standby backup refuses (clients then go to the primary); so does a
+        replicated primary without its lease (``psserver.replication``). Called
+        again, in the same event-loop step, right before a call reads state it
+        waited for, so that what it returns was read while the lease held.
+        """
         if self.backup is not None:
             self.backup.check_serving(what)
+        if self.primary is not None:
+            self.primary.check(what)
 
     def failure(self, err: PSError | codec.CodecError) -> tuple[grpc.StatusCode, str, str]:
         """What a call that raised ``err`` answers: its status code, message and reason."""
@@ -302,6 +310,7 @@ class ParameterServerServicer:
         """
         self._serving(what)
         await self.mode.before_pull(request.worker_id, request.step, deadline)
+        self._serving(what)  # the values are read while the lease holds
         snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
         self.store.pulls += 1
         return snapshot
@@ -324,7 +333,7 @@ class ParameterServerServicer:
         )
         if outcome.applied and len(header.shards) > 1:  # in the same tick as the update: a cut sees both
             self.store.note_sent(header.worker_id, header.seq, header.session, header.shards)
-        if outcome.applied and self.primary is not None:  # answered once the backup has it too
+        if outcome.forward and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
                 header.worker_id,
                 header.seq,
@@ -333,7 +342,11 @@ class ParameterServerServicer:
                 session=header.session,
                 time_unix=outcome.time_unix,
                 shards=header.shards,
+                step=header.step,
             )
+        elif outcome.reason == "duplicate" and self.primary is not None:
+            # A retry: "already applied" only once the original is on the backup too.
+            await self.primary.wait_settled((header.worker_id, header.session, header.seq))
         if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
         return ps_pb2.PushResponse(
@@ -358,6 +371,7 @@ class ParameterServerServicer:
         tensors = tables.pair(grads.result())
         response = await self._push(request, tensors, deadline)
         if request.return_values:
+            self._serving("Push")  # the values are read while the lease holds
             snapshot = self._after_push(tensors, request.omit_values)
             response.versions.extend(version for _, _, version in snapshot)
             return codec.WireMessage(
@@ -396,6 +410,7 @@ class ParameterServerServicer:
             var = self.store.get(name)
             checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
         await self.mode.before_pull(request.worker_id, request.step, deadline_of(context))
+        self._serving("Lookup")
         chunks, versions = [], []
         for var, ids in checked:
             rows, version = _rows(var, ids)
@@ -489,6 +504,8 @@ class ParameterServerServicer:
             raise InvalidArgumentError("push stream carried no messages")
         tensors = tables.pair(grads.result())
         response = await self._push(header, tensors, deadline_of(context, header.timeout_s))
+        if header.return_values:
+            self._serving("PushStream")
         snapshot = self._after_push(tensors, header.omit_values) if header.return_values else []
         if not snapshot:
             yield response
@@ -505,7 +522,10 @@ class ParameterServerServicer:
         self._serving("Leave")
         if not request.worker_id:
             raise InvalidArgumentError("leave needs a worker_id")
-        await self.mode.leave(request.worker_id)
+        with self._update():
+            await self.mode.leave(request.worker_id)
+            if self.primary is not None and self.mode.name != "async":  # async mode keeps no workers
+                await self.primary.forward_leave(request.worker_id)
         return ps_pb2.LeaveResponse()
 
     @_translated
@@ -557,6 +577,7 @@ class ParameterServerServicer:
             role=self.role,
             peer=self._peer(),
             step=self.mode.current_step(),
+            lease_s=self.primary.lease_left() if self.primary is not None and self.role == "primary" else 0.0,
         )
 
     @property

@@ -177,6 +177,14 @@ class Store:
         self._gate = asyncio.Event()  # replaced (and the old one set) whenever the gate changes
         # Pushes whose update waits at the gate or is being applied (a snapshot must not count them).
         self._pending: collections.Counter[PushKey] = collections.Counter()
+        self._unpended: asyncio.Event | None = None  # set (and dropped) when a push leaves _pending
+
+    def clear(self) -> None:
+        """Forgets every variable and the dedup table (a backup about to load a new snapshot)."""
+        if self._updating or self._pending:
+            raise RuntimeError("Store.clear while updates are in progress")
+        self._vars = {}
+        self._sessions = {}
 
     # -- inspection ---------------------------------------------------------
 
@@ -499,12 +507,17 @@ class Store:
         ``now``: the push's time (see ``apply``).
         At a held gate the push is named by its key (a consistent cut may let it through).
 
+        A retry that arrives while the original is still being applied waits for
+        it: None once it is applied, or this one applies it if the original failed.
+
         Raises:
             WorkerIdConflictError: see ``claim``; nothing applied.
         """
-        if not self.claim(worker_id, seq, session):
-            return None
         key = (worker_id, session, seq)
+        while not self.claim(worker_id, seq, session):
+            if key not in self._pending:
+                return None
+            await self._left_pending(key)
         try:
             return await self.apply(pairs, now, key=key, claims=(key,))
         except BaseException:
@@ -758,6 +771,16 @@ class Store:
                 pending[claim] = left
             else:
                 del pending[claim]
+        if claims and self._unpended is not None:
+            self._unpended.set()
+            self._unpended = None
+
+    async def _left_pending(self, key: PushKey) -> None:
+        """Waits until push ``key`` is no longer being applied (applied, or failed)."""
+        while key in self._pending:
+            if self._unpended is None:
+                self._unpended = asyncio.Event()
+            await self._unpended.wait()
 
     def _notify(self) -> None:
         gate, self._gate = self._gate, asyncio.Event()

@@ -162,24 +162,30 @@ def test_a_standby_backup_refuses_clients_and_names_its_primary() -> None:
         assert _status(primary.addresses[0]).pushes == 0  # the refused push went nowhere
 
 
-def test_the_primary_goes_on_without_a_dead_backup_and_a_new_backup_catches_up() -> None:
+def test_a_primary_whose_backup_died_refuses_until_a_new_backup_confirms() -> None:
+    """Without its backup a replicated primary cannot prove the backup has not taken over: it refuses."""
     with _pair() as (primary, backup):
         with psclient.PSClient(primary.addresses, "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(1000, np.float32), optimizer=psclient.RMSprop(0.01))
             for i in range(10):
                 c.push({"v": np.full(1000, i + 1, np.float32)})
             backup.kill_shard(0)
-            for i in range(10):  # acknowledged by the primary alone
-                c.push({"v": np.full(1000, -i, np.float32)})
-            _wait_role(primary.addresses[0], "primary", peer="")
-            backup.start_shard(0)  # a fresh backup: catches up from the primary's snapshot
+            wait_until(lambda: _status(primary.addresses[0]).lease_s == 0, "the primary to drop its lease")
+            no_retry = {"retry": RetryPolicy(enabled=False)}
+            with psclient.PSClient(primary.addresses, "w1", timeout=5, **no_retry) as direct:
+                with pytest.raises(psclient.UnavailableError, match="no backup attached"):
+                    direct.push({"v": np.ones(1000, np.float32)})
+                with pytest.raises(psclient.UnavailableError, match="no backup attached"):
+                    direct.pull(["v"])
+            backup.start_shard(0)  # a fresh backup: catches up from the primary's snapshot, confirms
             _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0])
-            c.push({"v": np.ones(1000, np.float32)})
+            for i in range(10):
+                c.push({"v": np.full(1000, -i, np.float32)})
             expected, versions = c.pull_with_versions()
-        assert versions == {"v": 21}
-        assert "backup" in primary.log_tail(0, 50) and "detached" in primary.log_tail(0, 50)
+        assert versions == {"v": 20}  # the refused push was not applied
+        assert "refusing client calls until a backup confirms" in primary.log_tail(0, 50)
         primary.kill_shard(0)
-        with psclient.PSClient(_both(primary, backup), "w1", timeout=TIMEOUT_S) as c:
+        with psclient.PSClient(_both(primary, backup), "w2", timeout=TIMEOUT_S) as c:
             values, after = c.pull_with_versions()
         assert after == versions
         np.testing.assert_array_equal(values["v"], expected["v"])
@@ -209,7 +215,7 @@ def test_a_backup_of_a_backup_is_refused() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"mode": "sync", "replicas_to_aggregate": 1, "total_replicas": 1}, "needs --mode async"),
+        ({"lease_s": 0.0}, "--lease must be > 0"),
         ({"backup_of": "nowhere"}, "HOST:PORT"),
         ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "with TLS needs --tls-ca"),
         ({"replication_timeout_s": 0.0}, "--replication-timeout"),
