@@ -17,6 +17,7 @@ examples:
   psload --workers 4 --mode sync --json out.json --plot out.png
   psload --workers 8 --model 16x4MiB,1x64MiB 10.0.0.5:2222 10.0.0.6:2222
   psload --chaos --kill-every 5 --workers 4 --model 4x64KiB --duration 300 --json chaos.json
+  psload --chaos --mode sync --kill-every 5 --workers 4 --duration 60
 
 Model spec: COUNTxSIZE[,COUNTxSIZE...] of float32 variables (sizes: 4096, 64KiB, 1MiB, 2.5MB).
 Each step a worker pushes a gradient for every variable and reads them back
@@ -28,11 +29,12 @@ They go only when the shards restart (without restoring a checkpoint written sin
 Their names carry the sizes, so a rerun with the same --prefix and --model reuses
 them instead of adding more; the summary's "left" line names them.
 Chaos soak (--chaos): a local cluster of primary+backup pairs (psserver --backup-at/--backup-of on
-fixed ports); every --kill-every seconds the next shard's primary is kill -9-ed and restarted with the
-same command (it rejoins as the backup of the process that took over). Every push also adds 1 to an
-exact counter per shard: at the end counters and versions must equal the acknowledged pushes (none
-lost, none applied twice). Reported: failover and redundancy-restored time per kill (p50/max), and the
-RSS of shard and worker processes after warm-up vs at the end (Linux /proc).
+fixed ports, in --mode async, sync or ssp); every --kill-every seconds the next shard's primary is
+kill -9-ed and restarted with the same command (it rejoins as the backup of the process that took
+over). Every push also adds 1 to an exact counter per shard (sync mode: every step adds 1): at the
+end counters and versions must equal the acknowledged pushes (steps), none lost, none applied twice.
+Reported: failover and redundancy-restored time per kill (p50/max), and the RSS of shard and worker
+processes after warm-up vs at the end (Linux /proc).
 exit status: 0 when the run had no errors (and with --chaos: counters exact, RSS growth below
 --max-rss-growth), 1 otherwise, 2 on bad arguments.
 """

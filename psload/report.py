@@ -202,7 +202,8 @@ def chaos_lines(chaos: dict[str, Any]) -> list[str]:
         f"  chaos       {len(chaos['kills'])} kill -9 of a primary (every {chaos['kill_every_s']:g} s): "
         f"failover p50 {s(rec['failover_p50_s'])} max {s(rec['failover_max_s'])}; redundant again "
         f"p50 {s(rec['redundant_p50_s'])} max {s(rec['redundant_max_s'])}  [{verdict(ok['kills'])}]",
-        f"  counters    {cnt['acknowledged_pushes']} pushes acknowledged; counters applied {applied}: "
+        f"  counters    {cnt['acknowledged_pushes']} {cnt.get('unit', 'pushes')} acknowledged; "
+        f"counters applied {applied}: "
         f"{cnt['lost']} lost, {cnt['applied_twice']} applied twice; {other} variable(s) at another "
         f"version  [{verdict(ok['counters'])}]",
         f"  rss         shards {mem(rss['shards'])}; workers {mem(rss['workers'])}, after "

@@ -58,8 +58,9 @@ class LoadConfig:
         server_args: extra psserver flags for the local cluster.
         client_options: extra ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...).
         chaos_every_s: chaos soak (``psload.chaos``): the local cluster is replicated (a primary and a
-            backup process per shard) and a primary is ``kill -9``-ed every this many seconds and
-            restarted; every push also carries exact counters, checked at the end.
+            backup process per shard, in ``mode``) and a primary is ``kill -9``-ed every this many
+            seconds and restarted; every push also carries exact counters, checked at the end (sync
+            mode: every step adds 1 once; async and ssp: every push adds 1).
         max_rss_growth: chaos soak: the largest accepted growth of shard and worker memory (RSS) from
             the end of the warm-up (a fifth of the run, at least 5 s) to the end (0.10: 10 %).
     """
@@ -96,8 +97,6 @@ class LoadConfig:
         if self.chaos_every_s is not None:
             if not self.chaos_every_s > 0:
                 raise ValueError(f"the kill interval must be > 0 seconds, got {self.chaos_every_s}")
-            if self.mode not in (None, "async"):
-                raise ValueError("--chaos needs async mode (replication runs in async mode only)")
             if self.op == "pull":
                 raise ValueError("--chaos counts pushes: use op push_pull or push")
 
@@ -149,8 +148,9 @@ def run_load(config: LoadConfig, *, progress: TextIO | None = sys.stderr) -> dic
     if config.chaos_every_s is not None:
         from psload.chaos import ChaosCluster
 
-        with ChaosCluster(config.local_shards, config.server_args) as chaos:
-            local = LoadConfig(**{**_fields(config), "addresses": tuple(chaos.addresses), "mode": "async"})
+        mode = config.mode or "async"
+        with ChaosCluster(config.local_shards, _local_server_args(config, mode)) as chaos:
+            local = LoadConfig(**{**_fields(config), "addresses": tuple(chaos.addresses), "mode": mode})
             result = _run(local, progress, chaos)
             result["config"]["local_cluster"] = True
             return result
@@ -316,7 +316,10 @@ def _chaos_result(
 
     values, versions = asyncio.run(read())
     s = result["summary"]
-    acknowledged = int(s["steps"]) if config.op != "pull" else 0
+    if result["config"]["mode"] == "sync":  # a step adds the mean of the workers' -1s once
+        acknowledged = max((int(n) for n in s["steps_per_worker"].values()), default=0)
+    else:  # every push adds 1
+        acknowledged = int(s["steps"])
     applied = {n: round(float(values[n][0])) for n in counters}
     wrong_versions = {n: v for n, v in versions.items() if v != acknowledged}
     lost = max((acknowledged - v for v in applied.values()), default=0)
@@ -338,7 +341,8 @@ def _chaos_result(
         "monkey_error": repr(monkey.error) if monkey.error is not None else None,
         "recovery": recovery(monkey.kills),
         "counters": {
-            "acknowledged_pushes": acknowledged,
+            "acknowledged_pushes": acknowledged,  # sync mode: steps (each acknowledged to every worker)
+            "unit": "steps" if result["config"]["mode"] == "sync" else "pushes",
             "applied": applied,
             "lost": max(lost, 0),
             "applied_twice": max(doubled, 0),

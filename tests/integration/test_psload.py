@@ -79,26 +79,42 @@ def test_unreachable_cluster_is_a_clear_error() -> None:
         run_load(LoadConfig(workers=1, duration_s=1, addresses=(dead,), timeout_s=2.0), progress=None)
 
 
-def test_chaos_soak_loses_no_acknowledged_push(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("mode", "duration", "min_kills"),
+    [
+        ("async", 20, 5),
+        # A sync step waits for every worker, so each failover (the lease, 1 s here) pauses them all.
+        ("sync", 12, 3),
+    ],
+)
+def test_chaos_soak_loses_no_acknowledged_push(
+    tmp_path: Path, mode: str, duration: int, min_kills: int
+) -> None:
     """psload --chaos, short: primaries kill -9-ed every 2 s under 4 workers; the counters stay exact."""
     out = tmp_path / "chaos.json"
-    # A 20 s run is mostly warm-up: its RSS is reported, and held to the 10 % bound by the 5-minute
+    # A short run is mostly warm-up: its RSS is reported, and held to the 10 % bound by the 5-minute
     # soak (bench/README.md), not here.
     proc = subprocess.run(
-        [sys.executable, "-m", "psload", "--chaos", "--kill-every", "2", "--workers", "4",
-         "--model", "4x16KiB", "--duration", "20", "--max-rss-growth", "50", "--json", str(out), "--quiet"],
+        [sys.executable, "-m", "psload", "--chaos", "--mode", mode, "--kill-every", "2", "--workers", "4",
+         "--model", "4x16KiB", "--duration", str(duration), "--max-rss-growth", "50", "--json", str(out),
+         "--quiet", "--server-arg=--lease", "--server-arg=1"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     result = json.loads(out.read_text())
     chaos, s = result["chaos"], result["summary"]
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["config"]["mode"] == mode
     assert s["errors"] == 0 and s["failed_workers"] == {} and s["steps"] > 0
-    assert len(chaos["kills"]) >= 5 and chaos["monkey_error"] is None
+    assert len(chaos["kills"]) >= min_kills and chaos["monkey_error"] is None
     assert {k["shard"] for k in chaos["kills"]} == {0, 1}  # round robin over the shards
     assert all(k["failover_s"] is not None and k["redundant_s"] is not None for k in chaos["kills"])
     counters = chaos["counters"]
     assert counters["lost"] == 0 and counters["applied_twice"] == 0
-    assert set(counters["applied"].values()) == {s["steps"]} == {counters["acknowledged_pushes"]}
+    # async: every push adds 1; sync: every step adds 1, and every worker did every step.
+    if mode == "sync":
+        assert len(set(s["steps_per_worker"].values())) == 1, s["steps_per_worker"]
+    acknowledged = s["steps"] if mode == "async" else s["steps"] // 4
+    assert set(counters["applied"].values()) == {acknowledged} == {counters["acknowledged_pushes"]}
     assert counters["variables_with_other_versions"] == {}
     rec = chaos["recovery"]
     assert (

@@ -29,11 +29,13 @@ from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
 
+LEASE = ["--lease", "1"]  # a backup takes over about 1 s after its primary dies (the default lease is 2 s)
+
 
 @contextlib.contextmanager
 def _pair(primary_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalCluster, LocalCluster]]:
     """One shard as a primary process and its backup process (started once the primary serves)."""
-    with LocalCluster(1, list(primary_args)) as primary, backups_of(primary) as backup:
+    with LocalCluster(1, [*LEASE, *primary_args]) as primary, backups_of(primary) as backup:
         yield primary, backup
 
 
@@ -245,7 +247,7 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
     token.write_text("s3cret-token\n")
     auth = ["--auth-token-file", str(token)]
     with (
-        LocalCluster(1, auth) as primary,
+        LocalCluster(1, [*LEASE, *auth]) as primary,
         LocalCluster(1, [*auth, "--backup-of", primary.addresses[0]]) as backup,
     ):
         addresses = _both(primary, backup)
@@ -267,8 +269,8 @@ def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> N
 
     a, b = free_addresses(2)
     a_port, b_port = (int(x.rpartition(":")[2]) for x in (a, b))
-    first = LocalCluster(1, ["--backup-at", b])  # a plain restart of this would serve an older state
-    second = LocalCluster(1, ["--backup-of", a])
+    first = LocalCluster(1, [*LEASE, "--backup-at", b])  # a plain restart of this would serve an older state
+    second = LocalCluster(1, [*LEASE, "--backup-of", a])
     with contextlib.ExitStack() as stack:
         stack.callback(first.stop)
         stack.callback(second.stop)
@@ -309,7 +311,7 @@ def test_replication_over_mutual_tls(tmp_path: Path) -> None:
         str(pki.ca),
     ]
     with (
-        LocalCluster(1, tls) as primary,
+        LocalCluster(1, [*LEASE, *tls]) as primary,
         LocalCluster(1, [*tls, "--backup-of", primary.addresses[0]]) as backup,  # trusts --tls-client-ca
     ):
         tls_client = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
@@ -328,7 +330,7 @@ def test_training_through_two_primary_kills_ends_bit_identical_to_a_fault_free_r
     """With backups, kill -9 of a primary loses nothing: one worker's run equals the fault-free one."""
     with LocalCluster(2) as ref:
         reference_accuracy, reference = train(ref.addresses, "ref")
-    with LocalCluster(2) as primaries:
+    with LocalCluster(2, LEASE) as primaries:
         p = primaries.addresses
         with backups_of(primaries) as backups:
             addresses = [f"{p[i]}|{backups.addresses[i]}" for i in range(2)]
