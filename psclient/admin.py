@@ -63,6 +63,9 @@ class ShardStatus:
     uptime_s: float = 0.0
     role: str = "primary"  # or "backup"/"orphaned" (psserver --backup-of): a standby lists no variables
     peer: str = ""  # a backup's primary, or a primary's attached backup
+    # A replicated primary: seconds left on the lease its backup renews (0: it refuses client calls);
+    # -1: none needed; 0 for a backup (GetStatus.lease_s).
+    lease_s: float = -1.0
     sampled_at: float = 0.0  # time.monotonic() of the status call
     tensors: tuple[StoredTensor, ...] = field(default=())
 
@@ -116,7 +119,8 @@ async def _one(client: AsyncPSClient, index: int, timeout: float, variables: boo
         health_name = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
         sampled = time.monotonic()
         status = await stub.GetStatus(ps_pb2.GetStatusRequest(), **kw)
-        standby = status.role not in ("", "primary")  # it refuses client calls, listing included
+        # A standby, or a replicated primary without its lease: it refuses client calls, listing included.
+        standby = status.role not in ("", "primary") or status.lease_s == 0
         listing = (
             await stub.ListVariables(ps_pb2.ListVariablesRequest(), **kw)
             if variables and not standby
@@ -141,6 +145,7 @@ async def _one(client: AsyncPSClient, index: int, timeout: float, variables: boo
         uptime_s=status.uptime_s,
         role=status.role or "primary",
         peer=status.peer,
+        lease_s=status.lease_s,
         sampled_at=sampled,
         tensors=tuple(_tensor(i) for i in listing.variables) if listing is not None else (),
     )

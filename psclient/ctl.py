@@ -117,6 +117,8 @@ def format_status(report: dict[str, Any]) -> str:
     def role(s: dict[str, Any]) -> str:
         if s["error"] is not None:
             return "-"
+        if s["role"] == "primary" and s.get("lease_s") == 0:
+            return "primary (no lease)"  # replicated, cut off from its backup: it refuses client calls
         return "primary+backup" if s["role"] == "primary" and s["peer"] else s["role"]
 
     headers = [

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--backups",
         action="store_true",
-        help="async: run a backup process per shard (psserver --backup-of); workers fail over to it",
+        help="async/sync/ssp: run a backup process per shard (psserver --backup-of); workers fail over to it",
     )
     demo.add_argument(
         "--kill-primary",

@@ -75,8 +75,8 @@ def run_demo(args: argparse.Namespace) -> int:
     """
     if args.workers < 1 or args.shards < 1 or args.epochs < 1:
         raise ValueError("--workers, --shards and --epochs must be >= 1")
-    if args.backups and args.mode != "async":
-        raise ValueError("--backups needs --mode async (only async shards are replicated)")
+    if args.backups and args.mode not in ("async", "sync", "ssp"):
+        raise ValueError(f"--backups needs shards: --mode async, sync or ssp (not {args.mode})")
     if args.kill_primary is not None and not args.backups:
         raise ValueError("--kill-primary needs --backups (without a backup the shard's state is gone)")
     started = time.perf_counter()

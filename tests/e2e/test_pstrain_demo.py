@@ -62,7 +62,7 @@ def test_async_with_backups_rides_through_a_primary_kill(local_accuracy: float, 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--mode", "sync", "--backups"], "--backups needs --mode async"),
+        (["--mode", "allreduce", "--backups"], "--backups needs shards"),
         (["--kill-primary", "3"], "--kill-primary needs --backups"),
     ],
 )

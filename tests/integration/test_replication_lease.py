@@ -20,6 +20,7 @@ from _support import CALL_TIMEOUT_S as TIMEOUT_S
 from _support import wait_until
 
 import psclient
+from psclient import ctl
 from psclient._retry import RetryPolicy
 from psload.chaos import ChaosCluster
 from psproto.v1 import ps_pb2, ps_pb2_grpc
@@ -156,7 +157,9 @@ def test_ssp_training_through_a_primary_kill_keeps_every_push_and_the_clocks() -
     np.testing.assert_array_equal(values["v"], np.full(N, -2 * steps, np.float32))
 
 
-def test_a_primary_cut_off_from_its_backup_stops_serving_within_its_lease_and_resumes_with_it() -> None:
+def test_a_primary_cut_off_from_its_backup_stops_serving_within_its_lease_and_resumes_with_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """SIGSTOP of the backup stands for a partition between the two: the primary refuses once its lease is
     out (it cannot prove the backup has not taken over), and serves again when the backup answers."""
     with ChaosCluster(1, LEASE) as cluster:
@@ -173,6 +176,8 @@ def test_a_primary_cut_off_from_its_backup_stops_serving_within_its_lease_and_re
                 pending.start()
                 wait_until(lambda: _status(a).lease_s == 0, "the primary's lease to run out", timeout=10)
                 assert _status(a).role == "primary"
+                assert ctl.main(["status", a]) == 0
+                assert "primary (no lease)" in capsys.readouterr().out
                 with pytest.raises(psclient.UnavailableError, match="holds no lease"):
                     direct.push(ones)  # refused: nothing applied
                 with pytest.raises(psclient.UnavailableError, match="holds no lease"):
