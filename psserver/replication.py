@@ -771,6 +771,12 @@ class Backup:
                     if (task is not None and task.cancelling()) or not silent.done():
                         raise
                     why = f"no word from it for {lease.clock() - self.last_heard:.1f}s"
+                except Exception as err:  # its state does not fit (another shard or mode), or would diverge
+                    log.error(
+                        "shard %d: stopped following primary %s: %s; this backup will not take over "
+                        "(restart it to attach afresh)", self.shard, self.primary, err,
+                    )  # fmt: skip
+                    return
                 finally:
                     silent.cancel()
                     call.cancel()

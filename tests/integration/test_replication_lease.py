@@ -24,6 +24,7 @@ from psclient import ctl
 from psclient._retry import RetryPolicy
 from psload.chaos import ChaosCluster
 from psproto.v1 import ps_pb2, ps_pb2_grpc
+from trainer.cluster import LocalCluster
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -226,3 +227,29 @@ def test_a_primary_restarted_before_its_backup_noticed_never_serves_and_rejoins_
         assert _status(a).role == "backup"
         log = cluster.sides[0].log_tail(0, 80)
         assert "took over while this primary held no lease" in log and "as the backup of" in log
+
+
+def test_a_backup_stopped_with_sigterm_resigns_and_its_primary_goes_on_alone() -> None:
+    with ChaosCluster(1, LEASE) as cluster:
+        a, _ = cluster.pairs[0]
+        with psclient.PSClient([a], "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(4, np.float32)})
+            assert cluster.sides[1].stop() == [0]  # it will never take over: it says so first
+            status = _status(a)
+            assert (status.peer, status.lease_s) == ("", -1.0)  # no lease needed any more
+            c.push({"v": np.ones(4, np.float32)})  # answered by the primary alone
+            _, versions = c.pull_with_versions()
+        assert versions == {"v": 2}
+        assert "resigned" in cluster.sides[0].log_tail(0, 20)
+
+
+def test_a_backup_in_another_mode_than_its_primary_stops_following() -> None:
+    with (
+        LocalCluster(1, SYNC) as primary,
+        LocalCluster(1, ["--backup-of", primary.addresses[0]]) as backup,  # async mode
+    ):
+        wait_until(lambda: "runs sync mode" in backup.log_tail(0, 20), "the backup to refuse the sync state")
+        assert "will not take over" in backup.log_tail(0, 20)
+        assert _status(backup.addresses[0]).role == "backup"
+        assert _status(primary.addresses[0]).lease_s == -1  # never confirmed: the primary needs no lease
