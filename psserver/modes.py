@@ -76,11 +76,20 @@ class PushOutcome:
     forward: bool = False
 
 
-# A sync step's update handed to replication: (step, [(variable, mean gradient)], versions, claims).
-# It returns what waits for the backup's acknowledgement (None: no backup), queued at once.
-StepReplicator = Callable[
-    [int, Sequence[tuple[Variable, tables.Grad]], Sequence[int], Sequence[PushKey]], Awaitable[None] | None
-]
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """A sync step as applied: what a backup needs to apply it the same way."""
+
+    step: int
+    update: Sequence[tuple[Variable, tables.Grad]]  # each variable's mean gradient
+    versions: Sequence[int]  # the version each variable reached
+    claims: Sequence[PushKey]  # the pushes the step applied
+    time_unix: float  # the time it was applied with (dynamic tables' TTL)
+
+
+# Hands a sync step to replication: queued for the backup at once; returns what waits for the backup's
+# acknowledgement (None: no backup).
+StepReplicator = Callable[[StepUpdate], Awaitable[None] | None]
 
 
 class WaitListener(Protocol):
@@ -569,7 +578,8 @@ class SyncMode(Mode):
             try:
                 self._check_serving()  # a replicated primary without its lease applies nothing
                 update = await self._mean(chosen)
-                versions = await self.store.apply(update, key=step_key(step), claims=claims)
+                now = time.time()
+                versions = await self.store.apply(update, now, key=step_key(step), claims=claims)
             except BaseException as err:
                 for worker, ((session, seq), _) in rnd.contributions.items():
                     self.store.unclaim(worker, seq, session)
@@ -586,7 +596,9 @@ class SyncMode(Mode):
             if self.on_step is not None:
                 self.on_step(self.step)
             replicate = self.replicate_step
-            acknowledged = replicate(step, update, versions, claims) if replicate is not None else None
+            acknowledged = (
+                replicate(StepUpdate(step, update, versions, claims, now)) if replicate is not None else None
+            )
             if acknowledged is None:
                 rnd.done.set_result(None)
                 continue

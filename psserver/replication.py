@@ -66,7 +66,7 @@ from pscore import codec, rpc, security
 from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, lease, optimizers, tables
-from psserver.modes import Mode
+from psserver.modes import Mode, StepUpdate
 from psserver.store import PushKey, Store, Variable
 
 log = logging.getLogger(__name__)
@@ -520,13 +520,7 @@ class Primary:
         waiter = self._queue(link, header, tables.wire_tensors(grads), [(worker_id, session, seq)])
         await self._await_ack(link, waiter, f"push {seq} of {worker_id}", time.perf_counter())
 
-    def send_step(
-        self,
-        step: int,
-        update: Sequence[tuple[Variable, tables.Grad]],
-        versions: Sequence[int],
-        claims: Sequence[PushKey],
-    ) -> Awaitable[None] | None:
+    def send_step(self, step: StepUpdate) -> Awaitable[None] | None:
         """Queues a sync step's update for the backup now; returns what waits for its acknowledgement.
 
         Called in the same event-loop step as the update was applied (``SyncMode.replicate_step``).
@@ -538,12 +532,14 @@ class Primary:
             return None if error is None else _raise(error)
         header = ps_pb2.ReplicateResponse(
             sync_step=True,
-            step=step,
-            versions=list(versions),
-            claims=[ps_pb2.PushKeys(worker_id=w, session=s, seq_ranges=[q, q]) for w, s, q in claims],
+            step=step.step,
+            versions=list(step.versions),
+            time_unix=step.time_unix,
+            claims=[ps_pb2.PushKeys(worker_id=w, session=s, seq_ranges=[q, q]) for w, s, q in step.claims],
         )
-        waiter = self._queue(link, header, tables.wire_tensors({v.name: g for v, g in update}), claims)
-        return self._await_ack(link, waiter, f"sync step {step}", time.perf_counter())
+        tensors = tables.wire_tensors({var.name: grad for var, grad in step.update})
+        waiter = self._queue(link, header, tensors, step.claims)
+        return self._await_ack(link, waiter, f"sync step {step.step}", time.perf_counter())
 
     async def forward_leave(self, worker_id: str) -> None:
         """Sends a Leave (sync, ssp) and waits for its acknowledgement."""
