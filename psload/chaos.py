@@ -35,10 +35,11 @@ from typing import Any
 import grpc
 
 from psproto.v1 import ps_pb2, ps_pb2_grpc
-from trainer.cluster import LocalCluster, reserve_ports
+from trainer.cluster import ClusterError, LocalCluster, reserve_ports
 
 log = logging.getLogger(__name__)
 
+_START_ATTEMPTS = 3  # new ports when a reserved one was taken before its process bound it
 _PROBE_TIMEOUT_S = 60.0  # a failover takes about a second; this bounds a kill that never recovers
 _STATUS_TIMEOUT_S = 2.0
 _POLL_S = 0.02
@@ -72,16 +73,24 @@ class ChaosCluster:
     def __init__(
         self, num_shards: int, server_args: Sequence[str] = (), workdir: str | Path | None = None
     ) -> None:
-        ports = reserve_ports(2 * num_shards)
-        self.pairs = [(ports[2 * i], ports[2 * i + 1]) for i in range(num_shards)]
+        self.num_shards = num_shards
+        self.server_args = list(server_args)
+        self.workdir = Path(workdir) if workdir is not None else None
+        self._plan()
+
+    def _plan(self) -> None:
+        """Reserves a port per process and builds their command lines around them."""
+        ports = reserve_ports(2 * self.num_shards)
+        self.pairs = [(ports[2 * i], ports[2 * i + 1]) for i in range(self.num_shards)]
         a = {i: ["--backup-at", b] for i, (_, b) in enumerate(self.pairs)}
         b = {i: ["--backup-of", p] for i, (p, _) in enumerate(self.pairs)}
-        base = Path(workdir) if workdir is not None else None
         self.sides = [
-            LocalCluster(num_shards, server_args, shard_args=a, workdir=base / "a" if base else None),
-            LocalCluster(num_shards, server_args, shard_args=b, workdir=base / "b" if base else None),
+            LocalCluster(self.num_shards, self.server_args, shard_args=args, workdir=self._dir(name))
+            for name, args in (("a", a), ("b", b))
         ]
-        self.num_shards = num_shards
+
+    def _dir(self, name: str) -> Path | None:
+        return self.workdir / name if self.workdir is not None else None
 
     @property
     def addresses(self) -> list[str]:
@@ -89,16 +98,29 @@ class ChaosCluster:
         return [f"{p}|{b}" for p, b in self.pairs]
 
     def start(self) -> ChaosCluster:
-        try:
-            for i in range(self.num_shards):
-                for side, address in zip(self.sides, self.pairs[i], strict=True):
-                    side.start_shard(i, port=_port(address))
-            for i in range(self.num_shards):
-                self.wait_redundant(i, 60.0)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Starts every process and waits until every shard has its backup confirmed.
+
+        A reserved port that another process took meanwhile (any ephemeral bind on the
+        machine may) makes it start over on new ports, up to ``_START_ATTEMPTS`` times.
+        """
+        for attempt in range(_START_ATTEMPTS):
+            try:
+                for i in range(self.num_shards):
+                    for side, address in zip(self.sides, self.pairs[i], strict=True):
+                        side.start_shard(i, port=_port(address))
+                for i in range(self.num_shards):
+                    self.wait_redundant(i, 60.0)
+                return self
+            except ClusterError as err:
+                self.stop()
+                if "address already in use" not in str(err) or attempt == _START_ATTEMPTS - 1:
+                    raise
+                log.warning("chaos cluster: a reserved port was taken (%s); starting on new ports", err)
+                self._plan()
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         for side in self.sides:

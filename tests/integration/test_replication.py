@@ -23,6 +23,7 @@ from _support import wait_until
 
 import psclient
 from psclient._retry import RetryPolicy
+from psload.chaos import ChaosCluster
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ConfigError, ServerConfig
 from trainer.cluster import LocalCluster, backups_of
@@ -265,26 +266,16 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
 
 def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> None:
     """The old primary comes back with its usual flags (``--backup-at``) and defers to the newer state."""
-    from _support import free_addresses
-
-    a, b = free_addresses(2)
-    a_port, b_port = (int(x.rpartition(":")[2]) for x in (a, b))
-    first = LocalCluster(1, [*LEASE, "--backup-at", b])  # a plain restart of this would serve an older state
-    second = LocalCluster(1, [*LEASE, "--backup-of", a])
-    with contextlib.ExitStack() as stack:
-        stack.callback(first.stop)
-        stack.callback(second.stop)
-        first.start_shard(0, port=a_port)
-        second.start_shard(0, port=b_port)
-        _wait_role(a, "primary", peer=b)
-        both = [f"{a}|{b}"]
+    with ChaosCluster(1, LEASE) as cluster:  # a: --backup-at b (a plain restart would serve older state)
+        first, second = cluster.sides
+        (a, b), both = cluster.pairs[0], cluster.addresses
         with psclient.PSClient(both, "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(4, np.float32)})
             first.kill_shard(0)  # a fails; b takes over on the next call
             c.push({"v": np.ones(4, np.float32)})
             assert _status(b).role == "primary"
-            first.start_shard(0, port=a_port)  # same flags as before: --backup-at b
+            cluster.restart(0, 0)  # same flags as before: --backup-at b
             _wait_role(b, "primary", peer=a)  # a caught up from b instead of serving its own state
             assert "took over as primary" in first.log_tail(0, 50)
             c.push({"v": np.ones(4, np.float32)})
