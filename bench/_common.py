@@ -200,6 +200,15 @@ def machine_note() -> dict[str, Any]:
     }
 
 
+def write_results(out: str | None, text: str, results: dict[str, Any]) -> None:
+    """Writes ``OUT.md`` (the rendered tables) and ``OUT.json`` (every number) when ``--out`` is given."""
+    if not out:
+        return
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.md").write_text(text)
+    Path(f"{out}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
 def top_processes(limit: int = 8) -> list[str]:
     """The busiest processes right now (what else ran on the machine)."""
     try:

@@ -318,10 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     results["top_processes_after"] = cm.top_processes()
     text = render(results)
     print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(f"{args.out}.md").write_text(text)
-        Path(f"{args.out}.json").write_text(json.dumps(results, indent=2) + "\n")
+    cm.write_results(args.out, text, results)
     return 0
 
 
