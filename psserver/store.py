@@ -127,9 +127,12 @@ class _SeqWindow:
 
     def add(self, seq: int) -> None:
         self.seen.add(seq)
-        if len(self.seen) > _DEDUP_WINDOW:
+        # Trimmed to the newest _DEDUP_WINDOW once it holds twice as many: amortized O(1) per push (a
+        # trim at every push past the window cost O(window), 0.2 ms a push). Between trims the window
+        # remembers more, never less; a seq above the floor and not seen was never applied either way.
+        if len(self.seen) > 2 * _DEDUP_WINDOW:
             newest = max(self.seen)
-            self.floor = newest - _DEDUP_WINDOW
+            self.floor = max(self.floor, newest - _DEDUP_WINDOW)
             self.seen = {s for s in self.seen if s > self.floor}
 
     def discard(self, seq: int) -> None:

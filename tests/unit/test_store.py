@@ -227,14 +227,20 @@ def test_store_claim_dedups_retries_and_unclaim_forgets() -> None:
 
 def test_store_dedup_window_remembers_old_sequence_numbers() -> None:
     store = Store()
-    for seq in range(1, _DEDUP_WINDOW + 100):
-        assert store.claim("w", seq)
+    last = 3 * _DEDUP_WINDOW
+    for seq in range(1, last):
+        if seq != 10:  # never pushed
+            assert store.claim("w", seq)
     assert not store.claim("w", 1)  # fell below the window's floor: still counted as applied
-    assert not store.claim("w", _DEDUP_WINDOW + 50)
+    assert not store.claim("w", 10)  # below the floor too: a push that old is refused, not applied late
+    assert not store.claim("w", last - 50)
     state = store.dedup_state()
+    ((_, floor, seen),) = state["w"]
+    assert last - 1 - 2 * _DEDUP_WINDOW <= floor < last - 1 - _DEDUP_WINDOW  # memory stays bounded
+    assert len(seen) <= 2 * _DEDUP_WINDOW
     other = Store()
     other.load_dedup_state(state)
-    assert not other.claim("w", 5) and other.claim("w", _DEDUP_WINDOW + 100)
+    assert not other.claim("w", 5) and other.claim("w", last + 1)
 
 
 async def test_store_async_mode_applies_a_retried_push_once() -> None:
