@@ -117,7 +117,7 @@ def worker_main(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     import psclient.keras as psk
-    from trainer.cluster import rss_mib
+    from trainer.cluster import cpu_seconds, rss_mib
     from trainer.recsys import count_payload_bytes
 
     t0 = time.perf_counter()
@@ -157,6 +157,11 @@ def worker_main(args: argparse.Namespace) -> None:
 
     rss_before_fit = rss_mib(field="VmRSS")
     steps_seen = [0]
+    shard_pids = [int(p) for p in args.shard_pids.split(",") if p]
+    cpu_at: dict[str, list[float]] = {}  # after step 1 and at the end: this worker's CPU s, the shards'
+
+    def cpu_now() -> list[float]:
+        return [time.process_time(), *(cpu_seconds(p) for p in shard_pids)]
 
     class Mark(keras.callbacks.Callback):
         """Bytes of steps 2..n: not the attach, the first step's pull of every variable or the final pull."""
@@ -165,7 +170,11 @@ def worker_main(args: argparse.Namespace) -> None:
             steps_seen[0] += 1
             if steps_seen[0] == 1:
                 attach_bytes.update(box)
+                cpu_at["first"] = cpu_now()
             end_bytes.update(box)
+
+        def on_train_end(self, logs: Any = None) -> None:
+            cpu_at["end"] = cpu_now()
 
     fit_started = time.perf_counter()
     hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Mark()])
@@ -191,6 +200,9 @@ def worker_main(args: argparse.Namespace) -> None:
         "weights_mib": sum(int(np.prod(w.shape)) * 4 for w in model.weights) / 2**20,
         "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
         "wall_s": time.perf_counter() - t0,
+        # CPU seconds over steps 2..n: this worker's, and the shards' (all workers' load)
+        "cpu_s": [b - a for a, b in zip(cpu_at["first"], cpu_at["end"], strict=True)],
+        "measured_steps": max(1, steps_seen[0] - 1),
     }
     print(_RESULT + json.dumps(result), flush=True)
 
@@ -199,6 +211,8 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
     """The ``tf-ps`` variant's coordinator: the same model and data, on TensorFlow's PS strategy."""
     import numpy as np
     import tensorflow as tf
+
+    from trainer.cluster import cpu_seconds
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(json.loads(args.addresses)), rpc_layer="grpc"
@@ -258,12 +272,20 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
         coordinator.schedule(step, args=(iterator,))
     coordinator.join()
     steps = args.steps * args.workers  # as many steps as our workers take together
+    pids = [int(p) for p in args.shard_pids.split(",") if p]  # the TF workers' and ps tasks'
+    cpu0 = [time.process_time(), *(cpu_seconds(p) for p in pids)]
     t0 = time.perf_counter()
     losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
     coordinator.join()
     elapsed = time.perf_counter() - t0
+    cpu = [b - a for a, b in zip(cpu0, [time.process_time(), *(cpu_seconds(p) for p in pids)], strict=True)]
     first, last = (float(np.mean(r.fetch())) for r in (losses[0], losses[-1]))
-    result = {"steps_per_s": steps / elapsed, "steps": steps, "fit_s": elapsed, "loss": [first, last]}
+    result = {
+        "steps_per_s": steps / elapsed, "steps": steps, "fit_s": elapsed, "loss": [first, last],
+        # CPU ms per step: the coordinator and the TF workers (what runs the steps), the ps tasks
+        "worker_cpu_ms_per_step": (cpu[0] + sum(cpu[1 : 1 + args.workers])) / steps * 1e3,
+        "shard_cpu_ms_per_step": sum(cpu[1 + args.workers :]) / steps * 1e3,
+    }  # fmt: skip
     print(_RESULT + json.dumps(result), flush=True)
 
 
@@ -273,7 +295,9 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--tf-coordinator", "--addresses", tf_cluster.spec,
                "--workers", str(args.workers), "--rows", str(args.rows), "--dim", str(args.dim),
                "--ids", str(args.ids), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-               "--variant", "tf-ps"]  # fmt: skip
+               "--variant", "tf-ps", "--shard-pids",
+               ",".join(str(tf_cluster.procs[f"{job}:{i}"].pid)
+                        for job, n in (("worker", args.workers), ("ps", 2)) for i in range(n))]  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
         wall = time.perf_counter() - t0
@@ -299,6 +323,8 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
         "loss_first_last": r["loss"],
         "wall_s": wall,
         "fit_s": r["fit_s"],
+        "worker_cpu_ms_per_step": r["worker_cpu_ms_per_step"],
+        "shard_cpu_ms_per_step": r["shard_cpu_ms_per_step"],
     }
 
 
@@ -335,7 +361,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
              "--rows", str(args.rows), "--dim", str(args.dim), "--ids", str(args.ids),
              "--batch-size", str(args.batch_size),
              "--steps", str(args.dense_steps if variant == "dense" else args.steps),
-             "--id-space", str(args.id_space), "--capacity", str(args.capacity), "--zipf", str(args.zipf)]
+             "--id-space", str(args.id_space), "--capacity", str(args.capacity), "--zipf", str(args.zipf),
+             "--shard-pids", ",".join(str(p.pid) for p in cluster.procs if p is not None)]
             for i in range(args.workers)
         ]  # fmt: skip
         procs = [
@@ -395,6 +422,10 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         "loss_first_last": rows[0]["loss"],
         "wall_s": max(r["wall_s"] for r in rows),
         "fit_s": fit_s,
+        # CPU ms per step (a worker's own; the shards' over worker 0's steps 2..n, for all the workers'
+        # steps in that time): what a busy machine's throughput is bound by
+        "worker_cpu_ms_per_step": sum(r["cpu_s"][0] / r["measured_steps"] for r in rows) / len(rows) * 1e3,
+        "shard_cpu_ms_per_step": sum(rows[0]["cpu_s"][1:]) / (rows[0]["measured_steps"] * len(rows)) * 1e3,
     }
 
 
@@ -460,8 +491,8 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "| variant | steps/worker | steps/s (sum) | rows touched / step | payload KiB / worker-step | "
         "of which sent | goal KiB (2 x rows x dim x 4 B + dense pushed and pulled) | payload / goal | "
         "setup MiB (attach, first step; all workers) | worker weights MiB | peak RSS MiB per worker | "
-        "RSS at end MiB per worker | wall s | loss first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "RSS at end MiB per worker | CPU ms / step: worker, shards | wall s | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         payload, goal = r["bytes_per_worker_step"], r["goal_bytes_per_worker_step"]
@@ -473,6 +504,7 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
             f"{num(ratio, '.2f')} | {num(r['setup_bytes'], '.1f', mib)} | {r['worker_weights_mib']:.2f} | "
             f"{', '.join(map(str, r['peak_rss_mib_per_worker']))} | "
             f"{', '.join(map(str, r['end_rss_mib_per_worker'])) or '-'} | "
+            f"{num(r.get('worker_cpu_ms_per_step'), '.2f')}, {num(r.get('shard_cpu_ms_per_step'), '.2f')} | "
             f"{r['wall_s']:.1f} | {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f} |"
         )
     notes = []
@@ -530,6 +562,7 @@ def main() -> None:
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--addresses", help=argparse.SUPPRESS)
+    ap.add_argument("--shard-pids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker_main(args)

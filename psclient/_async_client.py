@@ -567,7 +567,7 @@ class AsyncPSClient:
             WorkerIdConflictError: another live client uses this worker_id (and took over).
             PSError: a shard failed.
         """
-        applied, _ = await self._push(grads, step=step, return_values=False, every_shard=every_shard)
+        applied, _, _ = await self._push(grads, step=step, return_values=False, every_shard=every_shard)
         return applied
 
     async def push_pull(
@@ -598,10 +598,46 @@ class AsyncPSClient:
         Raises:
             As ``push``.
         """
-        _, values = await self._push(
+        _, values, _ = await self._push(
             grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
         )
         return values
+
+    async def push_pull_lookup(
+        self,
+        grads: Tensors,
+        lookup: Mapping[str, Any],
+        *,
+        step: int = 0,
+        return_rows: bool | Iterable[str] = True,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """``push_pull``, and the rows of other ids read once the push is applied, in the same round trip.
+
+        A worker that knows its next batch's ids reads their rows with this step's push
+        (``psclient.keras.prefetch_rows``): one request per shard a step instead of two,
+        and the rows include this push's update, as a ``lookup`` after the push would.
+        A shard that holds rows to read but none of the gradients gets a ``Lookup``.
+
+        >>> values, rows = await client.push_pull_lookup(  # doctest: +SKIP
+        ...     {"emb": Rows(ids, grad_rows), "dense": g}, {"emb": next_ids}, step=k, return_rows=False)
+
+        Args:
+            grads, step, return_rows: as ``push_pull``.
+            lookup: table -> ids, as ``lookup``'s (any shape). In ssp mode the rows are read
+                at ``step + 1`` (the step the push's caller reads for).
+
+        Returns:
+            ``(values, rows)``: ``values`` as ``push_pull``'s; ``rows[table]`` as
+            ``lookup(table, ids)``'s, shape ``ids.shape + (dim,)``.
+
+        Raises:
+            As ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push (nothing
+            is applied).
+        """
+        _, values, rows = await self._push(
+            grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup
+        )
+        return values, rows
 
     async def _push(
         self,
@@ -611,7 +647,13 @@ class AsyncPSClient:
         return_values: bool,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
-    ) -> tuple[bool, dict[str, Any]]:
+        lookup: Mapping[str, Any] | None = None,
+    ) -> tuple[bool, dict[str, Any], dict[str, np.ndarray]]:
+        reads: dict[str, _RowRead] = {}
+        if lookup:
+            groups = await self._known(list(lookup))
+            what = "lookup with a push"
+            reads = {n: _RowRead(n, groups[n], ids, self.num_shards, what) for n, ids in lookup.items()}
         known = await self._known(list(grads))
         pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
         row_tables = [n for n in known if n not in pieces]
@@ -639,13 +681,26 @@ class AsyncPSClient:
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
+        # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
+        reading: dict[str, tuple[_RowRead, np.ndarray]] = {}  # wire name -> its read and positions
+        lookup_ids: dict[int, list[ps_pb2.TensorChunk]] = {}
+        for read in reads.values():
+            for shard, (piece, where) in read.per_shard.items():
+                lookup_ids.setdefault(shard, []).append(read.wire_ids(piece, where))
+                reading[embedding.lookup_name(piece.stored_name)] = (read, where)
         seq = next(self._seq)
         # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
         shards = sorted(per_shard) if len(per_shard) > 1 else []
         into = rq.Gather(pieces, self._pool.take) if return_values else None
         row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
+        read_parts: set[str] = set()  # the wire names of the rows read so far
 
         def add(shard: int, chunk: Any) -> None:
+            if chunk.name in reading:
+                read, where = reading[chunk.name]
+                read.fill(shard, where, chunk)
+                read_parts.add(chunk.name)
+                return
             if into is None:
                 return
             if "\x00" in chunk.name:
@@ -663,6 +718,7 @@ class AsyncPSClient:
                 shards=shards,
                 checkpoint_step=self._checkpoint_step,
                 omit_values=omit.get(shard, []) if return_values else [],
+                lookup_ids=lookup_ids.get(shard, []),
             )
             nbytes = rq.payload_bytes(tensors)
             if self._data_link(shard, nbytes) is not None:
@@ -711,9 +767,31 @@ class AsyncPSClient:
             await self._call(shard, "PushStream", stream)
             return applied
 
-        results = await _each(one, per_shard) if per_shard else []
+        async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
+            request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
+            resp = await self._call(
+                shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard))
+            )
+            for asked, chunk in zip(chunks, resp.values, strict=False):  # in the order asked
+                name = embedding.lookup_name(asked.name)
+                read, where = reading[name]
+                read.fill(shard, where, chunk)
+                read_parts.add(name)
+            return True
+
+        work: dict[int, Any] = dict(per_shard)
+        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, one)
+        for shard, chunks in lookup_ids.items():
+            if shard not in per_shard:
+                work[shard], calls[shard] = chunks, read_only
+        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
+        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
+        missing = set(reading) - read_parts
+        if missing:
+            raise codec.CodecError(f"rows of {sorted(missing)[0]!r} were not returned")
+        looked_up = {name: read.result() for name, read in reads.items()}
         if into is None:
-            return all(results), {}
+            return all(results), {}, looked_up
         values: dict[str, Any] = dict(into.result())
         values.update(_returned_rows([n for n in row_tables if n not in omitted], known, row_parts))
         for name, rows in values.items():  # a string-keyed table's rows come back under their keys
@@ -721,7 +799,7 @@ class AsyncPSClient:
                 keys = np.asarray(grads[name].ids).reshape(-1)
                 hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
                 values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
-        return all(results), values
+        return all(results), values, looked_up
 
     async def _push_data_port(
         self,
@@ -1047,43 +1125,23 @@ class AsyncPSClient:
                 of range (the message names the table and the first bad id).
             PSError: a shard failed.
         """
-        group = (await self._known([name]))[name]
-        if not group[0].table:
-            raise InvalidArgumentError(f"lookup: {name!r} is not an embedding table")
-        num_rows, dim = group[0].full_shape
-        if group[0].keys:
-            arr = _dynamic_ids(name, ids, group[0].keys, "lookup")
-        else:
-            arr = _table_ids(name, ids, num_rows, "lookup")
-        unique, inverse = np.unique(arr.reshape(-1), return_inverse=True)
-        out = np.empty((unique.size, dim), dtype=group[0].dtype)
-        shard_of = dynamic_row_shard(unique, self.num_shards) if group[0].keys else unique % self.num_shards
-        per_shard = {}
-        for piece in group:
-            where = np.flatnonzero(shard_of == piece.shard) if self.num_shards > 1 else np.arange(unique.size)
-            if where.size:
-                per_shard[piece.shard] = (piece, where)
-        batch_rows = max(1, self.config.unary_max_bytes // max(1, dim * out.itemsize))
+        read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup")
+        batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
 
         async def one(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
             piece, where = work
             for start in range(0, where.size, batch_rows):
                 part = where[start : start + batch_rows]
                 request = ps_pb2.LookupRequest(
-                    ids=[codec.encode(piece.stored_name, _wire_ids(unique[part], piece))],
-                    worker_id=self.worker_id,
-                    step=step,
+                    ids=[read.wire_ids(piece, part)], worker_id=self.worker_id, step=step
                 )
                 resp = await self._call(
                     shard, "Lookup", lambda r=request: self._stub(shard).Lookup(r, **self._kw(shard))
                 )
-                rows = codec.decode(resp.values[0]) if len(resp.values) == 1 else None
-                if rows is None or rows.shape != (part.size, dim):
-                    raise codec.CodecError(f"table {name!r}: shard {shard} returned rows of the wrong shape")
-                out[part] = rows
+                read.fill(shard, part, resp.values[0] if len(resp.values) == 1 else None)
 
-        await _each(one, per_shard) if per_shard else None
-        return out[inverse].reshape((*arr.shape, dim))
+        await _each(one, read.per_shard) if read.per_shard else None
+        return read.result()
 
     async def export(
         self, name: str, *, batch_rows: int | None = None
@@ -1507,6 +1565,51 @@ def _describe_table(spec: ps_pb2.VariableSpec) -> str:
         f"{ps_pb2.Eviction.Name(d.eviction).removeprefix('EVICTION_').lower()}, "
         f"ttl_steps {d.ttl_steps or None}, ttl_seconds {d.ttl_seconds or None}, initializer {init}"
     )
+
+
+class _RowRead:
+    """The rows of one table's ``ids`` being read (``lookup``, or a push's ``lookup``): the distinct ids,
+    which shard holds which, and the result being filled in.
+
+    Raises (constructor): InvalidArgumentError: not a table, or bad ids (see ``_table_ids`` and
+    ``_dynamic_ids``).
+    """
+
+    def __init__(self, name: str, group: list[rq.Piece], ids: Any, num_shards: int, what: str) -> None:
+        if not group[0].table:
+            raise InvalidArgumentError(f"{what}: {name!r} is not an embedding table")
+        self.name = name
+        num_rows, self.dim = group[0].full_shape
+        if group[0].keys:
+            arr = _dynamic_ids(name, ids, group[0].keys, what)
+        else:
+            arr = _table_ids(name, ids, num_rows, what)
+        self.shape = arr.shape
+        self.unique, self.inverse = np.unique(arr.reshape(-1), return_inverse=True)
+        self.out = np.empty((self.unique.size, self.dim), dtype=group[0].dtype)
+        self.row_bytes = self.dim * self.out.itemsize
+        u = self.unique
+        shard_of = dynamic_row_shard(u, num_shards) if group[0].keys else u % num_shards
+        self.per_shard: dict[int, tuple[rq.Piece, np.ndarray]] = {}
+        for piece in group:
+            where = np.flatnonzero(shard_of == piece.shard) if num_shards > 1 else np.arange(u.size)
+            if where.size:
+                self.per_shard[piece.shard] = (piece, where)
+
+    def wire_ids(self, piece: rq.Piece, part: np.ndarray) -> ps_pb2.TensorChunk:
+        """The request tensor of the distinct ids at positions ``part`` (all held by ``piece``)."""
+        return codec.encode(piece.stored_name, _wire_ids(self.unique[part], piece))
+
+    def fill(self, shard: int, part: np.ndarray, chunk: Any) -> None:
+        """Stores the rows a shard returned for positions ``part``. Raises: CodecError (none, wrong shape)."""
+        rows = codec.decode(chunk) if chunk is not None else None
+        if rows is None or rows.shape != (part.size, self.dim):
+            raise codec.CodecError(f"table {self.name!r}: shard {shard} returned rows of the wrong shape")
+        self.out[part] = rows
+
+    def result(self) -> np.ndarray:
+        """The rows of the ids as asked: shape ``ids.shape + (dim,)`` (a new array)."""
+        return self.out[self.inverse].reshape((*self.shape, self.dim))
 
 
 def _dynamic_ids(name: str, ids: Any, keys: str, what: str) -> np.ndarray:

@@ -186,6 +186,39 @@ class PSClient:
         """
         return self._loop.submit(self._async.push_pull(grads, step=step, return_rows=return_rows))
 
+    def push_pull_lookup(
+        self,
+        grads: Tensors,
+        lookup: Mapping[str, Any],
+        *,
+        step: int = 0,
+        return_rows: bool | Iterable[str] = True,
+    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """``push_pull``, and the rows of other ids read once the push is applied, in the same round trip:
+        ``(values, rows)``; see ``AsyncPSClient.push_pull_lookup``."""
+        coro = self._async.push_pull_lookup(grads, lookup, step=step, return_rows=return_rows)
+        values, rows = self._run(coro)
+        return values, rows
+
+    def push_pull_lookup_future(
+        self,
+        grads: Tensors,
+        lookup: Mapping[str, Any],
+        *,
+        step: int = 0,
+        return_rows: bool | Iterable[str] = True,
+    ) -> concurrent.futures.Future[tuple[dict[str, Any], dict[str, np.ndarray]]]:
+        """Starts a ``push_pull_lookup`` and returns at once; ``.result(timeout)`` gives ``(values, rows)``.
+
+        As ``push_pull_future`` (cancelling cancels the request; errors come from ``.result()``).
+
+        Raises:
+            RuntimeError: the client is closed.
+        """
+        return self._loop.submit(
+            self._async.push_pull_lookup(grads, lookup, step=step, return_rows=return_rows)
+        )
+
     def lookup_future(self, name: str, ids: Any, *, step: int = 0) -> concurrent.futures.Future[np.ndarray]:
         """Starts a ``lookup`` and returns at once; ``.result(timeout)`` gives the rows.
 

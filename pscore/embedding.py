@@ -37,6 +37,7 @@ import numpy as np
 
 IDS_SUFFIX = "\x00ids"
 VALUES_SUFFIX = "\x00values"
+LOOKUP_SUFFIX = "\x00lookup"
 
 # An initializer: "zeros", "ones", "uniform" (Keras's Embedding default, U(-0.05, 0.05)),
 # ("uniform", minval, maxval), "normal" (N(0, 0.05)), ("normal", stddev) or ("normal", mean, stddev),
@@ -72,8 +73,13 @@ def values_name(stored: str) -> str:
     return stored + VALUES_SUFFIX
 
 
+def lookup_name(stored: str) -> str:
+    """The wire name of the rows a push read for table piece ``stored`` (``PushRequest.lookup_ids``)."""
+    return stored + LOOKUP_SUFFIX
+
+
 def split_wire_name(name: str) -> tuple[str, str]:
-    """``(stored name, "ids" | "values" | "")`` of a tensor name on the wire ("" for a dense tensor)."""
+    """``(stored name, "ids" | "values" | "lookup" | "")`` of a wire tensor name ("": a dense tensor)."""
     stored, sep, part = name.partition("\x00")
     return (stored, part) if sep else (name, "")
 

@@ -120,6 +120,11 @@ def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
     return value[tables.local_rows(var.spec, ids)], version
 
 
+def _looked_up(lookups: list[tuple[Variable, np.ndarray]]) -> list[tuple[str, np.ndarray, int]]:
+    """The rows of a push's ``lookup_ids`` (checked by ``_lookups``), named ``<piece>\\0lookup``."""
+    return [(embedding.lookup_name(var.name), *_rows(var, ids)) for var, ids in lookups]
+
+
 def _stream_values(
     snapshot: list[tuple[str, np.ndarray, int]], chunk_bytes: int
 ) -> Iterator[tuple[list[codec.WireChunk], list[int]]]:
@@ -347,7 +352,7 @@ class ParameterServerServicer:
         elif outcome.reason == "duplicate" and self.primary is not None:
             # A retry: "already applied" only once the original is on the backup too.
             await self.primary.wait_settled((header.worker_id, header.session, header.seq))
-        if header.return_values:  # push_pull: the values returned are what the worker reads for step + 1
+        if header.return_values or header.lookup_ids:  # push_pull: what the worker reads for step + 1
             await self.mode.before_pull(header.worker_id, header.step + 1, deadline)
         return ps_pb2.PushResponse(
             applied=outcome.applied,
@@ -369,15 +374,26 @@ class ParameterServerServicer:
         for chunk in request.grads:
             grads.add(chunk)
         tensors = tables.pair(grads.result())
+        lookups = self._lookups(request.lookup_ids, "lookup with a push")
         response = await self._push(request, tensors, deadline)
-        if request.return_values:
+        if request.return_values or lookups:
             self._serving("Push")  # the values are read while the lease holds
-            snapshot = self._after_push(tensors, request.omit_values)
+            snapshot = self._after_push(tensors, request.omit_values) if request.return_values else []
+            snapshot += _looked_up(lookups)
             response.versions.extend(version for _, _, version in snapshot)
             return codec.WireMessage(
                 response, "values", [_chunk_of(name, value) for name, value, _ in snapshot]
             )
         return response
+
+    def _lookups(self, chunks: Iterable[Any], what: str) -> list[tuple[Variable, np.ndarray]]:
+        """The table pieces and checked ids of a Lookup (or a push's lookup_ids), every id checked before
+        any row is read or anything applied. Raises: NotFoundError, InvalidArgumentError, CodecError."""
+        checked = []
+        for chunk in chunks:
+            var = self.store.get(chunk.name)
+            checked.append((var, tables.check_ids(var.spec, codec.decode(chunk), what)))
+        return checked
 
     def _after_push(
         self, grads: dict[str, tables.Grad], omit: Iterable[str] = ()
@@ -404,20 +420,16 @@ class ParameterServerServicer:
         self, request: ps_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.LookupResponse:
         self._serving("Lookup")
-        wanted = [(chunk.name, codec.decode(chunk)) for chunk in request.ids]
-        checked = []
-        for name, ids in wanted:  # every id checked before any row is read
-            var = self.store.get(name)
-            checked.append((var, tables.check_ids(var.spec, ids, "lookup")))
+        checked = self._lookups(request.ids, "lookup")
         await self.mode.before_pull(request.worker_id, request.step, deadline_of(context))
         self._serving("Lookup")
-        chunks, versions = [], []
-        for var, ids in checked:
-            rows, version = _rows(var, ids)
-            chunks.append(_chunk_of(var.name, rows))
-            versions.append(version)
+        rows = [(var.name, *_rows(var, ids)) for var, ids in checked]
         self.store.pulls += 1
-        return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
+        return codec.WireMessage(
+            ps_pb2.LookupResponse(versions=[version for _, _, version in rows]),
+            "values",
+            [_chunk_of(name, value) for name, value, _ in rows],
+        )
 
     @_translated
     async def ScanRows(
@@ -497,16 +509,19 @@ class ParameterServerServicer:
                     shards=req.shards,
                     checkpoint_step=req.checkpoint_step,
                     omit_values=req.omit_values,
+                    lookup_ids=req.lookup_ids,
                 )
             for chunk in req.grads:
                 grads.add(chunk)
         if header is None:
             raise InvalidArgumentError("push stream carried no messages")
         tensors = tables.pair(grads.result())
+        lookups = self._lookups(header.lookup_ids, "lookup with a push")
         response = await self._push(header, tensors, deadline_of(context, header.timeout_s))
-        if header.return_values:
+        if header.return_values or lookups:
             self._serving("PushStream")
         snapshot = self._after_push(tensors, header.omit_values) if header.return_values else []
+        snapshot += _looked_up(lookups)
         if not snapshot:
             yield response
             return

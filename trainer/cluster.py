@@ -57,6 +57,15 @@ def rss_mib(pid: int | str = "self", field: str = "VmRSS") -> float:
     return float("nan")
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """A process's CPU time so far (user + system, all its threads) in seconds (NaN if unknown)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 _LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
 
 

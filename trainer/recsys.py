@@ -112,7 +112,8 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
 
     Gradients, rows and ids sent; values, returned rows and looked-up rows received (gRPC framing
     not counted; ids counted as 8 bytes each, as they are given), lookups started ahead
-    (``lookup_future``) included. Returns the live counters.
+    (``lookup_future``) and read with a push (``push_pull_lookup_future``) included.
+    Returns the live counters.
     """
     box = {"sent": 0, "received": 0}
 
@@ -129,7 +130,7 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
         return values
 
     push, push_pull_future, pull, lookup = client.push, client.push_pull_future, client.pull, client.lookup
-    lookup_future = client.lookup_future
+    lookup_future, push_pull_lookup_future = client.lookup_future, client.push_pull_lookup_future
 
     def w_push(grads: Any, **kw: Any) -> Any:
         sent(grads)
@@ -165,9 +166,25 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
         fut.add_done_callback(done)
         return fut
 
+    def w_push_pull_lookup_future(grads: Any, lookup: Any, **kw: Any) -> Any:
+        sent(grads)
+        for ids in lookup.values():
+            lookup_sent(ids)
+        fut = push_pull_lookup_future(grads, lookup, **kw)
+
+        def read(f: Any) -> None:
+            if not f.cancelled() and f.exception() is None:
+                values, rows = f.result()
+                received(values)
+                box["received"] += sum(int(r.nbytes) for r in rows.values())
+
+        fut.add_done_callback(read)
+        return fut
+
     client.push, client.push_pull_future, client.pull, client.lookup, client.lookup_future = (
         w_push, w_push_pull_future, w_pull, w_lookup, w_lookup_future,
     )  # fmt: skip
+    client.push_pull_lookup_future = w_push_pull_lookup_future
     return box
 
 

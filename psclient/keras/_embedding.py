@@ -48,19 +48,22 @@ in, so it cannot know the next batch's ids; the *dataset* can. ::
     ds = psk.prefetch_rows(ds, model)   # before model.fit(ds, ...)
 
 maps every element through the model's ids (a sub-model from the inputs to each
-``psclient.keras.Embedding``'s input, or ``ids=``), starts the lookup of its
-distinct ids on the client's event loop, and hands the element on through
-``Dataset.prefetch(depth)``: while step ``k`` computes, tf.data prepares element
-``k + 1`` and its rows are read. In the step, the layer's lookup (the same
-``tf.numpy_function`` in ``fit``'s compiled step) takes the prefetched rows when
-their ids are exactly the batch's distinct ids, and reads them itself otherwise
-(validation data, ``predict``, a failed prefetch), so results never depend on
-whether a prefetch happened, only on when the rows were read. Staleness: rows
-prefetched for step ``k + 1`` are read as step ``k`` starts, so they can miss
-this worker's own updates of steps ``k - 1`` and ``k`` (one step more than
-without prefetch) and whatever other workers pushed since. Sync mode never
-prefetches (a step must read the rows after the previous step's global update),
-and neither does a layer before its worker attached.
+``psclient.keras.Embedding``'s input, or ``ids=``) and hands the element on
+through ``Dataset.prefetch(depth)``: while step ``k`` computes, tf.data prepares
+element ``k + 1`` and asks for its distinct ids' rows. Step ``k``'s exchange
+(its push) reads them on the shards once the push is applied
+(``PSClient.push_pull_lookup``): one round trip per shard a step instead of a
+push and a lookup. In the step, the layer's lookup (the same
+``tf.numpy_function`` in ``fit``'s compiled step) takes those rows when their
+ids are exactly the batch's distinct ids, and reads them itself otherwise (the
+first step of an epoch, an element tf.data prepared only after the step before
+pushed, validation data, ``predict``, a failed read), so results never depend
+on whether a prefetch happened. Staleness: the rows include this worker's
+updates up to the step before (as a lookup in the step would), and other
+workers' pushes up to that push's arrival; in async mode with overlap the
+step waits for the previous push's answer instead of its own lookup. Sync mode
+never prefetches (a step reads the rows after the previous step's global
+update), and neither does a layer before its worker attached.
 
 Limits: ids are checked against ``input_dim`` (a clear error, before any request);
 no ``mask_zero``; no loss scaling of the layer's rows (``mixed_float16``).
@@ -236,9 +239,10 @@ class Embedding(keras.layers.Layer):
         return None
 
     def start_prefetch(self, ids: Any) -> bool:
-        """Starts reading the rows of distinct ``ids`` for a step to come (see ``prefetch_rows``).
+        """Asks for the rows of distinct ``ids`` for a step to come (see ``prefetch_rows``): the worker's
+        next exchange (this step's push) reads them.
 
-        Returns False, starting nothing, in sync mode, before the worker attached, or for
+        Returns False, asking nothing, in sync mode, before the worker attached, or for
         ids the step's own lookup will refuse (it raises the error then).
         """
         ids = self._ids(ids)
@@ -246,8 +250,16 @@ class Embedding(keras.layers.Layer):
             return False
         if self._bad_id(ids) is not None:
             return False
-        self._prefetched.add(_key(ids), self.worker.client.lookup_future(self.table_name, ids))
+        self._prefetched.want(_key(ids), ids)
         return True
+
+    def wanted_rows(self) -> list[tuple[Any, np.ndarray]]:
+        """The ``(key, distinct ids)`` asked for by ``start_prefetch`` that no exchange reads yet."""
+        return self._prefetched.pending()
+
+    def rows_coming(self, key: Any, fut: concurrent.futures.Future[np.ndarray]) -> None:
+        """The exchange reading the rows of ``key`` (from ``wanted_rows``) gives their future."""
+        self._prefetched.assign(key, fut)
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         ids = self._ids(ids)
@@ -266,7 +278,7 @@ class Embedding(keras.layers.Layer):
             return np.zeros((0, self.output_dim), dtype)
         rows = self._prefetched.take(_key(ids), self.worker.client.wait_timeout)
         if rows is None:
-            rows = self.worker.client.lookup(self.table_name, ids)
+            rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step)
         return np.asarray(rows, dtype)
 
     def call(self, inputs: Any) -> Any:
@@ -329,42 +341,57 @@ class Embedding(keras.layers.Layer):
         return config
 
 
-class _Prefetched:
-    """Lookups started ahead of the steps that use them, by the exact distinct ids they read.
+_Rows = concurrent.futures.Future[Any]  # rows being read
+_Entry = tuple[np.ndarray, _Rows | None]  # distinct ids, and their rows once an exchange reads them
 
-    Thread-safe: tf.data's thread adds, the step's ``numpy_function`` takes.
+
+class _Prefetched:
+    """Rows asked for ahead of the steps that use them, by the exact distinct ids they read.
+
+    An entry is *wanted* (``want``: the ids of an element tf.data prepared) until an
+    exchange reads it (``assign``: the future of its rows); the step's lookup ``take`` s
+    it. A step whose rows no exchange read yet reads them itself (a miss).
+
+    Thread-safe: tf.data's thread wants, the step's exchange assigns and its ``numpy_function`` takes.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._futures: collections.OrderedDict[Any, concurrent.futures.Future[np.ndarray]] = (
-            collections.OrderedDict()
-        )
+        # key -> (distinct ids, the future of their rows once an exchange reads them)
+        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def add(self, key: Any, fut: concurrent.futures.Future[np.ndarray]) -> None:
+    def want(self, key: Any, ids: np.ndarray) -> None:
         with self._lock:
-            old = self._futures.pop(key, None)
-            self._futures[key] = fut
-            dropped = [old] if old is not None else []
-            while len(self._futures) > _PREFETCH_KEEP:
-                dropped.append(self._futures.popitem(last=False)[1])
-        for f in dropped:
-            f.cancel()
+            self._entries.pop(key, None)
+            self._entries[key] = (ids, None)
+            while len(self._entries) > _PREFETCH_KEEP:  # the oldest were never used (validation data ...)
+                self._entries.popitem(last=False)
+
+    def pending(self) -> list[tuple[Any, np.ndarray]]:
+        with self._lock:
+            return [(key, ids) for key, (ids, fut) in self._entries.items() if fut is None]
+
+    def assign(self, key: Any, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[1] is None:
+                self._entries[key] = (entry[0], fut)
 
     def take(self, key: Any, timeout: float) -> np.ndarray | None:
-        """The rows prefetched for ``key``, or None (none started, or it failed: read them anew)."""
+        """The rows read ahead for ``key``, or None (none read, or the read failed: read them anew)."""
         with self._lock:
-            fut = self._futures.pop(key, None)
+            entry = self._entries.pop(key, None)
+        fut = entry[1] if entry is not None else None
         if fut is not None:
             try:
                 rows = fut.result(timeout)
             except (PSError, concurrent.futures.CancelledError, TimeoutError) as err:
-                log.debug("prefetched lookup failed (%s); reading the rows in the step", err)
+                log.debug("prefetched rows failed (%s); reading them in the step", err)
             else:
                 self.hits += 1
-                return rows
+                return np.asarray(rows)
         self.misses += 1
         return None
 
@@ -386,7 +413,7 @@ def prefetch_rows(
     depth: int = 1,
     ids: Callable[[Any], Any] | None = None,
 ) -> tf.data.Dataset:
-    """The dataset, with the rows of each element's ids read while the step before it computes.
+    """The dataset, with the rows of each element's ids read with the step before's push.
 
     See the module docs (Prefetch) for what it does, and the staleness it adds.
 
@@ -421,7 +448,7 @@ def prefetch_rows(
             try:
                 layer.start_prefetch(unique)
             except (PSError, RuntimeError) as err:  # a closed client: the step reads (and reports) itself
-                log.debug("prefetch for %s not started: %s", layer.name, err)
+                log.debug("prefetch for %s not asked: %s", layer.name, err)
         return np.bool_(True)
 
     def tap(*element: Any) -> Any:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -703,7 +704,7 @@ class PSWorker:
         # Straight onto the client's loop: no helper thread blocks on the call. A remote table's rows
         # do not come back (the layer's next lookup reads them): only those of a local copy's table.
         local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
-        fut = self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
+        fut = self._push_pull(gmap, local_tables)
         self.step += 1
         if not self.overlap:
             return self._wait(fut)
@@ -716,6 +717,49 @@ class PSWorker:
         if not wanted <= set(values):  # variables the previous step did not push
             values = {**values, **self._wait(fut)}
             self._inflight = None
+        return values
+
+    def _push_pull(
+        self, gmap: dict[str, Any], local_tables: list[str]
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """Starts this step's push_pull; the rows ``prefetch_rows`` asked for (the next batches' ids of
+        the ``psclient.keras.Embedding`` layers) are read with it, once it is applied."""
+        wants = [(name, layer, layer.wanted_rows()) for name, layer in self._remote.items()]
+        wants = [(name, layer, asked) for name, layer, asked in wants if asked]
+        if not wants:
+            return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
+        lookup = {name: np.concatenate([ids for _, ids in asked]) for name, _, asked in wants}
+        both = self.client.push_pull_lookup_future(gmap, lookup, step=self.step, return_rows=local_tables)
+        values: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        parts = []  # (table, start, stop, the future of those rows)
+        for name, layer, asked in wants:
+            start = 0
+            for key, ids in asked:
+                part: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+                parts.append((name, start, start + len(ids), part))
+                layer.rows_coming(key, part)
+                start += len(ids)
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if f.cancelled():
+                outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
+                for out in [values, *(p for *_, p in parts)]:
+                    out.cancel()
+            elif (err := f.exception()) is not None:
+                outcomes = [(out, None, err) for out in [values, *(p for *_, p in parts)]]
+            else:
+                got, rows = f.result()
+                outcomes = [(part, rows[name][start:stop], None) for name, start, stop, part in parts]
+                outcomes.append((values, got, None))
+            for out, result, error in outcomes:
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its waiter
+                    if error is not None:
+                        out.set_exception(error)
+                    else:
+                        out.set_result(result)
+
+        both.add_done_callback(done)
+        values.add_done_callback(lambda f: both.cancel() if f.cancelled() else None)
         return values
 
     def _values_after(self, gmap: dict[str, Any]) -> dict[str, Any]:

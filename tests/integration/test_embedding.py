@@ -158,6 +158,71 @@ def test_push_pull_returns_only_the_rows_asked_for(
             np.testing.assert_array_equal(c.lookup(table, ids), np.full((ids.size, 32), -3, np.float32))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"data_port": False}, {"data_port": False, "unary_max_bytes": 1024}, {"data_port_min_bytes": 0}],
+    ids=["unary", "stream", "data-port"],
+)
+def test_push_pull_lookup_reads_other_rows_after_the_push_in_one_exchange(
+    cluster: Any, var_name: str, options: dict[str, Any]
+) -> None:
+    with psclient.PSClient(cluster.addresses, timeout=TIMEOUT_S, **options) as c:
+        t, w = var_name + "t", var_name + "w"
+        c.create_embedding(t, 40, 32, optimizer=psclient.SGD(1.0), initializer="zeros")
+        c.create(w, np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+        pushed = np.arange(1, 40, 2)  # odd ids: all on shard 1
+        grads = {t: psclient.Rows(pushed, np.ones((pushed.size, 32), np.float32)), w: np.ones(3, np.float32)}
+        nxt = np.array([[3, 4], [0, 3]])  # shard 1 reads with the push; shard 0 (4, 0) by a Lookup
+        values, rows = c.push_pull_lookup(grads, {t: nxt}, return_rows=False)
+        assert set(values) == {w} and set(rows) == {t}
+        np.testing.assert_array_equal(values[w], [-1, -1, -1])
+        assert rows[t].shape == (2, 2, 32) and rows[t].dtype == np.float32
+        np.testing.assert_array_equal(rows[t][..., 0], [[-1, 0], [0, -1]])  # after this very push
+        values, rows = c.push_pull_lookup(grads, {t: [3]})  # with return_rows: both
+        assert set(values) == {w, t}
+        np.testing.assert_array_equal(rows[t], np.full((1, 32), -2, np.float32))
+        np.testing.assert_array_equal(values[t].values, np.full((pushed.size, 32), -2, np.float32))
+        # A bad id to read refuses the whole push: nothing applied anywhere.
+        with pytest.raises(psclient.InvalidArgumentError, match=rf"table '{t}': id 40 is out of range"):
+            c.push_pull_lookup(grads, {t: [2, 40]})
+        with pytest.raises(psclient.NotFoundError):
+            c.push_pull_lookup(grads, {var_name + "nope": [2]})
+        np.testing.assert_array_equal(c.pull([w])[w], [-2, -2, -2])
+        np.testing.assert_array_equal(c.lookup(t, [3]), np.full((1, 32), -2, np.float32))
+
+
+def test_a_shard_checks_a_pushs_lookup_ids_before_it_applies_anything(
+    client: psclient.PSClient, raw_stubs: list[Any], var_name: str
+) -> None:
+    import grpc
+
+    from pscore import codec, embedding
+    from psproto.v1 import ps_pb2
+
+    client.create_embedding(var_name, 4, 2, optimizer=psclient.SGD(1.0), initializer="zeros")
+    piece = f"{var_name}/rows_0"  # ids 0, 2 on shard 0
+    grads = [codec.encode(embedding.ids_name(piece), np.array([2])),
+             codec.encode(embedding.values_name(piece), np.ones((1, 2), np.float32))]  # fmt: skip
+
+    def request(seq: int, ids: list[int]) -> ps_pb2.PushRequest:
+        return ps_pb2.PushRequest(
+            worker_id="raw-lookup", seq=seq, grads=grads, lookup_ids=[codec.encode(piece, np.array(ids))]
+        )
+
+    for bad in ([1], [6], [-2]):  # another shard's row, out of range
+        with pytest.raises(grpc.RpcError) as err:
+            raw_stubs[0].Push(request(1, bad), timeout=TIMEOUT_S)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"id {bad[0]}" in err.value.details()
+    np.testing.assert_array_equal(client.lookup(var_name, [2]), [[0, 0]])  # nothing applied
+    resp = raw_stubs[0].Push(request(1, [2, 0, 2]), timeout=TIMEOUT_S)
+    assert resp.applied and [c.name for c in resp.values] == [embedding.lookup_name(piece)]
+    np.testing.assert_array_equal(codec.decode(resp.values[0]), [[-1, -1], [0, 0], [-1, -1]])
+    again = raw_stubs[0].Push(request(1, [2]), timeout=TIMEOUT_S)  # a retry: not applied twice, rows read
+    assert not again.applied and again.reason == "duplicate"
+    np.testing.assert_array_equal(codec.decode(again.values[0]), [[-1, -1]])
+
+
 def test_a_shard_omits_the_values_a_push_names_in_omit_values(
     client: psclient.PSClient, raw_stubs: list[Any], var_name: str
 ) -> None:
