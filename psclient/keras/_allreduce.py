@@ -497,6 +497,7 @@ class AllReduceCallback(StepTimer):
         self._broadcast_pending = False
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_begin(logs)
         model = self.model
         check_no_jit(model, "all-reduce training")
         optimizer = _collective_optimizer(model.optimizer)

@@ -40,25 +40,45 @@ def check_no_jit(model: keras.Model, what: str) -> None:
 
 
 class StepTimer(keras.callbacks.Callback):
-    """Counts ``fit``'s training steps and times those after the first (which traces the graph).
+    """Counts ``fit``'s training steps and times those after each ``fit``'s first call of its step
+    function (which traces the graph).
 
-    Subclasses that override ``on_train_batch_end`` or ``on_train_end`` call ``super()``.
+    With ``compile(steps_per_execution=n)`` Keras calls the batch hooks once per ``n`` steps; the
+    steps are counted from their batch indices (an epoch's short last execution exactly when Keras
+    knows the steps per epoch). Subclasses that override ``on_train_batch_begin``,
+    ``on_train_batch_end`` or ``on_train_end`` call ``super()``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.steps = 0
         self.train_seconds = 0.0
+        self._untimed = 0  # steps of each fit's first execution
+        self._begin: int | None = None
         self._t0: float | None = None
+        self._timing = False
 
     @property
     def steps_per_second(self) -> float:
-        """Steps per second after the first step (0.0 until two steps are done)."""
-        return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
+        """Steps per second after each fit's first execution (0.0 until some are timed)."""
+        timed = self.steps - self._untimed
+        return timed / self.train_seconds if timed > 0 and self.train_seconds > 0 else 0.0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._timing = False
+
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._begin = batch
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.steps += 1
-        if self.steps == 1:
+        begin, self._begin = self._begin, None
+        per_epoch = (self.params or {}).get("steps")  # a short last execution ends at the epoch's end
+        end = min(batch, per_epoch - 1) if per_epoch else batch
+        done = end - begin + 1 if begin is not None and end >= begin else 1
+        self.steps += done
+        if not self._timing:  # the first execution of this fit
+            self._timing = True
+            self._untimed += done
             self._t0 = time.perf_counter()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:

@@ -253,9 +253,10 @@ class Embedding(keras.layers.Layer):
         self._prefetched.want(_key(ids), ids)
         return True
 
-    def wanted_rows(self) -> list[tuple[Any, np.ndarray]]:
-        """The ``(key, distinct ids)`` asked for by ``start_prefetch`` that no exchange reads yet."""
-        return self._prefetched.pending()
+    def wanted_rows(self) -> tuple[Any, np.ndarray] | None:
+        """The ``(key, distinct ids)`` of the oldest batch ``start_prefetch`` asked for that no exchange
+        reads yet (the next step's, when tf.data prepared it in time), or None."""
+        return self._prefetched.next_wanted()
 
     def rows_coming(self, key: Any, fut: concurrent.futures.Future[np.ndarray]) -> None:
         """The exchange reading the rows of ``key`` (from ``wanted_rows``) gives their future."""
@@ -369,9 +370,11 @@ class _Prefetched:
             while len(self._entries) > _PREFETCH_KEEP:  # the oldest were never used (validation data ...)
                 self._entries.popitem(last=False)
 
-    def pending(self) -> list[tuple[Any, np.ndarray]]:
+    def next_wanted(self) -> tuple[Any, np.ndarray] | None:
+        """The oldest entry no exchange reads yet. Only that one: an exchange reads the rows of the
+        step after it, not of steps further ahead (their rows would miss the pushes in between)."""
         with self._lock:
-            return [(key, ids) for key, (ids, fut) in self._entries.items() if fut is None]
+            return next(((key, ids) for key, (ids, fut) in self._entries.items() if fut is None), None)
 
     def assign(self, key: Any, fut: concurrent.futures.Future[Any]) -> None:
         with self._lock:

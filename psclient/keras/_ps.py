@@ -725,31 +725,28 @@ class PSWorker:
         """Starts this step's push_pull; the rows ``prefetch_rows`` asked for (the next batches' ids of
         the ``psclient.keras.Embedding`` layers) are read with it, once it is applied."""
         wants = [(name, layer, layer.wanted_rows()) for name, layer in self._remote.items()]
-        wants = [(name, layer, asked) for name, layer, asked in wants if asked]
+        wants = [(name, layer, asked) for name, layer, asked in wants if asked is not None]
         if not wants:
             return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
-        lookup = {name: np.concatenate([ids for _, ids in asked]) for name, _, asked in wants}
+        lookup = {name: ids for name, _, (_, ids) in wants}
         both = self.client.push_pull_lookup_future(gmap, lookup, step=self.step, return_rows=local_tables)
         values: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        parts = []  # (table, start, stop, the future of those rows)
-        for name, layer, asked in wants:
-            start = 0
-            for key, ids in asked:
-                part: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-                parts.append((name, start, start + len(ids), part))
-                layer.rows_coming(key, part)
-                start += len(ids)
+        parts = []  # (table, the future of its rows)
+        for name, layer, (key, _) in wants:
+            part: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+            parts.append((name, part))
+            layer.rows_coming(key, part)
 
         def done(f: concurrent.futures.Future[Any]) -> None:
             if f.cancelled():
                 outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-                for out in [values, *(p for *_, p in parts)]:
+                for out in [values, *(p for _, p in parts)]:
                     out.cancel()
             elif (err := f.exception()) is not None:
-                outcomes = [(out, None, err) for out in [values, *(p for *_, p in parts)]]
+                outcomes = [(out, None, err) for out in [values, *(p for _, p in parts)]]
             else:
                 got, rows = f.result()
-                outcomes = [(part, rows[name][start:stop], None) for name, start, stop, part in parts]
+                outcomes = [(part, rows[name], None) for name, part in parts]
                 outcomes.append((values, got, None))
             for out, result, error in outcomes:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its waiter
@@ -1005,8 +1002,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 class PSCallback(StepTimer):
     """Attaches the model to the parameter server when ``fit`` begins; loads the final values when it ends.
 
-    Before each step it sends a learning rate changed by another callback to the shards.
-    Also records throughput: ``steps_per_second`` (steps after the first, which traces the graph).
+    Before each step it sends a learning rate changed by another callback to the shards (with
+    ``compile(steps_per_execution=n)``: before each ``n`` steps, when Keras calls the callbacks).
+    Also records throughput: ``steps`` and ``steps_per_second`` (steps after the first, which
+    traces the graph).
     """
 
     def __init__(self, worker: PSWorker) -> None:
@@ -1014,6 +1013,7 @@ class PSCallback(StepTimer):
         self.worker = worker
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_begin(logs)
         model = self.model
         check_no_jit(model, "parameter-server training")
         optimizer = _unwrap_loss_scale(model.optimizer)
@@ -1022,11 +1022,13 @@ class PSCallback(StepTimer):
         self.worker.begin_fit(model, optimizer)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_batch_begin(batch, logs)
         self.worker.sync_learning_rates()
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        first = self.steps == 0
         super().on_train_batch_end(batch, logs)
-        if self.steps == 1 and not self.worker.optimizers:
+        if first and not self.worker.optimizers:
             raise ValueError(
                 "no psclient.keras.DistributedOptimizer applied gradients in the first step: compile the "
                 "model with DistributedOptimizer(keras_optimizer, worker) (or use it in your train_step)"

@@ -174,3 +174,32 @@ def test_loss_scaling_is_refused(make_cluster, var_name) -> None:
         model.compile(optimizer=opt, loss="mse")
         with pytest.raises(ValueError, match="loss scaling"):
             worker.attach(model)
+
+
+def test_steps_per_execution_trains_exactly_as_one_step_per_call(make_cluster, var_name) -> None:
+    """``compile(steps_per_execution=4)`` (Keras runs 4 steps per call of the step function, and the
+    callbacks once per call): every step still looks up, pushes and counts, with the same result."""
+    import tensorflow as tf
+
+    x, y = _data(8 * 32 + 16)  # 8 full batches and a partial one per epoch: a short last execution
+    results = {}
+    for spe in (1, 4):
+        cluster = make_cluster(num_shards=2)  # the same names: the same initial rows
+        keras.utils.set_random_seed(0)  # the same initial Dense weights
+        with psk.PSWorker(cluster.addresses, overlap=False) as worker:
+            model, emb = _model(worker, var_name)
+            model.compile(
+                optimizer=psk.DistributedOptimizer(keras.optimizers.Adagrad(0.2), worker),
+                loss="mse",
+                steps_per_execution=spe,
+            )
+            ds = psk.prefetch_rows(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), model)
+            cb = worker.callback()
+            hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+            assert worker.step == 2 * 9 and cb.steps == 2 * 9  # every step pushed, and counted
+            rows = worker.client.lookup(emb.table_name, np.unique(x))
+            results[spe] = (hist.history["loss"], rows, model.layers[-1].kernel.numpy())
+        cluster.stop()
+    np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
+    np.testing.assert_allclose(results[4][1], results[1][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(results[4][2], results[1][2], rtol=1e-5, atol=1e-6)
