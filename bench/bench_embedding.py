@@ -140,7 +140,8 @@ def worker_main(args: argparse.Namespace) -> None:
          keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)], name="bench_embedding",
     )  # fmt: skip
     opt = keras.optimizers.Adagrad(0.1, clipnorm=1e9 if args.variant == "dense" else None)
-    model.compile(optimizer=psk.DistributedOptimizer(opt, worker), loss="mse")
+    spe = args.steps_per_execution
+    model.compile(optimizer=psk.DistributedOptimizer(opt, worker), loss="mse", steps_per_execution=spe)
     n = max(1, args.steps // 2) * args.batch_size  # two epochs
     x, y = _examples(args, n)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
@@ -156,7 +157,7 @@ def worker_main(args: argparse.Namespace) -> None:
     end_bytes: dict[str, int] = {}
 
     rss_before_fit = rss_mib(field="VmRSS")
-    steps_seen = [0]
+    steps_seen = [0, 0]  # calls of the step function; steps done by the end of the first call
     shard_pids = [int(p) for p in args.shard_pids.split(",") if p]
     cpu_at: dict[str, list[float]] = {}  # after step 1 and at the end: this worker's CPU s, the shards'
 
@@ -168,9 +169,10 @@ def worker_main(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             steps_seen[0] += 1
-            if steps_seen[0] == 1:
+            if steps_seen[0] == 1:  # cb (before this callback) counted the steps of the first call
                 attach_bytes.update(box)
                 cpu_at["first"] = cpu_now()
+                steps_seen[1] = cb.steps
             end_bytes.update(box)
 
         def on_train_end(self, logs: Any = None) -> None:
@@ -181,13 +183,14 @@ def worker_main(args: argparse.Namespace) -> None:
     fit_seconds = time.perf_counter() - fit_started
     worker.close()
     steps = cb.steps
+    measured = max(1, steps - steps_seen[1])  # the steps after the first call of the step function
     result = {
         "variant": args.variant,
         "index": args.index,
         "steps": steps,
         "steps_per_s": cb.steps_per_second,
-        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / max(1, steps - 1),
-        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / max(1, steps - 1),
+        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / measured,
+        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / measured,
         "setup_bytes": sum(attach_bytes.values()),
         "peak_rss_mib": rss_mib(field="VmHWM"),
         "rss_before_fit_mib": rss_before_fit,
@@ -202,7 +205,7 @@ def worker_main(args: argparse.Namespace) -> None:
         "wall_s": time.perf_counter() - t0,
         # CPU seconds over steps 2..n: this worker's, and the shards' (all workers' load)
         "cpu_s": [b - a for a, b in zip(cpu_at["first"], cpu_at["end"], strict=True)],
-        "measured_steps": max(1, steps_seen[0] - 1),
+        "measured_steps": measured,
     }
     print(_RESULT + json.dumps(result), flush=True)
 
@@ -249,7 +252,13 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
         var.scatter_sub(tf.IndexedSlices(lr * values / (tf.sqrt(tf.gather(acc, ids)) + eps), ids))
 
     @tf.function
-    def step(it: Any) -> Any:
+    def step(it: Any) -> Any:  # steps_per_execution steps per scheduled function, as Keras's fit runs them
+        loss = tf.constant(0.0)
+        for _ in tf.range(args.steps_per_execution):
+            loss = one_step(it)
+        return loss
+
+    def one_step(it: Any) -> Any:
         def replica_fn(xb: Any, yb: Any) -> Any:
             shards = emb.variables if hasattr(emb, "variables") else [emb]
             with tf.GradientTape() as tape:
@@ -268,14 +277,15 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
         xb, yb = next(it)
         return strategy.run(replica_fn, args=(xb, yb))
 
-    for _ in range(20):  # warm-up: tracing, first reads
+    for _ in range(max(1, 20 // args.steps_per_execution)):  # warm-up: tracing, first reads
         coordinator.schedule(step, args=(iterator,))
     coordinator.join()
-    steps = args.steps * args.workers  # as many steps as our workers take together
+    calls = max(1, args.steps * args.workers // args.steps_per_execution)
+    steps = calls * args.steps_per_execution  # as many steps as our workers take together
     pids = [int(p) for p in args.shard_pids.split(",") if p]  # the TF workers' and ps tasks'
     cpu0 = [time.process_time(), *(cpu_seconds(p) for p in pids)]
     t0 = time.perf_counter()
-    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
+    losses = [coordinator.schedule(step, args=(iterator,)) for _ in range(calls)]
     coordinator.join()
     elapsed = time.perf_counter() - t0
     cpu = [b - a for a, b in zip(cpu0, [time.process_time(), *(cpu_seconds(p) for p in pids)], strict=True)]
@@ -295,7 +305,7 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--tf-coordinator", "--addresses", tf_cluster.spec,
                "--workers", str(args.workers), "--rows", str(args.rows), "--dim", str(args.dim),
                "--ids", str(args.ids), "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-               "--variant", "tf-ps", "--shard-pids",
+               "--variant", "tf-ps", "--steps-per-execution", str(args.steps_per_execution), "--shard-pids",
                ",".join(str(tf_cluster.procs[f"{job}:{i}"].pid)
                         for job, n in (("worker", args.workers), ("ps", 2)) for i in range(n))]  # fmt: skip
         t0 = time.perf_counter()
@@ -362,7 +372,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
              "--batch-size", str(args.batch_size),
              "--steps", str(args.dense_steps if variant == "dense" else args.steps),
              "--id-space", str(args.id_space), "--capacity", str(args.capacity), "--zipf", str(args.zipf),
-             "--shard-pids", ",".join(str(p.pid) for p in cluster.procs if p is not None)]
+             "--shard-pids", ",".join(str(p.pid) for p in cluster.procs if p is not None),
+             "--steps-per-execution", str(args.steps_per_execution)]
             for i in range(args.workers)
         ]  # fmt: skip
         procs = [
@@ -548,6 +559,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--dense-steps", type=int, default=12, help="steps of the (slow) dense variant")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=1,
+        help="steps per call of the step function: Keras's compile(steps_per_execution=...) for the "
+        "psclient variants, steps per scheduled function for tf-ps",
+    )
     ap.add_argument("--id-space", type=int, default=10_000_000, help="dynamic variants: ids in the stream")
     ap.add_argument("--capacity", type=int, default=1_000_000, help="dynamic variants: rows of the table")
     ap.add_argument("--zipf", type=float, default=0.9, help="dynamic variants: power-law exponent (< 1)")
