@@ -106,7 +106,13 @@ def family_of(host: str) -> socket.AddressFamily:
 
 
 class Conn:
-    """A plain data connection: the socket, driven by the event loop's ``sock_*`` calls."""
+    """A plain data connection: the (non-blocking) socket, read and written at once when it can be, and
+    through the event loop's ``sock_*`` calls when it has to wait.
+
+    uvloop's ``sock_recv_into`` always registers a reader and waits a loop iteration, even for bytes
+    that have already arrived (a frame's head and payload right after its prefix): a direct
+    ``recv_into`` first saves that, about a third of a small request's cost.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -116,14 +122,22 @@ class Conn:
 
     async def sendall(self, data: Buffer) -> None:
         """Sends every byte of ``data``. Raises: OSError."""
-        await asyncio.get_running_loop().sock_sendall(self.sock, data)
+        view = memoryview(data).cast("B")
+        try:
+            sent = self.sock.send(view)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(view):
+            await asyncio.get_running_loop().sock_sendall(self.sock, view[sent:])
 
     async def recv_exactly(self, view: memoryview) -> None:
         """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError."""
-        loop = asyncio.get_running_loop()
         got, n = 0, len(view)
         while got < n:
-            k = await loop.sock_recv_into(self.sock, view[got:])
+            try:
+                k = self.sock.recv_into(view[got:])
+            except (BlockingIOError, InterruptedError):
+                k = await asyncio.get_running_loop().sock_recv_into(self.sock, view[got:])
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
             got += k
