@@ -176,7 +176,8 @@ def test_loss_scaling_is_refused(make_cluster, var_name) -> None:
             worker.attach(model)
 
 
-def test_steps_per_execution_trains_exactly_as_one_step_per_call(make_cluster, var_name) -> None:
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_steps_per_execution_trains_exactly_as_one_step_per_call(make_cluster, var_name, mode) -> None:
     """``compile(steps_per_execution=4)`` (Keras runs 4 steps per call of the step function, and the
     callbacks once per call): every step still looks up, pushes and counts, with the same result."""
     import tensorflow as tf
@@ -184,7 +185,9 @@ def test_steps_per_execution_trains_exactly_as_one_step_per_call(make_cluster, v
     x, y = _data(8 * 32 + 16)  # 8 full batches and a partial one per epoch: a short last execution
     results = {}
     for spe in (1, 4):
-        cluster = make_cluster(num_shards=2)  # the same names: the same initial rows
+        # The same names: the same initial rows.
+        sync = ("--replicas-to-aggregate", "1", "--total-replicas", "1") if mode == "sync" else ()
+        cluster = make_cluster(num_shards=2, server_args=("--mode", mode, *sync))
         keras.utils.set_random_seed(0)  # the same initial Dense weights
         with psk.PSWorker(cluster.addresses, overlap=False) as worker:
             model, emb = _model(worker, var_name)
