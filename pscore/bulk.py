@@ -39,14 +39,24 @@ PULL: Final[int] = 2
 PUSHED: Final[int] = 3
 PULLED: Final[int] = 4
 ERROR: Final[int] = 5
+LOOKUP: Final[int] = 6
+LOOKED_UP: Final[int] = 7
 HEADS: Final[dict[int, type]] = {
     PUSH: ps_pb2.PushRequest,
     PULL: ps_pb2.PullRequest,
     PUSHED: ps_pb2.PushResponse,
     PULLED: ps_pb2.PullResponse,
     ERROR: ps_pb2.DataPortError,
+    LOOKUP: ps_pb2.LookupRequest,
+    LOOKED_UP: ps_pb2.LookupResponse,
 }
-TENSOR_FIELDS: Final[dict[int, str]] = {PUSH: "grads", PUSHED: "values", PULLED: "values"}
+REQUESTS: Final[dict[int, str]] = {PUSH: "Push", PULL: "Pull", LOOKUP: "Lookup"}  # kind -> the RPC it is
+TENSOR_FIELDS: Final[dict[int, str]] = {
+    PUSH: "grads",
+    PUSHED: "values",
+    PULLED: "values",
+    LOOKED_UP: "values",
+}
 
 _PREFIX: Final = struct.Struct("<BxxxIQ")  # kind, head bytes, payload bytes
 PREFIX_BYTES: Final[int] = _PREFIX.size

@@ -1,4 +1,4 @@
-"""The shard's raw-TCP data port: big pulls and pushes without gRPC's copies, served by the servicer's paths.
+"""The shard's raw-TCP data port: pulls, pushes and lookups without gRPC, served by the servicer's paths.
 
 A client gets the port and a one-time nonce from the ``DataPort`` call (so the
 auth token guards the port too), connects (TLS when the shard serves TLS, with
@@ -16,7 +16,9 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
 - Failures are answered with the status, message and reason the gRPC call
   would have ended with (``ParameterServerServicer.failure``); bytes that are not
   frames end the connection (the shard goes on serving).
-- Metrics count these requests as ``Push`` and ``Pull`` RPCs.
+- A lookup is ``ParameterServerServicer.lookup_rows``, as ``Lookup``; its ids travel in
+  the head, the rows are sent straight from the copy it read.
+- Metrics count these requests as ``Push``, ``Pull`` and ``Lookup`` RPCs.
 
 Shutdown (``stop``): the port stops accepting; connections waiting for a
 request are closed, and a request in progress is answered (up to the grace
@@ -195,7 +197,7 @@ class DataPortServer:
 
     def _receive_into(self, frame: bulk.Frame, nbytes: int, buffers: list[np.ndarray]) -> list[memoryview]:
         """Where a request's payload goes: a push's gradients into a pooled buffer. Raises: CodecError."""
-        if frame.kind not in (bulk.PUSH, bulk.PULL):
+        if frame.kind not in bulk.REQUESTS:
             raise codec.CodecError(f"a request cannot be a frame of kind {frame.kind}")
         if sum(bulk.tensor_sizes(frame.tensors())) != nbytes:
             raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
@@ -208,7 +210,7 @@ class DataPortServer:
     async def _answer(self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None) -> None:
         started = time.perf_counter()
         head = frame.head
-        kind, rpc = (bulk.PUSH, "Push") if frame.kind == bulk.PUSH else (bulk.PULL, "Pull")
+        kind, rpc = frame.kind, bulk.REQUESTS[frame.kind]
         reply: bulk.Frame
         payload: list[memoryview] = []
         code = grpc.StatusCode.OK
@@ -227,6 +229,11 @@ class DataPortServer:
                 answer.values.extend(_described(chunks))
                 payload = [c.data for c in chunks]
                 reply = bulk.Frame(bulk.PUSHED, answer)
+            elif kind == bulk.LOOKUP:
+                rows = await self._servicer.lookup_rows(head, None)
+                rows.header.values.extend(_described(rows.chunks))
+                payload = [c.data for c in rows.chunks]
+                reply = bulk.Frame(bulk.LOOKED_UP, rows.header)
             else:
                 if self._metrics is not None:
                     self._metrics.saw_worker(head.worker_id)
@@ -257,15 +264,17 @@ class DataPortServer:
                 seconds = time.perf_counter() - started
                 if kind == bulk.PUSH:
                     self._metrics.push_done(request, response, code, seconds, rpc)
-                else:
+                elif kind == bulk.PULL:
                     self._metrics.pull_done(request, code, seconds, rpc)
+                else:  # as the Lookup call is counted
+                    self._metrics.rpc_done(rpc, seconds, code)
         sent = sum(len(p) for p in payload)
         try:
             await link.send(reply, payload)
         except PSError as err:  # the client went away; its retry (a push: idempotent) gets a new answer
             log.info("shard %d: data port answer not delivered: %s", self._shard, err.details)
             return
-        if self._metrics is not None and sent:
+        if self._metrics is not None and sent and kind != bulk.LOOKUP:
             self._metrics.pull_bytes.inc(sent)
 
 

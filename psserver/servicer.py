@@ -419,9 +419,18 @@ class ParameterServerServicer:
     async def Lookup(
         self, request: ps_pb2.LookupRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.LookupResponse:
+        return await self.lookup_rows(request, deadline_of(context))
+
+    async def lookup_rows(self, request: ps_pb2.LookupRequest, deadline: float | None) -> codec.WireMessage:
+        """A Lookup's answer (the Lookup call, the data port): the rows of each piece's ids.
+
+        Raises:
+            PSError: as Lookup (NOT_FOUND, INVALID_ARGUMENT for a bad id, an ssp wait's
+                DEADLINE_EXCEEDED, a standby backup's UNAVAILABLE); CodecError.
+        """
         self._serving("Lookup")
         checked = self._lookups(request.ids, "lookup")
-        await self.mode.before_pull(request.worker_id, request.step, deadline_of(context))
+        await self.mode.before_pull(request.worker_id, request.step, deadline)
         self._serving("Lookup")
         rows = [(var.name, *_rows(var, ids)) for var, ids in checked]
         self.store.pulls += 1

@@ -258,6 +258,51 @@ async def test_failures_are_answered_with_the_status_and_message_of_the_grpc_cal
         assert _used_data_port(old)
 
 
+async def test_lookups_over_the_data_port_equal_the_lookup_call(cluster: LocalCluster, var_name: str) -> None:
+    """Every lookup goes over the data port (whatever its size); rows, errors as the Lookup call's."""
+    table = f"{var_name}/t"
+    ids = np.array([[7, 0, 3], [3, 299, 8]])
+    async with (
+        psclient.AsyncPSClient(cluster.addresses, "l-tcp", timeout=CALL_TIMEOUT_S) as tcp,  # the defaults
+        psclient.AsyncPSClient(cluster.addresses, "l-grpc", timeout=CALL_TIMEOUT_S, **GRPC) as rpc,
+    ):
+        await tcp.create_embedding(table, 300, 8, optimizer=psclient.SGD(1.0), initializer="normal")
+        await tcp.push({table: psclient.Rows(np.array([3, 8]), np.ones((2, 8), np.float32))})
+        got, want = await tcp.lookup(table, ids), await rpc.lookup(table, ids)
+        assert got.shape == (2, 3, 8)
+        np.testing.assert_array_equal(got, want)
+        assert _used_data_port(tcp) and not rpc._links
+        # A lookup with a push, where a shard holds rows to read and none of the gradients.
+        _, rows = await tcp.push_pull_lookup(
+            {table: psclient.Rows(np.array([3]), np.ones((1, 8), np.float32))}, {table: [0, 3]}
+        )
+        np.testing.assert_array_equal(rows[table], await rpc.lookup(table, [0, 3]))
+    piece = f"{table}/rows_0"  # even ids
+    link = await _open(cluster.addresses[0])
+    try:
+        async with _stub(cluster.addresses[0]) as call:
+            for what, asked in (("other shard", [3]), ("range", [400]), ("unknown", None)):
+                name = piece if asked is not None else f"{var_name}/nope/rows_0"
+                request = ps_pb2.LookupRequest(ids=[codec.encode(name, np.array(asked or [0]))])
+                answer, _ = await _request(link, bulk.LOOKUP, request)
+                assert answer.kind == bulk.ERROR, what
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call("Lookup", request)
+                assert (answer.head.code, answer.head.message) == (
+                    err.value.code().value[0],
+                    err.value.details(),
+                ), what
+            request = ps_pb2.LookupRequest(ids=[codec.encode(piece, np.array([8, 0]))])
+            answer, payload = await _request(link, bulk.LOOKUP, request)
+            assert answer.kind == bulk.LOOKED_UP and [v.name for v in answer.head.values] == [piece]
+            direct = await call("Lookup", request)
+            np.testing.assert_array_equal(
+                np.frombuffer(payload, np.float32).reshape(2, 8), codec.decode(direct.values[0])
+            )
+    finally:
+        link.reset()
+
+
 # -- modes ------------------------------------------------------------------------------
 
 
