@@ -96,8 +96,9 @@ class AsyncPSClient:
         timeout: deadline of each call, seconds.
         tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
         **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...); ``data_port=False``
-            keeps every transfer on gRPC (by default those of ``data_port_min_bytes``, 256 KiB, or more
-            per shard go over the shard's raw-TCP data port, see ``psclient._bulk``).
+            keeps every transfer on gRPC (by default pulls, pushes and lookups go over the shard's
+            raw-TCP data port, see ``psclient._bulk``; ``data_port_min_bytes=N``: those of N bytes or
+            more per shard, smaller ones over gRPC).
     """
 
     def __init__(
@@ -835,6 +836,7 @@ class AsyncPSClient:
         )
         for chunk in spare:
             add(shard, chunk)
+        self._checkpoint_step = max(self._checkpoint_step, reply.head.checkpoint_step)
         return bool(reply.head.applied)
 
     def _session(self, shard: int) -> _session.PushSession:

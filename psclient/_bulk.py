@@ -1,4 +1,4 @@
-"""Big pulls and pushes over a shard's raw-TCP data port (``pscore.bulk``), with a clean fall back to gRPC.
+"""Pulls, pushes and lookups over a shard's raw-TCP data port (``pscore.bulk``), falling back to gRPC.
 
 Per shard replica a ``DataLink`` keeps a few open data connections. A new one
 costs a ``DataPort`` call (over the shard's authenticated gRPC channel: port and
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S: Final[float] = 3.0  # a data port that does not accept by then is taken as firewalled
 RETRY_AFTER_S: Final[float] = 60.0  # after a failed connection, gRPC only for this long
-MAX_IDLE: Final[int] = 4  # open connections kept per shard replica
+MAX_IDLE: Final[int] = 16  # open connections kept per shard replica (requests in flight at once)
 _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
     {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.FAILED_PRECONDITION}
 )
@@ -85,7 +85,7 @@ class DataLink:
         if not self._said:
             self._said = True
             level = logging.INFO if permanent else logging.WARNING
-            log.log(level, "shard %s: %s; big pulls and pushes go over gRPC", self.address, why)
+            log.log(level, "shard %s: %s; its pulls, pushes and lookups go over gRPC", self.address, why)
         else:
             log.debug("shard %s: %s; gRPC", self.address, why)
 

@@ -18,9 +18,11 @@ from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
 
+GRPC = {"data_port": False}  # by default pushes take the shards' data port; PushSession is gRPC's way
+
 
 async def test_a_failed_push_is_raised_and_the_session_goes_on(cluster: LocalCluster, var_name: str) -> None:
-    async with psclient.AsyncPSClient(cluster.addresses, worker_id="s0", timeout=TIMEOUT_S) as c:
+    async with psclient.AsyncPSClient(cluster.addresses, worker_id="s0", timeout=TIMEOUT_S, **GRPC) as c:
         await c.create(var_name, np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
         assert await c.push({var_name: np.ones(4, np.float32)}) is True
         (shard,) = c._sessions
@@ -37,7 +39,7 @@ async def test_a_failed_push_is_raised_and_the_session_goes_on(cluster: LocalClu
 async def test_concurrent_pushes_of_one_client_are_each_applied_once(
     cluster: LocalCluster, var_name: str
 ) -> None:
-    async with psclient.AsyncPSClient(cluster.addresses, worker_id="s1", timeout=TIMEOUT_S) as c:
+    async with psclient.AsyncPSClient(cluster.addresses, worker_id="s1", timeout=TIMEOUT_S, **GRPC) as c:
         await c.create(var_name, np.zeros(8, np.float32), optimizer=psclient.SGD(1.0))
         results = await asyncio.gather(*(c.push({var_name: np.ones(8, np.float32)}) for _ in range(64)))
         new = await c.push_pull({var_name: np.ones(8, np.float32)})
@@ -48,7 +50,7 @@ async def test_concurrent_pushes_of_one_client_are_each_applied_once(
 def test_pushes_survive_a_shard_restart(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(num_shards=1)
     port = int(cluster.addresses[0].rpartition(":")[2])
-    with psclient.PSClient(cluster.addresses, worker_id="s2", timeout=TIMEOUT_S) as c:
+    with psclient.PSClient(cluster.addresses, worker_id="s2", timeout=TIMEOUT_S, **GRPC) as c:
         c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
         assert c.push({"v": np.ones(4, np.float32)}) is True
         cluster.kill_shard(0)
@@ -74,7 +76,7 @@ async def test_a_shard_without_push_session_gets_unary_pushes(monkeypatch: pytes
     monkeypatch.setattr("psserver.server.ParameterServerServicer", _NoSession)
     shard = await start(ServerConfig(shard=0, port=0))
     try:
-        async with psclient.AsyncPSClient([shard.address], worker_id="s3", timeout=TIMEOUT_S) as c:
+        async with psclient.AsyncPSClient([shard.address], worker_id="s3", timeout=TIMEOUT_S, **GRPC) as c:
             await c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
             assert await c.push({"v": np.ones(4, np.float32)}) is True
             assert await c.push({"v": np.ones(4, np.float32)}) is True
