@@ -16,7 +16,8 @@ shards, trained by ``model.fit`` with ``psclient.keras`` on a 2-shard async clus
   looks up the batch's distinct ids and pushes their gradients (the pushed rows do not
   come back: ``push_pull(return_rows=...)``).
 * ``psk-prefetch``: ``psk`` with ``psclient.keras.prefetch_rows``: the next batch's
-  rows are looked up while the current step computes.
+  rows are read with the current step's push (``push_pull_lookup``: one request per
+  shard a step).
 * ``tf-ps``: TensorFlow's ParameterServerStrategy: 2 ps + ``--workers`` worker
   ``tf.distribute.Server`` processes and a coordinator running a custom loop
   (``ClusterCoordinator.schedule`` of a ``tf.function`` step) on the same model,
@@ -25,6 +26,8 @@ shards, trained by ``model.fit`` with ``psclient.keras`` on a 2-shard async clus
   ps tasks). Keras 3 ``fit`` cannot run on that strategy and tf_keras is not
   installed, so the custom loop is the path measured. Throughput: steps completed by
   all workers per second after 20 warm-up steps; payload bytes are not measured.
+  ``--steps-per-execution n`` runs n steps per scheduled function (as Keras's
+  ``compile(steps_per_execution=n)`` does for the psclient variants).
 
 Dynamic tables (issue 12), run by name (``--variants psk-capacity,psk-dynamic``): an
 id stream drawn by a power law (``P(rank r) ~ (r + 1) ** -zipf``) from ``--id-space``
@@ -45,11 +48,14 @@ bytes per worker-step (tensor bytes through the client: gradients pushed, values
 pulled, rows looked up; framing not counted) against the goal of issue 11,
 ``2 x (rows touched x dim x 4 B) + the dense variables`` (rows touched: the mean
 distinct ids of a batch; the dense variables counted pushed and pulled, 2 x their
-bytes), the worker's peak RSS, and the run's wall time (worker start to exit:
-TensorFlow import, table creation, training).
+bytes), the worker's peak RSS, CPU ms per step (workers and shards: what bounds
+steps/s when every core is busy, as on this 2-core machine), and the run's wall time
+(worker start to exit: TensorFlow import, table creation, training).
 
 Usage:
     python bench/bench_embedding.py --out bench/results/embedding          # embedding.md / .json
+    python bench/bench_embedding.py --steps-per-execution 8 --variants psk,psk-prefetch,tf-ps \
+        --steps 1200 --workers 2 --out bench/results/embedding_spe8          # 8 steps per call
     python bench/bench_embedding.py --rows 100000 --steps 20 --variants psk   # a quick look
     python bench/bench_embedding.py --variants psk-capacity,psk-dynamic --steps 4000 \
         --out bench/results/embedding_dynamic                               # 10M-id stream, 1M rows
@@ -496,6 +502,7 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         f"Model: Embedding {args.rows:,} x {args.dim} (float32, {args.rows * args.dim * 4 / mib:.0f} MiB), "
         f"{args.ids} power-law ids (zipf 1.2) per example mean-pooled, Dense 64 relu, Dense 1; Adagrad(0.1) "
         f"on the shards; batch {args.batch_size}; 2 async shards (overlap on), {args.workers} worker(s); "
+        f"{args.steps_per_execution} step(s) per call of the step function; "
         f"`model.fit` with psclient.keras (`tf-ps`: TensorFlow's ParameterServerStrategy, 2 ps tasks, a "
         f"custom loop). Machine: {json.dumps(cm.machine_note())}",
         "",
@@ -527,19 +534,23 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
     lines += [
         "",
         "Payload bytes are tensor bytes through the client (gradients and ids sent; values, returned rows "
-        "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull_future`, `pull` "
-        "and `lookup`; gRPC framing is not counted. Bytes up to the end of the first step (attach, the "
-        "first pull, the first step's pull of every variable) are the setup column (the chief's table "
-        "creation is not counted: `create_embedding` is not wrapped, and sends no rows for a named "
-        "initializer); the final pull after training is not counted. Loss: the mean of epoch 1 -> epoch 2 "
-        "(`tf-ps`: the first and last measured step). "
+        "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull_future`, "
+        "`push_pull_lookup_future`, `pull` and `lookup`; framing is not counted. Bytes up to the end of "
+        "the first step (attach, the first pull, the first step's pull of every variable) are the setup "
+        "column (the chief's table creation is not counted: `create_embedding` is not wrapped, and "
+        "sends no rows for a named initializer); the final pull after training is not counted. Loss: "
+        "the mean of epoch 1 -> epoch 2 (`tf-ps`: the first and last measured step). "
         "`dense` pushes and pulls the whole table each step; "
         "`keras-table` pushes the batch's rows and gets them back (the worker keeps a whole copy); `psk` "
         "looks up the batch's distinct rows and pushes their gradients (nothing comes back for the table: "
-        "`push_pull(return_rows=...)`); `psk-prefetch` looks the rows up one step ahead. Goal (issue 11): "
+        "`push_pull(return_rows=...)`); `psk-prefetch` (`prefetch_rows`) reads the next batch's rows with "
+        "the step's push (`push_pull_lookup`: one request per shard a step). Goal (issue 11): "
         "rows touched = the mean distinct ids of a batch; the ids themselves, sent with the lookup and "
         "with the push, are what `psk` sends beyond it: counted here as given (8 B each), they travel "
-        "as int32 (4 B) for a fixed table.",
+        "as int32 (4 B) for a fixed table. CPU ms / step: CPU time over the measured steps divided by "
+        "the steps (psclient variants: a worker's own, and the shards' over worker 0's measured steps "
+        "for all the workers' steps in that time; `tf-ps`: the coordinator and the TF workers, and the "
+        "ps tasks): on a machine whose cores are all busy, steps/s follows their sum.",
         "",
         "Peak RSS: the chief (worker 0) with `keras-table` holds Keras's initial table and sends it; with "
         "`psk` the shards make the initial rows (the chief sends none). Every `psk` worker's RSS is the "
