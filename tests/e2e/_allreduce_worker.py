@@ -209,6 +209,57 @@ def s_custom_train_step(worker: Any, rank: int, out: Path) -> dict[str, Any]:
     return fit(model, psk.AllReduceOptimizer(keras.optimizers.Adam(1e-2), worker), worker, rank)
 
 
+def s_two_optimizers(worker: Any, rank: int, out: Path) -> dict[str, Any]:
+    """examples/gan.py's shape: ``compile(a_optimizer=, b_optimizer=)`` (no compiled AllReduceOptimizer),
+    and a train_step that applies each to its own sub-model's variables, one after the other."""
+    import keras
+    import tensorflow as tf
+
+    import psclient.keras as psk
+
+    class TwoParts(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            dense = keras.layers.Dense
+            self.a = keras.Sequential([keras.Input((4,)), dense(16, activation="relu")], name="a")
+            self.b = keras.Sequential([keras.Input((16,)), dense(2)], name="b")
+            self.loss_tracker = keras.metrics.Mean(name="loss")
+
+        def compile(self, a_optimizer: Any, b_optimizer: Any) -> None:
+            super().compile(jit_compile=False)
+            self.a_optimizer, self.b_optimizer = a_optimizer, b_optimizer
+
+        @property
+        def metrics(self) -> list[Any]:
+            return [self.loss_tracker]
+
+        def call(self, x: Any, training: bool = False) -> Any:
+            return self.b(self.a(x))
+
+        def train_step(self, data: Any) -> dict[str, Any]:
+            x, y = data
+            for part, opt in ((self.b, self.b_optimizer), (self.a, self.a_optimizer)):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean((self(x, training=True) - y) ** 2)
+                grads = tape.gradient(loss, part.trainable_weights)
+                opt.apply_gradients(zip(grads, part.trainable_weights, strict=True))
+            self.loss_tracker.update_state(loss)
+            return {"loss": self.loss_tracker.result()}
+
+    keras.utils.set_random_seed(100 + rank)
+    model = TwoParts()
+    model.compile(
+        a_optimizer=psk.AllReduceOptimizer(keras.optimizers.Adam(1e-2), worker),
+        b_optimizer=psk.AllReduceOptimizer(keras.optimizers.Adam(1e-2), worker),
+    )
+    x, y = rank_data(rank)
+    hist = model.fit(x, y, batch_size=S_BATCH, epochs=S_EPOCHS, shuffle=False, verbose=0,
+                     callbacks=[worker.callback()])  # fmt: skip
+    iterations = [int(o.iterations.numpy()) for o in (model.a_optimizer, model.b_optimizer)]
+    return {"losses": [float(v) for v in hist.history["loss"]], "in_sync": worker.weights_in_sync(model),
+            "iterations": iterations, "steps": worker.steps_done}  # fmt: skip
+
+
 def s_lazy(worker: Any, rank: int, out: Path) -> dict[str, Any]:
     """Horovod's Keras MNIST example's shape: a Sequential without Input, built by fit's first step."""
     import keras
@@ -374,6 +425,7 @@ def scenarios() -> dict[str, Callable[[Any, int, Path], dict[str, Any]]]:
         "batchnorm_fit": s_batchnorm_fit,
         "batchnorm_tape": s_batchnorm_tape,
         "custom_train_step": s_custom_train_step,
+        "two_optimizers": s_two_optimizers,
         "lazy": s_lazy,
         "scalar_variable": s_scalar_variable,
         "loss_scale_outer": s_loss_scale_outer,

@@ -200,6 +200,15 @@ def test_batchnorm_statistics_are_averaged_so_replicas_stay_identical(scenarios:
         assert any(abs(m) > 1e-3 for m in ranks[0]["moving_mean"])  # the statistics did move
 
 
+def test_a_train_step_with_two_optimizers_keeps_replicas_identical(scenarios: Any) -> None:
+    """A GAN's shape (examples/gan.py): each optimizer all-reduces its own part's gradients every step."""
+    ranks = _ranks(scenarios, "two_optimizers")
+    _loss_goes_down("two_optimizers", ranks)
+    for r in ranks:
+        assert r["iterations"] == [w.S_EPOCHS * w.S_STEPS] * 2, r  # each optimizer applied every step
+        assert r["steps"] >= 2 * w.S_EPOCHS * w.S_STEPS, r  # an all-reduce for each
+
+
 def test_lazily_built_model_is_broadcast_after_the_first_step(scenarios: Any) -> None:
     _ranks(scenarios, "lazy")  # a Sequential without Input, different seeds per rank; the callback checks
 
