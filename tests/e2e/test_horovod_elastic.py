@@ -1,9 +1,8 @@
 """Horovod's elastic Keras example (examples/horovod/tensorflow2_keras_mnist_elastic.py) under psrun --min-np.
 
 Three ranks train; one is SIGKILLed in the middle of a step. The other two must finish on a ring of
-two, with identical weights, and reach the accuracy of a job on the ring they finish on, two ranks,
-without a failure (seeded alike; the learning rate and steps per epoch follow the ring's size, as in
-Horovod's example). Measured: 0.933 after the failure, 0.939 on two ranks, 0.926 on three.
+two, with identical weights, and reach the accuracy of the same job without the failure (both jobs
+seeded alike, so they differ only by the failure).
 """
 
 from __future__ import annotations
@@ -29,9 +28,9 @@ ACCURACY_GAP = 0.02  # the issue's bound: within 2 points of the run without the
 
 
 def _elastic_job(
-    cwd: Path, ranks: int, extra: dict[str, str]
+    cwd: Path, extra: dict[str, str]
 ) -> tuple[subprocess.CompletedProcess[str], dict[int, tuple[int, float]]]:
-    cmd = [sys.executable, "-m", "trainer.psrun", "-np", str(ranks), "--min-np", "2",
+    cmd = [sys.executable, "-m", "trainer.psrun", "-np", "3", "--min-np", "2",
            "--timeout", str(RUN_TIMEOUT_S - 20), sys.executable, str(PROBE), str(EXAMPLE)]  # fmt: skip
     env = {**os.environ, **SHORT, **extra, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
@@ -47,10 +46,10 @@ def _elastic_job(
 def test_elastic_keras_example_survives_a_killed_rank(tmp_path: Path) -> None:
     (tmp_path / "ok").mkdir()
     (tmp_path / "killed").mkdir()
-    _, reference = _elastic_job(tmp_path / "ok", 2, {})
-    proc, survivors = _elastic_job(tmp_path / "killed", 3, KILL)
+    _, reference = _elastic_job(tmp_path / "ok", {})
+    proc, survivors = _elastic_job(tmp_path / "killed", KILL)
 
-    assert sorted(reference) == [0, 1] and len({crc for crc, _ in reference.values()}) == 1, reference
+    assert sorted(reference) == [0, 1, 2] and len({crc for crc, _ in reference.values()}) == 1, reference
     # Worker 1 died by SIGKILL; the two others re-formed a ring of two (re-ranked 0 and 1) and finished.
     assert "worker 1 exited with status -9" in proc.stderr, proc.stderr[-4000:]
     assert re.search(r"ring generation 2: 2 ranks \(workers 0, 2\)", proc.stderr), proc.stderr[-4000:]
