@@ -258,7 +258,7 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
         var.scatter_sub(tf.IndexedSlices(lr * values / (tf.sqrt(tf.gather(acc, ids)) + eps), ids))
 
     @tf.function
-    def step(it: Any) -> Any:  # steps_per_execution steps per scheduled function, as Keras's fit runs them
+    def steps(it: Any) -> Any:  # steps_per_execution steps per scheduled function, as Keras's fit runs them
         loss = tf.constant(0.0)
         for _ in tf.range(args.steps_per_execution):
             loss = one_step(it)
@@ -283,6 +283,7 @@ def tf_coordinator_main(args: argparse.Namespace) -> None:
         xb, yb = next(it)
         return strategy.run(replica_fn, args=(xb, yb))
 
+    step = steps if args.steps_per_execution > 1 else tf.function(one_step)  # 1: no loop around it
     for _ in range(max(1, 20 // args.steps_per_execution)):  # warm-up: tracing, first reads
         coordinator.schedule(step, args=(iterator,))
     coordinator.join()
