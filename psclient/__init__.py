@@ -3,7 +3,7 @@
 from psclient._async_client import AsyncPSClient
 from psclient._sync_client import PSClient
 from psclient.config import ClientConfig
-from pscore.embedding import Rows
+from pscore.embedding import Regularizer, Rows
 from pscore.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -71,6 +71,7 @@ __all__ = [
     "PSError",
     "PermissionDeniedError",
     "RMSprop",
+    "Regularizer",
     "ResourceExhaustedError",
     "Rows",
     "UnauthenticatedError",

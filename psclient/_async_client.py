@@ -885,6 +885,7 @@ class AsyncPSClient:
         eviction: str = "lru",
         ttl_steps: int | None = None,
         ttl_seconds: float | None = None,
+        regularizer: embedding.Regularizer | None = None,
     ) -> bool:
         """Creates an embedding table of ``num_rows`` rows of ``dim``, spread by row over every shard.
 
@@ -938,6 +939,9 @@ class AsyncPSClient:
                 updated first) or ``"lfu"`` (fewest updates first).
             ttl_steps, ttl_seconds: dynamic tables: remove rows not updated for this
                 many pushes to the table, or seconds (None: never).
+            regularizer: an L1/L2 regularizer the shards apply to the rows
+                (``psclient.Regularizer``: the rows each push touches, or with
+                ``every_row=True`` every row, fixed-size tables only); None: none.
 
         Returns:
             True if this call created the table.
@@ -984,10 +988,13 @@ class AsyncPSClient:
         except ValueError as err:
             raise InvalidArgumentError(str(err)) from None
         wanted = optimizer.to_proto()
+        reg = _regularizer_proto(name, regularizer, dynamic)
         if dynamic:
             options = _dynamic_options(
                 name, dim, initializer, key_type, capacity, min_count, eviction, ttl_steps, ttl_seconds
             )
+            if reg is not None:
+                options.regularizer.CopyFrom(reg)
             return await self._create_dynamic(name, dim, dt, wanted, options)
         if (key_type, capacity, min_count, eviction, ttl_steps, ttl_seconds) != (
             "int64",
@@ -1010,6 +1017,7 @@ class AsyncPSClient:
                     not info.spec.HasField("table")
                     or (t.num_rows, t.dim) != (num_rows, dim)
                     or (codec.numpy_dtype(info.spec.dtype) != dt or info.spec.optimizer != wanted)
+                    or (t.regularizer if t.HasField("regularizer") else None) != reg
                 ):
                     raise AlreadyExistsError(
                         f"{name!r} already exists with a different spec: "
@@ -1036,6 +1044,8 @@ class AsyncPSClient:
                     table=name, num_rows=num_rows, dim=dim, index=piece.index, count=piece.count, rows=rows
                 ),
             )
+            if reg is not None:
+                spec.table.regularizer.CopyFrom(reg)
             if not callable(initializer):  # the shard makes the rows: nothing to compute or send here
                 kind, args = embedding.initializer_args(initializer)
                 spec.table.initializer.CopyFrom(ps_pb2.RowInitializer(name=kind, args=args))
@@ -1516,6 +1526,30 @@ _KEY_NAMES = {
 }
 _EVICTIONS = {"lru": ps_pb2.EVICTION_LRU, "lfu": ps_pb2.EVICTION_LFU}
 _MAX_MIN_COUNT = (1 << 16) - 1  # the shards' admission counters are 16-bit
+
+
+def _regularizer_proto(
+    name: str, regularizer: embedding.Regularizer | None, dynamic: bool
+) -> ps_pb2.RowRegularizer | None:
+    """The wire form of a table's regularizer (None for none, or one with zero weights).
+
+    Raises:
+        InvalidArgumentError: not a ``psclient.Regularizer``, or ``every_row`` on a dynamic table.
+    """
+    if regularizer is None:
+        return None
+    if not isinstance(regularizer, embedding.Regularizer):
+        raise InvalidArgumentError(
+            f"table {name!r}: regularizer must be a psclient.Regularizer, got {regularizer!r}"
+        )
+    if regularizer.every_row and dynamic:
+        raise InvalidArgumentError(
+            f"dynamic table {name!r}: the regularizer applies to the rows each push touches "
+            "(every_row is for tables of fixed size)"
+        )
+    if not (regularizer.l1 or regularizer.l2):
+        return None
+    return ps_pb2.RowRegularizer(l1=regularizer.l1, l2=regularizer.l2, every_row=regularizer.every_row)
 
 
 def _dynamic_options(

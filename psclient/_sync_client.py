@@ -11,7 +11,7 @@ import numpy as np
 from psclient._async_client import AsyncPSClient, Tensors
 from psclient._loop import BackgroundLoop
 from psclient.config import ClientConfig
-from pscore.embedding import Initializer
+from pscore.embedding import Initializer, Regularizer
 from pscore.optimizers import Optimizer
 from psproto.v1 import ps_pb2
 
@@ -138,13 +138,14 @@ class PSClient:
         eviction: str = "lru",
         ttl_steps: int | None = None,
         ttl_seconds: float | None = None,
+        regularizer: Regularizer | None = None,
     ) -> bool:
         """Creates an embedding table spread by row (``num_rows=None``: a dynamic hash table); see
         ``AsyncPSClient.create_embedding``."""
         coro = self._async.create_embedding(
             name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer,
             key_type=key_type, capacity=capacity, min_count=min_count, eviction=eviction,
-            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds,
+            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds, regularizer=regularizer,
         )  # fmt: skip
         return bool(self._run(coro))
 

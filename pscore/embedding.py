@@ -63,6 +63,49 @@ class Rows:
     values: Any
 
 
+@dataclass(frozen=True, slots=True)
+class Regularizer:
+    """An L1/L2 regularizer of a table's rows, applied by the shards (Keras's ``embeddings_regularizer``).
+
+    Its gradient ``l1 * sign(w) + 2 * l2 * w`` is added to a row's gradient before the
+    optimizer's rule, on the shard that holds the row, so a regularized table still
+    sends only the rows a step touches. Which rows get it on each update:
+
+    - ``every_row=False`` (the default, the *lazy* rule of embedding systems): the rows the
+      update touches. Costs nothing extra; a row no batch reads is not decayed.
+    - ``every_row=True`` (*exact*): every row of the table, as a dense Keras update with
+      the regularizer in the loss does; the shard then updates its whole piece on every
+      push (fixed-size tables only).
+
+    Example:
+        c.create_embedding("users", 10**6, 32, regularizer=psclient.Regularizer(l2=1e-6))
+
+    >>> Regularizer(l2=0.5).gradient(np.array([[1.0, -2.0]], np.float32))
+    array([[ 1., -2.]], dtype=float32)
+    """
+
+    l1: float = 0.0
+    l2: float = 0.0
+    every_row: bool = False
+
+    def __post_init__(self) -> None:
+        for field in ("l1", "l2"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float | np.floating) or not np.isfinite(value) or value < 0:
+                raise ValueError(f"Regularizer: `{field}` must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, field, float(value))
+        object.__setattr__(self, "every_row", bool(self.every_row))
+
+    def gradient(self, rows: np.ndarray) -> np.ndarray:
+        """The regularizer's gradient at ``rows`` (same shape and dtype)."""
+        out = np.zeros_like(rows)
+        if self.l1:
+            out += rows.dtype.type(self.l1) * np.sign(rows)
+        if self.l2:
+            out += rows.dtype.type(2.0 * self.l2) * rows
+        return out
+
+
 def ids_name(stored: str) -> str:
     """The wire name of a row gradient's ids for table piece ``stored``."""
     return stored + IDS_SUFFIX

@@ -48,6 +48,7 @@ from typing import ClassVar, Final
 import numpy as np
 
 from pscore import optimizers as specs
+from pscore.embedding import Regularizer
 from psproto.v1 import ps_pb2
 
 __all__ = [
@@ -237,6 +238,7 @@ class ServerOptimizer(abc.ABC):
         grad: np.ndarray,
         slots: dict[str, np.ndarray],
         iteration: int,
+        regularizer: Regularizer | None = None,
     ) -> np.ndarray:
         """Applies a row-sparse gradient: returns the new values of ``rows`` (the caller writes them back).
 
@@ -255,6 +257,8 @@ class ServerOptimizer(abc.ABC):
             grad: their gradients, shape ``[n, dim]``.
             slots: the piece's slots, updated in place at ``rows``.
             iteration: pushes applied to this table before this one.
+            regularizer: the table's; its gradient at the rows' current values is added to
+                ``grad`` first (before clipping, as Keras adds a regularizer's term to the loss).
 
         Raises:
             ValueError: see ``check_rows``, or mismatched shapes.
@@ -274,6 +278,9 @@ class ServerOptimizer(abc.ABC):
         shaped = set(self.slot_names())
         gathered = {k: (a[rows] if k in shaped else a) for k, a in slots.items()}
         with np.errstate(all="ignore"):
+            if regularizer is not None:
+                w = v.astype(compute, copy=False)
+                grad = (grad.astype(compute, copy=False) + regularizer.gradient(w)).astype(dtype, copy=False)
             if c.clipvalue is not None:
                 grad = np.clip(grad, -c.clipvalue, c.clipvalue).astype(dtype, copy=False)
             if c.weight_decay is not None:

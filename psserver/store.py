@@ -570,24 +570,27 @@ class Store:
 
     async def _apply_rows(self, var: Variable, grad: tables.RowGrad, now: float) -> int:
         """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
+        reg = tables.regularizer(var.spec)
         if var.dyn is not None:
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
             if values.nbytes > self.inline_apply_bytes:  # only ``rows`` are touched meanwhile
                 new = await asyncio.to_thread(
-                    var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations
+                    var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
                 )
             else:
-                new = var.optimizer.apply_rows(var.value, rows, values, var.slots, var.iterations)
+                new = var.optimizer.apply_rows(var.value, rows, values, var.slots, var.iterations, reg)
             return self._write_rows(var, var.value, rows, new)
-        rows = tables.local_rows(var.spec, grad.ids)
+        rows, values = tables.rows_to_update(
+            var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
+        )
         value = var.value
-        if grad.nbytes > self.inline_apply_bytes:
+        if values.nbytes > self.inline_apply_bytes:
             new = await asyncio.to_thread(
-                var.optimizer.apply_rows, value, rows, grad.values, var.slots, var.iterations
+                var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
             )
         else:
-            new = var.optimizer.apply_rows(value, rows, grad.values, var.slots, var.iterations)
+            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
         if not value.flags.writeable:  # frozen (created, restored, assigned): copy once, then in place
             if value.nbytes > self.inline_apply_bytes:
                 value = await asyncio.to_thread(np.array, value, copy=True)
@@ -640,15 +643,20 @@ class Store:
         """
         if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
+            reg = tables.regularizer(var.spec)
             if var.dyn is not None:
                 now = time.time() if now is None else now
                 rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
-                new = var.optimizer.apply_rows(var.value, rows, grad.values[keep], var.slots, var.iterations)
+                new = var.optimizer.apply_rows(
+                    var.value, rows, grad.values[keep], var.slots, var.iterations, reg
+                )
                 self.changes += 1
                 return self._write_rows(var, var.value, rows, new)
-            rows = tables.local_rows(var.spec, grad.ids)
+            rows, values = tables.rows_to_update(
+                var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
+            )
             value = var.value if var.value.flags.writeable else var.value.copy()
-            new = var.optimizer.apply_rows(value, rows, grad.values, var.slots, var.iterations)
+            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
             self.changes += 1
             return self._write_rows(var, value, rows, new)
         value, version = var.state
@@ -1039,6 +1047,7 @@ def _check_table(
         optimizer.check_rows()
     except ValueError as err:
         raise InvalidArgumentError(f"table {t.table!r}: {err}") from None
+    tables.regularizer(spec)
 
 
 def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray | None) -> Variable:
@@ -1057,6 +1066,7 @@ def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray
         optimizer.check_rows()
     except ValueError as err:
         raise InvalidArgumentError(f"table {config.table!r}: {err}") from None
+    tables.regularizer(spec)
     rows = dynamic.DynamicRows(config, dtype)
     storage, slots = rows.new_storage(optimizer)
     return Variable(

@@ -51,6 +51,44 @@ def made_here(spec: ps_pb2.VariableSpec) -> bool:
     return spec.HasField("table") and spec.table.HasField("initializer")
 
 
+def regularizer(spec: ps_pb2.VariableSpec) -> embedding.Regularizer | None:
+    """A table piece's regularizer (``TableRows.regularizer`` / ``DynamicTable.regularizer``), or None.
+
+    Raises:
+        InvalidArgumentError: a negative or non-finite weight, or ``every_row`` on a dynamic table.
+    """
+    if spec.HasField("table"):
+        msg = spec.table.regularizer if spec.table.HasField("regularizer") else None
+    elif spec.HasField("dynamic"):
+        msg = spec.dynamic.regularizer if spec.dynamic.HasField("regularizer") else None
+    else:
+        return None
+    if msg is None:
+        return None
+    try:
+        reg = embedding.Regularizer(l1=msg.l1, l2=msg.l2, every_row=msg.every_row)
+    except ValueError as err:
+        raise InvalidArgumentError(f"table {table_name(spec)!r}: {err}") from None
+    if reg.every_row and spec.HasField("dynamic"):
+        raise InvalidArgumentError(
+            f"table {table_name(spec)!r}: a dynamic table's regularizer applies to the rows each push "
+            "touches (every_row is for tables of fixed size)"
+        )
+    return reg if reg.l1 or reg.l2 else None
+
+
+def rows_to_update(
+    spec: ps_pb2.VariableSpec, rows: np.ndarray, values: np.ndarray, reg: embedding.Regularizer | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The local rows an update of ``rows`` changes, and their gradients: those rows, or with an
+    ``every_row`` regularizer every row of the piece (zero gradient where nothing was pushed)."""
+    if reg is None or not reg.every_row:
+        return rows, values
+    full = np.zeros((int(spec.table.rows), values.shape[1]), values.dtype)
+    full[rows] = values
+    return np.arange(full.shape[0], dtype=np.int64), full
+
+
 def row_initializer(init: ps_pb2.RowInitializer) -> str | tuple[Any, ...]:
     """The ``pscore.embedding.init_rows`` initializer of a wire ``RowInitializer`` ("" is "uniform")."""
     name = init.name or "uniform"

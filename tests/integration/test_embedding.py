@@ -455,3 +455,43 @@ def test_ssp_mode_applies_row_pushes(make_cluster: Any, var_name: str) -> None:
             new = c.push_pull({var_name: psclient.Rows([step, 3], np.ones((2, 1), np.float32))}, step=step)
             np.testing.assert_array_equal(new[var_name].ids, [step, 3])
         np.testing.assert_array_equal(c.lookup(var_name, np.arange(4), step=3), [[-1], [-1], [-1], [-3]])
+
+
+@pytest.mark.parametrize("every_row", [False, True])
+def test_a_tables_regularizer_runs_on_the_shards(
+    client: psclient.PSClient, var_name: str, every_row: bool
+) -> None:
+    reg = psclient.Regularizer(l1=0.01, l2=0.25, every_row=every_row)
+    assert client.create_embedding(
+        var_name, 5, 2, initializer="ones", optimizer=psclient.SGD(0.5), regularizer=reg
+    )
+    client.push({var_name: psclient.Rows(np.array([1, 4]), np.ones((2, 2), np.float32))})
+    # hand-computed SGD(0.5) on w = 1: w - 0.5 * (g + 0.01 * sign(w) + 2 * 0.25 * w)
+    pushed, untouched = 1 - 0.5 * (1 + 0.01 + 0.5), 1 - 0.5 * (0.01 + 0.5)
+    expected = np.ones((5, 2), np.float32)
+    expected[[1, 4]] = pushed
+    if every_row:
+        expected[[0, 2, 3]] = untouched
+    np.testing.assert_allclose(client.pull([var_name])[var_name], expected, rtol=1e-6)
+    with pytest.raises(psclient.AlreadyExistsError, match="different spec"):
+        client.create_embedding(var_name, 5, 2, initializer="ones", optimizer=psclient.SGD(0.5))
+    assert (
+        client.create_embedding(
+            var_name, 5, 2, initializer="ones", optimizer=psclient.SGD(0.5), regularizer=reg
+        )
+        is False
+    )
+
+
+def test_a_dynamic_tables_regularizer_applies_to_the_pushed_rows(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    with pytest.raises(psclient.InvalidArgumentError, match="every_row is for tables of fixed size"):
+        client.create_embedding(var_name, None, 2, regularizer=psclient.Regularizer(l2=0.1, every_row=True))
+    reg = psclient.Regularizer(l2=0.25)
+    client.create_embedding(
+        var_name, None, 2, initializer="ones", optimizer=psclient.SGD(0.5), regularizer=reg
+    )
+    client.push({var_name: psclient.Rows(np.array([12345]), np.ones((1, 2), np.float32))})
+    # the row starts at its initializer's value (1) on its first push: 1 - 0.5 * (1 + 2 * 0.25 * 1)
+    np.testing.assert_allclose(client.lookup(var_name, np.array([12345])), [[0.25, 0.25]], rtol=1e-6)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pscore import embedding, placement
-from pscore.errors import InvalidArgumentError, ResourceExhaustedError
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import SGD, Adagrad, Adam, Lamb
 from psproto.v1 import ps_pb2
 from psserver import optimizers, tables
@@ -213,3 +213,61 @@ async def test_a_piece_too_big_for_the_machine_is_refused_before_anything_is_all
         await Store().make_rows([spec])
     with pytest.raises(ResourceExhaustedError, match="use more shards"):
         Store().create([spec], {})
+
+
+def test_regularizer_gradient_is_keras_l1_l2() -> None:
+    w = np.array([[0.5, -2.0, 0.0]], np.float32)
+    # hand-computed: l1 * sign(w) + 2 * l2 * w
+    np.testing.assert_allclose(
+        embedding.Regularizer(l1=0.1, l2=0.25).gradient(w), [[0.1 + 0.25, -0.1 - 1.0, 0.0]], rtol=1e-6
+    )
+    for bad in (-1.0, float("nan"), float("inf"), "0.1"):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            embedding.Regularizer(l2=bad)  # type: ignore[arg-type]
+
+
+def test_sparse_rule_adds_the_regularizer_gradient_of_the_touched_rows_before_the_rule() -> None:
+    opt = optimizers.from_config(SGD(0.5))
+    value = np.arange(8, dtype=np.float32).reshape(4, 2)
+    grad = np.ones((1, 2), np.float32)
+    new = opt.apply_rows(value, np.array([2]), grad, {}, 0, embedding.Regularizer(l2=0.1))
+    # hand-computed: w - 0.5 * (g + 2 * 0.1 * w) for row 2 = [4, 5]
+    np.testing.assert_allclose(new, [[4 - 0.5 * (1 + 0.8), 5 - 0.5 * (1 + 1.0)]], rtol=1e-6)
+
+
+def _regularized(reg: embedding.Regularizer) -> ps_pb2.VariableSpec:
+    spec = _table_spec("t", 6, 2, 0, 2)  # rows 0, 2, 4
+    spec.table.regularizer.CopyFrom(ps_pb2.RowRegularizer(l1=reg.l1, l2=reg.l2, every_row=reg.every_row))
+    return spec
+
+
+@pytest.mark.parametrize("every_row", [False, True])
+async def test_store_applies_a_tables_regularizer_lazily_or_to_every_row(every_row: bool) -> None:
+    reg = embedding.Regularizer(l2=0.25, every_row=every_row)
+    spec = _regularized(reg)
+    start = np.arange(6, dtype=np.float32).reshape(3, 2) + 1
+    store = Store()
+    store.create([spec], {spec.name: start})
+    var = store.get(spec.name)
+    grad = tables.RowGrad(np.array([2]), np.ones((1, 2), np.float32))
+    await store.apply(store.validate_grads({spec.name: grad}))
+    # SGD(1.0): w - (g + 0.5 * w) on the pushed row (local row 1); every_row: -(0.5 * w) on the others too
+    expected = start.copy()
+    expected[1] = start[1] - (1 + 0.5 * start[1])
+    if every_row:
+        expected[[0, 2]] = start[[0, 2]] * 0.5
+    np.testing.assert_allclose(var.value, expected, rtol=1e-6)
+    backup = Store()  # a backup replays it to the same rows
+    backup.create([spec], {spec.name: start})
+    backup.apply_one(backup.get(spec.name), grad)
+    np.testing.assert_array_equal(backup.get(spec.name).value, var.value)
+    # The regularizer is part of the table's identity.
+    with pytest.raises(AlreadyExistsError, match="different spec"):
+        store.create([_regularized(embedding.Regularizer(l2=0.5, every_row=every_row))], {spec.name: start})
+
+
+def test_store_refuses_bad_regularizers() -> None:
+    spec = _table_spec("t", 6, 2, 0, 2)
+    spec.table.regularizer.l2 = -1.0
+    with pytest.raises(InvalidArgumentError, match=r"table .t..*finite number >= 0"):
+        Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
