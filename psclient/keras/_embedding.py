@@ -134,6 +134,9 @@ class Embedding(keras.layers.Layer):
         embeddings_initializer: ``"uniform"`` (Keras's default, U(-0.05, 0.05)), ``"normal"``,
             ``"zeros"``, ``"ones"``, ``RandomUniform`` / ``RandomNormal``, or a callable
             ``f(row_ids, dim, dtype)`` deterministic per row (fixed tables only).
+        embeddings_regularizer: an L1, L2 or L1L2 regularizer (``keras.regularizers.l2(1e-6)``),
+            applied by the shards to the rows (``PSWorker(table_regularization=...)``: the rows
+            each step touches, or every row of a fixed table).
         key_type: dynamic tables: ``"int64"`` (integer inputs) or ``"string"`` (``tf.string``
             inputs: raw feature values).
         capacity, min_count, eviction, ttl_steps, ttl_seconds: dynamic tables: as
@@ -162,6 +165,7 @@ class Embedding(keras.layers.Layer):
         worker: PSWorker,
         optimizer: Any = None,
         embeddings_initializer: Any = "uniform",
+        embeddings_regularizer: Any = None,
         key_type: str = "int64",
         capacity: int | None = None,
         min_count: int = 1,
@@ -194,6 +198,8 @@ class Embedding(keras.layers.Layer):
         self.worker = worker
         self.server_optimizer: Optimizer | None = None if optimizer is None else server_optimizer(optimizer)
         self.initializer = _row_initializer(embeddings_initializer)
+        # L1 / L2 / L1L2, applied by the shards to the rows (PSWorker's table_regularization)
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self._pending: list[tuple[Any, Any, Any]] = []  # (graph, ids, row gradients) of backward passes
         self._prefetched = _Prefetched()
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -72,9 +73,9 @@ from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
 from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.keras._naming import model_variable_names
-from pscore.embedding import Rows
+from pscore.embedding import Regularizer, Rows
 from pscore.errors import DeadlineExceededError, InvalidArgumentError, PSError
-from pscore.optimizers import SGD, Optimizer, optimizer_from_config
+from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_config
 from pscore.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,48 @@ def _remote_tables(model: keras.Model) -> dict[int, Any]:
     }
 
 
+def _nbytes(x: Any) -> int:
+    """Payload bytes of a dense array or of ``Rows`` (ids and values)."""
+    if isinstance(x, Rows):
+        return int(np.asarray(x.ids).nbytes + np.asarray(x.values).nbytes)
+    return int(np.asarray(x).nbytes)
+
+
+def _flatten(model: keras.Model) -> list[Any]:
+    """A model's layers, nested ones included."""
+    return list(model._flatten_layers()) if hasattr(model, "_flatten_layers") else list(model.layers)
+
+
+def _row_optimizer(optimizer: Any) -> Optimizer | None:
+    """The server-side spec of ``optimizer`` when the shards can apply it to a table row by row, else None."""
+    if optimizer is None:
+        return None
+    try:
+        spec = server_optimizer(optimizer)
+    except (TypeError, ValueError):
+        return None
+    whole = isinstance(spec, Adafactor | Lamb) or spec.clipnorm is not None
+    return None if whole or spec.gradient_accumulation_steps else spec
+
+
+def _shard_regularizer(regularizer: Any, *, every_row: bool) -> Regularizer | None:
+    """The shards' form of a Keras ``L1``, ``L2`` or ``L1L2`` regularizer; None for none or another kind."""
+    if regularizer is None:
+        return None
+    regularizer = keras.regularizers.get(regularizer)
+    if type(regularizer) not in (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2):
+        return None
+    l1 = float(getattr(regularizer, "l1", 0.0) or 0.0)
+    l2 = float(getattr(regularizer, "l2", 0.0) or 0.0)
+    return Regularizer(l1=l1, l2=l2, every_row=every_row)
+
+
+def _is_built(model: keras.Model) -> bool:
+    """Whether a model and its layers are built (Keras builds a subclassed model, or a ``Sequential``
+    without ``Input``, on its first call: in ``fit``, when the train step is first traced)."""
+    return bool(model.built and model.variables) and all(layer.built for layer in model._flatten_layers())
+
+
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
     """Whether a stored ``OptimizerSpec`` equals ``spec`` except for a constant learning rate."""
     mine = spec.to_proto()
@@ -200,6 +243,10 @@ class PSWorker:
         worker_id: the id the shards know this worker by (default ``worker<index>``); unique per worker.
         client: an existing ``PSClient`` to use (its addresses win).
         attach_timeout: seconds a non-chief worker waits for the chief to create the variables.
+        table_regularization: where an ``Embedding``'s L1/L2 ``embeddings_regularizer`` applies, on
+            the shards that hold the rows (the table never travels whole): ``"lazy"`` (default) to
+            the rows each step touches, as embedding systems do; ``"exact"`` to every row on every
+            update, as local Keras does (each shard then updates its whole piece per push).
         **client_options: ``PSClient`` arguments (``timeout``, ``auth_token``, TLS paths, ...).
 
     Not thread-safe: one worker per training loop.
@@ -219,10 +266,14 @@ class PSWorker:
         worker_id: str | None = None,
         client: PSClient | None = None,
         attach_timeout: float = 120.0,
+        table_regularization: str = "lazy",
         **client_options: Any,
     ) -> None:
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if table_regularization not in ("lazy", "exact"):
+            raise ValueError(f"table_regularization must be 'lazy' or 'exact', got {table_regularization!r}")
+        self.table_regularization = table_regularization
         worker_index, num_workers = _worker_from_tf_config(worker_index, num_workers)
         if not 0 <= worker_index < max(1, num_workers):
             raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
@@ -244,11 +295,17 @@ class PSWorker:
         self.step = 0  # sync: the global step; async/ssp: this worker's clock (steps pushed)
         self.stale_steps = 0  # sync: gradients the shards dropped as stale
         self.steps_done = 0
+        # Payload of the exchanges (gradients and state changes out; values and rows back), in bytes.
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
         self._model_names: dict[int, str] = {}  # id(variable) -> stable name, for attached models
         self._vars: dict[str, Any] = {}  # every attached variable by name
         self._specs: dict[str, Optimizer] = {}  # its server-side optimizer
         self._state: list[tuple[str, Any]] = []  # non-trainable shared state, in attach order
         self._table_candidates: set[str] = set()  # Embedding layers' tables: rows spread over the shards
+        self._regularizers: dict[int, Regularizer] = {}  # id(table variable) -> its (shard-side) regularizer
+        self._dense_warned: set[str] = set()  # tables whose gradient came dense (warned once)
+        self._regularizers_by_name: dict[str, Regularizer] = {}
         self._tables: set[str] = set()  # those that are tables on the shards: pushed and pulled by row
         self._remote: dict[str, Any] = {}  # psclient.keras.Embedding layers by table name: no local copy
         self._base: dict[str, np.ndarray] = {}  # state: the value last loaded from the shards
@@ -256,6 +313,7 @@ class PSWorker:
         self._sent_lr: dict[int, float] = {}
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
         self._attached = False
+        self._pending: tuple[keras.Model, Any] | None = None  # attached once its first step builds it
         self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
         self._fit_running = False  # between the fit callback's train begin and end
         self._fit_ended = False  # after a fit, until the next
@@ -291,26 +349,48 @@ class PSWorker:
         the module docs. Attaching again (a second ``fit``, after unfreezing a layer) is
         idempotent for what did not change.
 
+        A model that is not built yet (a subclassed model, a ``Sequential`` without ``Input``:
+        Keras builds them when ``fit`` first traces the train step) is attached when its first
+        step applies gradients: inside that trace, before the step runs, so the first step
+        already computes on the shards' values.
+
         Args:
-            model_or_variables: a built Keras model, or a list of (trainable) variables.
+            model_or_variables: a Keras model, or a list of (trainable) variables.
             optimizer: a Keras optimizer (or its name), a ``DistributedOptimizer`` or a psclient
                 optimizer spec; default: the model's compiled ``DistributedOptimizer``. Without one,
                 only the model's state is attached now, and the trainable variables when a
                 ``DistributedOptimizer`` first applies them.
 
         Raises:
-            ValueError: the model is not built, variable names repeat, or the optimizer is unsupported.
+            ValueError: variable names repeat, or the optimizer is unsupported.
             DeadlineExceededError: a non-chief worker waited ``attach_timeout`` for the chief.
             PSError: a shard failed, or the variables exist with a different spec.
         """
         if not self._attached:
             self._check_mode()
         if isinstance(model_or_variables, keras.Model):
+            self._move_regularizers(model_or_variables, optimizer)
+        if isinstance(model_or_variables, keras.Model) and not _is_built(model_or_variables):
+            self._pending = (model_or_variables, optimizer)
+            self._watch_set_weights(model_or_variables)
+            self._build_in_first_step(model_or_variables)
+            log.info(
+                "worker %d: model %r is not built yet; it is built and attached when fit traces its first "
+                "step (a GradientTape loop: when it first applies gradients)",
+                self.worker_index,
+                model_or_variables.name,
+            )
+            return
+        self._pending = None
+        if isinstance(model_or_variables, keras.Model):
             model = model_or_variables
             named = model_variable_names(model)
             self._watch_set_weights(model)
             embeddings = {id(v) for v in _embedding_tables(model)}
             self._table_candidates.update(n for v, n in named if id(v) in embeddings)
+            self._regularizers_by_name.update(
+                {n: self._regularizers[id(v)] for v, n in named if id(v) in self._regularizers}
+            )
             self._model_names.update({id(v): n for v, n in named})
             remote = _remote_tables(model)
             if remote and isinstance(
@@ -339,6 +419,50 @@ class PSWorker:
         self._attached = True
         if self._vars:
             self.refresh()
+
+    def _move_regularizers(self, model: keras.Model, optimizer: Any) -> None:
+        """Moves the L1/L2 ``embeddings_regularizer`` of the model's ``Embedding`` layers to the shards.
+
+        In the loss, a table's regularizer gives every row a gradient every step, and the whole
+        table would travel with each push. The shards apply it to the rows instead (see
+        ``table_regularization``), so the layer's variable stops carrying it; for a layer not built
+        yet, as soon as its ``build`` makes the variable (before the train step computes the loss).
+        Other regularizers, or an optimizer the shards cannot apply by row, keep it in the loss.
+        """
+        spec = _row_optimizer(optimizer if optimizer is not None else getattr(model, "optimizer", None))
+        if spec is None:
+            return
+        for layer in _flatten(model):
+            if not isinstance(layer, keras.layers.Embedding) or not layer.trainable:
+                continue
+            reg = _shard_regularizer(
+                layer.embeddings_regularizer, every_row=self.table_regularization == "exact"
+            )
+            if reg is None:
+                continue
+            if layer.built:
+                self._take_regularizer(layer, reg)
+            elif not getattr(layer, "_psclient_regularizer_moved", False):
+                layer.build = self._build_then_take(layer, reg)
+                layer._psclient_regularizer_moved = True
+
+    def _build_then_take(self, layer: keras.layers.Embedding, reg: Regularizer) -> Callable[..., None]:
+        """The layer's ``build``, then ``_take_regularizer`` (Keras reads build's signature: kept)."""
+        original = layer.build
+
+        @functools.wraps(original)
+        def build(*args: Any, **kwargs: Any) -> None:
+            original(*args, **kwargs)
+            self._take_regularizer(layer, reg)
+
+        return build
+
+    def _take_regularizer(self, layer: keras.layers.Embedding, reg: Regularizer) -> None:
+        variable = getattr(layer, "_embeddings", None)
+        if variable is None or len(variable.shape) != 2:
+            return
+        variable.regularizer = None
+        self._regularizers[id(variable)] = reg
 
     def _watch_set_weights(self, model: keras.Model) -> None:
         """Notices ``model.set_weights`` (``EarlyStopping(restore_best_weights=True)`` restores the best
@@ -440,6 +564,12 @@ class PSWorker:
             return []
         with tf.init_scope():  # eager, also when first seen while tracing the train step
             values = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v, _ in todo}
+        unset = [n for n, v, _ in todo if values[n].shape != tuple(v.shape)]
+        if unset:  # made inside a tf.function that has not run yet: no value to create or set
+            raise ValueError(
+                f"variables {unset[:3]} were created inside a tf.function and have no values yet: build the "
+                "model before training (call it on a batch, or model.build(input_shape))"
+            )
         created = self._reconcile({n: s for n, _, s in todo}, values)
         for name, var, spec in todo:
             self._vars[name], self._specs[name] = var, spec
@@ -527,6 +657,7 @@ class PSWorker:
             created = self.client.create_embedding(
                 name, value.shape[0], value.shape[1], dtype=value.dtype, optimizer=spec,
                 initializer=lambda ids, dim, dtype: value[np.asarray(ids)].astype(dtype, copy=False),
+                regularizer=self._regularizers_by_name.get(name),
             )  # fmt: skip
         except InvalidArgumentError as err:
             log.info("worker %d: %s stays a whole variable on the shards: %s", self.worker_index, name, err)
@@ -537,8 +668,19 @@ class PSWorker:
     def _create_remote_table(self, name: str, spec: Optimizer) -> int:
         """Creates a ``psclient.keras.Embedding``'s table on the shards (no local values); 1 if created."""
         layer = self._remote[name]
+        reg = _shard_regularizer(
+            layer.embeddings_regularizer,
+            every_row=self.table_regularization == "exact" and layer.input_dim is not None,
+        )
+        if layer.embeddings_regularizer is not None and reg is None:
+            raise ValueError(
+                f"psclient.keras.Embedding {layer.name!r}: embeddings_regularizer "
+                f"{layer.embeddings_regularizer!r} cannot run on the shards (L1, L2 and L1L2 can)"
+            )
         try:
-            created = self.client.create_embedding(name, optimizer=spec, **layer.table_options())
+            created = self.client.create_embedding(
+                name, optimizer=spec, regularizer=reg, **layer.table_options()
+            )
         except InvalidArgumentError as err:
             raise ValueError(f"psclient.keras.Embedding {layer.name!r}: {err}") from None
         self._tables.add(name)
@@ -623,6 +765,51 @@ class PSWorker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _build_in_first_step(self, model: keras.Model) -> None:
+        """Makes ``fit``'s train step build an unbuilt model first, eagerly, from the batch's shapes.
+
+        Keras on TensorFlow builds such a model while it traces the train step, and variables made
+        inside a ``tf.function`` have no values until the step first runs: neither the chief's
+        initial values nor the shards' could be read or set before that step computed on them.
+        Built eagerly (``tf.init_scope``, as Keras's other backends build a model from the first
+        batch's shapes) and attached before the step is traced, the first step already computes
+        on the shards' values.
+        """
+        if getattr(model, "_psclient_builds_first", False):
+            return
+        original = model.train_step
+
+        @functools.wraps(original)
+        def train_step(data: Any) -> Any:
+            if self._pending is not None and self._pending[0] is model and not _is_built(model):
+                with tf.init_scope():
+                    try:
+                        model._symbolic_build(data_batch=data)
+                    except (AttributeError, RuntimeError) as err:  # left to the step (a tape-style error)
+                        log.info("worker %d: could not build %r ahead of its step: %s", self.worker_index,
+                                 model.name, err)  # fmt: skip
+            self._attach_pending()
+            return original(data)
+
+        model.train_step = train_step
+        model._psclient_builds_first = True
+        if getattr(model, "train_function", None) is not None:  # fit made it before on_train_begin
+            model.make_train_function(force=True)
+
+    def _attach_pending(self) -> None:
+        """Attaches a model that ``attach`` found unbuilt, now that its first step built it (called
+        while that step is traced: eager here, so the variables get the shards' values before it runs)."""
+        if self._pending is None:
+            return
+        model, optimizer = self._pending
+        if not model.variables:
+            raise ValueError(
+                f"model {model.name!r} is still not built when its first step applies gradients: "
+                "call it on a batch, or model.build(input_shape), before training"
+            )
+        with tf.init_scope():
+            self.attach(model, optimizer)
+
     def _require(self) -> None:
         if not self._attached:
             raise RuntimeError(
@@ -670,6 +857,8 @@ class PSWorker:
             if np.any(delta):
                 gmap[name] = np.negative(delta)
         values = self._exchange(gmap)
+        self.bytes_pushed += sum(_nbytes(g) for g in gmap.values())
+        self.bytes_pulled += sum(_nbytes(v) for v in values.values())
         none = Rows(np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
         out = [none if n in self._remote else values[n] for n in names]
         for name in state_names:
@@ -790,6 +979,7 @@ class PSWorker:
             ValueError: a variable that is not attached, and no optimizer to attach it with.
             PSError: see ``exchange`` (wrapped by TensorFlow inside a graph).
         """
+        self._attach_pending()
         self._require()
         if variables is None:
             variables = [v for n, v in self._vars.items() if self._specs[n] is not STATE_OPTIMIZER]
@@ -827,7 +1017,7 @@ class PSWorker:
                 return
         tables = [n in self._tables for n in var_names]
         inputs: list[Any] = []
-        for (g, _), table in zip(pairs, tables, strict=True):
+        for (g, _), table, name in zip(pairs, tables, var_names, strict=True):
             if not table:
                 inputs.append(tf.convert_to_tensor(g))
             elif isinstance(g, tf.IndexedSlices):  # an Embedding's gradient: only the batch's rows
@@ -837,6 +1027,7 @@ class PSWorker:
                 inputs += [keys, tf.convert_to_tensor(g.values)]
             else:
                 dense = tf.convert_to_tensor(g)
+                self._warn_dense(name, dense)
                 inputs += [tf.range(tf.shape(dense, out_type=tf.int64)[0]), dense]
         state_vars = [v for _, v in self._state]
         fn = _exchange_fn(self, var_names, tables)
@@ -874,6 +1065,21 @@ class PSWorker:
             if not tf.executing_eagerly():
                 value.set_shape(var.shape)
             var.assign(value)
+
+    def _warn_dense(self, name: str, grad: Any) -> None:
+        """Warns once per table whose gradient is dense over the whole table (every row travels)."""
+        if name in self._dense_warned:
+            return
+        self._dense_warned.add(name)
+        nbytes = int(np.prod(grad.shape)) * grad.dtype.size if grad.shape.is_fully_defined() else None
+        log.warning(
+            "worker %d: the gradient of table %s is dense (every row, %s each way per step): something "
+            "reads the whole table (a regularizer the shards cannot apply, a layer using `embeddings` "
+            "directly); only the rows a batch looks up travel when the gradient is an Embedding's",
+            self.worker_index,
+            name,
+            f"{nbytes / 2**20:.1f} MiB" if nbytes is not None else "the whole table",
+        )
 
     # -- Keras -----------------------------------------------------------------
 
