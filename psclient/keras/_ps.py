@@ -898,9 +898,8 @@ class PSWorker:
         if not self.overlap:
             return self._wait(fut)
         prev, self._inflight = self._inflight, fut
-        if prev is None:  # first step: nothing earlier to take values from
-            self._inflight = None
-            return self._wait(fut)
+        if prev is None:  # first step: nothing earlier to take values from. Its own answer (the next
+            return self._wait(fut)  # step takes it again, done): from then on one exchange is in flight
         values = self._wait(prev)
         wanted = {n for n in gmap if n not in self._remote}
         if not wanted <= set(values):  # variables the previous step did not push
