@@ -85,6 +85,44 @@ def test_checkpoint_restores_values_slots_and_versions_after_kill_9(tmp_path: Pa
             np.testing.assert_array_equal(va[n], vb[n])
 
 
+def test_moving_averages_survive_kill_9_and_a_restore_into_3_shards(tmp_path: Path) -> None:
+    """use_ema: the ``average`` slot is checkpointed like the others (and cut anew for 3 shards)."""
+    model = _model()
+    names = sorted(model)
+    opt = psclient.Adam(learning_rate=0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=4)
+    args = ["--checkpoint-dir", str(tmp_path / "ck")]
+    with (
+        LocalCluster(2, args) as ck,
+        LocalCluster(2) as ref,
+        psclient.PSClient(ck.addresses, "w0", timeout=TIMEOUT_S, partition_bytes=64 << 10) as a,
+        psclient.PSClient(ref.addresses, "w0", timeout=TIMEOUT_S, partition_bytes=64 << 10) as b,
+    ):
+        a.create_many(model, optimizer=opt)
+        b.create_many(model, optimizer=opt)
+        _train(a, names, 3, seed=1)
+        _train(b, names, 3, seed=1)
+        a.save_checkpoint()
+        for s in range(2):
+            _restart(ck, s)
+        for ema in (True, False):
+            va, vb = a.pull(ema=ema), b.pull(ema=ema)
+            for n in names:
+                np.testing.assert_array_equal(va[n], vb[n])
+        _train(a, names, 2, seed=2)  # the 4th update overwrites the values with the restored averages
+        _train(b, names, 2, seed=2)
+        va, vb = a.pull(ema=True), b.pull(ema=True)
+        for n in names:
+            np.testing.assert_array_equal(va[n], vb[n])
+        assert ck.stop() == [0, 0]  # SIGTERM: final checkpoints
+        with (
+            LocalCluster(3, args) as three,
+            psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c,
+        ):
+            after = c.pull(ema=True)
+            for n in names:
+                np.testing.assert_array_equal(after[n], vb[n])
+
+
 def test_push_dedup_table_survives_restart(tmp_path: Path) -> None:
     with LocalCluster(1, ["--checkpoint-dir", str(tmp_path)]) as cluster:
         with psclient.PSClient(cluster.addresses, "w0", timeout=TIMEOUT_S) as c:
