@@ -440,18 +440,30 @@ class AsyncPSClient:
 
     # -- pull ---------------------------------------------------------------
 
-    async def pull(self, names: Iterable[str] | None = None, *, step: int = 0) -> dict[str, np.ndarray]:
+    async def pull(
+        self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
+    ) -> dict[str, np.ndarray]:
         """Reads current values: all variables, or ``names``. Returned arrays are read-only.
+
+        >>> averages = await client.pull(["dense/kernel"], ema=True)  # doctest: +SKIP
+
+        Args:
+            names: the variables (default: every variable on the shards).
+            step: the reader's step (ssp mode waits for the staleness bound).
+            ema: read the exponential moving averages the shards keep for
+                variables whose optimizer has ``use_ema=True`` instead of their
+                values (without ``names``: every such variable).
 
         Raises:
             NotFoundError: an unknown variable.
+            InvalidArgumentError: with ``ema``, a variable that keeps no average.
             PSError: a shard failed (UnavailableError, DeadlineExceededError, ...).
         """
-        values, _ = await self.pull_with_versions(names, step=step)
+        values, _ = await self.pull_with_versions(names, step=step, ema=ema)
         return values
 
     async def pull_with_versions(
-        self, names: Iterable[str] | None = None, *, step: int = 0
+        self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
     ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """Like ``pull``, also returning each stored tensor's version (update count).
 
@@ -459,6 +471,15 @@ class AsyncPSClient:
         leaves them out, and naming one is an ``InvalidArgumentError`` (read
         their rows with ``lookup``).
         """
+        if ema and names is None:  # every variable that keeps an average
+            listed = await self.list_variables()
+            names = [
+                n
+                for n, infos in listed.items()
+                if infos
+                and not infos[0].spec.HasField("dynamic")
+                and infos[0].spec.optimizer.params.get("use_ema", 0.0)
+            ]
         pieces = await self._known(names)
         for name, group in list(pieces.items()):
             if group[0].keys and names is None:
@@ -477,7 +498,7 @@ class AsyncPSClient:
         async def one(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
-                max_chunk_bytes=self.config.chunk_bytes,
+                max_chunk_bytes=self.config.chunk_bytes, ema=ema,
             )  # fmt: skip
             nbytes = sum(p.nbytes for p in wanted)
             if self._data_link(shard, nbytes) is not None:

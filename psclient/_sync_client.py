@@ -93,16 +93,18 @@ class PSClient:
         """See ``AsyncPSClient.list_variables``."""
         return dict(self._run(self._async.list_variables(list(names))))
 
-    def pull(self, names: Iterable[str] | None = None, *, step: int = 0) -> dict[str, np.ndarray]:
-        """Reads current values; see ``AsyncPSClient.pull``."""
-        return dict(self._run(self._async.pull(None if names is None else list(names), step=step)))
+    def pull(
+        self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
+    ) -> dict[str, np.ndarray]:
+        """Reads current values (``ema=True``: the moving averages); see ``AsyncPSClient.pull``."""
+        return dict(self._run(self._async.pull(None if names is None else list(names), step=step, ema=ema)))
 
     def pull_with_versions(
-        self, names: Iterable[str] | None = None, *, step: int = 0
+        self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
     ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         """See ``AsyncPSClient.pull_with_versions``."""
         values, versions = self._run(
-            self._async.pull_with_versions(None if names is None else list(names), step=step)
+            self._async.pull_with_versions(None if names is None else list(names), step=step, ema=ema)
         )
         return dict(values), dict(versions)
 

@@ -47,6 +47,22 @@ the worker applies it (``clip_by_global_norm``) before pushing. With
 applies their mean on every k-th push; the update rule counts applied updates
 (``t``) while learning-rate schedules see every push, as in Keras.
 
+With ``use_ema`` the shard keeps an exponential moving average of each
+variable in its ``average`` slot (created equal to the initial value), updated
+after each update as Keras's ``_update_model_variables_moving_average`` does,
+with ``n`` the variable's update count before this one (``t - 1``; with
+gradient accumulation, the applied updates, and the average moves on every
+push as Keras moves it on every call)::
+
+    average = w                                                          (n == 0)
+    average = average * ema_momentum + w * (1 - ema_momentum)            (n > 0)
+    w = average                       (ema_overwrite_frequency and (n + 1) % ema_overwrite_frequency == 0)
+
+A client reads the averages with ``pull(names, ema=True)``; the Keras glue
+writes them into the model (and the shards' variables) at the end of ``fit``,
+as Keras's ``finalize_variable_values`` does. An embedding table's average
+is updated row by row, lazily, like its other slots (the rows a push touches).
+
 A learning rate may be a schedule of ``keras.optimizers.schedules``
 (``ExponentialDecay``, ``PiecewiseConstantDecay``, ``PolynomialDecay``,
 ``InverseTimeDecay``, ``CosineDecay``, ``CosineDecayRestarts``): the shard
@@ -60,8 +76,8 @@ double, booleans as 0.0/1.0, an optional argument that is None left out, and a
 schedule in ``learning_rate_schedule``.
 
 Not supported server-side (rejected with ``ValueError``): Muon, ScheduleFreeAdamW,
-MultiOptimizer, EMA (``use_ema``), loss scaling (``loss_scale_factor``,
-``LossScaleOptimizer``: done on the worker) and user-written schedules.
+MultiOptimizer, loss scaling (``loss_scale_factor``, ``LossScaleOptimizer``: done
+on the worker) and user-written schedules.
 
 >>> Adam(learning_rate=1e-3).to_proto().params["beta_1"]
 0.9
@@ -119,7 +135,10 @@ __all__ = [
 _OPTIONAL_FLOATS: Final[frozenset[str]] = frozenset(
     {"weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "warmup_target"}
 )
-_OPTIONAL_INTS: Final[frozenset[str]] = frozenset({"gradient_accumulation_steps"})
+_OPTIONAL_INTS: Final[frozenset[str]] = frozenset({"gradient_accumulation_steps", "ema_overwrite_frequency"})
+# The base optimizer's moving-average arguments: left out of the wire form and the repr while
+# ``use_ema`` is off (every spec without EMA stays as it was).
+_EMA_FIELDS: Final[tuple[str, ...]] = ("use_ema", "ema_momentum", "ema_overwrite_frequency")
 _F32 = np.float32
 
 
@@ -186,12 +205,17 @@ class _Spec:
         if not ok:
             raise _argument_error(type(self).__name__, field, requirement, getattr(self, field))
 
+    def _hidden(self) -> tuple[str, ...]:
+        """Arguments left out of the repr and the wire form (options that are off)."""
+        return ()
+
     def __repr__(self) -> str:
         shown = []
         fields = dataclasses.fields(self)  # type: ignore[arg-type]
+        hidden = self._hidden()
         for f in sorted(fields, key=lambda f: f.kw_only):  # the rule's own arguments first
             value = getattr(self, f.name)
-            if f.kw_only and value is None:
+            if (f.kw_only and value is None) or f.name in hidden:
                 continue  # base-optimizer options that are off
             shown.append(f"{f.name}={value!r}")
         return f"{type(self).__name__}({', '.join(shown)})"
@@ -199,9 +223,10 @@ class _Spec:
     def params(self) -> dict[str, float]:
         """The scalar arguments as the wire carries them (booleans as 0.0/1.0, None left out)."""
         out = {}
+        hidden = self._hidden()
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if value is None or isinstance(value, tuple | LearningRateSchedule):
+            if value is None or isinstance(value, tuple | LearningRateSchedule) or f.name in hidden:
                 continue
             out[f.name] = float(value)
         return out
@@ -578,6 +603,16 @@ class Optimizer(_Spec):
             (``clip_by_global_norm``), since a shard sees only its own variables.
         gradient_accumulation_steps: None, or >= 2: the shard applies the mean
             of every k pushed gradients on the k-th push.
+        use_ema: keep an exponential moving average of the variable (the
+            ``average`` slot), as Keras's ``use_ema``.
+        ema_momentum: in [0, 1]: ``average = average * ema_momentum + w * (1 - ema_momentum)``
+            after each update (the first update sets ``average = w``).
+        ema_overwrite_frequency: None, or >= 1: every this many updates the
+            variable is overwritten with its average (0 means None, as in Keras).
+
+    While ``use_ema`` is False, ``ema_momentum`` and ``ema_overwrite_frequency``
+    take their defaults (Keras ignores them then), so specs that differ only
+    there compare equal.
     """
 
     name: ClassVar[str] = ""
@@ -587,12 +622,23 @@ class Optimizer(_Spec):
     clipvalue: float | None = dataclasses.field(default=None, kw_only=True)
     global_clipnorm: float | None = dataclasses.field(default=None, kw_only=True)
     gradient_accumulation_steps: int | None = dataclasses.field(default=None, kw_only=True)
+    use_ema: bool = dataclasses.field(default=False, kw_only=True)
+    ema_momentum: float = dataclasses.field(default=0.99, kw_only=True)
+    ema_overwrite_frequency: int | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if type(self) is Optimizer:
             raise TypeError("Optimizer is abstract; use one of its subclasses (SGD, Adam, ...)")
         _Spec.__post_init__(self)
+        if not self.use_ema:  # ignored, as Keras does: one canonical spec
+            object.__setattr__(self, "ema_momentum", 0.99)
+            object.__setattr__(self, "ema_overwrite_frequency", None)
+        elif self.ema_overwrite_frequency == 0:  # Keras: 0 is falsy, no overwrite
+            object.__setattr__(self, "ema_overwrite_frequency", None)
         self._validate_base()
+
+    def _hidden(self) -> tuple[str, ...]:
+        return () if self.use_ema else _EMA_FIELDS
 
     def _validate_base(self) -> None:
         lr = getattr(self, "learning_rate", None)
@@ -614,6 +660,10 @@ class Optimizer(_Spec):
         steps = self.gradient_accumulation_steps
         if steps is not None:
             self._check("gradient_accumulation_steps", steps >= 2, "an integer >= 2 or None")
+        self._check("ema_momentum", 0 <= self.ema_momentum <= 1, "in [0, 1]")
+        every = self.ema_overwrite_frequency
+        if every is not None:
+            self._check("ema_overwrite_frequency", every >= 1, "an integer >= 1 or None")
 
     @property
     def has_schedule(self) -> bool:
@@ -976,12 +1026,9 @@ _REFUSED: Final[dict[str, str]] = {
 }
 
 # Keys of a Keras 3 optimizer config that carry no update-rule information.
-_IGNORED_CONFIG_KEYS: Final[frozenset[str]] = frozenset(
-    {"name", "ema_momentum", "ema_overwrite_frequency", "jit_compile", "is_legacy_optimizer"}
-)
+_IGNORED_CONFIG_KEYS: Final[frozenset[str]] = frozenset({"name", "jit_compile", "is_legacy_optimizer"})
 # Keras features the shard does not implement, with the value that means "off" and why.
 _UNSUPPORTED_CONFIG_KEYS: Final[dict[str, tuple[tuple[Any, ...], str]]] = {
-    "use_ema": ((False,), "EMA of the weights is not kept on the shards"),
     "loss_scale_factor": (
         (None, 1, 1.0),
         "loss scaling is done on the worker: unscale the gradients before pushing",
@@ -1054,7 +1101,7 @@ def optimizer_from_config(name: str, config: Mapping[str, Any]) -> Optimizer:
     Raises:
         ValueError: an unsupported optimizer (Muon, ...), a user-written
             learning-rate schedule, a feature the shard does not implement
-            (EMA, loss scaling), an unknown key or a value out of range.
+            (loss scaling), an unknown key or a value out of range.
     """
     cls = _lookup(name)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]

@@ -446,11 +446,12 @@ class DynamicRows:
         self.stats.admitted += new.size
         if new.size:
             values, slots = holder.state[0], holder.slots
-            values[new] = self.initial_rows(new_ids)
-            fresh = optimizer.init_slots(np.zeros((1, c.dim), self.dtype))
+            rows = self.initial_rows(new_ids)
+            values[new] = rows
+            fresh = optimizer.init_slots(rows)  # slots as at creation (a moving average: the rows)
             for k, a in fresh.items():
-                if a.shape == (1, c.dim):
-                    slots[k][new] = a[0]
+                if a.shape == rows.shape:
+                    slots[k][new] = a
         return np.concatenate([old, new]), np.concatenate([present, new_pos])
 
     def _touch(self, rows: np.ndarray, now: float) -> None:

@@ -19,7 +19,8 @@ Keras's optimizer variables, stable for checkpoints)::
     adafactor r (shape[:-1]) and c (shape[:-2] + shape[-1:]) for rank >= 2, else velocity
     lamb      momentum, velocity
 
-plus ``gradient_accumulator`` (same shape) with ``gradient_accumulation_steps``.
+plus ``gradient_accumulator`` (same shape) with ``gradient_accumulation_steps``,
+and ``average`` (same shape, created equal to the initial value) with ``use_ema``.
 Slots that are not of the variable's shape (``u_product``, ``r``, ``c``) are the
 exception; ``slot_shapes`` gives every slot's shape.
 
@@ -27,7 +28,8 @@ Before the update rule, ``apply`` does what Keras's base optimizer does around
 ``update_step``: gradient accumulation, per-variable clipping (``clipnorm``,
 ``clipvalue``; ``global_clipnorm`` is the worker's job and ignored here), weight
 decay, and the learning rate (a constant or a schedule evaluated at the
-iteration). Rules whose math needs the whole variable (``clipnorm``, Adafactor,
+iteration); after it, with ``use_ema``, the moving average and its periodic
+overwrite of the variable. Rules whose math needs the whole variable (``clipnorm``, Adafactor,
 Lamb: ``needs_whole_variable``) are refused by the store for a variable cut
 into partitions.
 
@@ -131,17 +133,24 @@ class ServerOptimizer(abc.ABC):
         out.update(self._extra_slot_shapes(shape))
         if self.config.gradient_accumulation_steps:
             out["gradient_accumulator"] = shape
+        if self.config.use_ema:
+            out["average"] = shape
         return out
 
     def init_slots(self, value: np.ndarray) -> dict[str, np.ndarray]:
         """Returns fresh slots for a variable: C-contiguous arrays of the variable's dtype.
 
-        A variable whose dtype is not floating point is not trainable and gets no slots.
+        The moving average (``use_ema``) starts as a copy of ``value``. A variable
+        whose dtype is not floating point is not trainable and gets no slots.
         """
         if not np.issubdtype(value.dtype, np.floating):
             return {}
         return {
-            slot: np.full(shape, self._initial_slot_value(slot), dtype=value.dtype)
+            slot: (
+                np.array(value, order="C", copy=True)
+                if slot == "average"
+                else np.full(shape, self._initial_slot_value(slot), dtype=value.dtype)
+            )
             for slot, shape in self.slot_shapes(value.shape).items()
         }
 
@@ -163,7 +172,8 @@ class ServerOptimizer(abc.ABC):
         """Applies one gradient and returns the new value; ``value`` itself is left untouched.
 
         In Keras's order: gradient accumulation (a push that only accumulates
-        returns a copy of ``value``), clipping, weight decay, then the update rule.
+        returns a copy of ``value``), clipping, weight decay, the update rule, then
+        the moving average (``use_ema``, also on a push that only accumulates).
 
         Args:
             value: the current variable (read only).
@@ -196,7 +206,9 @@ class ServerOptimizer(abc.ABC):
             with np.errstate(all="ignore"):
                 if (iteration + 1) % k:
                     acc += grad
-                    return np.array(value, dtype=dtype, order="C", copy=True)
+                    return self._average(
+                        np.array(value, dtype=dtype, order="C", copy=True), slots, iteration // k
+                    )
                 grad = (grad + acc) / dtype.type(k)
             acc[...] = 0
             step = iteration // k  # Keras's `iterations` with accumulation: applied updates
@@ -215,7 +227,41 @@ class ServerOptimizer(abc.ABC):
                 v = value.astype(compute, copy=False)
                 decay = v * compute.type(c.weight_decay) * compute.type(lr)
                 value = (v - decay).astype(dtype, copy=False)
-        return self._apply_rule(value, grad, slots, step, lr)
+        return self._average(self._apply_rule(value, grad, slots, step, lr), slots, step)
+
+    def _average(self, new: np.ndarray, slots: dict[str, np.ndarray], step: int) -> np.ndarray:
+        """Keras's moving average after an update (``use_ema``); returns the variable's new value.
+
+        ``step`` is Keras's ``iterations`` before the update (applied updates):
+        the first update sets the average to ``new``, later ones move it by
+        ``1 - ema_momentum`` towards ``new``, in the compute dtype, in Keras's
+        order (``momentum * average + (1 - momentum) * new``). Every
+        ``ema_overwrite_frequency`` updates the variable becomes its average.
+        """
+        c = self.config
+        if not c.use_ema or new.size == 0:
+            return new
+        average = slots["average"]
+        if step == 0:
+            average[...] = new
+        else:
+            compute = _F32 if new.dtype == _F16 else new.dtype
+            momentum = compute.type(c.ema_momentum)
+            rest = compute.type(1) - momentum
+            flat_average, flat_new = average.reshape(-1), new.reshape(-1)
+            block = min(BLOCK_ELEMENTS, new.size)
+            tmp = np.empty(block, dtype=compute)
+            with np.errstate(all="ignore"):
+                for start in range(0, new.size, block):
+                    stop = min(start + block, new.size)
+                    a, t = flat_average[start:stop], tmp[: stop - start]
+                    np.multiply(flat_new[start:stop], rest, out=t)
+                    t += a.astype(compute, copy=False) * momentum
+                    a[...] = t
+        every = c.ema_overwrite_frequency
+        if every and (step + 1) % every == 0:
+            return np.array(average, dtype=new.dtype, order="C", copy=True)
+        return new
 
     def check_rows(self) -> None:
         """Raises ValueError if this optimizer cannot update an embedding table row by row.
@@ -249,7 +295,10 @@ class ServerOptimizer(abc.ABC):
         gradients elsewhere (those leave a row unchanged); for SGD with
         momentum, Adam, RMSprop, FTRL and the others the untouched rows'
         slots and values simply wait (TensorFlow's sparse/lazy updates).
-        Scalar slots (Nadam's ``u_product``) advance once per push.
+        Scalar slots (Nadam's ``u_product``) advance once per push. The moving
+        average (``use_ema``) of the given rows moves too (the first push to the
+        table sets it), and its overwrite (``ema_overwrite_frequency``, counted
+        in pushes to the table) writes the average into those rows only.
 
         Args:
             value: the table piece, shape ``[rows, dim]`` (read only).
@@ -289,6 +338,10 @@ class ServerOptimizer(abc.ABC):
         new = self._apply_rule(v, grad, gathered, int(iteration), lr)
         for k in shaped:
             slots[k][rows] = gathered[k]
+        if c.use_ema:
+            average = {"average": slots["average"][rows]}
+            new = self._average(new, average, int(iteration))
+            slots["average"][rows] = average["average"]
         return new
 
     def _apply_rule(
@@ -810,7 +863,11 @@ class _WholeVariableOptimizer(ServerOptimizer):
     ) -> np.ndarray:
         dtype = value.dtype
         compute = _F32 if dtype == _F16 else dtype
-        work = {k: a.astype(compute, copy=True) for k, a in slots.items() if k != "gradient_accumulator"}
+        work = {
+            k: a.astype(compute, copy=True)
+            for k, a in slots.items()
+            if k not in ("gradient_accumulator", "average")  # not the rule's
+        }
         with np.errstate(all="ignore"):
             new = self._rule(
                 value.astype(compute), grad.astype(compute), work, step, compute.type(lr), compute

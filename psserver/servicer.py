@@ -98,9 +98,9 @@ def _chunk_of(var_name: str, value: np.ndarray, start: int = 0, stop: int | None
     return codec.WireChunk.of(var_name, value, start, stop)
 
 
-def _snapshot(variables: Iterable[Variable], named: bool = True) -> list[tuple[str, np.ndarray, int]]:
-    """What a pull returns: each variable's value and version. A dynamic table piece named is refused
-    (InvalidArgumentError); a pull of every variable (``named`` False) leaves them out."""
+def _pullable(variables: Iterable[Variable], named: bool = True) -> list[Variable]:
+    """The variables a pull reads. A dynamic table piece named is refused (InvalidArgumentError); a pull
+    of every variable (``named`` False) leaves them out."""
     if not named:
         variables = [v for v in variables if v.dyn is None]
     for v in variables:
@@ -109,7 +109,30 @@ def _snapshot(variables: Iterable[Variable], named: bool = True) -> list[tuple[s
                 f"{v.name!r} is a piece of dynamic table {v.dyn.config.table!r}, a hash table that cannot "
                 "be pulled whole; read its rows with Lookup"
             )
-    return [(v.name, *v.stable_value()) for v in variables]
+    return list(variables)
+
+
+def _snapshot(variables: Iterable[Variable], named: bool = True) -> list[tuple[str, np.ndarray, int]]:
+    """What a pull returns: each variable's value and version (see ``_pullable``)."""
+    return [(v.name, *v.stable_value()) for v in _pullable(variables, named)]
+
+
+async def _averages(variables: Iterable[Variable], named: bool = True) -> list[tuple[str, np.ndarray, int]]:
+    """What a pull with ``ema`` returns: each variable's moving average (a copy, read under its lock,
+    between two updates) and version. A variable named that keeps none is refused (InvalidArgumentError);
+    a pull of every variable leaves those out."""
+    if not named:
+        variables = [v for v in variables if "average" in v.slots]
+    out = []
+    for v in _pullable(variables, named):
+        if "average" not in v.slots:
+            raise InvalidArgumentError(
+                f"{v.name!r} keeps no moving average: its optimizer {v.optimizer.config!r} does not have "
+                "use_ema=True"
+            )
+        async with v.lock:
+            out.append((v.name, v.slots["average"].copy(), v.version))
+    return out
 
 
 def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
@@ -308,7 +331,8 @@ class ParameterServerServicer:
     async def pull_snapshot(
         self, request: ps_pb2.PullRequest, deadline: float | None, what: str = "Pull"
     ) -> list[tuple[str, np.ndarray, int]]:
-        """What a pull returns (Pull, PullStream, the data port): each named variable's value and version.
+        """What a pull returns (Pull, PullStream, the data port): each named variable's value (with
+        ``ema``: its moving average) and version.
 
         Raises:
             PSError: as Pull (NOT_FOUND, a standby backup's UNAVAILABLE, an ssp wait's DEADLINE_EXCEEDED).
@@ -316,7 +340,12 @@ class ParameterServerServicer:
         self._serving(what)
         await self.mode.before_pull(request.worker_id, request.step, deadline)
         self._serving(what)  # the values are read while the lease holds
-        snapshot = _snapshot(self.store.lookup(request.names), bool(request.names))
+        variables = self.store.lookup(request.names)
+        if request.ema:
+            snapshot = await _averages(variables, bool(request.names))
+            self._serving(what)  # read between awaits: the lease still holds
+        else:
+            snapshot = _snapshot(variables, bool(request.names))
         self.store.pulls += 1
         return snapshot
 

@@ -1144,6 +1144,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``LossScaleOptimizer(DistributedOptimizer(Adam(), w))``. Use with
     ``model.compile(optimizer=...)`` and ``worker.callback()``.
 
+    With ``use_ema=True`` the shards keep the moving average of each variable (an
+    optimizer slot, updated after each update as Keras does, and written into the
+    variable every ``ema_overwrite_frequency`` updates); the worker keeps none. At
+    the end of ``fit`` (Keras's ``finalize_variable_values``) each worker reads the
+    averages, writes them into the shards' variables (Keras overwrites the
+    variables with their averages: a later ``fit``, an evaluator or a checkpoint
+    sees them) and into its model, so the model ends as local Keras's does. The
+    shards count updates per variable (Keras counts the optimizer's steps: the
+    same while every step updates every variable). With ``gradient_accumulation_steps``
+    (done by the worker) the shards move the average once per push, Keras on
+    every step. ``keras.callbacks.SwapEMAWeights`` is not supported (it reads
+    averages kept on the worker).
+
     Args:
         optimizer: a Keras optimizer, or its name (``"adam"``).
         worker: the ``PSWorker`` to train on.
@@ -1194,8 +1207,49 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return isinstance(self._learning_rate, keras.optimizers.schedules.LearningRateSchedule)
 
     def build(self, variables: Sequence[Any]) -> None:
-        # No slots on the worker: the shards hold them (the wrapped class's build would add them).
-        keras.optimizers.Optimizer.build(self, variables)
+        # No slots on the worker: the shards hold them (the wrapped class's build would add them), and
+        # the moving averages too (the base class's build would add a copy of the weights).
+        use_ema, self.use_ema = self.use_ema, False
+        try:
+            keras.optimizers.Optimizer.build(self, variables)
+        finally:
+            self.use_ema = use_ema
+
+    def _update_model_variables_moving_average(self, trainable_variables: Any) -> None:
+        return None  # on the shards (the ``average`` slot)
+
+    def _overwrite_model_variables_with_average_value(self, trainable_variables: Any) -> None:
+        return None  # ema_overwrite_frequency: the shards overwrite; the exchange brings the values
+
+    def finalize_variable_values(self, var_list: Any) -> None:
+        """The end of ``fit`` with ``use_ema``: the shards' moving averages become the variables' values,
+        on the shards and in ``var_list`` (the model's trainable variables), as Keras does it locally.
+
+        Raises:
+            PSError: a shard failed.
+        """
+        worker = self.worker
+        if not self.use_ema or not worker.attached:
+            return
+        worker._drain()  # the last step's push is applied first
+        named = [(worker.name_of(v), v) for v in var_list]
+        named = [
+            (n, v)
+            for n, v in named
+            if n not in worker._remote and getattr(worker._specs.get(n), "use_ema", False)
+        ]
+        if not named:
+            return
+        averages = worker.client.pull([n for n, _ in named], ema=True)
+        worker.client.assign(averages)
+        with tf.init_scope():
+            for name, var in named:
+                var.assign(averages[name])
+        log.info(
+            "worker %d: %d variables now hold their moving averages (use_ema)",
+            worker.worker_index,
+            len(named),
+        )
 
     def _apply_weight_decay(self, variables: Any) -> None:
         return None  # on the shards

@@ -31,8 +31,10 @@ def test_server_optimizer_comes_from_keras_config() -> None:
     assert psk.server_optimizer("adam") == psclient.Adam()  # by name, as compile takes it
     # worker-side settings are not part of the shards' spec
     assert psk.server_optimizer(keras.optimizers.SGD(global_clipnorm=1.0)) == psclient.SGD(learning_rate=0.01)
-    with pytest.raises(ValueError, match="use_ema"):
-        psk.server_optimizer(keras.optimizers.SGD(use_ema=True))
+    # the moving average of the weights is kept on the shards (issue 20)
+    assert psk.server_optimizer(
+        keras.optimizers.SGD(use_ema=True, ema_overwrite_frequency=5)
+    ) == psclient.SGD(learning_rate=0.01, use_ema=True, ema_overwrite_frequency=5)
 
 
 def test_chief_creates_others_attach_and_start_from_the_same_values(make_cluster, var_name) -> None:
@@ -89,6 +91,44 @@ def test_gradient_tape_helper_applies_server_side_sgd(make_cluster, var_name, in
             stored = client.pull([worker.name_of(v) for v in model.trainable_variables])
         for v in model.trainable_variables:
             np.testing.assert_allclose(stored[worker.name_of(v)], v.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("every", [None, 3])
+def test_fit_with_use_ema_ends_with_the_weights_of_a_local_fit(make_cluster, var_name, every) -> None:
+    """Two fits with Adam(use_ema=True) on a shard end, each, with the weights local Keras ends with: the
+    moving averages, written into the model and the shards (the second fit starts from them)."""
+    cluster = make_cluster(num_shards=2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = rng.normal(size=(64, 2)).astype(np.float32)
+
+    def adam() -> keras.optimizers.Optimizer:
+        return keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=every)
+
+    local, remote = _model(var_name), _model(var_name)
+    remote.set_weights(local.get_weights())
+    local.compile(optimizer=adam(), loss="mse")
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    with (
+        psk.PSWorker(cluster.addresses, overlap=False) as worker,
+        psclient.PSClient(cluster.addresses) as client,
+    ):
+        remote.compile(optimizer=psk.DistributedOptimizer(adam(), worker), loss="mse")
+        names = None
+        for _ in range(2):
+            local.fit(x, y, **fit)
+            remote.fit(x, y, callbacks=[worker.callback()], **fit)
+            names = names or [worker.name_of(v) for v in remote.trainable_variables]
+            stored, averages = client.pull(names), client.pull(names, ema=True)
+            for mine, theirs, name in zip(
+                remote.trainable_variables, local.trainable_variables, names, strict=True
+            ):
+                np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+                np.testing.assert_array_equal(stored[name], mine.numpy())  # the shards' variables too
+                np.testing.assert_array_equal(averages[name], mine.numpy())
+    kernel = local.trainable_variables[0]
+    average = local.optimizer._model_variables_moving_average[0]
+    np.testing.assert_array_equal(kernel.numpy(), average.numpy())  # local Keras: the model holds the average
 
 
 def test_fit_without_the_callback_says_what_to_do(make_cluster, var_name) -> None:

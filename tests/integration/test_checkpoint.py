@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -52,20 +54,27 @@ def _model() -> dict[str, np.ndarray]:
     }
 
 
-def test_checkpoint_restores_values_slots_and_versions_after_kill_9(tmp_path: Path) -> None:
-    """Adam after a kill -9 + restore continues bit-for-bit like a run that never stopped."""
-    model = _model()
-    names = sorted(model)
-    opt = psclient.Adam(learning_rate=0.01)
-    ck_args = ["--checkpoint-dir", str(tmp_path / "ck")]
+@contextlib.contextmanager
+def _checkpointed_and_reference(
+    tmp_path: Path, opt: psclient.Optimizer
+) -> Iterator[tuple[LocalCluster, psclient.PSClient, psclient.PSClient]]:
+    """``_model()`` with ``opt`` on two 2-shard clusters: ``(cluster, client)`` of the one writing
+    checkpoints to ``tmp_path / "ck"``, and the client of a reference that never stops."""
     with (
-        LocalCluster(2, ck_args) as ck,
+        LocalCluster(2, ["--checkpoint-dir", str(tmp_path / "ck")]) as ck,
         LocalCluster(2) as ref,
         psclient.PSClient(ck.addresses, "w0", timeout=TIMEOUT_S, partition_bytes=64 << 10) as a,
         psclient.PSClient(ref.addresses, "w0", timeout=TIMEOUT_S, partition_bytes=64 << 10) as b,
     ):
-        a.create_many(model, optimizer=opt)
-        b.create_many(model, optimizer=opt)
+        a.create_many(_model(), optimizer=opt)
+        b.create_many(_model(), optimizer=opt)
+        yield ck, a, b
+
+
+def test_checkpoint_restores_values_slots_and_versions_after_kill_9(tmp_path: Path) -> None:
+    """Adam after a kill -9 + restore continues bit-for-bit like a run that never stopped."""
+    names = sorted(_model())
+    with _checkpointed_and_reference(tmp_path, psclient.Adam(learning_rate=0.01)) as (ck, a, b):
         assert any(len(v) > 1 for v in a.list_variables().values())  # a partitioned variable
         _train(a, names, 5, seed=1)
         _train(b, names, 5, seed=1)
@@ -83,6 +92,35 @@ def test_checkpoint_restores_values_slots_and_versions_after_kill_9(tmp_path: Pa
         va, vb = a.pull(), b.pull()
         for n in names:
             np.testing.assert_array_equal(va[n], vb[n])
+
+
+def test_moving_averages_survive_kill_9_and_a_restore_into_3_shards(tmp_path: Path) -> None:
+    """use_ema: the ``average`` slot is checkpointed like the others (and cut anew for 3 shards)."""
+    names = sorted(_model())
+    opt = psclient.Adam(learning_rate=0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=4)
+    with _checkpointed_and_reference(tmp_path, opt) as (ck, a, b):
+        _train(a, names, 3, seed=1)
+        _train(b, names, 3, seed=1)
+        a.save_checkpoint()
+        for s in range(2):
+            _restart(ck, s)
+        for ema in (True, False):
+            va, vb = a.pull(ema=ema), b.pull(ema=ema)
+            for n in names:
+                np.testing.assert_array_equal(va[n], vb[n])
+        _train(a, names, 2, seed=2)  # the 4th update overwrites the values with the restored averages
+        _train(b, names, 2, seed=2)
+        va, vb = a.pull(ema=True), b.pull(ema=True)
+        for n in names:
+            np.testing.assert_array_equal(va[n], vb[n])
+        assert ck.stop() == [0, 0]  # SIGTERM: final checkpoints
+        with (
+            LocalCluster(3, ["--checkpoint-dir", str(tmp_path / "ck")]) as three,
+            psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c,
+        ):
+            after = c.pull(ema=True)
+            for n in names:
+                np.testing.assert_array_equal(after[n], vb[n])
 
 
 def test_push_dedup_table_survives_restart(tmp_path: Path) -> None:

@@ -221,3 +221,30 @@ async def test_ps_async_client_fixture_concurrent_pushes(
     values, versions = await async_client.pull_with_versions([var_name])
     np.testing.assert_array_equal(values[var_name], -20)
     assert versions[var_name] == 20
+
+
+def test_ps_pull_ema_reads_the_moving_averages(cluster: LocalCluster, var_name: str) -> None:
+    # SGD lr 1, gradients of ones, momentum 0.5: values -1, -2; averages -1 (the first update), -1.5.
+    ema = psclient.SGD(1.0, use_ema=True, ema_momentum=0.5)
+    split, big, plain, table = (f"{var_name}/{k}" for k in ("split", "big", "plain", "table"))
+    values = {split: np.zeros((32, 16), np.float32), big: np.zeros((256, 512), np.float32)}
+    with psclient.PSClient(cluster.addresses, partition_bytes=1024, data_port_min_bytes=64 << 10) as c:
+        c.create_many(values, optimizer=ema)  # split: in partitions; big: pulled over the data port
+        c.create(plain, np.zeros(3, np.float32), optimizer=psclient.SGD(1.0))
+        c.create_embedding(table, 10, 4, optimizer=ema, initializer="zeros")
+        assert len(c.list_variables([split])[split]) > 1
+        for _ in range(2):
+            c.push({split: np.ones((32, 16), np.float32), big: np.ones((256, 512), np.float32)})
+            c.push({table: psclient.Rows(np.array([3, 4]), np.ones((2, 4), np.float32))})
+        averages, versions = c.pull_with_versions([split, big, table], ema=True)
+        np.testing.assert_array_equal(averages[split], np.full((32, 16), -1.5, np.float32))
+        np.testing.assert_array_equal(averages[big], np.full((256, 512), -1.5, np.float32))
+        expected_rows = np.zeros((10, 4), np.float32)
+        expected_rows[[3, 4]] = -1.5  # untouched rows keep their initial value as their average
+        np.testing.assert_array_equal(averages[table], expected_rows)
+        assert versions[split] == versions[big] == 2
+        np.testing.assert_array_equal(c.pull([split])[split], -2)  # the values themselves
+        everything = c.pull(ema=True)  # every variable that keeps an average
+        assert {split, big, table} <= set(everything) and plain not in everything
+        with pytest.raises(psclient.InvalidArgumentError, match=r"keeps no moving average.*use_ema=True"):
+            c.pull([plain], ema=True)

@@ -147,6 +147,25 @@ def test_the_backup_is_bit_identical_after_concurrent_pushes() -> None:
         np.testing.assert_array_equal(on_backup[k], on_primary[k])  # bit for bit: values and Adam's slots
 
 
+def test_the_backups_moving_averages_are_bit_identical() -> None:
+    """use_ema: the backup replays the pushes with the same code, so its ``average`` slots match too."""
+    shapes = {"mid": 4096, "small": 8}
+    names = sorted(shapes)
+    opt = psclient.Adam(0.01, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3)
+    with _pair() as (primary, backup):
+        addresses = _both(primary, backup)
+        with psclient.PSClient(addresses, "init", timeout=TIMEOUT_S) as c:
+            c.create_many({k: np.zeros(s, np.float32) for k, s in shapes.items()}, optimizer=opt)
+        _hammer(addresses, "w0", names, shapes, 10)
+        with psclient.PSClient(primary.addresses, "reader", timeout=TIMEOUT_S) as c:
+            on_primary = c.pull(ema=True)
+        primary.kill_shard(0)
+        with psclient.PSClient(addresses, "reader2", timeout=TIMEOUT_S) as c:
+            on_backup = c.pull(ema=True)
+    for k in names:
+        np.testing.assert_array_equal(on_backup[k], on_primary[k])
+
+
 def test_a_standby_backup_refuses_clients_and_names_its_primary() -> None:
     with _pair() as (primary, backup):
         with psclient.PSClient(primary.addresses, "w0", timeout=TIMEOUT_S) as c:

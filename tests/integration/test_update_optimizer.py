@@ -67,6 +67,26 @@ def test_update_optimizer_sets_other_hyper_parameters(client: psclient.PSClient,
     np.testing.assert_array_equal(client.pull([var_name])[var_name], expected)
 
 
+def test_ema_momentum_changes_in_place_and_use_ema_needs_a_replacement(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    ema, plain = f"{var_name}ema", f"{var_name}plain"
+    w0 = _grad(0, (5,))
+    client.create(ema, w0, optimizer=psclient.SGD(0.1, use_ema=True))
+    client.create(plain, w0, optimizer=psclient.SGD(0.1))
+    g = _grad(1, (5,))
+    client.push({ema: g, plain: g})
+    assert client.update_optimizer({"ema_momentum": 0.5}, [ema]) == [ema]  # the average slot is kept
+    client.push({ema: g, plain: g})
+    opts = [psclient.SGD(0.1, use_ema=True), psclient.SGD(0.1, use_ema=True, ema_momentum=0.5)]
+    _, slots = _replay(w0, [g, g], opts)
+    np.testing.assert_array_equal(client.pull([ema], ema=True)[ema], slots["average"])
+    with pytest.raises(psclient.InvalidArgumentError, match="would change its slots"):
+        client.update_optimizer({"use_ema": 1.0}, [plain])  # adds the average slot
+    client.replace_optimizer(psclient.SGD(0.1, use_ema=True), [plain])  # fresh: the average is the value
+    np.testing.assert_array_equal(client.pull([plain], ema=True)[plain], client.pull([plain])[plain])
+
+
 def test_bad_changes_are_typed_errors_and_change_nothing(client: psclient.PSClient, var_name: str) -> None:
     plain, scheduled = f"{var_name}plain", f"{var_name}sched"
     client.create(plain, np.zeros(3, np.float32), optimizer=psclient.SGD(0.1))

@@ -1,8 +1,10 @@
 """Parity of psserver.optimizers with keras.optimizers (Keras 3) on the same seeded gradients, float32.
 
 Every optimizer of ``keras.optimizers`` the shards implement, with weight decay,
-per-variable clipping, gradient accumulation and every built-in learning-rate
-schedule, over ``STEPS`` steps at rtol 1e-5.
+per-variable clipping, gradient accumulation, every built-in learning-rate
+schedule and the moving average of the weights (``use_ema``, with and without
+``ema_overwrite_frequency``: the values and the averages), over ``STEPS`` steps
+at rtol 1e-5.
 """
 
 from __future__ import annotations
@@ -106,6 +108,37 @@ VARIANTS: list[tuple[str, dict, tuple[str, dict] | None, tuple[int, ...]]] = [
     ("Lamb", {}, _schedule("ExponentialDecay", 0.01, decay_steps=5, decay_rate=0.5), SHAPE),
     ("Adadelta", {"gradient_accumulation_steps": 2}, _schedule("PolynomialDecay", 1.0, decay_steps=20), (9,)),
     ("Ftrl", {"l1_regularization_strength": 0.001}, _schedule("CosineDecay", 0.2, decay_steps=20), SHAPE),
+    # use_ema: every optimizer, with and without the overwrite (the average compared too).
+    ("SGD", {"learning_rate": 0.1, "momentum": 0.9, "use_ema": True}, None, SHAPE),
+    ("SGD", {"learning_rate": 0.1, "use_ema": True, "ema_momentum": 0.5, "ema_overwrite_frequency": 5},
+     None, SHAPE),
+    (
+        "SGD",
+        {"learning_rate": 0.1, "momentum": 0.9, "gradient_accumulation_steps": 3, "use_ema": True,
+         "ema_momentum": 0.8, "ema_overwrite_frequency": 2},
+        None,
+        SHAPE,
+    ),
+    ("Adagrad", {"learning_rate": 0.1, "use_ema": True, "ema_overwrite_frequency": 7}, None, SHAPE),
+    ("Adam", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9}, None, SHAPE),
+    ("Adam", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 4},
+     None, SHAPE),
+    ("AdamW", {"learning_rate": 0.01, "use_ema": True, "ema_overwrite_frequency": 6}, None, SHAPE),
+    ("RMSprop", {"learning_rate": 0.01, "momentum": 0.9, "use_ema": True, "ema_momentum": 0.7}, None, SHAPE),
+    ("Nadam", {"learning_rate": 0.01, "use_ema": True, "ema_overwrite_frequency": 3}, None, SHAPE),
+    ("Adamax", {"learning_rate": 0.02, "use_ema": True, "ema_momentum": 0.9}, None, SHAPE),
+    ("Adadelta", {"learning_rate": 1.0, "use_ema": True, "ema_overwrite_frequency": 5}, None, SHAPE),
+    ("Ftrl", {"learning_rate": 0.1, "use_ema": True, "ema_momentum": 0.5}, None, SHAPE),
+    ("Lion", {"learning_rate": 0.01, "use_ema": True, "ema_overwrite_frequency": 4}, None, SHAPE),
+    ("Adafactor", {"learning_rate": 0.1, "use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 5},
+     None, SHAPE),
+    ("Lamb", {"learning_rate": 0.01, "use_ema": True, "ema_momentum": 0.9}, None, SHAPE),
+    (
+        "Adam",
+        {"use_ema": True, "ema_momentum": 0.8, "ema_overwrite_frequency": 5},
+        _schedule("ExponentialDecay", 0.05, decay_steps=4, decay_rate=0.5),
+        SHAPE,
+    ),
 ]  # fmt: skip
 
 
@@ -150,6 +183,15 @@ def test_matches_keras_step_by_step(keras, variant) -> None:
         np.testing.assert_allclose(
             value, np.asarray(variable.numpy()), rtol=1e-5, atol=1e-6, err_msg=f"step {step + 1}"
         )
+        if spec.use_ema:
+            average = keras_opt._model_variables_moving_average[0]
+            np.testing.assert_allclose(
+                slots["average"],
+                np.asarray(average.numpy()),
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"step {step + 1}",
+            )
 
 
 @pytest.mark.parametrize(
@@ -235,5 +277,5 @@ def test_refused_keras_optimizers(keras) -> None:
         specs.optimizer_from_keras(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
     with pytest.raises(ValueError, match=r"Muon is not supported server-side.*use AdamW or Lion"):
         specs.optimizer_from_keras(keras.optimizers.Muon())
-    with pytest.raises(ValueError, match="use_ema=True is not supported"):
-        specs.optimizer_from_keras(keras.optimizers.Adam(use_ema=True))
+    # use_ema is implemented on the shards (issue 20)
+    assert specs.optimizer_from_keras(keras.optimizers.Adam(use_ema=True)) == specs.Adam(use_ema=True)

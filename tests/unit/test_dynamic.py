@@ -160,6 +160,17 @@ def test_new_rows_get_fresh_optimizer_slots() -> None:
     assert t.held() == [2, 3]
 
 
+def test_a_new_rows_moving_average_starts_from_its_initializer_row() -> None:
+    # use_ema: a row admitted after the table's first push averages from its initial row, not from 0.
+    t = _Table(opt=SGD(1.0, use_ema=True, ema_momentum=0.5), capacity=2, initializer="ones")
+    t.push([1], 1.0)  # the table's first push: average = the new row (0)
+    t.push([2], 1.0)  # row 2: 1 -> 0, average 0.5 * 1 + 0.5 * 0
+    t.push([3], 1.0)  # evicts 1: row 3 gets 1's storage row, its average starts from 3's initial row
+    slot = t.var.slots["average"]
+    positions = t.rows.index.get(np.array([2, 3], np.int64))
+    np.testing.assert_array_equal(slot[positions], np.full((2, 2), 0.5, np.float32))
+
+
 def test_min_count_drops_updates_until_an_id_is_admitted() -> None:
     t = _Table(min_count=3)
     t.push([5, 6], 1.0)

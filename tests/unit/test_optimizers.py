@@ -526,7 +526,8 @@ def test_optimizer_from_keras_config(name: str, config: dict, expected: specs.Op
         ),
         ("SGD", {"clipnorm": 1.0, "clipvalue": 0.5}, "only one of `clipnorm`, `clipvalue`"),
         ("SGD", {"clipnorm": 0.0}, "`clipnorm` must be > 0 or None"),
-        ("SGD", {"use_ema": True}, "use_ema=True is not supported.*EMA"),
+        ("SGD", {"use_ema": True, "ema_momentum": 1.5}, r"`ema_momentum` must be in \[0, 1\]"),
+        ("SGD", {"use_ema": True, "ema_overwrite_frequency": -1}, "`ema_overwrite_frequency` must be an"),
         ("SGD", {"loss_scale_factor": 128.0}, "loss_scale_factor=128.0 is not supported.*worker"),
         ("SGD", {"gradient_accumulation_steps": 1}, "`gradient_accumulation_steps` must be an integer >= 2"),
         ("SGD", {"gradient_accumulation_steps": 2.5}, "`gradient_accumulation_steps` must be an integer"),
@@ -564,6 +565,10 @@ NEW_VARIANTS: list[specs.Optimizer] = [
     specs.Adagrad(learning_rate=specs.PolynomialDecay(0.1, 5, cycle=True)),
     specs.Ftrl(learning_rate=specs.InverseTimeDecay(0.1, 2, 0.5)),
     specs.Lamb(learning_rate=specs.CosineDecayRestarts(0.1, 2, t_mul=1.5, m_mul=0.9, alpha=0.1)),
+    specs.Adam(learning_rate=0.01, use_ema=True, ema_momentum=0.9),
+    specs.SGD(learning_rate=0.1, momentum=0.5, use_ema=True, ema_overwrite_frequency=2),
+    specs.Lamb(learning_rate=0.01, use_ema=True, ema_overwrite_frequency=3),
+    specs.Adam(learning_rate=0.01, gradient_accumulation_steps=2, use_ema=True, ema_momentum=0.5),
 ]
 
 
@@ -873,3 +878,138 @@ def test_clip_by_global_norm() -> None:
     assert np.isnan(specs.clip_by_global_norm([np.array([np.inf, 1.0])], 1.0)[0]).all()
     with pytest.raises(ValueError, match="`clipnorm` must be > 0"):
         specs.clip_by_global_norm(grads, 0.0)
+
+
+# ---------------------------------------------------------------------------
+# use_ema: the moving average of the weights (Keras's _update_model_variables_moving_average)
+# ---------------------------------------------------------------------------
+
+
+def test_ema_spec_travels_and_is_left_out_while_off() -> None:
+    opt = specs.Adam(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=5)
+    params = opt.to_proto().params
+    assert (params["use_ema"], params["ema_momentum"], params["ema_overwrite_frequency"]) == (1.0, 0.9, 5.0)
+    assert specs.optimizer_from_proto(opt.to_proto()) == opt
+    assert server.from_spec(opt.to_proto()).config == opt
+    assert "use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=5" in repr(opt)
+    # Off: the EMA arguments are ignored (as Keras ignores them), left out of the wire and the repr.
+    assert specs.Adam(ema_momentum=0.5, ema_overwrite_frequency=3) == specs.Adam()
+    assert "use_ema" not in specs.Adam().to_proto().params and "ema" not in repr(specs.Adam())
+    assert (
+        specs.SGD(use_ema=True, ema_overwrite_frequency=0).ema_overwrite_frequency is None
+    )  # Keras: 0 = off
+    wire = ps_pb2.OptimizerSpec(name="sgd", params={"use_ema": 1.0, "ema_overwrite_frequency": 2.0})
+    assert specs.optimizer_from_proto(wire) == specs.SGD(use_ema=True, ema_overwrite_frequency=2)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: specs.SGD(use_ema=1), "`use_ema` must be a bool"),
+        (lambda: specs.SGD(use_ema=True, ema_momentum=-0.1), r"`ema_momentum` must be in \[0, 1\]"),
+        (
+            lambda: specs.SGD(use_ema=True, ema_overwrite_frequency=2.5),
+            "`ema_overwrite_frequency` must be an",
+        ),
+        (lambda: specs.SGD(use_ema=True, ema_overwrite_frequency=-2), "an integer >= 1 or None"),
+    ],
+)
+def test_ema_spec_validation(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_ema_from_a_keras_config() -> None:
+    config = {**_KERAS_BASE, "learning_rate": 0.009999999776482582, "momentum": 0.0, "nesterov": False}
+    config.update(use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3)
+    assert specs.optimizer_from_config("SGD", config) == specs.SGD(
+        use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3
+    )
+
+
+def test_ema_slot_starts_as_a_copy_of_the_value() -> None:
+    impl = server.from_config(specs.Adam(use_ema=True))
+    value = np.arange(6, dtype=np.float16).reshape(2, 3)
+    slots = impl.init_slots(value)
+    assert list(slots) == ["momentum", "velocity", "average"]
+    assert impl.slot_names() == ("momentum", "velocity")  # not the rule's: the rule never reads it
+    np.testing.assert_array_equal(slots["average"], value)
+    assert slots["average"].dtype == np.float16 and not np.shares_memory(slots["average"], value)
+
+
+def test_ema_by_hand_with_overwrite() -> None:
+    # SGD lr 0.1, gradient 1, momentum 0.5, overwrite every 3rd update:
+    # update 0: w = 0.9, average = w (Keras's first step); update 1: w = 0.8, average = 0.85;
+    # update 2: w = 0.7, average = 0.775, and w becomes 0.775; update 3: w = 0.675, average = 0.725.
+    opt = specs.SGD(learning_rate=0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3)
+    history, slots = _run(opt, np.ones(2), [np.ones(2)] * 4)
+    np.testing.assert_allclose([h[0] for h in history], [0.9, 0.8, 0.775, 0.675], rtol=1e-12)
+    np.testing.assert_allclose(slots["average"], [0.725, 0.725], rtol=1e-12)
+
+
+def test_ema_in_float32_follows_keras_arithmetic() -> None:
+    # momentum * average + (1 - momentum) * w, with 1 - momentum computed in float32 as Keras does.
+    opt = specs.Adam(learning_rate=0.01, use_ema=True)
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal(5).astype(np.float32)
+    grads = [rng.standard_normal(5).astype(np.float32) for _ in range(3)]
+    history, slots = _run(opt, w0, grads)
+    m = np.float32(0.99)
+    expected = history[0]
+    for w in history[1:]:
+        expected = m * expected + (np.float32(1) - m) * w
+    np.testing.assert_array_equal(slots["average"], expected)
+    assert slots["average"].dtype == np.float32
+
+
+def test_ema_moves_on_pushes_that_only_accumulate() -> None:
+    # Keras updates the average on every call, with iterations = calls // k (applied updates):
+    # SGD lr 1, k = 2, momentum 0.5. Pushes 0, 1 (iterations 0): w = 1 - mean(1, 3) = -1, average = w.
+    # Push 2 accumulates (iterations 1): average = 0.5 * -1 + 0.5 * -1 = -1; push 3 applies mean(0, 2):
+    # w = -2, average = -1.5; push 4 accumulates (iterations 2): average = -1.75 while w stays -2.
+    opt = specs.SGD(learning_rate=1.0, gradient_accumulation_steps=2, use_ema=True, ema_momentum=0.5)
+    impl = server.from_config(opt)
+    w = np.ones(1)
+    slots = impl.init_slots(w)
+    averages = []
+    for i, g in enumerate([1.0, 3.0, 0.0, 2.0, 0.0]):
+        w = impl.apply(w, np.full(1, g), slots, i)
+        averages.append(float(slots["average"][0]))
+    assert averages == [1.0, -1.0, -1.0, -1.5, -1.75]
+    assert float(w[0]) == -2.0
+
+
+def test_ema_overwrite_counts_applied_updates_with_accumulation() -> None:
+    # Overwrite every 2nd applied update: iterations = push // 2, so pushes 2 and 3 (iterations 1) overwrite.
+    opt = specs.SGD(
+        learning_rate=1.0,
+        gradient_accumulation_steps=2,
+        use_ema=True,
+        ema_momentum=0.5,
+        ema_overwrite_frequency=2,
+    )
+    impl = server.from_config(opt)
+    w = np.zeros(1)
+    slots = impl.init_slots(w)
+    values = []
+    for i in range(4):
+        w = impl.apply(w, np.full(1, -2.0), slots, i)
+        values.append(float(w[0]))
+    # push 1: w = 2, average 2; push 2: accumulates, average 2, overwrite (w = 2);
+    # push 3: w = 4, average = 3, overwrite: w = 3.
+    assert values == [0.0, 2.0, 2.0, 3.0]
+
+
+def test_ema_rows_are_lazy() -> None:
+    # A table's average moves for the rows a push touches; the first push to the table sets them.
+    opt = specs.SGD(learning_rate=1.0, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=3)
+    impl = server.from_config(opt)
+    table = np.zeros((3, 2))
+    slots = impl.init_slots(table)
+    for iteration, rows in enumerate([[0], [0, 2], [2]]):
+        rows_arr = np.array(rows)
+        table[rows_arr] = impl.apply_rows(table, rows_arr, np.ones((len(rows), 2)), slots, iteration)
+    # row 0: w -1 (average -1), then -2 (average -1.5); row 2: w -1 at push 1 (average 0.5 * 0 + 0.5 * -1),
+    # then -2 at push 2 (average -1.25), overwritten (push 2 is the 3rd); row 1 untouched.
+    np.testing.assert_array_equal(table, [[-2, -2], [0, 0], [-1.25, -1.25]])
+    np.testing.assert_array_equal(slots["average"], [[-1.5, -1.5], [0, 0], [-1.25, -1.25]])
