@@ -6,7 +6,8 @@ Roles: ``ps`` (a psclient worker doing push_pull rounds), ``ring`` (one rank of 
 ``psclient.collective.Ring`` doing all-reduces), ``raw-server`` and ``raw-worker`` (plain TCP
 sockets doing the same rounds as ``ps``: the whole push, then the whole answer; or, ``streamed``,
 the answer echoed chunk by chunk while the push still arrives). A worker writes its ready file once
-connected and warmed up, waits (bounded) for the go file, runs its rounds for ``seconds`` and prints
+connected and warmed up, waits (bounded) for the go file, runs its rounds for ``seconds`` (and at
+least ``min_rounds``) and prints
 one line ``BENCH-RESULT {"rounds": R, "seconds": S, "cpu_s": C}``.
 """
 
@@ -41,18 +42,15 @@ def _ready_then_go(cfg: dict[str, Any]) -> None:
         time.sleep(0.005)
 
 
-def _timed_rounds(
-    round_fn: Callable[[], object], seconds: float, max_rounds: int | None = None
-) -> dict[str, float]:
+def _timed_rounds(round_fn: Callable[[], object], seconds: float, rounds: int) -> dict[str, float]:
+    """Runs rounds for ``seconds`` and at least ``rounds`` of them (the ring: exactly ``rounds``)."""
     cpu0 = time.process_time()
     t0 = time.perf_counter()
-    rounds = 0
-    while (max_rounds is None and time.perf_counter() - t0 < seconds) or (
-        max_rounds is not None and rounds < max_rounds
-    ):
+    done = 0
+    while done < rounds or time.perf_counter() - t0 < seconds:
         round_fn()
-        rounds += 1
-    return {"rounds": rounds, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
+        done += 1
+    return {"rounds": done, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
 
 
 def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
@@ -68,7 +66,7 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
             c.create(name, g, optimizer=psclient.SGD(learning_rate=0.0))
         c.push_pull(grads)  # warm-up: connections, data port, buffers
         _ready_then_go(cfg)
-        return _timed_rounds(lambda: c.push_pull(grads), cfg["seconds"])
+        return _timed_rounds(lambda: c.push_pull(grads), cfg["seconds"], cfg["min_rounds"])
 
 
 def role_ring(cfg: dict[str, Any]) -> dict[str, float]:
@@ -82,10 +80,10 @@ def role_ring(cfg: dict[str, Any]) -> dict[str, float]:
         ring.allreduce(x, out=x)  # warm-up
         one = time.perf_counter() - t
         # every rank must run the same count: the largest estimate of any rank
-        wanted = np.array([max(2, math.ceil(cfg["seconds"] / max(one, 1e-3)))], np.float64)
+        wanted = np.array([max(cfg["min_rounds"], math.ceil(cfg["seconds"] / max(one, 1e-3)))], np.float64)
         rounds = int(ring.allreduce(wanted, op="max")[0])
         _ready_then_go(cfg)
-        return _timed_rounds(lambda: ring.allreduce(x, out=x), cfg["seconds"], max_rounds=rounds)
+        return _timed_rounds(lambda: ring.allreduce(x, out=x), 0.0, rounds)
 
 
 def _recv_exactly(conn: socket.socket, nbytes: int, buf: bytearray, echo: bool = False) -> bool:
@@ -156,7 +154,7 @@ def role_raw_worker(cfg: dict[str, Any]) -> dict[str, float]:
     try:
         one_round()  # warm-up
         _ready_then_go(cfg)
-        return _timed_rounds(one_round, cfg["seconds"])
+        return _timed_rounds(one_round, cfg["seconds"], cfg["min_rounds"])
     finally:
         pool.shutdown()
         for c in conns:

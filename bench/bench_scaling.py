@@ -84,7 +84,12 @@ class Cell:
 
     def start_workers(self, hosts: list[Host], role: str, cfgs: list[dict[str, Any]]) -> None:
         for i, (host, cfg) in enumerate(zip(hosts, cfgs, strict=True)):
-            cfg = {**cfg, "seconds": self.args.seconds, "size_bytes": self.size}
+            cfg = {
+                **cfg,
+                "seconds": self.args.seconds,
+                "min_rounds": self.args.min_rounds,
+                "size_bytes": self.size,
+            }
             cfg.update(ready_file=str(self.dir / f"ready{i}"), go_file=str(self.dir / "go"))
             self.workers.append(self._spawn(host, role, cfg))
 
@@ -97,17 +102,19 @@ class Cell:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {i} not ready: {self._tail(proc)}")
                 time.sleep(0.01)
+        drops0 = self._link_drops()
         cpu0 = [cpu_seconds(p.pid) for p in self.servers]
         busy0, total0 = _machine_cpu()
         (self.dir / "go").write_text("go")
         results = []
         for proc in self.workers:
-            out, err = proc.communicate(timeout=self.args.seconds * 10 + 60)
+            out, err = proc.communicate(timeout=self.args.seconds * 10 + self.args.min_rounds * 60 + 60)
             line = next((x for x in out.decode().splitlines() if x.startswith(cm.RESULT_PREFIX)), None)
             if proc.returncode != 0 or line is None:
                 raise RuntimeError(f"worker exited {proc.returncode}: {err.decode()[-2000:]}")
             results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
         busy1, total1 = _machine_cpu()
+        drops = self._link_drops() - drops0
         window = max(r["seconds"] for r in results)
         # workers report their own CPU time; servers are read from /proc (NaN once one has exited)
         cores = [r["cpu_s"] / r["seconds"] for r in results]
@@ -119,7 +126,12 @@ class Cell:
             "machine_cpu_pct": round(100 * (busy1 - busy0) / max(1, total1 - total0), 1),
             "cell_cores": round(sum(cores), 2),
             "busiest_proc_cores": round(max(cores, default=float("nan")), 2),
+            "link_drops": drops,
         }
+
+    def _link_drops(self) -> int:
+        """Packets the links' rate limiters dropped so far (both directions, every host): TCP's losses."""
+        return sum(s["drops"] for h in self.net.hosts for s in self.net.link_stats(h).values())
 
     def _tail(self, proc: subprocess.Popen[bytes]) -> str:
         if proc.poll() is None:
@@ -187,7 +199,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
         f"{args.rate_mbit:g} Mbit/s each way (htb); model M = {args.size_mib} MiB in 16 float32 variables; "
-        f"{args.seconds:g} s per cell. Machine: {note['cpus']} x {note['cpu_model']}, load before "
+        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell. "
+        f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
         "Cells are achieved / bound (bound of a round: max(M/B, n M/(k B)), B the link rate); "
@@ -231,6 +244,38 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
     return "\n".join(lines) + "\n"
 
 
+def plot(path: str, cells: list[dict[str, Any]]) -> str | None:
+    """Steps/s of the whole cluster against n, per k (and the ring), each with its bound drawn dashed;
+    returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no plot written (pip install 'paramserver[load]')"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = sorted({(c["system"], c["k"]) for c in cells if c["system"] in ("ps", "ring")})
+    for i, (system, k) in enumerate(series):
+        pts = sorted((c["n"], c) for c in cells if (c["system"], c["k"]) == (system, k))
+        ns = [n for n, _ in pts]
+        label = f"ps, k={k}" if system == "ps" else "ring"
+        color = f"C{i}"
+        ax.plot(ns, [n / c["round_s"] for n, c in pts], marker="o", color=color, label=label)
+        ax.plot(ns, [n / c["bound_s"] for n, c in pts], linestyle="--", color=color, label=f"{label}: bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers n")
+    ax.set_ylabel("steps/s, all workers together")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("push_pull and ring all-reduce on shaped links (dashed: the link bound)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -251,8 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rate-mbit", type=float, default=200, help="every link's rate each way, Mbit/s (default 200)"
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
+    parser.add_argument(
+        "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
+    )
     parser.add_argument("--quick", action="store_true", help="n in 1,2; k in 1,2; ring n=2; 2 s per cell")
     parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/scaling)")
+    parser.add_argument("--plot", action="store_true", help="also OUT.png: steps/s against n, bounds dashed")
     args = parser.parse_args(argv)
     if args.quick:
         args.workers, args.shards, args.ring, args.seconds = [1, 2], [1, 2], [2], 2.0
@@ -278,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{system:10s} n={n} k={k}: {c['ratio']:.2f} of bound "
                         f"({c['round_s'] * 1e3:.0f} ms vs {c['bound_s'] * 1e3:.0f} ms), "
                         f"CPU {c['machine_cpu_pct']} %, cell {c['cell_cores']} cores, "
-                        f"busiest {c['busiest_proc_cores']}",
+                        f"busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, rounds {c['rounds']}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -299,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     cm.write_results(args.out, text, results)
+    if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):
+        print(why, file=sys.stderr)
     return 0
 
 
