@@ -74,7 +74,7 @@ class Cell:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.servers: list[subprocess.Popen[bytes]] = []
 
-    def _spawn(self, host: Host, role: str, cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
+    def spawn(self, host: Host, role: str, cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
         return self.net.popen(
             host,
             [sys.executable, ROLES, role, json.dumps(cfg)],
@@ -91,7 +91,7 @@ class Cell:
                 "size_bytes": self.size,
             }
             cfg.update(ready_file=str(self.dir / f"ready{i}"), go_file=str(self.dir / "go"))
-            self.workers.append(self._spawn(host, role, cfg))
+            self.workers.append(self.spawn(host, role, cfg))
 
     def run(self) -> dict[str, Any]:
         """Waits until every worker is ready, lets them go, returns their mean round time and the CPU."""
@@ -163,7 +163,7 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
                 ready = cell.dir / f"server{j}"
                 cfg = {"host": host.address, "ready_file": str(ready), "conns": n, "piece": piece}
                 cell.servers.append(
-                    cell._spawn(host, "raw-server", {**cfg, "streamed": streamed, "seconds": 0})
+                    cell.spawn(host, "raw-server", {**cfg, "streamed": streamed, "seconds": 0})
                 )
                 addresses.append(cm.wait_for_file(ready, 30, cell.servers[-1]))
             cfgs = [{"addresses": addresses, "piece": piece, "streamed": streamed} for _ in range(n)]
