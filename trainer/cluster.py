@@ -87,6 +87,9 @@ class LocalCluster:
         shard_args: extra flags per shard index.
         workdir: where ready files and logs go (default: a temporary directory).
         env: extra environment variables for the shard processes.
+        hosts: the address each shard binds, per shard index (default: 127.0.0.1 for all).
+        launchers: a command prefix per shard index, e.g. ``["ip", "netns", "exec", NAME]`` to start
+            the shard inside a network namespace (``trainer.netns``); default none.
     """
 
     def __init__(
@@ -97,8 +100,14 @@ class LocalCluster:
         shard_args: dict[int, Sequence[str]] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
+        hosts: Sequence[str] | None = None,
+        launchers: Sequence[Sequence[str]] | None = None,
     ) -> None:
         self.num_shards = num_shards
+        self.hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * num_shards
+        self.launchers = [list(p) for p in launchers] if launchers is not None else [[]] * num_shards
+        if len(self.hosts) != num_shards or len(self.launchers) != num_shards:
+            raise ValueError(f"hosts and launchers need one entry per shard ({num_shards})")
         self.server_args = list(server_args)
         self.shard_args = shard_args or {}
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="pscluster-")
@@ -120,8 +129,9 @@ class LocalCluster:
     def command(self, shard: int, port: int = 0) -> list[str]:
         ready = self.workdir / f"ps{shard}.addr"
         return [
-            sys.executable, "-m", "psserver", "--shard", str(shard), "--num-shards", str(self.num_shards),
-            "--host", "127.0.0.1", "--port", str(port), "--ready-file", str(ready),
+            *self.launchers[shard], sys.executable, "-m", "psserver",
+            "--shard", str(shard), "--num-shards", str(self.num_shards),
+            "--host", self.hosts[shard], "--port", str(port), "--ready-file", str(ready),
             *self.server_args, *self.shard_args.get(shard, ()),
         ]  # fmt: skip
 

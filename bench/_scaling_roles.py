@@ -1,0 +1,173 @@
+"""The programs that ``bench_scaling.py`` runs inside the hosts of its namespace cluster.
+
+    python bench/_scaling_roles.py ROLE JSON
+
+Roles: ``ps`` (a psclient worker doing push_pull rounds), ``ring`` (one rank of a
+``psclient.collective.Ring`` doing all-reduces), ``raw-server`` and ``raw-worker`` (plain TCP
+sockets doing the same rounds as ``ps``: the whole push, then the whole answer; or, ``streamed``,
+the answer echoed chunk by chunk while the push still arrives). A worker writes its ready file once
+connected and warmed up, waits (bounded) for the go file, runs its rounds for ``seconds`` (and at
+least ``min_rounds``) and prints
+one line ``BENCH-RESULT {"rounds": R, "seconds": S, "cpu_s": C}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "BENCH-RESULT "
+_GO_TIMEOUT_S = 120.0  # the parent starts every worker of a cell before it writes the go file
+_IO_TIMEOUT_S = 60.0  # one socket call of the raw peer
+_CHUNK = 256 << 10  # the streamed raw peer's echo granularity
+
+
+def _ready_then_go(cfg: dict[str, Any]) -> None:
+    tmp = cfg["ready_file"] + ".tmp"
+    Path(tmp).write_text("ready")
+    os.replace(tmp, cfg["ready_file"])
+    deadline = time.monotonic() + _GO_TIMEOUT_S
+    while not Path(cfg["go_file"]).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no go file {cfg['go_file']} within {_GO_TIMEOUT_S:.0f}s")
+        time.sleep(0.005)
+
+
+def _timed_rounds(round_fn: Callable[[], object], seconds: float, rounds: int) -> dict[str, float]:
+    """Runs rounds for ``seconds`` and at least ``rounds`` of them (the ring: exactly ``rounds``)."""
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    done = 0
+    while done < rounds or time.perf_counter() - t0 < seconds:
+        round_fn()
+        done += 1
+    return {"rounds": done, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
+
+
+def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
+    import numpy as np
+
+    import psclient
+
+    n_vars = cfg["vars"]
+    per_var = cfg["size_bytes"] // n_vars // 4
+    grads = {f"v{i:02d}": np.zeros(per_var, np.float32) for i in range(n_vars)}
+    with psclient.PSClient(cfg["addresses"], worker_id=cfg["worker_id"], timeout=_IO_TIMEOUT_S) as c:
+        for name, g in grads.items():
+            c.create(name, g, optimizer=psclient.SGD(learning_rate=0.0))
+        c.push_pull(grads)  # warm-up: connections, data port, buffers
+        _ready_then_go(cfg)
+        return _timed_rounds(lambda: c.push_pull(grads), cfg["seconds"], cfg["min_rounds"])
+
+
+def role_ring(cfg: dict[str, Any]) -> dict[str, float]:
+    import numpy as np
+
+    from psclient.collective import Ring
+
+    x = np.zeros(cfg["size_bytes"] // 4, np.float32)
+    with Ring(cfg["addresses"], cfg["rank"], timeout=_IO_TIMEOUT_S) as ring:
+        t = time.perf_counter()
+        ring.allreduce(x, out=x)  # warm-up
+        one = time.perf_counter() - t
+        # every rank must run the same count: the largest estimate of any rank
+        wanted = np.array([max(cfg["min_rounds"], math.ceil(cfg["seconds"] / max(one, 1e-3)))], np.float64)
+        rounds = int(ring.allreduce(wanted, op="max")[0])
+        _ready_then_go(cfg)
+        return _timed_rounds(lambda: ring.allreduce(x, out=x), 0.0, rounds)
+
+
+def _recv_exactly(conn: socket.socket, nbytes: int, buf: bytearray, echo: bool = False) -> bool:
+    """Reads ``nbytes`` (echoing each piece back if ``echo``); False on EOF before the first byte."""
+    view = memoryview(buf)
+    got = 0
+    while got < nbytes:
+        n = conn.recv_into(view[: min(len(buf), nbytes - got)])
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionError(f"EOF after {got} of {nbytes} bytes")
+        if echo:
+            conn.sendall(view[:n])
+        got += n
+    return True
+
+
+def _serve_conn(conn: socket.socket, piece: int, streamed: bool) -> None:
+    buf = bytearray(_CHUNK if streamed else piece)
+    with conn:
+        conn.settimeout(_IO_TIMEOUT_S)
+        while _recv_exactly(conn, piece, buf, echo=streamed):
+            if not streamed:
+                conn.sendall(buf)
+
+
+def role_raw_server(cfg: dict[str, Any]) -> dict[str, float]:
+    with socket.create_server((cfg["host"], 0), backlog=64) as srv:
+        srv.settimeout(_GO_TIMEOUT_S)
+        tmp = cfg["ready_file"] + ".tmp"
+        Path(tmp).write_text(f"{cfg['host']}:{srv.getsockname()[1]}")
+        os.replace(tmp, cfg["ready_file"])
+        threads = []
+        for _ in range(cfg["conns"]):
+            conn, _ = srv.accept()
+            th = threading.Thread(target=_serve_conn, args=(conn, cfg["piece"], cfg["streamed"]), daemon=True)
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join(_GO_TIMEOUT_S + cfg["seconds"] * 4)
+    return {"conns": len(threads)}
+
+
+def role_raw_worker(cfg: dict[str, Any]) -> dict[str, float]:
+    piece, streamed = cfg["piece"], cfg["streamed"]
+    conns = []
+    for addr in cfg["addresses"]:
+        host, _, port = addr.rpartition(":")
+        conns.append(socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S))
+    payload = bytes(piece)
+    bufs = [bytearray(piece) for _ in conns]
+    pool = ThreadPoolExecutor(2 * len(conns))
+
+    def whole(i: int) -> None:
+        conns[i].sendall(payload)
+        _recv_exactly(conns[i], piece, bufs[i])
+
+    def one_round() -> None:
+        if streamed:
+            futs = [pool.submit(c.sendall, payload) for c in conns]
+            futs += [pool.submit(_recv_exactly, c, piece, b) for c, b in zip(conns, bufs, strict=True)]
+        else:
+            futs = [pool.submit(whole, i) for i in range(len(conns))]
+        for f in futs:
+            f.result()
+
+    try:
+        one_round()  # warm-up
+        _ready_then_go(cfg)
+        return _timed_rounds(one_round, cfg["seconds"], cfg["min_rounds"])
+    finally:
+        pool.shutdown()
+        for c in conns:
+            c.close()
+
+
+ROLES: dict[str, Callable[[dict[str, Any]], dict[str, float]]] = {
+    "ps": role_ps,
+    "ring": role_ring,
+    "raw-server": role_raw_server,
+    "raw-worker": role_raw_worker,
+}
+
+if __name__ == "__main__":
+    result = ROLES[sys.argv[1]](json.loads(sys.argv[2]))
+    print(RESULT_PREFIX + json.dumps(result), flush=True)

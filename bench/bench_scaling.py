@@ -1,0 +1,357 @@
+"""Scaling benchmark: push_pull with n workers on k shards, and the ring, on hosts whose links are the limit.
+
+Every shard and every worker runs in a host of its own: a network namespace of a
+``trainer.netns.NetnsCluster`` whose link is shaped to ``--rate-mbit`` each way. Each cell runs
+push_pull rounds (async mode, ``--size-mib`` of float32 variables in 16 equal variables) from n
+workers at once for ``--seconds`` and reports
+
+    achieved / bound = bound time of a round / measured time of a round
+
+where a push_pull round's bound is ``max(M / B, n M / (k B))``: M through a worker's link each way,
+or n M / k through a shard's link each way (full duplex, both directions at once). The ring
+(``psclient.collective.Ring``, one rank per worker host) is bounded by ``2 (n-1) / n x M / B`` per
+all-reduce. Peers in the same run: plain TCP sockets doing the same rounds, ``raw`` (send the whole
+push, then read the whole answer) and ``raw-stream`` (the answer streamed back in 256 KiB chunks
+while the push arrives: what the link can carry). Beside each cell: the machine's CPU (busy % of all
+cores, from /proc/stat) and the busiest process of the cell (cores), to show the links were the limit.
+
+    sudo python bench/bench_scaling.py --quick                       # n in 1,2; k in 1,2; ring n=2
+    sudo python bench/bench_scaling.py --workers 1,2,4 --shards 1,2,4 --ring 2,4,8 \\
+        --size-mib 8 --rate-mbit 200 --out bench/results/scaling
+
+Needs root, iproute2 and nftables (``trainer.netns.netns_available``). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common as cm
+
+from trainer.cluster import cpu_seconds
+from trainer.netns import Host, NetnsCluster, netns_available
+
+ROLES = str(Path(__file__).with_name("_scaling_roles.py"))
+MIB = 1 << 20
+SYSTEMS = ("ps", "raw", "raw-stream")
+_RING_PORT = 7000  # inside a namespace this run made: nothing else can hold it
+_START_TIMEOUT_S = (
+    120.0  # every worker of a cell connected and warmed up (8 workers import psclient on 2 cores)
+)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class Cell:
+    """One measured point: starts the servers and workers of a system on the cluster's hosts."""
+
+    def __init__(self, net: NetnsCluster, args: argparse.Namespace, name: str) -> None:
+        self.net = net
+        self.args = args
+        self.dir = net.workdir / name
+        self.dir.mkdir()
+        self.size = args.size_mib * MIB
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.servers: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, host: Host, role: str, cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
+        return self.net.popen(
+            host,
+            [sys.executable, ROLES, role, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def start_workers(self, hosts: list[Host], role: str, cfgs: list[dict[str, Any]]) -> None:
+        for i, (host, cfg) in enumerate(zip(hosts, cfgs, strict=True)):
+            cfg = {
+                **cfg,
+                "seconds": self.args.seconds,
+                "min_rounds": self.args.min_rounds,
+                "size_bytes": self.size,
+            }
+            cfg.update(ready_file=str(self.dir / f"ready{i}"), go_file=str(self.dir / "go"))
+            self.workers.append(self.spawn(host, role, cfg))
+
+    def run(self) -> dict[str, Any]:
+        """Waits until every worker is ready, lets them go, returns their mean round time and the CPU."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for i, proc in enumerate(self.workers):
+            ready = self.dir / f"ready{i}"
+            while not ready.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"worker {i} not ready: {self._tail(proc)}")
+                time.sleep(0.01)
+        drops0 = self._link_drops()
+        cpu0 = [cpu_seconds(p.pid) for p in self.servers]
+        busy0, total0 = _machine_cpu()
+        (self.dir / "go").write_text("go")
+        results = []
+        for proc in self.workers:
+            out, err = proc.communicate(timeout=self.args.seconds * 10 + self.args.min_rounds * 60 + 60)
+            line = next((x for x in out.decode().splitlines() if x.startswith(cm.RESULT_PREFIX)), None)
+            if proc.returncode != 0 or line is None:
+                raise RuntimeError(f"worker exited {proc.returncode}: {err.decode()[-2000:]}")
+            results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
+        busy1, total1 = _machine_cpu()
+        drops = self._link_drops() - drops0
+        window = max(r["seconds"] for r in results)
+        # workers report their own CPU time; servers are read from /proc (NaN once one has exited)
+        cores = [r["cpu_s"] / r["seconds"] for r in results]
+        cores += [(cpu_seconds(p.pid) - c) / window for p, c in zip(self.servers, cpu0, strict=True)]
+        cores = [c for c in cores if c == c]
+        return {
+            "round_s": sum(r["seconds"] / r["rounds"] for r in results) / len(results),
+            "rounds": [r["rounds"] for r in results],
+            "machine_cpu_pct": round(100 * (busy1 - busy0) / max(1, total1 - total0), 1),
+            "cell_cores": round(sum(cores), 2),
+            "busiest_proc_cores": round(max(cores, default=float("nan")), 2),
+            "link_drops": drops,
+        }
+
+    def _link_drops(self) -> int:
+        """Packets the links' rate limiters dropped so far (both directions, every host): TCP's losses."""
+        return sum(s["drops"] for h in self.net.hosts for s in self.net.link_stats(h).values())
+
+    def _tail(self, proc: subprocess.Popen[bytes]) -> str:
+        if proc.poll() is None:
+            return "still starting"
+        return proc.communicate(timeout=10)[1].decode()[-2000:]
+
+    def close(self) -> None:
+        for proc in self.workers + self.servers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+
+
+def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int, k: int) -> dict[str, Any]:
+    shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]
+    cell = Cell(net, args, f"{system}-n{n}-k{k}")
+    shards = None
+    try:
+        if system == "ps":
+            shards = net.shards(shard_hosts[:k]).start()
+            cell.servers = [p for p in shards.procs if p is not None]
+            cfgs = [{"addresses": shards.addresses, "worker_id": f"w{i}", "vars": 16} for i in range(n)]
+            cell.start_workers(worker_hosts[:n], "ps", cfgs)
+        else:
+            piece = cell.size // k
+            streamed = system == "raw-stream"
+            addresses = []
+            for j, host in enumerate(shard_hosts[:k]):
+                ready = cell.dir / f"server{j}"
+                cfg = {"host": host.address, "ready_file": str(ready), "conns": n, "piece": piece}
+                cell.servers.append(
+                    cell.spawn(host, "raw-server", {**cfg, "streamed": streamed, "seconds": 0})
+                )
+                addresses.append(cm.wait_for_file(ready, 30, cell.servers[-1]))
+            cfgs = [{"addresses": addresses, "piece": piece, "streamed": streamed} for _ in range(n)]
+            cell.start_workers(worker_hosts[:n], "raw-worker", cfgs)
+        out = cell.run()
+    finally:
+        cell.close()
+        if shards is not None:
+            shards.stop()
+    bound = max(cell.size, n * cell.size / k) / (args.rate_mbit * 1e6 / 8)
+    return {"system": system, "n": n, "k": k, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[str, Any]:
+    hosts = net.hosts[args.max_shards : args.max_shards + n]
+    addresses = [f"{h.address}:{_RING_PORT}" for h in hosts]
+    cell = Cell(net, args, f"ring-n{n}")
+    try:
+        cell.start_workers(hosts, "ring", [{"addresses": addresses, "rank": r} for r in range(n)])
+        out = cell.run()
+    finally:
+        cell.close()
+    bound = 2 * (n - 1) / n * cell.size / (args.rate_mbit * 1e6 / 8)
+    return {"system": "ring", "n": n, "k": 0, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str, Any], command: str) -> str:
+    by = {(c["system"], c["n"], c["k"]): c for c in cells}
+    lines = [
+        "# Scaling on a namespace cluster (bench/bench_scaling.py)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Every shard and worker in a network namespace of its own, each link shaped to "
+        f"{args.rate_mbit:g} Mbit/s each way (htb); model M = {args.size_mib} MiB in 16 float32 variables; "
+        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell. "
+        f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
+        f"{note['loadavg_1_5_15']}.",
+        "",
+        "Cells are achieved / bound (bound of a round: max(M/B, n M/(k B)), B the link rate); "
+        "CPU, during the ps cell: the machine's busy % (all its cores, other tenants included), the cores "
+        "the cell's own processes used (shards and workers) and its busiest process's.",
+        "",
+        "| workers n | shards k | ps | raw TCP (whole push, whole answer) | raw TCP streamed | "
+        "ps round ms | bound ms | machine CPU % | cell cores | busiest process, cores |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def ratio(system: str, n: int, k: int) -> str:
+        c = by.get((system, n, k))
+        return f"{c['ratio']:.2f}" if c else "-"
+
+    for n in args.workers:
+        for k in args.shards:
+            ps = by.get(("ps", n, k)) or by.get(("raw", n, k)) or {}
+            if not ps:
+                continue
+            lines.append(
+                f"| {n} | {k} | {ratio('ps', n, k)} | {ratio('raw', n, k)} | {ratio('raw-stream', n, k)} | "
+                f"{ps['round_s'] * 1e3:.0f} | {ps['bound_s'] * 1e3:.0f} | {ps['machine_cpu_pct']} | "
+                f"{ps['cell_cores']} | {ps['busiest_proc_cores']} |"
+            )
+    rings = [c for c in cells if c["system"] == "ring"]
+    if rings:
+        lines += [
+            "",
+            "Ring all-reduce (`psclient.collective.Ring`), bound 2 (n-1)/n x M/B per all-reduce:",
+            "",
+            "| ranks n | achieved / bound | ms | bound ms | machine CPU % | cell cores "
+            "| busiest process, cores |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {c['n']} | {c['ratio']:.2f} | {c['round_s'] * 1e3:.0f} | {c['bound_s'] * 1e3:.0f} | "
+            f"{c['machine_cpu_pct']} | {c['cell_cores']} | {c['busiest_proc_cores']} |"
+            for c in rings
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: str, cells: list[dict[str, Any]]) -> str | None:
+    """Steps/s of the whole cluster against n, per k (and the ring), each with its bound drawn dashed;
+    returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no plot written (pip install 'paramserver[load]')"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = sorted({(c["system"], c["k"]) for c in cells if c["system"] in ("ps", "ring")})
+    for i, (system, k) in enumerate(series):
+        pts = sorted((c["n"], c) for c in cells if (c["system"], c["k"]) == (system, k))
+        ns = [n for n, _ in pts]
+        label = f"ps, k={k}" if system == "ps" else "ring"
+        color = f"C{i}"
+        ax.plot(ns, [n / c["round_s"] for n, c in pts], marker="o", color=color, label=label)
+        ax.plot(ns, [n / c["bound_s"] for n, c in pts], linestyle="--", color=color, label=f"{label}: bound")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers n")
+    ax.set_ylabel("steps/s, all workers together")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("push_pull and ring all-reduce on shaped links (dashed: the link bound)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Needs root, iproute2 and nftables. Cells: --workers x --shards for each of --systems, "
+        "then --ring. Results: OUT.md (the tables and the command) and OUT.json (every number).",
+    )
+    parser.add_argument("--workers", type=_ints, default=_ints("1,2,4,8"), help="n values (default 1,2,4,8)")
+    parser.add_argument("--shards", type=_ints, default=_ints("1,2,4"), help="k values (default 1,2,4)")
+    parser.add_argument(
+        "--ring", type=_ints, default=_ints("2,4,8"), help="ring ranks (default 2,4,8; '' skips)"
+    )
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="among ps,raw,raw-stream (default all three)"
+    )
+    parser.add_argument("--size-mib", type=int, default=8, help="model size M in MiB (default 8)")
+    parser.add_argument(
+        "--rate-mbit", type=float, default=200, help="every link's rate each way, Mbit/s (default 200)"
+    )
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
+    parser.add_argument(
+        "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
+    )
+    parser.add_argument("--quick", action="store_true", help="n in 1,2; k in 1,2; ring n=2; 2 s per cell")
+    parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/scaling)")
+    parser.add_argument("--plot", action="store_true", help="also OUT.png: steps/s against n, bounds dashed")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.workers, args.shards, args.ring, args.seconds = [1, 2], [1, 2], [2], 2.0
+    systems = [s for s in args.systems.split(",") if s]
+    if unknown := set(systems) - set(SYSTEMS):
+        parser.error(f"unknown systems {sorted(unknown)}")
+    ok, why = netns_available()
+    if not ok:
+        print(f"bench_scaling needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    args.max_shards = max(args.shards)
+    num_hosts = args.max_shards + max([*args.workers, *args.ring])
+    command = "python bench/bench_scaling.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    note = cm.machine_note()
+    cells: list[dict[str, Any]] = []
+    with NetnsCluster(num_hosts, rate_mbit=args.rate_mbit) as net:
+        for n in args.workers:
+            for k in args.shards:
+                for system in systems:
+                    cells.append(run_ps_cell(net, args, system, n, k))
+                    c = cells[-1]
+                    print(
+                        f"{system:10s} n={n} k={k}: {c['ratio']:.2f} of bound "
+                        f"({c['round_s'] * 1e3:.0f} ms vs {c['bound_s'] * 1e3:.0f} ms), "
+                        f"CPU {c['machine_cpu_pct']} %, cell {c['cell_cores']} cores, "
+                        f"busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, rounds {c['rounds']}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for n in args.ring:
+            cells.append(run_ring_cell(net, args, n))
+            c = cells[-1]
+            print(f"ring n={n}: {c['ratio']:.2f} of bound, CPU {c['machine_cpu_pct']} %", file=sys.stderr)
+    text = render(args, cells, note, command)
+    print(text)
+    results = {
+        "command": command,
+        "machine": note,
+        "rate_mbit": args.rate_mbit,
+        "size_mib": args.size_mib,
+        "seconds": args.seconds,
+        "cells": cells,
+        "top_processes_after": cm.top_processes(),
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    cm.write_results(args.out, text, results)
+    if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):
+        print(why, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Integration: the cluster in a box (``trainer.netns``): hosts as network namespaces with shaped,
+cuttable links, a shard on one host serving a client on another, and nothing left behind.
+
+Needs root, iproute2 and nftables; skips with the reason otherwise. No wall-clock assertions: the
+rate limit is checked through the qdisc's counters, and as an upper bound only (a loaded machine is
+slower, never faster).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _support import CALL_TIMEOUT_S, wait_until
+
+from trainer import netns
+from trainer.netns import Host, NetnsCluster, leftovers, netns_available
+
+pytestmark = pytest.mark.timeout(60)
+
+PEER = str(Path(__file__).with_name("_netns_peer.py"))
+MIB = 1 << 20
+
+
+@pytest.fixture
+def net() -> Iterator[NetnsCluster]:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    with NetnsCluster(3) as cluster:
+        yield cluster
+
+
+def _peer(net: NetnsCluster, host: Host, *args: str) -> dict[str, object]:
+    proc = net.popen(host, [sys.executable, PEER, *args], stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=CALL_TIMEOUT_S)
+    assert proc.returncode == 0, f"peer {args} on {host.name} exited {proc.returncode}"
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def test_netns_available_names_root_when_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    ok, why = netns_available()
+    assert not ok and "root" in why
+
+
+def test_netns_shard_on_one_host_serves_a_client_on_another(net: NetnsCluster) -> None:
+    ps, worker, _ = net.hosts
+    shards = net.shards([ps]).start()
+    try:
+        assert shards.addresses[0].startswith(ps.address + ":")
+        assert _peer(net, worker, "pushpull", shards.addresses[0]) == {"v": [-1.0] * 4}
+    finally:
+        shards.stop()
+
+
+def test_netns_shaped_link_carries_at_most_its_rate(net: NetnsCluster) -> None:
+    sender, receiver, unshaped = net.hosts
+    net.shape(receiver, 50)
+    ready = net.workdir / "peer.addr"
+    server = net.popen(
+        receiver, [sys.executable, PEER, "serve", receiver.address, str(ready)], stdout=subprocess.PIPE
+    )
+    addr = wait_until(lambda: ready.exists() and ready.read_text(), "the receiver's ready file")
+    before = net.link_stats(receiver)["ingress"]
+    _peer(net, sender, "send", str(addr), str(4 * MIB))
+    out, _ = server.communicate(timeout=CALL_TIMEOUT_S)
+    got = json.loads(out)
+    after = net.link_stats(receiver)
+    assert got["bytes"] == 4 * MIB
+    assert after["ingress"]["htb"] and after["egress"]["htb"], after
+    assert after["ingress"]["bytes"] - before["bytes"] >= 4 * MIB  # all of it went through the htb class
+    assert after["ingress"]["overlimits"] > before["overlimits"]  # and the rate limit held it back
+    # 4 MiB through 50 Mbit/s takes at least 0.67 s: an upper bound on the rate, never a lower one
+    assert 4 * MIB * 8 / got["seconds"] < 1.2 * 50e6
+    assert not net.link_stats(unshaped)["ingress"]["htb"]
+    net.shape(receiver, None)
+    assert not net.link_stats(receiver)["ingress"]["htb"]
+
+
+def test_netns_cut_and_heal(net: NetnsCluster) -> None:
+    ps, a, b = net.hosts
+    shards = net.shards([ps]).start()
+    addr = shards.addresses[0]
+    try:
+        net.cut(ps)
+        assert _peer(net, a, "connect", addr, "1") == {"connected": False, "error": "TimeoutError"}
+        net.heal(ps)
+        assert _peer(net, a, "connect", addr, "5")["connected"]
+        net.cut(ps, a)  # only between ps and a
+        assert not _peer(net, a, "connect", addr, "1")["connected"]
+        assert _peer(net, b, "connect", addr, "5")["connected"]
+        net.heal(a)
+        assert _peer(net, a, "connect", addr, "5")["connected"]
+        assert "drop" not in net.filter_rules(ps)
+    finally:
+        shards.stop()
+
+
+def test_netns_drop_share_rule_installs_and_clears(net: NetnsCluster) -> None:
+    host = net.hosts[0]
+    net.drop(host, 10)
+    assert net.filter_rules(host).count("numgen random mod 100 < 10 drop") == 2  # in and out
+    net.drop(host, 0)
+    assert "numgen" not in net.filter_rules(host)
+    with pytest.raises(ValueError, match="percent"):
+        net.drop(host, 120)
+
+
+def test_netns_close_removes_processes_namespaces_and_links() -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    net = NetnsCluster(2, rate_mbit=100)
+    sleeper = net.popen(net.hosts[0], ["sleep", "60"])
+    suffix = net.suffix
+    assert len(leftovers(suffix)) == 5  # 2 namespaces, 2 veths, 1 bridge
+    net.close()
+    net.close()  # idempotent
+    assert sleeper.poll() is not None
+    assert leftovers(suffix) == []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=10).stdout
+    assert suffix not in names and suffix not in links
+
+
+def test_netns_sigterm_removes_everything() -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    script = (
+        "import sys, time\n"
+        "from trainer.netns import NetnsCluster\n"
+        "net = NetnsCluster(2)\n"
+        "net.popen(net.hosts[1], ['sleep', '60'])\n"
+        "print(net.suffix, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        suffix = proc.stdout.readline().strip()  # type: ignore[union-attr]
+        assert leftovers(suffix), "the cluster was not built"
+        proc.terminate()
+        assert proc.wait(timeout=CALL_TIMEOUT_S) == 128 + 15
+    finally:
+        proc.kill()
+        proc.wait(timeout=CALL_TIMEOUT_S)
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert leftovers(suffix) == []

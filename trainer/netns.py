@@ -1,0 +1,486 @@
+"""NetnsCluster: a cluster of hosts in one box, made of network namespaces on a private bridge.
+
+Each host is a network namespace with one veth link to a bridge of the cluster's own. A link can be
+rate-limited in both directions (``htb`` on each end of the veth), cut and healed, or made to drop a
+share of packets (``nftables`` inside the host's namespace). Shards, backups, workers and any other
+process run inside a host through ``ip netns exec``. Everything made is removed on exit: ``close()``,
+the context manager, ``atexit`` and SIGTERM/SIGHUP all lead to the same idempotent cleanup, which
+touches only the namespaces, veths and bridge it created (its names carry a random suffix, so two
+clusters coexist). There is no delay emulation (``netem``).
+
+Needs root, ``ip`` and ``tc`` (iproute2) and ``nft`` (nftables); ``netns_available()`` says why not.
+
+Example:
+    ok, why = netns_available()
+    with NetnsCluster(rate_mbit=100) as net:
+        ps, worker = net.add_host("ps0"), net.add_host("w0")
+        shards = net.shards([ps]).start()  # psserver on ps's address, inside its namespace
+        proc = net.popen(worker, [sys.executable, "train.py", shards.addresses[0]])
+        net.cut(ps, worker)  # worker and ps no longer reach each other
+        net.heal(ps)
+        shards.stop()
+
+Not thread-safe: build and change a cluster from one thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.cluster import LocalCluster
+
+log = logging.getLogger(__name__)
+
+_CMD_TIMEOUT_S = 15.0  # one ip/tc/nft call takes milliseconds; this covers a loaded machine
+_TERM_GRACE_S = 5.0  # processes get this long after SIGTERM before SIGKILL
+_KILL_WAIT_S = 5.0  # and this long to vanish after SIGKILL
+_MAX_HOSTS = 250  # host addresses .1-.250 of the cluster's /24
+_NFT_TABLE = "psnetns"
+_HOST_IF = "eth0"  # the veth end inside a host
+_SUBNET_FMT = "10.77.{}.0/24"  # a private range; the third octet comes from the cluster's suffix
+
+
+class NetnsError(RuntimeError):
+    """A namespace, link, shaping or filter command failed; the message carries the command's stderr."""
+
+
+def netns_available() -> tuple[bool, str]:
+    """Whether this machine can build a ``NetnsCluster``, and if not, why (a reason for ``pytest.skip``)."""
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return False, "network namespaces need root (this process is not)"
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return False, f"`{tool}` is not installed (package {package})"
+    return _probe_netns()
+
+
+@functools.cache
+def _probe_netns() -> tuple[bool, str]:
+    """Makes and removes one namespace (once per process)."""
+    probe = f"psprobe{secrets.token_hex(3)}"
+    try:
+        _sh(["ip", "netns", "add", probe])
+    except NetnsError as e:
+        return False, f"cannot create a network namespace: {e}"
+    finally:
+        with contextlib.suppress(NetnsError):
+            _sh(["ip", "netns", "del", probe], check=False)
+    return True, ""
+
+
+def _sh(argv: Sequence[str], *, check: bool = True, stdin: str | None = None) -> str:
+    """Runs one command (bounded in time); returns its stdout.
+
+    Raises:
+        NetnsError: it failed (with ``check``), could not start, or timed out.
+    """
+    try:
+        proc = subprocess.run(
+            list(argv), input=stdin, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NetnsError(f"{' '.join(argv)}: {e}") from e
+    if check and proc.returncode != 0:
+        raise NetnsError(f"{' '.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+@dataclass(slots=True, eq=False)
+class Host:
+    """One host: a network namespace ``netns`` with address ``address`` on the cluster's bridge.
+
+    ``veth`` is the link's end on the bridge side (in the root namespace); inside the host the link is
+    ``eth0``.
+    """
+
+    name: str
+    index: int
+    netns: str
+    address: str
+    veth: str
+    rate_mbit: float | None = None
+    cut_all: bool = False
+    cut_peers: set[str] = field(default_factory=set)
+    drop_percent: float = 0.0
+
+    @property
+    def launcher(self) -> list[str]:
+        """The command prefix that runs a command inside this host."""
+        return ["ip", "netns", "exec", self.netns]
+
+
+class NetnsCluster:
+    """Hosts made of network namespaces on a bridge of their own, with shaped, cuttable links.
+
+    Args:
+        num_hosts: hosts to make up front (named ``h0``, ``h1``, ...); more with ``add_host``.
+        rate_mbit: every new host's link rate in Mbit/s, each direction (``None``: unshaped).
+        burst_kib: the token bucket's burst in KiB (default: ``htb``'s own, from the rate).
+        workdir: where logs and ready files go (default: a temporary directory, removed on close).
+
+    Raises:
+        NetnsError: the machine cannot make namespaces (see ``netns_available``) or a command failed.
+    """
+
+    def __init__(
+        self,
+        num_hosts: int = 0,
+        *,
+        rate_mbit: float | None = None,
+        burst_kib: float | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.suffix = secrets.token_hex(3)
+        octet = int(hashlib.sha256(self.suffix.encode()).hexdigest(), 16) % 250 + 1
+        self.subnet = _SUBNET_FMT.format(octet)
+        self._prefix = self.subnet.rsplit(".", 1)[0]
+        self.bridge = f"psbr{self.suffix}"
+        self.rate_mbit = rate_mbit
+        self.burst_kib = burst_kib
+        self.hosts: list[Host] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="psnetns-")
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        atexit.register(self.close)
+        _open_clusters.add(self.suffix)
+        _install_signal_handlers()
+        try:
+            _sh(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _sh(["ip", "link", "set", self.bridge, "up"])
+            for i in range(num_hosts):
+                self.add_host(f"h{i}")
+        except BaseException:
+            self.close()
+            raise
+        log.info("netns cluster %s: bridge %s, subnet %s", self.suffix, self.bridge, self.subnet)
+
+    # ------------------------------------------------------------------ hosts and links
+
+    def add_host(self, name: str | None = None, *, rate_mbit: float | None = None) -> Host:
+        """Makes a host: a namespace, a veth to the bridge, the next address; shaped to ``rate_mbit``
+        (default: the cluster's rate).
+
+        Raises:
+            NetnsError: a command failed, or the cluster already has 250 hosts.
+        """
+        index = len(self.hosts)
+        if index >= _MAX_HOSTS:
+            raise NetnsError(f"a cluster holds at most {_MAX_HOSTS} hosts")
+        host = Host(
+            name=name or f"h{index}",
+            index=index,
+            netns=f"ps{self.suffix}-{index}",
+            address=f"{self._prefix}.{index + 1}",
+            veth=f"psv{self.suffix}-{index}",
+        )
+        self.hosts.append(host)  # before the commands: close() removes what was half made
+        ns = ["ip", "-n", host.netns]
+        _sh(["ip", "netns", "add", host.netns])
+        _sh(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", _HOST_IF, "netns", host.netns])
+        _sh(["ip", "link", "set", host.veth, "master", self.bridge, "up"])
+        _sh([*ns, "addr", "add", f"{host.address}/24", "dev", _HOST_IF])
+        _sh([*ns, "link", "set", _HOST_IF, "up"])
+        _sh([*ns, "link", "set", "lo", "up"])
+        rate = rate_mbit if rate_mbit is not None else self.rate_mbit
+        if rate is not None:
+            self.shape(host, rate, self.burst_kib)
+        log.debug("host %s: netns %s, %s", host.name, host.netns, host.address)
+        return host
+
+    def host(self, name: str) -> Host:
+        """The host called ``name``.
+
+        Raises:
+            KeyError: no such host.
+        """
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def _link_ends(self, host: Host) -> list[list[str]]:
+        """``tc`` prefixes of the link's two ends: egress of the host, and egress towards it (its ingress)."""
+        return [["tc", "-n", host.netns], ["tc"]]
+
+    def _link_devs(self, host: Host) -> list[str]:
+        return [_HOST_IF, host.veth]
+
+    def shape(self, host: Host, rate_mbit: float | None, burst_kib: float | None = None) -> None:
+        """Limits ``host``'s link to ``rate_mbit`` Mbit/s in each direction (``None``: no limit).
+
+        An ``htb`` class at the root of both veth ends: the host's side shapes what it sends, the
+        bridge's side what it receives.
+
+        Raises:
+            NetnsError: ``tc`` failed.
+        """
+        for tc, dev in zip(self._link_ends(host), self._link_devs(host), strict=True):
+            _sh([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
+            if rate_mbit is None:
+                continue
+            burst = ["burst", f"{burst_kib}kb", "cburst", f"{burst_kib}kb"] if burst_kib else []
+            _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            _sh([
+                *tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+                "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "quantum", "60000", *burst,
+            ])  # fmt: skip
+        host.rate_mbit = rate_mbit
+
+    def link_stats(self, host: Host) -> dict[str, dict[str, int]]:
+        """Root qdisc counters of ``host``'s link: ``{"egress": {...}, "ingress": {...}}``, each with
+        ``bytes``, ``packets``, ``drops`` and ``overlimits`` (overlimits > 0: the rate limit engaged).
+
+        Raises:
+            NetnsError: ``tc`` failed.
+        """
+        out: dict[str, dict[str, int]] = {}
+        for key, tc, dev in zip(
+            ("egress", "ingress"), self._link_ends(host), self._link_devs(host), strict=True
+        ):
+            qdiscs = json.loads(_sh([*tc, "-s", "-j", "qdisc", "show", "dev", dev]) or "[]")
+            root = next((q for q in qdiscs if q.get("root")), {})
+            out[key] = {k: int(root.get(k, 0)) for k in ("bytes", "packets", "drops", "overlimits")}
+            out[key]["htb"] = int(root.get("kind") == "htb")
+        return out
+
+    def cut(self, host: Host, other: Host | None = None) -> None:
+        """Drops every packet to and from ``host`` (loopback excepted), or only those between ``host``
+        and ``other``. Established connections stall; new ones time out.
+
+        Raises:
+            NetnsError: ``nft`` failed.
+        """
+        if other is None:
+            host.cut_all = True
+            self._apply_filter(host)
+            return
+        host.cut_peers.add(other.address)
+        other.cut_peers.add(host.address)
+        self._apply_filter(host)
+        self._apply_filter(other)
+
+    def heal(self, host: Host, other: Host | None = None) -> None:
+        """Undoes ``cut(host, other)``; without ``other``, every cut involving ``host``.
+
+        Raises:
+            NetnsError: ``nft`` failed.
+        """
+        peers = [other] if other is not None else [h for h in self.hosts if h.address in host.cut_peers]
+        if other is None:
+            host.cut_all = False
+        for peer in peers:
+            host.cut_peers.discard(peer.address)
+            peer.cut_peers.discard(host.address)
+            self._apply_filter(peer)
+        self._apply_filter(host)
+
+    def drop(self, host: Host, percent: float) -> None:
+        """Drops ``percent`` % of ``host``'s packets at random, each direction (0: none).
+
+        Raises:
+            ValueError: ``percent`` is outside [0, 100].
+            NetnsError: ``nft`` failed.
+        """
+        if not 0 <= percent <= 100:
+            raise ValueError(f"percent must be in [0, 100], got {percent}")
+        host.drop_percent = percent
+        self._apply_filter(host)
+
+    def filter_rules(self, host: Host) -> str:
+        """The nftables table that ``host`` has now, as ``nft list`` prints it ("" when none)."""
+        return _sh([*host.launcher, "nft", "list", "table", "inet", _NFT_TABLE], check=False)
+
+    def _apply_filter(self, host: Host) -> None:
+        """Replaces the host's nftables table with one made from its cut and drop state (atomically)."""
+        rules: dict[str, list[str]] = {"input": [], "output": []}
+        for chain, way, lo in (("input", "saddr", "iifname"), ("output", "daddr", "oifname")):
+            rules[chain].append(f'{lo} "lo" accept')
+            if host.cut_all:
+                rules[chain].append("drop")
+            if host.cut_peers:
+                rules[chain].append(f"ip {way} {{ {', '.join(sorted(host.cut_peers))} }} drop")
+            if host.drop_percent > 0:
+                rules[chain].append(f"numgen random mod 100 < {round(host.drop_percent)} drop")
+        script = [
+            f"table inet {_NFT_TABLE}",
+            f"delete table inet {_NFT_TABLE}",
+            f"table inet {_NFT_TABLE} {{",
+        ]
+        for chain, body in rules.items():
+            script.append(f"  chain {chain} {{ type filter hook {chain} priority 0; policy accept;")
+            script.extend(f"    {r}" for r in body)
+            script.append("  }")
+        script.append("}")
+        _sh([*host.launcher, "nft", "-f", "-"], stdin="\n".join(script) + "\n")
+
+    # ------------------------------------------------------------------ processes
+
+    def popen(
+        self,
+        host: Host,
+        argv: Sequence[str],
+        *,
+        log_name: str | None = None,
+        env: dict[str, str] | None = None,
+        **kwargs: Any,
+    ) -> subprocess.Popen[bytes]:
+        """Starts ``argv`` inside ``host``; its stdout and stderr go to ``workdir/<log_name>.log`` unless
+        ``kwargs`` redirect them. The process is killed on ``close()`` if it still runs.
+        """
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if "stdout" in kwargs:
+            proc = subprocess.Popen([*host.launcher, *argv], env=full_env, **kwargs)
+        else:
+            with open(self.workdir / f"{log_name or host.name}.log", "ab") as logf:
+                proc = subprocess.Popen(
+                    [*host.launcher, *argv], env=full_env, stdout=logf, stderr=subprocess.STDOUT, **kwargs
+                )
+        self.procs.append(proc)
+        return proc
+
+    def shards(
+        self,
+        hosts: Sequence[Host],
+        server_args: Sequence[str] = (),
+        *,
+        shard_args: dict[int, Sequence[str]] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> LocalCluster:
+        """A ``LocalCluster`` (not started) with shard ``i`` on ``hosts[i]``: bound to its address, started
+        inside its namespace. Backups are shards too: ``shard_args={i: ["--backup-of", primary]}``.
+        """
+        workdir = Path(tempfile.mkdtemp(prefix="shards-", dir=self.workdir))
+        return LocalCluster(
+            len(hosts),
+            server_args,
+            shard_args=shard_args,
+            workdir=workdir,
+            env=env,
+            hosts=[h.address for h in hosts],
+            launchers=[h.launcher for h in hosts],
+        )
+
+    def pids(self, host: Host) -> list[int]:
+        """Every process running inside ``host`` now."""
+        out = _sh(["ip", "netns", "pids", host.netns], check=False)
+        return [int(p) for p in out.split()]
+
+    def kill_all(self, host: Host) -> None:
+        """SIGTERMs every process inside ``host``, SIGKILLs what is left after a grace period (bounded)."""
+        for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+            pids = self.pids(host)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait_s
+            while pids and time.monotonic() < deadline:
+                self._reap()
+                pids = self.pids(host)
+                time.sleep(0.02)
+            if not pids:
+                return
+        log.warning("processes %s in %s survived SIGKILL", pids, host.netns)
+
+    def _reap(self) -> None:
+        for proc in self.procs:
+            proc.poll()
+
+    # ------------------------------------------------------------------ cleanup
+
+    def close(self) -> None:
+        """Kills every process in the hosts, removes the namespaces, veths and bridge; idempotent."""
+        if not self._close_lock.acquire(blocking=False):
+            return  # another close (a signal during close) is running
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            for host in self.hosts:
+                self.kill_all(host)
+            for proc in self.procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=_KILL_WAIT_S)
+            for host in self.hosts:
+                _sh(["ip", "netns", "del", host.netns], check=False)
+                _sh(["ip", "link", "del", host.veth], check=False)  # gone with the namespace, usually
+            _sh(["ip", "link", "del", self.bridge], check=False)
+            if self._tmp is not None:
+                self._tmp.cleanup()
+            log.info("netns cluster %s removed", self.suffix)
+        finally:
+            _open_clusters.discard(self.suffix)
+            if not _open_clusters:
+                _restore_signal_handlers()
+            atexit.unregister(self.close)
+            self._close_lock.release()
+
+    def __enter__(self) -> NetnsCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_open_clusters: set[str] = set()  # suffixes of the clusters not closed yet, in this process
+_old_handlers: dict[int, Any] = {}
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise SystemExit (so ``with`` blocks and atexit clean up) while a cluster is
+    open, where they had the default action and this is the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            _old_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+
+def _restore_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, old in list(_old_handlers.items()):
+        if signal.getsignal(sig) is _exit_on_signal:
+            signal.signal(sig, old)
+        del _old_handlers[sig]
+
+
+def leftovers(suffix: str = "") -> list[str]:
+    """Namespaces, veths and bridges of ``NetnsCluster``s (of the one with ``suffix``, if given) that exist
+    now: for tests, and to find what a SIGKILLed run left (remove those with ``ip netns del`` and
+    ``ip link del``)."""
+    names = [line.split()[0] for line in _sh(["ip", "netns", "list"], check=False).splitlines() if line]
+    found = [
+        n for n in names if n.startswith(f"ps{suffix}") and n.count("-") == 1 and not n.startswith("psprobe")
+    ]
+    for line in _sh(["ip", "-o", "link", "show"], check=False).splitlines():
+        ifname = line.split(":")[1].strip().split("@")[0]
+        if ifname.startswith((f"psbr{suffix}", f"psv{suffix}")):
+            found.append(ifname)
+    return found
