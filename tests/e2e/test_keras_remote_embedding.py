@@ -206,3 +206,42 @@ def test_steps_per_execution_trains_exactly_as_one_step_per_call(make_cluster, v
     np.testing.assert_allclose(results[4][0], results[1][0], rtol=1e-5)
     np.testing.assert_allclose(results[4][1], results[1][1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[4][2], results[1][2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_regularizer_runs_on_the_shards(make_cluster, var_name, dynamic: bool) -> None:
+    cluster = make_cluster(num_shards=2)
+    x, y = _data(n=64)
+    # exact: every row of a fixed table decays on every push; a dynamic table's regularizer is lazy
+    with psk.PSWorker(cluster.addresses, overlap=False, table_regularization="exact") as worker:
+        emb = psk.Embedding(
+            None if dynamic else ROWS, DIM, worker=worker, name="emb",
+            embeddings_regularizer=keras.regularizers.l2(0.5),
+        )  # fmt: skip
+        model = keras.Sequential(
+            [
+                keras.Input((4,), dtype="int32"),
+                emb,
+                keras.layers.GlobalAveragePooling1D(),
+                keras.layers.Dense(1),
+            ],
+            name=var_name,
+        )
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(0.1), worker), loss="mse")
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[worker.callback()])
+        name = emb.table_name
+        (piece, *_) = worker.client.list_variables([name])[name]
+        reg = piece.spec.dynamic.regularizer if dynamic else piece.spec.table.regularizer
+        assert reg.l2 == pytest.approx(0.5) and reg.every_row is not dynamic
+        if not dynamic:  # a row no batch read: SGD(0.1) on 2 * 0.5 * w, twice: w * 0.9 ** 2
+            np.testing.assert_allclose(
+                worker.client.lookup(name, np.array([1])),
+                init_rows(name, np.array([1]), DIM, np.float32, "uniform") * 0.81,
+                rtol=1e-5,
+            )
+    bad = keras.regularizers.OrthogonalRegularizer(0.1)
+    with psk.PSWorker(cluster.addresses) as worker:
+        model, emb = _model(worker, var_name + "_bad", embeddings_regularizer=bad)
+        model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(0.1), worker), loss="mse")
+        with pytest.raises(ValueError, match="cannot run on the shards"):
+            model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[worker.callback()])
