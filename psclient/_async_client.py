@@ -50,12 +50,19 @@ async def _as_coro(aw: Awaitable[T]) -> T:
     return await aw
 
 
+KEEPALIVE_TIME_S = 1.0  # an HTTP/2 ping every second on each channel, calls in flight or not
+KEEPALIVE_TIMEOUT_S = 3.0  # unanswered this long: the link is silent, the channel's calls fail (UNAVAILABLE)
+
+
 def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # A silent link (a partition: no reset, no answer) fails the channel's calls within
+        # KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, so they fail over to the other replica instead of
+        # waiting for their deadline (the shards allow pings this often).
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.enable_retries", 0),  # psclient retries itself (_retry), with one deadline for all attempts

@@ -94,10 +94,27 @@ class FrameTransport(abc.ABC, Generic[H]):
         """Drops the connection(s) after a failure; the next ``send`` / ``recv`` starts on fresh ones."""
 
 
+# A peer that acknowledges nothing for this long (a cut link: no reset, no answer) drops the connection
+# (TCP_USER_TIMEOUT; keepalive probes every second while idle), so a call waiting on it fails and is
+# retried or failed over, instead of waiting for its deadline. Not less: a data stream under heavy
+# packet loss can go a few seconds between retransmissions (200 ms doubling), and a drop costs a retry.
+SILENT_LINK_S = 5.0
+
+
 def tune_socket(sock: socket.socket) -> None:
-    """Non-blocking, no Nagle delay; buffer sizes stay autotuned by the kernel (setting them stops that)."""
+    """Non-blocking, no Nagle delay, a silent peer dropped after ``SILENT_LINK_S``; buffer sizes stay
+    autotuned by the kernel (setting them stops that)."""
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (
+        ("TCP_KEEPIDLE", 1),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", int(SILENT_LINK_S)),
+        ("TCP_USER_TIMEOUT", int(SILENT_LINK_S * 1000)),
+    ):
+        if hasattr(socket, option):  # Linux; other systems keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def family_of(host: str) -> socket.AddressFamily:

@@ -47,6 +47,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Clients ping every second to notice a silent link (psclient's KEEPALIVE_*): allowed, never a
+        # "too many pings" GOAWAY.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
