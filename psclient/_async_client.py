@@ -54,6 +54,15 @@ KEEPALIVE_TIME_S = 1.0  # an HTTP/2 ping every second on each channel, calls in 
 KEEPALIVE_TIMEOUT_S = 3.0  # unanswered this long: the link is silent, the channel's calls fail (UNAVAILABLE)
 
 
+def _failure(err: grpc.RpcError) -> str:
+    """One failed attempt in a few words: ``no answer (...)`` for a deadline, else the status and details."""
+    code = err.code()
+    details = (err.details() or "").split("\n")[0][:200]
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer ({details})"
+    return f"{code.name}: {details}"
+
+
 def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -143,6 +152,7 @@ class AsyncPSClient:
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
+        self._last_failure: dict[tuple[int, int], str] = {}  # (shard, replica) -> its last failed attempt
         self._links: dict[tuple[int, int], _bulk.DataLink] = {}  # (shard, replica) -> its data port
         self._data_tls: Any = None  # the TLS context of data connections (made on first use)
         self._seq = itertools.count(1)
@@ -191,6 +201,7 @@ class AsyncPSClient:
         replicas = self._replicas[shard]
         if len(replicas) == 1:
             return
+        self._last_failure[(shard, self._current[shard])] = _failure(err)
         old = replicas[self._current[shard]]
         self._current[shard] = (self._current[shard] + 1) % len(replicas)
         session = self._sessions.pop(shard, None)
@@ -228,14 +239,34 @@ class AsyncPSClient:
                 on_retry=functools.partial(self._failover, shard),
             )
         except grpc.RpcError as err:
+            replicas = self._replica_story(shard, err, time.monotonic() - started)
             if err.code() in _UNREACHABLE_CODES:
                 why = await self._watch(shard).describe(time.monotonic() - started)
-                if why is not None:  # say what happened, not just "Deadline Exceeded"
-                    error = error_class(err.code())(f"{why}; {err.details()}", method=method, address=address)
-                    raise error from err
+                if why is not None or replicas:  # say what happened, not just "Deadline Exceeded"
+                    said = "; ".join(p for p in (why, err.details(), replicas) if p)
+                    raise error_class(err.code())(said, method=method, address=address) from err
             raise from_rpc_error(err, method=method, address=address) from err
         finally:
             watch.leave()
+
+    def _replica_story(self, shard: int, err: grpc.RpcError, waited: float) -> str:
+        """For a replicated shard, which replica went silent or refused and what the other last said
+        (a standby backup names its primary), or "" for a shard with one address."""
+        replicas = self._replicas[shard]
+        if len(replicas) == 1:
+            return ""
+        current = self._current[shard]
+        self._last_failure[(shard, current)] = _failure(err)
+        asked = replicas[current]
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            story = f"shard {shard}: {asked}, the replica asked last, gave no answer in {waited:.1f} s"
+        else:
+            story = f"shard {shard}: {asked}, the replica asked last, answered {err.code().name}"
+        for r, address in enumerate(replicas):
+            if r != current:
+                last = self._last_failure.get((shard, r))
+                story += f"; {address}: " + (f"its last failure: {last}" if last else "not tried yet")
+        return story
 
     def _watch(self, shard: int) -> _reach.Watch:
         """The reachability watch of ``shard``'s current replica."""
