@@ -14,27 +14,17 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from trainer.netns import NetnsCluster, netns_available
+from trainer.netns import NetnsCluster
 
 pytestmark = pytest.mark.timeout(120)
 
 CLIENT = str(Path(__file__).with_name("_partition_client.py"))
 CUT_S = 12.0  # the primary stays cut this long; a client that waits for its deadline makes no progress in it
 RUN_S = 20.0
-
-
-@pytest.fixture
-def net() -> Iterator[NetnsCluster]:
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(why)
-    with NetnsCluster(3) as cluster:
-        yield cluster
 
 
 @pytest.mark.parametrize(
