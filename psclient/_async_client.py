@@ -50,8 +50,14 @@ async def _as_coro(aw: Awaitable[T]) -> T:
     return await aw
 
 
-KEEPALIVE_TIME_S = 1.0  # an HTTP/2 ping every second on each channel, calls in flight or not
-KEEPALIVE_TIMEOUT_S = 3.0  # unanswered this long: the link is silent, the channel's calls fail (UNAVAILABLE)
+# Channels to a replicated shard (PRIMARY|BACKUP): an HTTP/2 ping every second, calls in flight or not;
+# unanswered for 3 s, the link is silent and the channel's calls fail (UNAVAILABLE) and fail over. A shard
+# with one address has nowhere to fail over to: its channel keeps gRPC's slower keepalive (30 s / 10 s),
+# and its calls wait for it (wait_for_ready) until their deadline.
+KEEPALIVE_TIME_S = 1.0
+KEEPALIVE_TIMEOUT_S = 3.0
+_SINGLE_KEEPALIVE_TIME_S = 30.0
+_SINGLE_KEEPALIVE_TIMEOUT_S = 10.0
 
 
 def _failure(err: grpc.RpcError) -> str:
@@ -63,15 +69,20 @@ def _failure(err: grpc.RpcError) -> str:
     return f"{code.name}: {details}"
 
 
-def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
+def _channel_options(config: ClientConfig, *, replicated: bool) -> list[tuple[str, Any]]:
+    ping, wait = (
+        (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)
+        if replicated
+        else (_SINGLE_KEEPALIVE_TIME_S, _SINGLE_KEEPALIVE_TIMEOUT_S)
+    )
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         # A silent link (a partition: no reset, no answer) fails the channel's calls within
         # KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, so they fail over to the other replica instead of
         # waiting for their deadline (the shards allow pings this often).
-        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
-        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_time_ms", int(ping * 1000)),
+        ("grpc.keepalive_timeout_ms", int(wait * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.enable_retries", 0),  # psclient retries itself (_retry), with one deadline for all attempts
@@ -179,20 +190,24 @@ class AsyncPSClient:
             raise RuntimeError("the client is closed")
         if not self._stubs:
             cfg = self.config
-            options = _channel_options(cfg)
+            creds = None
             if cfg.tls_ca or cfg.tls_cert:
                 creds = grpc.ssl_channel_credentials(
                     root_certificates=_read(cfg.tls_ca),
                     private_key=_read(cfg.tls_key),
                     certificate_chain=_read(cfg.tls_cert),
                 )
-                self._channels = [
-                    [grpc.aio.secure_channel(a, creds, options=options) for a in r] for r in self._replicas
-                ]
-            else:
-                self._channels = [
-                    [grpc.aio.insecure_channel(a, options=options) for a in r] for r in self._replicas
-                ]
+            self._channels = []
+            for r in self._replicas:
+                options = _channel_options(cfg, replicated=len(r) > 1)
+                self._channels.append(
+                    [
+                        grpc.aio.insecure_channel(a, options=options)
+                        if creds is None
+                        else grpc.aio.secure_channel(a, creds, options=options)
+                        for a in r
+                    ]
+                )
             self._stubs = [[rpc.Stub(ch) for ch in r] for r in self._channels]
         return self._stubs[shard][self._current[shard]]
 
