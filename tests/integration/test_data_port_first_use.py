@@ -11,7 +11,7 @@ firewalled port is given to accept (``psclient._bulk.CONNECT_TIMEOUT_S``); a
 second worker that connects while the first one's push already waits at the
 barrier.
 
-The clients send every pull and push over the data port (``data_port_min_bytes=0``).
+The clients use the defaults: every pull and push over the data port.
 """
 
 from __future__ import annotations
@@ -76,10 +76,7 @@ def _tls(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
 
 async def _workers(cluster: LocalCluster, tls: dict[str, str]) -> list[psclient.AsyncPSClient]:
     """Two workers with the variables created (over gRPC: no data connection is open yet)."""
-    workers = [
-        psclient.AsyncPSClient(cluster.addresses, f"w{i}", timeout=CALL_S, data_port_min_bytes=0, **tls)
-        for i in range(2)
-    ]
+    workers = [psclient.AsyncPSClient(cluster.addresses, f"w{i}", timeout=CALL_S, **tls) for i in range(2)]
     for w in workers:
         await w.create_embedding(
             TABLE, None, 2, key_type="string", optimizer=psclient.SGD(1.0), initializer="zeros"

@@ -214,8 +214,8 @@ def test_a_primary_whose_backup_died_refuses_until_a_new_backup_confirms() -> No
 
 
 def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
-    # Grace 30 s, longer than LocalCluster waits before SIGKILL (15 s): the open PushSession and
-    # Replicate streams must end at once for the exit status to be 0.
+    # Grace 30 s, longer than LocalCluster waits before SIGKILL (15 s): the open data connections and
+    # Replicate stream must end at once for the exit status to be 0.
     with _pair(("--grace", "30")) as (primary, backup):
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(8, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
