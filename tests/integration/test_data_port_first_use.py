@@ -63,15 +63,7 @@ def _tls(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     from _certs import make_pki
 
     pki = make_pki(tmp_path)
-    flags = [
-        "--tls-cert",
-        str(pki.server_cert),
-        "--tls-key",
-        str(pki.server_key),
-        "--tls-client-ca",
-        str(pki.ca),
-    ]
-    return flags, {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    return pki.shard_flags(), pki.client_options()
 
 
 async def _workers(cluster: LocalCluster, tls: dict[str, str]) -> list[psclient.AsyncPSClient]:
