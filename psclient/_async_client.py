@@ -123,9 +123,9 @@ class AsyncPSClient:
         timeout: deadline of each call, seconds.
         tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
         **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...); ``data_port=False``
-            keeps every transfer on gRPC (by default lookups, and pulls and pushes of
-            ``data_port_min_bytes`` (256 KiB) or more per shard, go over the shard's raw-TCP data port,
-            see ``psclient._bulk``; ``data_port_min_bytes=0``: every pull and push, at less CPU).
+            keeps every transfer on gRPC (by default pulls, pushes and lookups go over the shard's
+            raw-TCP data port, see ``psclient._bulk``; ``data_port_min_bytes=N``: those of N bytes or
+            more per shard, smaller ones over gRPC).
     """
 
     def __init__(
