@@ -39,10 +39,10 @@ How it works:
 - Each step pushes the gradients and receives new values. The exchange runs
   outside the graph, in a ``tf.numpy_function`` inside Keras's compiled train
   step (so ``fit`` keeps ``tf.function``; XLA ``jit_compile`` must be off).
-- ``async`` and ``ssp`` modes overlap communication with compute: step ``k``'s
-  fused ``push_pull`` is in flight while step ``k + 1`` computes, on the values
-  returned by step ``k - 1``'s ``push_pull`` (one step of extra staleness,
-  ``overlap=False`` turns it off). ``sync`` mode pushes with the global step
+- ``async`` and ``ssp`` modes can overlap communication with compute
+  (``overlap=True``): step ``k``'s fused ``push_pull`` is in flight while step
+  ``k + 1`` computes, on the values returned by step ``k - 1``'s ``push_pull``
+  (one step of extra staleness; off by default). ``sync`` mode pushes with the global step
   (the push is the barrier), then pulls the step's result; a worker whose
   gradient was dropped as stale resyncs to the shards' current step.
 - Worker side (as Keras does them): ``global_clipnorm`` (it needs all of a step's
@@ -239,7 +239,9 @@ class PSWorker:
         num_workers: number of workers (default: from ``TF_CONFIG``, else 1).
         mode: the shards' mode: ``"async"``, ``"sync"`` or ``"ssp"``; default: asked from the shards
             (a mode given that differs from theirs is refused when attaching).
-        overlap: async/ssp: overlap step k's push_pull with step k+1's compute.
+        overlap: async/ssp: overlap step k's push_pull with step k+1's compute, which then trains on
+            values one step staler (off by default: with a high learning rate the extra staleness can
+            make async training diverge; see the README).
         worker_id: the id the shards know this worker by (default ``worker<index>``); unique per worker.
         client: an existing ``PSClient`` to use (its addresses win).
         attach_timeout: seconds a non-chief worker waits for the chief to create the variables.
@@ -262,7 +264,7 @@ class PSWorker:
         worker_index: int | None = None,
         num_workers: int | None = None,
         mode: str | None = None,
-        overlap: bool = True,
+        overlap: bool = False,
         worker_id: str | None = None,
         client: PSClient | None = None,
         attach_timeout: float = 120.0,

@@ -138,3 +138,25 @@ def test_fit_without_the_callback_says_what_to_do(make_cluster, var_name) -> Non
         model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(), worker), loss="mse")
         with pytest.raises(Exception, match=r"worker\.callback\(\)"):
             model.fit(np.zeros((4, 4), np.float32), np.zeros((4, 2), np.float32), verbose=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_returns_the_previous_steps_values_and_keeps_one_exchange_in_flight(
+    make_cluster, var_name, overlap: bool
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)], name=var_name)
+    with psk.PSWorker(cluster.addresses, overlap=overlap) as worker:
+        worker.attach(model, keras.optimizers.SGD(learning_rate=1.0))
+        name = worker.name_of(model.trainable_variables[0])
+        start = model.trainable_variables[0].numpy()
+        ones = np.ones((2, 1), np.float32)
+        seen = [worker.exchange([name], [ones])[0] for _ in range(3)]
+        # SGD(1) with gradients of ones: the shards hold start - k after k pushes. Without overlap each step
+        # gets its own push's answer; with it, step 1 waits for its own (nothing earlier) and step k > 1
+        # gets step k - 1's while its own push is in flight.
+        expected = [1, 2, 3] if not overlap else [1, 1, 2]
+        for got, k in zip(seen, expected, strict=True):
+            np.testing.assert_allclose(got, start - k)
+        worker.refresh()  # drains the exchange in flight
+        np.testing.assert_allclose(model.trainable_variables[0].numpy(), start - 3)

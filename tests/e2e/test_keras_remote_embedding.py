@@ -68,7 +68,7 @@ def test_prefetch_reads_each_batchs_rows_with_the_push_of_the_step_before(make_c
 
     cluster = make_cluster(num_shards=2)
     x, y = _data()
-    with psk.PSWorker(cluster.addresses) as worker:  # async, overlapped
+    with psk.PSWorker(cluster.addresses, overlap=True) as worker:  # async, overlapped
         model, emb = _model(worker, var_name)
         model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
         ds = psk.prefetch_rows(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), model)
