@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="variable name prefix; the variables stay on a running cluster (default: %(default)s)",
     )
     p.add_argument("--chunk-size", help="client streaming chunk size, e.g. 4MiB")
+    p.add_argument(
+        "--data-port-min-bytes",
+        help="pushes and pulls of this much per shard or more take the raw-TCP data port, one connection "
+        "per client and shard (client default 256KiB; 0: all of them)",
+    )
     p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
     p.add_argument(
         "--server-arg", action="append", default=[], help="extra psserver flag for the local cluster"
@@ -134,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         options = {}
         if args.chunk_size:
             options["chunk_bytes"] = parse_size(args.chunk_size)
+        if args.data_port_min_bytes is not None:
+            options["data_port_min_bytes"] = parse_size(args.data_port_min_bytes)
         config = LoadConfig(
             workers=args.workers, clients_per_worker=args.clients_per_worker,
             model=ModelSpec.parse(args.model), duration_s=args.duration, exact=args.exact,
