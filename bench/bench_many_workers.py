@@ -63,17 +63,6 @@ _EXTRA_S = 240.0  # a case's psload run may take this long beyond its seconds (s
 _ESTABLISHED, _LISTEN = "01", "0A"  # /proc/net/tcp states
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _machine_cpu() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores so far, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
 def _fds(pid: int) -> int | None:
     try:
         return len(os.listdir(f"/proc/{pid}/fd"))
@@ -148,7 +137,7 @@ class Sampler:
     samples: list[dict[str, Any]] = field(default_factory=list)
 
     def sample(self) -> dict[str, Any]:
-        busy, total = _machine_cpu()
+        busy, total = cm.machine_cpu()
         row = {
             "t": time.monotonic(),
             "busy": busy,
@@ -486,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="async,sync,conns", help="among async,sync,conns (default all)")
     parser.add_argument("--async-n", type=int, default=64, help="simulated workers, async case (default 64)")
     parser.add_argument(
-        "--sync-n", type=_ints, default=_ints("2,4,8,16,32,64"), help="barrier sizes (default 2,4,...,64)"
+        "--sync-n", type=cm.ints, default=cm.ints("2,4,8,16,32,64"), help="barrier sizes (default 2,4,...,64)"
     )
     parser.add_argument("--conns", type=int, default=256, help="simulated workers on one shard (default 256)")
     parser.add_argument(
