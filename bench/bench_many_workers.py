@@ -182,6 +182,7 @@ class Case:
                 "--clients-per-worker", str(clients), "--model", model, "--duration", str(args.seconds),
                 "--exact", "--worker-netns", ",".join(h.netns for h in worker_hosts), "--json", str(out),
                 "--timeout", str(args.timeout), "--data-port-min-bytes", args.data_port_min_bytes,
+                *(["--warm-up"] if args.warm_up else []),
             ]  # fmt: skip
             log_path = self.dir / "psload.log"
             with open(log_path, "wb") as logf:
@@ -499,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="psload's: pushes and pulls of this much per shard or more take the data port, a connection "
         "per client and shard (default 0: all; 1GiB: gRPC only, its connection shared in a process)",
+    )
+    parser.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="measure from the start: without psload's --warm-up (a pull before the clock starts: it opens "
+        "the data connections), the first steps of many workers starting at once are in the numbers",
     )
     parser.add_argument("--workdir", help="keep the logs here (psload's and the shards'; default: removed)")
     parser.add_argument(

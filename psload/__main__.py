@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="every push also adds 1 to an exact counter per shard; check counters and versions at the end",
     )
     p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="every simulated worker pulls the model once before the clock starts (opens data connections)",
+    )
+    p.add_argument(
         "--worker-netns",
         default="",
         metavar="NS[,NS...]",
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         config = LoadConfig(
             workers=args.workers, clients_per_worker=args.clients_per_worker,
             model=ModelSpec.parse(args.model), duration_s=args.duration, exact=args.exact,
+            warm_up=args.warm_up,
             worker_netns=tuple(n for n in args.worker_netns.split(",") if n),
             addresses=addresses, local_shards=args.shards, mode=args.mode, staleness=args.staleness,
             op=args.op, timeout_s=args.timeout, prefix=args.prefix, auth_token=token,

@@ -68,6 +68,9 @@ class LoadConfig:
             pushes (sync mode: every step adds 1 once; async and ssp: every push adds 1): the result's
             ``counts``. A running cluster keeps the counters (``PREFIX/counter_<i>``), so run this on a
             fresh one.
+        warm_up: every simulated worker pulls the model once before the clock starts, which opens its
+            data connections (the first use of each costs a ``DataPort`` call; with many workers starting
+            at once some of those took seconds); off: the run includes the start.
         worker_netns: network namespaces (``trainer.netns.Host.netns``) of the worker processes: process
             ``p`` runs in ``worker_netns[p % len]``; empty: the runner's own.
         max_rss_growth: chaos soak: the largest accepted growth of shard and worker memory (RSS) from
@@ -91,6 +94,7 @@ class LoadConfig:
     chaos_every_s: float | None = None
     max_rss_growth: float = 0.10
     exact: bool = False
+    warm_up: bool = False
     worker_netns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -220,7 +224,7 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
             names=tuple(names), shapes=tuple(config.model.shapes()), op=config.op, coordinated=coordinated,
             start_step=start_step, duration_s=config.duration_s, timeout_s=config.timeout_s,
             auth_token=config.auth_token, client_options=dict(config.client_options),
-            counters=tuple(counters), clients=per, netns=netns,
+            counters=tuple(counters), clients=per, netns=netns, warm_up=config.warm_up,
         )  # fmt: skip
         p = ctx.Process(target=worker_main, args=(args, results, shared), name=f"psload-w{w}", daemon=True)
         p.start()

@@ -50,6 +50,7 @@ class WorkerArgs:
     counters: tuple[str, ...] = ()  # exact counters every push adds 1 to (SGD, rate 1)
     clients: int = 1  # simulated workers in this process
     netns: str | None = None  # network namespace to run in (Linux, root)
+    warm_up: bool = False  # one pull before the clock starts
 
     def worker_ids(self) -> list[str]:
         if self.clients == 1:
@@ -119,6 +120,8 @@ async def _run(args: WorkerArgs, index: int, worker_id: str, queue: Any, shared:
         **args.client_options,
     ) as client:  # fmt: skip
         await client.list_variables(list(args.names))  # learn placement before the clock starts
+        if args.warm_up:  # and open the data connections (a DataPort call each): their first use is slow
+            await client.pull(list(args.names))
         queue.put(("ready", index))
         deadline = time.monotonic() + 120.0
         while shared.start.value == 0.0 and time.monotonic() < deadline:  # noqa: ASYNC110 - another process sets it

@@ -73,12 +73,13 @@ def test_sync_run_against_a_running_cluster() -> None:
 
 
 def test_many_simulated_workers_per_process_with_exact_counts() -> None:
-    """2 processes x 3 simulated workers (worker ids of their own) in sync mode: 6 replicas, counts exact."""
+    """2 processes x 3 simulated workers (worker ids of their own) in sync mode: 6 replicas, counts exact
+    (the warm-up pull before the clock starts is no step)."""
     server_args = ["--mode", "sync", "--replicas-to-aggregate", "6", "--total-replicas", "6"]
     with LocalCluster(num_shards=2, server_args=server_args) as cluster:
         config = LoadConfig(
             workers=2, clients_per_worker=3, model=ModelSpec.parse("2x16KiB"), duration_s=1.5,
-            addresses=tuple(cluster.addresses), timeout_s=30.0, exact=True,
+            addresses=tuple(cluster.addresses), timeout_s=30.0, exact=True, warm_up=True,
         )  # fmt: skip
         result = run_load(config, progress=None)
     check_result(result, workers=6, shards=2, mode="sync")
