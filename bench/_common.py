@@ -179,6 +179,18 @@ def wait_for_file(path: Path, timeout: float, proc: subprocess.Popen[bytes] | No
     raise RuntimeError(f"{path} did not appear within {timeout:.0f}s")
 
 
+def ints(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (an argparse type)."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def machine_note() -> dict[str, Any]:
     """What the machine is and how loaded it was."""
     load = os.getloadavg()

@@ -51,17 +51,6 @@ _START_TIMEOUT_S = (
 )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _machine_cpu() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores so far, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return sum(fields) - idle, sum(fields)
-
-
 class Cell:
     """One measured point: starts the servers and workers of a system on the cluster's hosts."""
 
@@ -104,7 +93,7 @@ class Cell:
                 time.sleep(0.01)
         drops0 = self._link_drops()
         cpu0 = [cpu_seconds(p.pid) for p in self.servers]
-        busy0, total0 = _machine_cpu()
+        busy0, total0 = cm.machine_cpu()
         (self.dir / "go").write_text("go")
         results = []
         for proc in self.workers:
@@ -113,7 +102,7 @@ class Cell:
             if proc.returncode != 0 or line is None:
                 raise RuntimeError(f"worker exited {proc.returncode}: {err.decode()[-2000:]}")
             results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
-        busy1, total1 = _machine_cpu()
+        busy1, total1 = cm.machine_cpu()
         drops = self._link_drops() - drops0
         window = max(r["seconds"] for r in results)
         # workers report their own CPU time; servers are read from /proc (NaN once one has exited)
@@ -283,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Needs root, iproute2 and nftables. Cells: --workers x --shards for each of --systems, "
         "then --ring. Results: OUT.md (the tables and the command) and OUT.json (every number).",
     )
-    parser.add_argument("--workers", type=_ints, default=_ints("1,2,4,8"), help="n values (default 1,2,4,8)")
-    parser.add_argument("--shards", type=_ints, default=_ints("1,2,4"), help="k values (default 1,2,4)")
     parser.add_argument(
-        "--ring", type=_ints, default=_ints("2,4,8"), help="ring ranks (default 2,4,8; '' skips)"
+        "--workers", type=cm.ints, default=cm.ints("1,2,4,8"), help="n values (default 1,2,4,8)"
+    )
+    parser.add_argument("--shards", type=cm.ints, default=cm.ints("1,2,4"), help="k values (default 1,2,4)")
+    parser.add_argument(
+        "--ring", type=cm.ints, default=cm.ints("2,4,8"), help="ring ranks (default 2,4,8; '' skips)"
     )
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="among ps,raw,raw-stream (default all three)"

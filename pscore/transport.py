@@ -316,7 +316,7 @@ class DataPort:
             if self._bind_port:  # a fixed port: rebind at once after a restart
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host, self._bind_port))
-            sock.listen(64)
+            sock.listen(socket.SOMAXCONN)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -349,6 +349,15 @@ class DataPort:
                 await asyncio.sleep(0.1)
                 continue
             self.spawn(self._handshake(sock), f"{self._name} connection")
+            # and every connection already waiting, in this turn of the loop: one accept per turn falls
+            # behind a busy loop when many clients connect at once, and theirs give up (psclient: 3 s)
+            while True:
+                try:
+                    sock, _ = self._sock.accept()
+                except OSError:  # BlockingIOError: none waiting
+                    break
+                sock.setblocking(False)
+                self.spawn(self._handshake(sock), f"{self._name} connection")
 
     def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Runs ``coro`` as a task that ``close`` cancels."""

@@ -16,6 +16,7 @@ examples:
   psload --workers 4 --model 8x1MiB --duration 10                 # starts a local 2-shard cluster
   psload --workers 4 --mode sync --json out.json --plot out.png
   psload --workers 8 --model 16x4MiB,1x64MiB 10.0.0.5:2222 10.0.0.6:2222
+  psload --workers 4 --clients-per-worker 16 --exact --duration 15  # 64 simulated workers, exact counts
   psload --chaos --kill-every 5 --workers 4 --model 4x64KiB --duration 300 --json chaos.json
   psload --chaos --mode sync --kill-every 5 --workers 4 --duration 60
 
@@ -35,8 +36,12 @@ over). Every push also adds 1 to an exact counter per shard (sync mode: every st
 end counters and versions must equal the acknowledged pushes (steps), none lost, none applied twice.
 Reported: failover and redundancy-restored time per kill (p50/max), and the RSS of shard and worker
 processes after warm-up vs at the end (Linux /proc).
-exit status: 0 when the run had no errors (and with --chaos: counters exact, RSS growth below
---max-rss-growth), 1 otherwise, 2 on bad arguments.
+Many workers (--clients-per-worker C): each of the W processes runs C simulated workers (an
+AsyncPSClient and worker id each, on one event loop), W x C in all (sync/ssp: W x C replicas);
+"per worker steps max/min" is the spread of their step counts. --exact: the chaos soak's exact
+counters without the kills (on a running cluster they stay as PREFIX/counter_<i>: use a fresh one).
+exit status: 0 when the run had no errors (and with --chaos or --exact: counters exact; with --chaos:
+RSS growth below --max-rss-growth), 1 otherwise, 2 on bad arguments.
 """
 
 
@@ -50,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("addresses", nargs="*", help="HOST:PORT of every shard (default: start a local cluster)")
     p.add_argument("-w", "--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    p.add_argument(
+        "-c",
+        "--clients-per-worker",
+        type=int,
+        default=1,
+        help="simulated workers per process, an AsyncPSClient and worker id each (default: %(default)s)",
+    )
     p.add_argument("-m", "--model", default="8x1MiB", help="variables, COUNTxSIZE,... (default: %(default)s)")
     p.add_argument("-d", "--duration", type=float, default=10.0, help="seconds to run (default: %(default)s)")
     p.add_argument(
@@ -69,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="variable name prefix; the variables stay on a running cluster (default: %(default)s)",
     )
     p.add_argument("--chunk-size", help="client streaming chunk size, e.g. 4MiB")
+    p.add_argument(
+        "--data-port-min-bytes",
+        help="pushes and pulls of this much per shard or more take the raw-TCP data port, one connection "
+        "per client and shard (client default 256KiB; 0: all of them)",
+    )
     p.add_argument("--auth-token-file", help="file holding the cluster's auth token")
     p.add_argument(
         "--server-arg", action="append", default=[], help="extra psserver flag for the local cluster"
@@ -86,6 +103,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="--chaos: largest accepted RSS growth after warm-up, percent (default: %(default)s)",
+    )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="every push also adds 1 to an exact counter per shard; check counters and versions at the end",
+    )
+    p.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="every simulated worker pulls the model once before the clock starts (opens data connections)",
+    )
+    p.add_argument(
+        "--worker-netns",
+        default="",
+        metavar="NS[,NS...]",
+        help="network namespaces the worker processes run in, round robin (Linux, root)",
     )
     p.add_argument("--json", metavar="FILE", help="write the result as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a PNG plot of throughput and latency over time")
@@ -111,8 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         options = {}
         if args.chunk_size:
             options["chunk_bytes"] = parse_size(args.chunk_size)
+        if args.data_port_min_bytes is not None:
+            options["data_port_min_bytes"] = parse_size(args.data_port_min_bytes)
         config = LoadConfig(
-            workers=args.workers, model=ModelSpec.parse(args.model), duration_s=args.duration,
+            workers=args.workers, clients_per_worker=args.clients_per_worker,
+            model=ModelSpec.parse(args.model), duration_s=args.duration, exact=args.exact,
+            warm_up=args.warm_up,
+            worker_netns=tuple(n for n in args.worker_netns.split(",") if n),
             addresses=addresses, local_shards=args.shards, mode=args.mode, staleness=args.staleness,
             op=args.op, timeout_s=args.timeout, prefix=args.prefix, auth_token=token,
             server_args=tuple(args.server_arg), client_options=options,
@@ -133,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         why = report.plot(args.plot, result)
         print(f"  plot        {args.plot}" if why is None else f"  plot        skipped: {why}")
     ok = result["summary"]["errors"] == 0 and not result["summary"]["failed_workers"]
+    if "counts" in result:
+        ok = ok and result["counts"]["ok"]
     if "chaos" in result:
         ok = ok and all(result["chaos"]["ok"].values())
     return 0 if ok else 1

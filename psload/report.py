@@ -161,6 +161,7 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  latency     p50 {ms(lat['p50_ms'])}  p95 {ms(lat['p95_ms'])}  p99 {ms(lat['p99_ms'])}  "
         f"max {ms(lat['max_ms'])}",
         f"  errors      {s['errors']}" + (f" {s['errors_by_type']}" if s["errors_by_type"] else ""),
+        f"  per worker  steps max/min {_ratio(s.get('steps_max_over_min'))}",
         "  shards      "
         + "; ".join(
             f"{sh['index']} {sh['address']}: {sh['share']:.0%} of bytes"
@@ -172,12 +173,30 @@ def format_summary(result: dict[str, Any]) -> str:
     ]
     if "chaos" in result:
         lines += chaos_lines(result["chaos"])
+    elif "counts" in result:
+        lines.append(count_line(result["counts"]))
     if not cfg["local_cluster"]:
         lines.append(
             f"  left        {cfg['variables']} variable(s) named {cfg['prefix']}/* "
             f"({cfg['model_bytes'] / 2**20:.2f} MiB) stay on the cluster: {LEFT_ON_CLUSTER}"
         )
     return "\n".join(lines)
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def count_line(cnt: dict[str, Any]) -> str:
+    """The exact counts' line (``psload --exact``; the chaos soak's ``counters``)."""
+    applied = ", ".join(map(str, sorted(set(cnt["applied"].values()))))
+    other = len(cnt["variables_with_other_versions"])
+    verdict = "" if "ok" not in cnt else ("  [ok]" if cnt["ok"] else "  [FAIL]")
+    return (
+        f"  counters    {cnt['acknowledged_pushes']} {cnt.get('unit', 'pushes')} acknowledged; "
+        f"counters applied {applied}: {cnt['lost']} lost, {cnt['applied_twice']} applied twice; "
+        f"{other} variable(s) at another version{verdict}"
+    )
 
 
 def chaos_lines(chaos: dict[str, Any]) -> list[str]:
@@ -196,16 +215,11 @@ def chaos_lines(chaos: dict[str, Any]) -> list[str]:
     def verdict(flag: bool) -> str:
         return "ok" if flag else "FAIL"
 
-    applied = ", ".join(map(str, sorted(set(cnt["applied"].values()))))
-    other = len(cnt["variables_with_other_versions"])
     lines = [
         f"  chaos       {len(chaos['kills'])} kill -9 of a primary (every {chaos['kill_every_s']:g} s): "
         f"failover p50 {s(rec['failover_p50_s'])} max {s(rec['failover_max_s'])}; redundant again "
         f"p50 {s(rec['redundant_p50_s'])} max {s(rec['redundant_max_s'])}  [{verdict(ok['kills'])}]",
-        f"  counters    {cnt['acknowledged_pushes']} {cnt.get('unit', 'pushes')} acknowledged; "
-        f"counters applied {applied}: "
-        f"{cnt['lost']} lost, {cnt['applied_twice']} applied twice; {other} variable(s) at another "
-        f"version  [{verdict(ok['counters'])}]",
+        f"{count_line(cnt)}  [{verdict(ok['counters'])}]",
         f"  rss         shards {mem(rss['shards'])}; workers {mem(rss['workers'])}, after "
         f"{rss['warmup_s']:g} s warm-up (limit {chaos['max_rss_growth']:+.0%})  [{verdict(ok['rss'])}]",
     ]

@@ -44,12 +44,15 @@ class LoadConfig:
     """One load test.
 
     Args:
-        workers: W, simulated worker processes.
+        workers: W, worker processes.
+        clients_per_worker: C, simulated workers per worker process (one ``AsyncPSClient`` each, all on
+            the process's event loop): W x C simulated workers in all, each with a worker id of its own
+            (sync/ssp modes count W x C replicas).
         model: the variables pushed each step.
         duration_s: how long workers run (sync/ssp: then all finish the same step).
         addresses: shards of a running cluster; empty: start a local cluster of ``local_shards``.
         local_shards: shard count of the local cluster.
-        mode: async, sync (N = M = W) or ssp (M = W); for a running cluster, its shards' mode is used.
+        mode: async, sync (N = M = W x C) or ssp (M = W x C); for a running cluster, its shards' mode is used.
         staleness: ssp: S of the local cluster.
         op: each step does ``push_pull`` (one round trip), ``push`` only, or ``pull`` only.
         timeout_s: per-call deadline of the workers.
@@ -59,13 +62,23 @@ class LoadConfig:
         client_options: extra ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...).
         chaos_every_s: chaos soak (``psload.chaos``): the local cluster is replicated (a primary and a
             backup process per shard, in ``mode``) and a primary is ``kill -9``-ed every this many
-            seconds and restarted; every push also carries exact counters, checked at the end (sync
-            mode: every step adds 1 once; async and ssp: every push adds 1).
+            seconds and restarted; implies ``exact``.
+        exact: every push also carries exact counters (one per shard, SGD with learning rate 1 and a
+            gradient of -1), checked at the end with every variable's version against the acknowledged
+            pushes (sync mode: every step adds 1 once; async and ssp: every push adds 1): the result's
+            ``counts``. A running cluster keeps the counters (``PREFIX/counter_<i>``), so run this on a
+            fresh one.
+        warm_up: every simulated worker pulls the model once before the clock starts, which opens its
+            data connections (the first use of each costs a ``DataPort`` call; with many workers starting
+            at once some of those took seconds); off: the run includes the start.
+        worker_netns: network namespaces (``trainer.netns.Host.netns``) of the worker processes: process
+            ``p`` runs in ``worker_netns[p % len]``; empty: the runner's own.
         max_rss_growth: chaos soak: the largest accepted growth of shard and worker memory (RSS) from
             the end of the warm-up (a fifth of the run, at least 5 s) to the end (0.10: 10 %).
     """
 
     workers: int = 2
+    clients_per_worker: int = 1
     model: ModelSpec = field(default_factory=lambda: ModelSpec.parse("8x1MiB"))
     duration_s: float = 10.0
     addresses: tuple[str, ...] = ()
@@ -80,10 +93,15 @@ class LoadConfig:
     client_options: dict[str, Any] = field(default_factory=dict)
     chaos_every_s: float | None = None
     max_rss_growth: float = 0.10
+    exact: bool = False
+    warm_up: bool = False
+    worker_netns: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.clients_per_worker < 1:
+            raise ValueError(f"clients per worker must be >= 1, got {self.clients_per_worker}")
         if not self.duration_s > 0:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
         if self.op not in OPS:
@@ -94,19 +112,24 @@ class LoadConfig:
             raise ValueError(f"local shards must be >= 1, got {self.local_shards}")
         if self.mode in ("sync", "ssp") and self.op == "pull":
             raise ValueError(f"{self.mode} mode advances on pushes: use op push_pull or push")
-        if self.chaos_every_s is not None:
-            if not self.chaos_every_s > 0:
-                raise ValueError(f"the kill interval must be > 0 seconds, got {self.chaos_every_s}")
-            if self.op == "pull":
-                raise ValueError("--chaos counts pushes: use op push_pull or push")
+        if self.chaos_every_s is not None and not self.chaos_every_s > 0:
+            raise ValueError(f"the kill interval must be > 0 seconds, got {self.chaos_every_s}")
+        if (self.exact or self.chaos_every_s is not None) and self.op == "pull":
+            raise ValueError("exact counts (--exact, --chaos) count pushes: use op push_pull or push")
+
+    @property
+    def simulated_workers(self) -> int:
+        """W x C: every simulated worker of the run."""
+        return self.workers * self.clients_per_worker
 
 
 def _local_server_args(config: LoadConfig, mode: str) -> list[str]:
     args = ["--mode", mode]
+    n = str(config.simulated_workers)
     if mode == "sync":
-        args += ["--replicas-to-aggregate", str(config.workers), "--total-replicas", str(config.workers)]
+        args += ["--replicas-to-aggregate", n, "--total-replicas", n]
     elif mode == "ssp":
-        args += ["--total-replicas", str(config.workers), "--staleness", str(config.staleness)]
+        args += ["--total-replicas", n, "--staleness", str(config.staleness)]
     return [*args, *config.server_args]
 
 
@@ -179,7 +202,7 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
     statuses_before, start_step = asyncio.run(_prepare(config, names))
     counters: list[str] = []
     probes: dict[int, str] = {}
-    if chaos is not None:
+    if chaos is not None or config.exact:
         counters, probes = asyncio.run(_prepare_counters(config))
     modes = {s.mode for s in statuses_before if s.mode}
     mode = modes.pop() if len(modes) == 1 else (config.mode or "async")
@@ -189,15 +212,19 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
     run_id = uuid.uuid4().hex[:6]
 
     ctx = mp.get_context("spawn")
-    shared = _Shared(ctx, config.workers)
+    per = config.clients_per_worker
+    total = config.simulated_workers
+    shared = _Shared(ctx, total)
     results: Any = ctx.Queue()
     procs = []
     for w in range(config.workers):
+        netns = config.worker_netns[w % len(config.worker_netns)] if config.worker_netns else None
         args = WorkerArgs(
-            index=w, worker_id=f"psload-{run_id}-w{w}", addresses=tuple(config.addresses), names=tuple(names),
-            shapes=tuple(config.model.shapes()), op=config.op, coordinated=coordinated, start_step=start_step,
-            duration_s=config.duration_s, timeout_s=config.timeout_s, auth_token=config.auth_token,
-            client_options=dict(config.client_options), counters=tuple(counters),
+            index=w * per, worker_id=f"psload-{run_id}-w{w}", addresses=tuple(config.addresses),
+            names=tuple(names), shapes=tuple(config.model.shapes()), op=config.op, coordinated=coordinated,
+            start_step=start_step, duration_s=config.duration_s, timeout_s=config.timeout_s,
+            auth_token=config.auth_token, client_options=dict(config.client_options),
+            counters=tuple(counters), clients=per, netns=netns, warm_up=config.warm_up,
         )  # fmt: skip
         p = ctx.Process(target=worker_main, args=(args, results, shared), name=f"psload-w{w}", daemon=True)
         p.start()
@@ -207,7 +234,7 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
     done: dict[int, tuple[int, dict[str, int], dict[str, str], str | None]] = {}
     monkey = sampler = None
     try:
-        _wait_ready(results, procs, done, config.workers)
+        _wait_ready(results, procs, done, total, per)
         shared.start.value = time.time()
         t_start = time.monotonic()
         if chaos is not None:
@@ -223,7 +250,7 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
         next_tick = 1.0
         stop_set = False
         hard_deadline = t_start + config.duration_s + _STOP_GRACE_S + config.timeout_s
-        while len(done) < config.workers:
+        while len(done) < total:
             now = time.monotonic()
             if now >= hard_deadline:
                 log.warning("psload: workers did not finish in time; terminating them")
@@ -237,19 +264,20 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
             if progress is not None and now - t_start >= next_tick + _PROGRESS_LAG_S:
                 second = int(next_tick) - 1
                 if second < config.duration_s:
-                    print(collector.progress_line(second, config.duration_s, config.workers), file=progress,
+                    print(collector.progress_line(second, config.duration_s, total), file=progress,
                           flush=True)  # fmt: skip
                 next_tick += 1.0
             _drain(results, collector, done, timeout=0.05)
-            for w, p in enumerate(procs):  # a worker that died without reporting
-                if w not in done and not p.is_alive() and p.exitcode not in (None, 0):
+            for w, p in enumerate(procs):  # a worker process that died without reporting
+                lost = [i for i in range(w * per, (w + 1) * per) if i not in done]
+                if lost and not p.is_alive() and p.exitcode not in (None, 0):
                     _drain(results, collector, done, timeout=0.2)
-                    if w not in done:
-                        done[w] = (0, {}, {}, f"worker process exited with code {p.exitcode}")
+                    for i in lost:
+                        done.setdefault(i, (0, {}, {}, f"worker process exited with code {p.exitcode}"))
         elapsed = time.monotonic() - t_start
         _drain(results, collector, done, timeout=0.05)
         while progress is not None and next_tick <= config.duration_s:  # the seconds not printed yet
-            line = collector.progress_line(int(next_tick) - 1, config.duration_s, config.workers)
+            line = collector.progress_line(int(next_tick) - 1, config.duration_s, total)
             print(line, file=progress, flush=True)
             next_tick += 1.0
     finally:
@@ -266,8 +294,10 @@ def _run(config: LoadConfig, progress: TextIO | None, chaos: Any = None) -> dict
         elapsed = min(elapsed, config.duration_s)  # the tail after the deadline is one in-flight step
     statuses_after = _status(config)
     result = _result(config, mode, names, collector, done, elapsed, statuses_before, statuses_after)
+    if counters:
+        result["counts"] = _count_check(config, names, counters, result)
     if chaos is not None:
-        result["chaos"] = _chaos_result(config, names, counters, result, monkey, sampler)
+        result["chaos"] = _chaos_result(config, result, monkey, sampler)
     return result
 
 
@@ -276,7 +306,7 @@ async def _prepare_counters(config: LoadConfig) -> tuple[list[str], dict[int, st
     shard for the failover probe."""
     import psclient
 
-    counters = [f"{config.prefix}/counter_{i}" for i in range(config.local_shards)]
+    counters = [f"{config.prefix}/counter_{i}" for i in range(len(config.addresses))]
     async with psclient.AsyncPSClient(
         list(config.addresses), worker_id="psload-setup-counters", timeout=config.timeout_s,
         auth_token=config.auth_token,
@@ -295,21 +325,15 @@ async def _prepare_counters(config: LoadConfig) -> tuple[list[str], dict[int, st
     return counters, {shard: name for shard, (_, name) in probes.items()}
 
 
-def _chaos_result(
-    config: LoadConfig,
-    names: list[str],
-    counters: list[str],
-    result: dict[str, Any],
-    monkey: Any,
-    sampler: Any,
+def _count_check(
+    config: LoadConfig, names: list[str], counters: list[str], result: dict[str, Any]
 ) -> dict[str, Any]:
-    """The soak's verdict: counters and versions against the acknowledged pushes, recovery times, RSS."""
+    """Counters and versions against the acknowledged pushes (sync mode: steps); ``ok`` when exact."""
     import psclient
-    from psload.chaos import kills_json, recovery, rss_growth
 
     async def read() -> tuple[dict[str, Any], dict[str, int]]:
         async with psclient.AsyncPSClient(
-            list(config.addresses), worker_id="psload-chaos-check", timeout=config.timeout_s,
+            list(config.addresses), worker_id="psload-count-check", timeout=config.timeout_s,
             auth_token=config.auth_token,
         ) as client:  # fmt: skip
             return await client.pull_with_versions([*names, *counters])
@@ -324,6 +348,22 @@ def _chaos_result(
     wrong_versions = {n: v for n, v in versions.items() if v != acknowledged}
     lost = max((acknowledged - v for v in applied.values()), default=0)
     doubled = max((v - acknowledged for v in applied.values()), default=0)
+    return {
+        "acknowledged_pushes": acknowledged,  # sync mode: steps (each acknowledged to every worker)
+        "unit": "steps" if result["config"]["mode"] == "sync" else "pushes",
+        "applied": applied,
+        "lost": max(lost, 0),
+        "applied_twice": max(doubled, 0),
+        "variables_with_other_versions": wrong_versions,
+        "ok": lost == 0 and doubled == 0 and not wrong_versions,
+    }
+
+
+def _chaos_result(config: LoadConfig, result: dict[str, Any], monkey: Any, sampler: Any) -> dict[str, Any]:
+    """The soak's verdict: the exact counts (``_count_check``), recovery times, RSS."""
+    from psload.chaos import kills_json, recovery, rss_growth
+
+    s = result["summary"]
     warmup = max(5.0, config.duration_s / 5)
     rss = {
         "shards": rss_growth(sampler.samples, "shards_mib", warmup, config.duration_s),
@@ -333,25 +373,18 @@ def _chaos_result(
     }
     growths = [g["growth"] for g in (rss["shards"], rss["workers"]) if g["growth"] is not None]
     rss_ok = bool(growths) and max(growths) < config.max_rss_growth
-    counters_ok = lost == 0 and doubled == 0 and not wrong_versions
+    counters = {k: v for k, v in result["counts"].items() if k != "ok"}
     workers_ok = s["errors"] == 0 and not s["failed_workers"]
     return {
         "kill_every_s": config.chaos_every_s,
         "kills": kills_json(monkey.kills),
         "monkey_error": repr(monkey.error) if monkey.error is not None else None,
         "recovery": recovery(monkey.kills),
-        "counters": {
-            "acknowledged_pushes": acknowledged,  # sync mode: steps (each acknowledged to every worker)
-            "unit": "steps" if result["config"]["mode"] == "sync" else "pushes",
-            "applied": applied,
-            "lost": max(lost, 0),
-            "applied_twice": max(doubled, 0),
-            "variables_with_other_versions": wrong_versions,
-        },
+        "counters": counters,
         "rss": rss,
         "max_rss_growth": config.max_rss_growth,
         "ok": {
-            "counters": counters_ok,
+            "counters": result["counts"]["ok"],
             "workers": workers_ok,
             "rss": rss_ok,
             "kills": bool(monkey.kills) and monkey.error is None,
@@ -370,7 +403,7 @@ class _Shared:
         self.finished = ctx.Array("b", workers, lock=False)
 
 
-def _wait_ready(results: Any, procs: list[Any], done: dict[int, Any], workers: int) -> None:
+def _wait_ready(results: Any, procs: list[Any], done: dict[int, Any], workers: int, per: int = 1) -> None:
     ready: set[int] = set()
     deadline = time.monotonic() + _READY_TIMEOUT_S
     while len(ready) < workers:
@@ -379,7 +412,11 @@ def _wait_ready(results: Any, procs: list[Any], done: dict[int, Any], workers: i
         try:
             msg = results.get(timeout=0.2)
         except queue_mod.Empty:
-            dead = [w for w, p in enumerate(procs) if not p.is_alive() and w not in ready]
+            dead = [
+                w
+                for w, p in enumerate(procs)
+                if not p.is_alive() and not ready >= set(range(w * per, (w + 1) * per))
+            ]
             if dead:
                 raise LoadError(f"worker(s) {dead} exited before starting") from None
             continue
@@ -446,7 +483,8 @@ def _result(
         "version": 1,
         "time": time.time(),
         "config": {
-            "workers": config.workers,
+            "workers": config.simulated_workers,
+            "worker_processes": config.workers,
             "mode": mode,
             "op": config.op,
             "model": config.model.describe(),
@@ -472,8 +510,14 @@ def _result(
             "error_examples": messages,
             "failed_workers": fatal,
             "steps_per_worker": {str(w): d[0] for w, d in sorted(done.items())},
+            "steps_max_over_min": _spread([d[0] for d in done.values()]),
         },
         "shards": shards,
         "balance": {"max_over_mean": max(shard_bytes, default=0) / mean if mean else 0.0},
         "timeline": collector.timeline(config.duration_s),
     }
+
+
+def _spread(steps: list[int]) -> float | None:
+    """Most over fewest steps of any simulated worker (None when one did none): the step-rate spread."""
+    return max(steps) / min(steps) if steps and min(steps) > 0 else None

@@ -88,6 +88,33 @@ def _probe_netns() -> tuple[bool, str]:
     return True, ""
 
 
+_CLONE_NEWNET = 0x40000000  # from <sched.h>
+
+
+def enter_netns(netns: str) -> None:
+    """Moves the calling thread into the network namespace ``netns`` (``setns(2)``; ``Host.netns``).
+
+    For a process that a ``NetnsCluster`` did not start itself (a ``multiprocessing`` child): call it
+    first, before any socket or thread exists; threads started afterwards inherit the namespace.
+
+    Raises:
+        NetnsError: no such namespace, or the process may not enter it (not root).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise NetnsError(f"network namespace {netns!r}: {e}") from e
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise NetnsError(f"setns into {netns!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _sh(argv: Sequence[str], *, check: bool = True, stdin: str | None = None) -> str:
     """Runs one command (bounded in time); returns its stdout.
 

@@ -141,3 +141,51 @@ def test_netns_sigterm_removes_everything() -> None:
         proc.wait(timeout=CALL_TIMEOUT_S)
         proc.stdout.close()  # type: ignore[union-attr]
     assert leftovers(suffix) == []
+
+
+def test_enter_netns_moves_a_process_into_a_host(net: NetnsCluster) -> None:
+    """A process started outside the cluster (psload's workers: multiprocessing children) enters a host and
+    reaches a shard on another host, which the root namespace cannot."""
+    ps, worker, _ = net.hosts
+    shards = net.shards([ps]).start()
+    host, port = shards.addresses[0].rsplit(":", 1)
+    code = (
+        "import socket, sys\n"
+        "from trainer.netns import enter_netns\n"
+        "enter_netns(sys.argv[1])\n"
+        "socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=10).close()\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, worker.netns, host, port],
+            capture_output=True, text=True, timeout=CALL_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        shards.stop()
+    with pytest.raises(netns.NetnsError, match="no-such-namespace"):
+        netns.enter_netns("no-such-namespace")
+
+
+def test_psload_workers_in_hosts_with_exact_counts(net: NetnsCluster, tmp_path: Path) -> None:
+    """psload in one host, its worker processes (2 simulated workers each) in another: exact counts."""
+    ps, worker, driver = net.hosts
+    shards = net.shards([ps]).start()
+    out = tmp_path / "load.json"
+    try:
+        proc = net.popen(
+            driver,
+            [sys.executable, "-m", "psload", *shards.addresses, "--workers", "1", "--clients-per-worker", "2",
+             "--model", "2x16KiB", "--duration", "1", "--exact", "--worker-netns", worker.netns, "--json",
+             str(out), "-q"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log, _ = proc.communicate(timeout=50)
+    finally:
+        shards.stop()
+    assert proc.returncode == 0, log.decode()[-3000:]
+    result = json.loads(out.read_text())
+    assert result["config"]["workers"] == 2 and result["summary"]["errors"] == 0
+    assert (
+        result["counts"]["ok"] and result["counts"]["acknowledged_pushes"] == result["summary"]["steps"] > 0
+    )

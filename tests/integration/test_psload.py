@@ -72,6 +72,26 @@ def test_sync_run_against_a_running_cluster() -> None:
             run_load(LoadConfig(workers=1, duration_s=1, addresses=tuple(cluster.addresses), mode="async"))
 
 
+def test_many_simulated_workers_per_process_with_exact_counts() -> None:
+    """2 processes x 3 simulated workers (worker ids of their own) in sync mode: 6 replicas, counts exact
+    (the warm-up pull before the clock starts is no step)."""
+    server_args = ["--mode", "sync", "--replicas-to-aggregate", "6", "--total-replicas", "6"]
+    with LocalCluster(num_shards=2, server_args=server_args) as cluster:
+        config = LoadConfig(
+            workers=2, clients_per_worker=3, model=ModelSpec.parse("2x16KiB"), duration_s=1.5,
+            addresses=tuple(cluster.addresses), timeout_s=30.0, exact=True, warm_up=True,
+        )  # fmt: skip
+        result = run_load(config, progress=None)
+    check_result(result, workers=6, shards=2, mode="sync")
+    steps = result["summary"]["steps_per_worker"]
+    assert sorted(steps) == [str(w) for w in range(6)] and len(set(steps.values())) == 1
+    assert result["summary"]["steps_max_over_min"] == 1.0
+    counts = result["counts"]
+    assert counts["ok"] and counts["unit"] == "steps"
+    assert set(counts["applied"].values()) == {counts["acknowledged_pushes"]} == set(steps.values())
+    assert "0 lost, 0 applied twice" in report.format_summary(result)
+
+
 def test_unreachable_cluster_is_a_clear_error() -> None:
     with LocalCluster(num_shards=1) as other:
         dead = other.addresses[0]
