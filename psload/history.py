@@ -46,7 +46,8 @@ class Op:
         reads: a pull's counts (name -> minus the value read).
         versions: a pull's versions (name -> update count).
         error_type, error: a failed call's exception class name and message.
-        address, role, lease_s: a status read: the process asked, its role and lease left (``GetStatus``).
+        address, role, lease_s, peer: a status read: the process asked, its role, lease left and peer
+            (``GetStatus``).
     """
 
     process: str
@@ -65,6 +66,7 @@ class Op:
     address: str = ""
     role: str = ""
     lease_s: float = 0.0
+    peer: str = ""
 
     @property
     def ok(self) -> bool:

@@ -187,3 +187,12 @@ def test_the_recorder_records_outcomes_and_round_trips(tmp_path: Path) -> None:
     assert all(op.complete is not None and op.complete >= op.invoke for op in rec.ops)
     rec.dump(tmp_path / "c0.jsonl")
     assert history.load([tmp_path / "c0.jsonl"]) == rec.ops
+
+
+def test_a_push_answered_false_in_async_mode_was_applied() -> None:
+    retried = push("c0", 20.0, 21.0, "nem/c0")
+    retried.applied = False  # a retry the shard recognised: its first attempt was applied
+    ops = [*valid_async()[:-1], retried]
+    assert check([*ops, final(c0=3, c1=2)]).ok
+    assert check([*ops, final(c0=2, c1=2)]).kinds() == {"lost": 1}
+    assert check([*ops, final(c0=3, c1=2)]).stats["pushes_answered_false"] == 1
