@@ -21,7 +21,8 @@ What ``check`` proves (each violation is an ``Anomaly``):
   (every update adds exactly 1 in every mode).
 - ``unbounded`` / ``incomplete``: every call returned within its deadline + ``slack_s``.
 - ``nameless_error``: every error names its party: the message contains an address of the shard's
-  replicas (``addresses``).
+  replicas (``addresses``). An error that names only the pair (``PRIMARY|BACKUP``), not the replica
+  that failed it, passes, and is counted (``errors_naming_only_the_pair``, with an example in the notes).
 - ``two_primaries``: no two processes served for overlapping terms, from status reads (``GetStatus``,
   ``f == "status"``): a primary that reports ``lease_s`` > 0 over a call ``[t0, t1]`` surely serves during
   ``[t1, t0 + lease_s * (1 - RHO))`` (its lease clock may run 1 % fast); a primary that needs no lease
@@ -36,6 +37,7 @@ lease, updates its backup did not acknowledge; a failover rolls those back), and
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -124,13 +126,14 @@ def check(
         "pushes_failed": sum(op.outcome == "error" for op in pushes),
         "pushes_answered_false": sum(op.ok and op.applied is False for op in pushes),
         "pulls_ok": len(pulls),
+        "pulls_failed": sum(op.f == "pull" and op.outcome == "error" for op in ops),
         "status_reads": sum(op.f == "status" and op.ok for op in ops),
         "counters": len(counters),
     }
     _check_bounded(ops, slack_s, report)
     _check_errors(ops, addresses, report)
     _check_counts(pulls, report)
-    model = _SyncModel(pushes) if mode == "sync" else _CountModel(pushes)
+    model = _Model(pushes, sync=mode == "sync")
     _check_reads(pulls, model, report)
     _check_final(pulls, counters, model, report)
     _check_primaries([op for op in ops if op.f == "status" and op.ok], report)
@@ -158,17 +161,33 @@ def _check_bounded(ops: Sequence[Op], slack_s: float, report: Report) -> None:
 
 
 def _check_errors(ops: Sequence[Op], addresses: Sequence[str], report: Report) -> None:
+    """An error must contain a replica's address; one that names only the pair (``A|B``) is counted."""
     if not addresses:
         return
+    pairs = ["|".join(addresses), "|".join(reversed(addresses))]
+    pair_only: list[Op] = []
     for op in ops:
-        if op.f not in ("push", "pull"):
+        if op.f not in ("push", "pull") or op.outcome != "error":
             continue  # the test's own probes (status reads) are not client calls
-        if op.outcome == "error" and not any(a in op.error for a in addresses):
+        if not any(a in op.error for a in addresses):
             _add(
                 report, "nameless_error",
                 f"{op.process}'s {op.f}: {op.error_type}: {op.error[:300]!r} names none of {list(addresses)}",
                 [op],
             )  # fmt: skip
+            continue
+        rest = op.error
+        for pair in pairs:
+            rest = rest.replace(pair, "")
+        if not any(a in rest for a in addresses):
+            pair_only.append(op)
+    report.stats["errors_naming_only_the_pair"] = len(pair_only)
+    if pair_only:
+        op = pair_only[0]
+        report.notes.append(
+            f"{len(pair_only)} errors name the pair, not the replica that failed them, e.g. "
+            f"{op.error_type}: {op.error[:200]}"
+        )
 
 
 def _check_counts(pulls: Sequence[Op], report: Report) -> None:
@@ -184,64 +203,71 @@ def _check_counts(pulls: Sequence[Op], report: Report) -> None:
                 )  # fmt: skip
 
 
-class _CountModel:
-    """Async and ssp: every push adds 1 to each counter it writes."""
+class _Prefix:
+    """Events sorted by time with a running aggregate: what had happened strictly before an instant.
 
-    def __init__(self, pushes: Sequence[Op]) -> None:
-        self.by_var: dict[str, list[Op]] = defaultdict(list)
+    Async and ssp count the events (every push adds 1); sync takes the largest ``step + 1`` (steps complete in
+    order). ``at(t)`` is the aggregate over the events before ``t`` and the op that set it.
+    """
+
+    def __init__(self, events: Iterable[tuple[float, Op]], steps: bool) -> None:
+        self.times: list[float] = []
+        self.values: list[int] = []
+        self.witness: list[Op] = []
+        value, witness = 0, None
+        for t, op in sorted(events, key=lambda e: e[0]):
+            candidate = op.step + 1 if steps else value + 1
+            if candidate > value or witness is None:
+                value, witness = max(value, candidate), op
+            self.times.append(t)
+            self.values.append(value)
+            self.witness.append(witness)
+
+    def at(self, t: float) -> tuple[int, list[Op]]:
+        i = bisect.bisect_left(self.times, t)
+        return (0, []) if i == 0 else (self.values[i - 1], [self.witness[i - 1]])
+
+
+class _Model:
+    """What a counter can hold: at least what was acknowledged, at most what was invoked.
+
+    Async and ssp: every push adds 1 to each counter it writes (acknowledged: a push that returned; these
+    modes drop no push, so a push answered False was a retry the shard recognised as a duplicate: its
+    first attempt was applied). Sync: the push of step ``s`` completes step ``s``, and a counter counts
+    completed steps.
+    """
+
+    def __init__(self, pushes: Sequence[Op], sync: bool) -> None:
+        self.sync = sync
+        by_var: dict[str, list[Op]] = defaultdict(list)
         for op in pushes:
             for v in op.writes:
-                self.by_var[v].append(op)
+                by_var[v].append(op)
+        self.by_var = dict(by_var)
+        self._acked = {
+            v: _Prefix(((op.complete, op) for op in ops if op.ok and op.complete is not None), sync)
+            for v, ops in by_var.items()
+        }
+        self._invoked = {v: _Prefix(((op.invoke, op) for op in ops), sync) for v, ops in by_var.items()}
 
     def lower(self, var: str, before: float) -> tuple[int, list[Op]]:
-        """Pushes to ``var`` acknowledged before ``before`` (each surely applied), and the last of them."""
-        acked = [
-            op for op in self.by_var[var] if _acked(op) and op.complete is not None and op.complete < before
-        ]
-        return len(acked), acked[-1:]
+        """The count surely applied before ``before`` (from the acknowledgements), and the op that says so."""
+        prefix = self._acked.get(var)
+        return (0, []) if prefix is None else prefix.at(before)
 
     def upper(self, var: str, before: float) -> int:
-        """Pushes to ``var`` invoked before ``before`` (at most these can have been applied by then)."""
-        return sum(op.invoke < before for op in self.by_var[var])
+        """The most that can have been applied before ``before`` (from the invocations)."""
+        prefix = self._invoked.get(var)
+        return 0 if prefix is None else prefix.at(before)[0]
 
     def final_bounds(self, var: str) -> tuple[int, int, str]:
-        ops = self.by_var[var]
-        acked = sum(_acked(op) for op in ops)
-        unknown = len(ops) - acked
-        return acked, acked + unknown, f"{acked} acknowledged pushes, {unknown} of unknown outcome"
+        low, high = self.lower(var, math.inf)[0], self.upper(var, math.inf)
+        if self.sync:
+            return low, high, f"steps acknowledged up to {low - 1}, pushed up to {high - 1}"
+        return low, high, f"{low} acknowledged pushes, {high - low} of unknown outcome"
 
 
-class _SyncModel:
-    """Sync: the push of step ``s`` completes step ``s``; a counter counts completed steps."""
-
-    def __init__(self, pushes: Sequence[Op]) -> None:
-        self.by_var: dict[str, list[Op]] = defaultdict(list)
-        for op in pushes:
-            for v in op.writes:
-                self.by_var[v].append(op)
-
-    def lower(self, var: str, before: float) -> tuple[int, list[Op]]:
-        acked = [op for op in self.by_var[var] if op.ok and op.complete is not None and op.complete < before]
-        last = max(acked, key=lambda op: op.step, default=None)
-        return (0, []) if last is None else (last.step + 1, [last])
-
-    def upper(self, var: str, before: float) -> int:
-        return max((op.step + 1 for op in self.by_var[var] if op.invoke < before), default=0)
-
-    def final_bounds(self, var: str) -> tuple[int, int, str]:
-        ops = self.by_var[var]
-        low = max((op.step + 1 for op in ops if op.ok), default=0)
-        high = max((op.step + 1 for op in ops), default=0)
-        return low, high, f"steps acknowledged up to {low - 1}, pushed up to {high - 1}"
-
-
-def _acked(op: Op) -> bool:
-    """An acknowledged push: it returned. Async and ssp modes drop no push, so a push answered False was a
-    retry the shard recognised as a duplicate: its first attempt was applied (and is on the backup)."""
-    return op.ok
-
-
-def _check_reads(pulls: Sequence[Op], model: _CountModel | _SyncModel, report: Report) -> None:
+def _check_reads(pulls: Sequence[Op], model: _Model, report: Report) -> None:
     for op in pulls:
         if op.process == FINAL:
             continue  # judged by _check_final (lost, applied twice)
@@ -266,9 +292,7 @@ def _check_reads(pulls: Sequence[Op], model: _CountModel | _SyncModel, report: R
                 )  # fmt: skip
 
 
-def _check_final(
-    pulls: Sequence[Op], counters: Sequence[str], model: _CountModel | _SyncModel, report: Report
-) -> None:
+def _check_final(pulls: Sequence[Op], counters: Sequence[str], model: _Model, report: Report) -> None:
     final = [op for op in pulls if op.process == FINAL]
     if not final:
         _add(report, "no_final_read", "no final read: exactly-once is not checked")

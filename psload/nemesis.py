@@ -6,8 +6,8 @@ The cluster (``trainer.netns.NetnsCluster``): host ``pa`` runs the shard's first
 both processes' ``GetStatus`` four times a second (the roles, for the nemesis and the two-primaries
 check; it is never faulted), and ``c0``, ``c1``, ... one client each (``psload._nemesis_client``; odd
 clients over the data port, even ones over gRPC). Faults, one at a time, each bounded in time, chosen with
-a seeded random generator, and only once the shard is redundant again (its primary has its backup
-attached), so each is a single fault:
+a seeded random generator (every kind once in a random order, then again), and only once the shard is
+redundant again (its primary has its backup attached), so each is a single fault:
 
 - ``cut_pair``: the primary and the backup cut apart (clients reach both);
 - ``cut_clients``: every client cut from the primary; ``cut_client``: one client;
@@ -188,6 +188,7 @@ class Nemesis:
         self.clients = clients
         self.config = config
         self.rng = random.Random(config.seed)
+        self._deck: list[str] = []
         self.faults: list[Fault] = []
         self.unredundant: list[float] = []  # times (s) the shard was not redundant within the bound
         self._stopped: set[int] = set()  # pids under SIGSTOP
@@ -202,7 +203,9 @@ class Nemesis:
             if waited is None:
                 self.unredundant.append(time.monotonic() - self._t0)
                 log.warning("nemesis: the shard was not redundant within %.0f s", _REDUNDANT_TIMEOUT_S)
-            kind = self.rng.choice(self.config.faults)
+            if not self._deck:  # every kind once, in a random order, then again
+                self._deck = self.rng.sample(self.config.faults, len(self.config.faults))
+            kind = self._deck.pop()
             duration = min(self.rng.uniform(*self.config.fault_s), max(0.5, end - time.monotonic()))
             fault = Fault(kind, "", time.monotonic() - self._t0, waited_s=waited or 0.0)
             self.faults.append(fault)
@@ -422,6 +425,7 @@ def _run(
         "report": report.to_json(),
         "summary": report.summary(),
         "workdir": str(net.workdir),
+        "cluster": net.suffix,
     }
     if not report.ok:
         result["server_logs"] = {

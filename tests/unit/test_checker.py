@@ -122,6 +122,12 @@ def test_errors_name_a_replica() -> None:
     report = check([*valid_async(), nameless], addresses=[P, B])
     assert report.kinds() == {"nameless_error": 1}
     assert check([*valid_async(), nameless]).ok  # no addresses: not checked
+    pair = push("c0", 20.0, 21.0, "nem/c0", ok=False)
+    pair.error = f"no answer to the push within 10 s (PushSession on {P}|{B})"
+    report = check([*valid_async(), pair], addresses=[P, B])
+    assert report.ok and report.stats["errors_naming_only_the_pair"] == 1, report.summary()
+    assert any("name the pair" in n for n in report.notes)
+    assert check(valid_async(), addresses=[P, B]).stats["errors_naming_only_the_pair"] == 0
 
 
 def test_two_primaries_with_overlapping_leases() -> None:
