@@ -1,7 +1,8 @@
 """The nemesis soak (issue 23): clients push and pull counters on a replicated shard on the cluster in a box
 while every fault kind is injected at random, one at a time (``psload.nemesis``); the checker
 (``psload.checker``) then judges the whole history. Per mode: faults injected, calls, errors, the longest
-time a client went without an acknowledged push, and the anomalies (0 expected).
+time a client went without an acknowledged push, how long after a fault healed every client had its next
+push acknowledged (p50, max, and the worst fault), and the anomalies (0 expected).
 
 Needs root, iproute2 and nftables (``trainer.netns.netns_available``).
 
@@ -34,8 +35,8 @@ from trainer.netns import netns_available
 def _table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| mode | faults | pushes ok | failed (unknown outcome) | pulls ok | longest push gap | "
-        "errors naming only the pair | anomalies |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "recovery after a heal, p50 / max | errors naming only the pair | anomalies |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         s = r["report"]["stats"]
@@ -46,7 +47,9 @@ def _table(results: list[dict[str, Any]]) -> str:
         anomalies = r["report"]["anomalies_by_kind"] or 0
         cells = [
             r["config"]["mode"], f"{len(r['faults'])} ({faults})", s["pushes_ok"], s["pushes_failed"],
-            s["pulls_ok"], f"{s['longest_push_gap_s']} s", s["errors_naming_only_the_pair"], anomalies,
+            s["pulls_ok"], f"{s['longest_push_gap_s']} s",
+            f"{s.get('recovery_p50_s')} / {s.get('recovery_max_s')} s ({s.get('recovery_worst', '')})",
+            s["errors_naming_only_the_pair"], anomalies,
         ]  # fmt: skip
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(rows)

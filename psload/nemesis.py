@@ -112,6 +112,7 @@ class Fault:
     end_s: float = 0.0
     detail: str = ""
     waited_s: float = 0.0  # how long it waited for the shard to be redundant first
+    recovered_s: float | None = None  # from the heal until every client's next push was acknowledged
 
 
 @dataclass
@@ -192,28 +193,28 @@ class Nemesis:
         self.faults: list[Fault] = []
         self.unredundant: list[float] = []  # times (s) the shard was not redundant within the bound
         self._stopped: set[int] = set()  # pids under SIGSTOP
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()
 
     def run(self, seconds: float) -> None:
         """Injects faults for ``seconds``; each one ends (heals) before the next begins."""
-        self._t0 = time.monotonic()
-        end = self._t0 + seconds
+        self.t0 = time.monotonic()
+        end = self.t0 + seconds
         while time.monotonic() < end:
             waited = self.shard.wait_redundant(_REDUNDANT_TIMEOUT_S)
             if waited is None:
-                self.unredundant.append(time.monotonic() - self._t0)
+                self.unredundant.append(time.monotonic() - self.t0)
                 log.warning("nemesis: the shard was not redundant within %.0f s", _REDUNDANT_TIMEOUT_S)
             if not self._deck:  # every kind once, in a random order, then again
                 self._deck = self.rng.sample(self.config.faults, len(self.config.faults))
             kind = self._deck.pop()
             duration = min(self.rng.uniform(*self.config.fault_s), max(0.5, end - time.monotonic()))
-            fault = Fault(kind, "", time.monotonic() - self._t0, waited_s=waited or 0.0)
+            fault = Fault(kind, "", time.monotonic() - self.t0, waited_s=waited or 0.0)
             self.faults.append(fault)
             try:
                 getattr(self, f"_{kind}")(fault, duration)
             finally:
                 self.heal()
-                fault.end_s = time.monotonic() - self._t0
+                fault.end_s = time.monotonic() - self.t0
             log.info("nemesis: %s %s %s (%.1f-%.1f s)", kind, fault.target, fault.detail, fault.start_s,
                      fault.end_s)  # fmt: skip
             time.sleep(min(self.rng.uniform(*self.config.gap_s), max(0.0, end - time.monotonic())))
@@ -418,6 +419,7 @@ def _run(
     report.stats["faults"] = len(nemesis.faults)
     report.stats["not_redundant_within_30s"] = len(nemesis.unredundant)
     report.stats["longest_push_gap_s"] = _longest_gap(ops, [c.name for c in clients])
+    report.stats.update(_recovery(ops, [c.name for c in clients], nemesis))
     result = {
         "ok": report.ok,
         "config": {**asdict(config), "addresses": list(shard.addresses)},
@@ -433,6 +435,23 @@ def _run(
         }
         history.dump(ops, net.workdir / "history.jsonl")
     return result
+
+
+def _recovery(ops: list[Op], clients: list[str], nemesis: Nemesis) -> dict[str, Any]:
+    """Per fault, the time from its heal until every client had a push acknowledged that began after the
+    heal (``Fault.recovered_s``; None: a client had none before the run ended); their median and largest."""
+    acked = {name: [op for op in ops if op.process == name and op.f == "push" and op.ok] for name in clients}
+    for fault in nemesis.faults:
+        healed = nemesis.t0 + fault.end_s
+        ends = [next((op.complete for op in acked[name] if op.invoke >= healed), None) for name in clients]
+        fault.recovered_s = None if None in ends else round(max(e for e in ends if e) - healed, 2)
+    done = sorted(f.recovered_s for f in nemesis.faults if f.recovered_s is not None)
+    worst = max(nemesis.faults, key=lambda f: f.recovered_s or 0.0, default=None)
+    return {
+        "recovery_p50_s": done[len(done) // 2] if done else None,
+        "recovery_max_s": done[-1] if done else None,
+        "recovery_worst": f"{worst.kind} {worst.target}" if worst is not None else "",
+    }
 
 
 def _longest_gap(ops: list[Op], clients: list[str]) -> float:
