@@ -11,8 +11,8 @@ process, one system after the other:
   serializers). ``Source`` answers N bytes (the pull peer), ``Sink`` takes N
   bytes (the push peer), ``Echo`` returns what it got (the push_pull peer).
 * ``ps``: a 2-shard psserver cluster (``trainer.cluster.LocalCluster``) driven by
-  ``psclient.AsyncPSClient`` as shipped (transfers of 256 KiB or more per shard
-  over the shards' raw-TCP data port): ``pull([v])``, ``push({v: g})``,
+  ``psclient.AsyncPSClient`` as shipped (every transfer over the shards'
+  raw-TCP data port): ``pull([v])``, ``push({v: g})``,
   ``push_pull({v: g})`` of one float32 variable of N bytes (64 MiB is split over
   both shards by the client's placement rule).
 * ``ps_grpc``: the same cluster and calls with ``ClientConfig(data_port=False)``:

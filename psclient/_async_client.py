@@ -50,19 +50,39 @@ async def _as_coro(aw: Awaitable[T]) -> T:
     return await aw
 
 
-KEEPALIVE_TIME_S = 1.0  # an HTTP/2 ping every second on each channel, calls in flight or not
-KEEPALIVE_TIMEOUT_S = 3.0  # unanswered this long: the link is silent, the channel's calls fail (UNAVAILABLE)
+# Channels to a replicated shard (PRIMARY|BACKUP): an HTTP/2 ping every second, calls in flight or not;
+# unanswered for 3 s, the link is silent and the channel's calls fail (UNAVAILABLE) and fail over. A shard
+# with one address has nowhere to fail over to: its channel keeps gRPC's slower keepalive (30 s / 10 s),
+# and its calls wait for it (wait_for_ready) until their deadline.
+KEEPALIVE_TIME_S = 1.0
+KEEPALIVE_TIMEOUT_S = 3.0
+_SINGLE_KEEPALIVE_TIME_S = 30.0
+_SINGLE_KEEPALIVE_TIMEOUT_S = 10.0
 
 
-def _channel_options(config: ClientConfig) -> list[tuple[str, Any]]:
+def _failure(err: grpc.RpcError) -> str:
+    """One failed attempt in a few words: ``no answer (...)`` for a deadline, else the status and details."""
+    code = err.code()
+    details = (err.details() or "").split("\n")[0][:200]
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer ({details})"
+    return f"{code.name}: {details}"
+
+
+def _channel_options(config: ClientConfig, *, replicated: bool) -> list[tuple[str, Any]]:
+    ping, wait = (
+        (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)
+        if replicated
+        else (_SINGLE_KEEPALIVE_TIME_S, _SINGLE_KEEPALIVE_TIMEOUT_S)
+    )
     return [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         # A silent link (a partition: no reset, no answer) fails the channel's calls within
         # KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, so they fail over to the other replica instead of
         # waiting for their deadline (the shards allow pings this often).
-        ("grpc.keepalive_time_ms", int(KEEPALIVE_TIME_S * 1000)),
-        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.keepalive_time_ms", int(ping * 1000)),
+        ("grpc.keepalive_timeout_ms", int(wait * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.enable_retries", 0),  # psclient retries itself (_retry), with one deadline for all attempts
@@ -103,9 +123,9 @@ class AsyncPSClient:
         timeout: deadline of each call, seconds.
         tls_ca, tls_cert, tls_key: PEM file paths (TLS; cert/key for mutual TLS).
         **options: other ``ClientConfig`` fields (chunk_bytes, unary_max_bytes, ...); ``data_port=False``
-            keeps every transfer on gRPC (by default lookups, and pulls and pushes of
-            ``data_port_min_bytes`` (256 KiB) or more per shard, go over the shard's raw-TCP data port,
-            see ``psclient._bulk``; ``data_port_min_bytes=0``: every pull and push, at less CPU).
+            keeps every transfer on gRPC (by default pulls, pushes and lookups go over the shard's
+            raw-TCP data port, see ``psclient._bulk``; ``data_port_min_bytes=N``: those of N bytes or
+            more per shard, smaller ones over gRPC).
     """
 
     def __init__(
@@ -143,6 +163,7 @@ class AsyncPSClient:
         self._closing: set[asyncio.Future[None]] = set()
         self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
         self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
+        self._last_failure: dict[tuple[int, int], str] = {}  # (shard, replica) -> its last failed attempt
         self._links: dict[tuple[int, int], _bulk.DataLink] = {}  # (shard, replica) -> its data port
         self._data_tls: Any = None  # the TLS context of data connections (made on first use)
         self._seq = itertools.count(1)
@@ -169,20 +190,24 @@ class AsyncPSClient:
             raise RuntimeError("the client is closed")
         if not self._stubs:
             cfg = self.config
-            options = _channel_options(cfg)
+            creds = None
             if cfg.tls_ca or cfg.tls_cert:
                 creds = grpc.ssl_channel_credentials(
                     root_certificates=_read(cfg.tls_ca),
                     private_key=_read(cfg.tls_key),
                     certificate_chain=_read(cfg.tls_cert),
                 )
-                self._channels = [
-                    [grpc.aio.secure_channel(a, creds, options=options) for a in r] for r in self._replicas
-                ]
-            else:
-                self._channels = [
-                    [grpc.aio.insecure_channel(a, options=options) for a in r] for r in self._replicas
-                ]
+            self._channels = []
+            for r in self._replicas:
+                options = _channel_options(cfg, replicated=len(r) > 1)
+                self._channels.append(
+                    [
+                        grpc.aio.insecure_channel(a, options=options)
+                        if creds is None
+                        else grpc.aio.secure_channel(a, creds, options=options)
+                        for a in r
+                    ]
+                )
             self._stubs = [[rpc.Stub(ch) for ch in r] for r in self._channels]
         return self._stubs[shard][self._current[shard]]
 
@@ -191,6 +216,7 @@ class AsyncPSClient:
         replicas = self._replicas[shard]
         if len(replicas) == 1:
             return
+        self._last_failure[(shard, self._current[shard])] = _failure(err)
         old = replicas[self._current[shard]]
         self._current[shard] = (self._current[shard] + 1) % len(replicas)
         session = self._sessions.pop(shard, None)
@@ -228,14 +254,34 @@ class AsyncPSClient:
                 on_retry=functools.partial(self._failover, shard),
             )
         except grpc.RpcError as err:
+            replicas = self._replica_story(shard, err, time.monotonic() - started)
             if err.code() in _UNREACHABLE_CODES:
                 why = await self._watch(shard).describe(time.monotonic() - started)
-                if why is not None:  # say what happened, not just "Deadline Exceeded"
-                    error = error_class(err.code())(f"{why}; {err.details()}", method=method, address=address)
-                    raise error from err
+                if why is not None or replicas:  # say what happened, not just "Deadline Exceeded"
+                    said = "; ".join(p for p in (why, err.details(), replicas) if p)
+                    raise error_class(err.code())(said, method=method, address=address) from err
             raise from_rpc_error(err, method=method, address=address) from err
         finally:
             watch.leave()
+
+    def _replica_story(self, shard: int, err: grpc.RpcError, waited: float) -> str:
+        """For a replicated shard, which replica went silent or refused and what the other last said
+        (a standby backup names its primary), or "" for a shard with one address."""
+        replicas = self._replicas[shard]
+        if len(replicas) == 1:
+            return ""
+        current = self._current[shard]
+        self._last_failure[(shard, current)] = _failure(err)
+        asked = replicas[current]
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            story = f"shard {shard}: {asked}, the replica asked last, gave no answer in {waited:.1f} s"
+        else:
+            story = f"shard {shard}: {asked}, the replica asked last, answered {err.code().name}"
+        for r, address in enumerate(replicas):
+            if r != current:
+                last = self._last_failure.get((shard, r))
+                story += f"; {address}: " + (f"its last failure: {last}" if last else "not tried yet")
+        return story
 
     def _watch(self, shard: int) -> _reach.Watch:
         """The reachability watch of ``shard``'s current replica."""

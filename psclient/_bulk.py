@@ -29,7 +29,7 @@ import grpc
 
 from psclient._session import SessionError
 from pscore import bulk, transport
-from pscore.errors import PSError, status_from_number
+from pscore.errors import PSError, error_reason, status_from_number
 from pscore.transport import Buffer, Into
 from psproto.v1 import ps_pb2
 
@@ -90,13 +90,21 @@ class DataLink:
             log.debug("shard %s: %s; gRPC", self.address, why)
 
     async def _connect(self, timeout: float) -> bulk.BulkConnection:
+        """A new data connection: the ``DataPort`` call, then the TCP connection and its handshake.
+
+        The port has ``CONNECT_TIMEOUT_S`` to accept (else it is taken as firewalled); once it
+        accepted, the handshake may take up to ``transport.HANDSHAKE_S`` (within ``timeout``): a
+        shard that stalls (a busy or stopped process) is waited for as it would be over gRPC, and
+        is not mistaken for a port out of reach.
+        """
         try:
             reply = await self._data_port(timeout)
         except grpc.aio.AioRpcError as err:
             if err.code() in _NO_DATA_PORT:
                 self._fall_back(f"it serves no data port ({err.details()})", permanent=True)
                 raise Unusable from None
-            raise  # the shard is down, or refuses the token: as any call to it
+            # The shard is down, or refuses the token: as any call to it, named.
+            raise SessionError(err.code(), f"DataPort call: {err.details()}", error_reason(err)) from None
         try:
             conn = await transport.dial(
                 self._host,
@@ -104,8 +112,18 @@ class DataLink:
                 magic=bulk.MAGIC,
                 nonce=reply.nonce,
                 tls=self._tls,
-                timeout=min(CONNECT_TIMEOUT_S, timeout),
+                timeout=min(transport.HANDSHAKE_S, timeout),
+                connect_timeout=CONNECT_TIMEOUT_S,
             )
+        except transport.HandshakeTimeout as err:
+            if timeout <= transport.HANDSHAKE_S:  # the caller's deadline ran out, not the port's bound
+                raise SessionError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"the data port of {self.address}: {err}"
+                ) from None
+            self._fall_back(
+                f"its data port {self._host}:{reply.port} does not answer ({err})", permanent=False
+            )
+            raise Unusable from None
         except (OSError, TimeoutError) as err:  # ssl.SSLError is an OSError
             why = str(err) or type(err).__name__
             self._fall_back(

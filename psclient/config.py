@@ -16,10 +16,9 @@ DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message
 DEFAULT_UNARY_MAX_BYTES = 4 << 20  # payloads up to this go in one unary call (the fast path)
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # matches psserver's default --max-message-mib
-# Per shard: smaller pulls and pushes stay on gRPC (PushSession). The data port costs less CPU at every
-# size (a 1 KiB push: ~0.2 ms on each side against ~0.45 ms); 0 (all of them) is not the default yet:
-# one full-suite run saw a first data-port connection's DataPort call time out (not understood yet).
-DEFAULT_DATA_PORT_MIN_BYTES = 256 << 10
+# Per shard: smaller pulls and pushes stay on gRPC (PushSession). 0: every one goes over the data port,
+# which costs less CPU than gRPC at every size (a 1 KiB push: ~0.2 ms on each side against ~0.45 ms).
+DEFAULT_DATA_PORT_MIN_BYTES = 0
 
 
 def default_worker_id() -> str:
@@ -44,9 +43,9 @@ class ClientConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # UNAVAILABLE is retried with backoff until `timeout` (RetryPolicy(enabled=False): never).
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    # Pulls and pushes of at least data_port_min_bytes per shard (256 KiB), and lookups, go over
-    # the shard's raw-TCP data port (psclient._bulk; gRPC where the shard has none or it cannot be
-    # reached); False: gRPC only.
+    # Pulls and pushes of at least data_port_min_bytes per shard (default: all of them), and lookups,
+    # go over the shard's raw-TCP data port (psclient._bulk; gRPC where the shard has none or it cannot
+    # be reached); False: gRPC only.
     data_port: bool = True
     data_port_min_bytes: int = DEFAULT_DATA_PORT_MIN_BYTES
 

@@ -56,6 +56,10 @@ Buffer = bytes | bytearray | memoryview
 Into = Callable[[H, int], Sequence[memoryview] | None]
 
 
+class HandshakeTimeout(TimeoutError):
+    """``dial``: the port accepted the TCP connection, but the handshake did not finish in time."""
+
+
 class FrameTransport(abc.ABC, Generic[H]):
     """Moves frames (a header, then a payload of raw bytes) out to a peer and in from a peer, in order.
 
@@ -409,6 +413,7 @@ async def dial(
     who: int = 0,
     tls: ssl.SSLContext | None = None,
     timeout: float = HANDSHAKE_S,
+    connect_timeout: float | None = None,
 ) -> Conn:
     """Connects to a ``DataPort`` and presents ``nonce``; returns the accepted connection.
 
@@ -420,26 +425,38 @@ async def dial(
         who: what this side says it is (the ring: its rank).
         tls: the connecting side's TLS context (``client_context``), or None for plaintext.
         timeout: bound of the whole connect and handshake, seconds.
+        connect_timeout: bound of the TCP connection alone (default ``timeout``): a port that
+            does not accept by then is unreachable. Once it accepted, the handshake has the rest
+            of ``timeout`` (a port that accepted is reachable; its process may be busy).
 
     Raises:
         OSError: no connection (refused, unreachable, TLS refused: ``ssl.SSLError``), or the
             port closed it without acknowledging (a wrong nonce).
-        TimeoutError: no connection or acknowledgement within ``timeout``.
+        TimeoutError: no connection within ``connect_timeout``; ``HandshakeTimeout``: connected,
+            but no acknowledgement within ``timeout``.
     """
     loop = asyncio.get_running_loop()
     host = host.strip("[]")
+    deadline = time.monotonic() + timeout
     sock = socket.socket(family_of(host), socket.SOCK_STREAM)
     conn: Conn = Conn(sock)
     try:
         tune_socket(sock)
-        async with asyncio.timeout(max(timeout, 0.001)):
+        connect_s = timeout if connect_timeout is None else min(connect_timeout, timeout)
+        async with asyncio.timeout(max(connect_s, 0.001)):
             await loop.sock_connect(sock, (host, port))
-            if tls is not None:
-                conn = TlsConn(sock, tls, server_side=False, server_hostname=host)
-                await conn.handshake()
-            await conn.sendall(_HELLO.pack(magic, nonce, who))
-            ack = bytearray(1)
-            await conn.recv_exactly(memoryview(ack))
+        try:
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                if tls is not None:
+                    conn = TlsConn(sock, tls, server_side=False, server_hostname=host)
+                    await conn.handshake()
+                await conn.sendall(_HELLO.pack(magic, nonce, who))
+                ack = bytearray(1)
+                await conn.recv_exactly(memoryview(ack))
+        except TimeoutError:
+            raise HandshakeTimeout(
+                f"{host}:{port} accepted the connection but did not finish its handshake in {timeout:.3g} s"
+            ) from None
         if bytes(ack) != _ACK:
             raise ConnectionRefusedError("bad acknowledgement")
     except BaseException:

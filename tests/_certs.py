@@ -34,6 +34,15 @@ class Pki:
     rogue_client_cert: Path
     rogue_client_key: Path
 
+    def shard_flags(self, *, mutual: bool = True) -> list[str]:
+        """``psserver`` flags: TLS with the server pair (``mutual``: clients need a pair ``ca`` signed)."""
+        flags = ["--tls-cert", str(self.server_cert), "--tls-key", str(self.server_key)]
+        return [*flags, "--tls-client-ca", str(self.ca)] if mutual else flags
+
+    def client_options(self) -> dict[str, str]:
+        """``PSClient`` / ``AsyncPSClient`` TLS options: trust ``ca``, present the client pair."""
+        return {"tls_ca": str(self.ca), "tls_cert": str(self.client_cert), "tls_key": str(self.client_key)}
+
 
 def _key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())

@@ -18,6 +18,9 @@ Fixtures (all documented where defined):
     channels), for sending malformed requests the clients never build.
 ``var_name``
     A variable name unique to the test (and valid on the wire).
+``net``
+    A 3-host cluster in a box (``trainer.netns.NetnsCluster``: network namespaces on a bridge of its
+    own), removed at teardown; the test skips with the reason where namespaces cannot be made.
 
 Only process-based tests use these; unit tests need none of them (no sockets, no TF).
 """
@@ -34,6 +37,7 @@ from _support import CALL_TIMEOUT_S
 
 from psproto.v1 import ps_pb2_grpc
 from trainer.cluster import LocalCluster
+from trainer.netns import NetnsCluster, netns_available
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +112,13 @@ def raw_stubs(cluster: LocalCluster) -> Iterator[list[ps_pb2_grpc.ParameterServe
     finally:
         for ch in channels:
             ch.close()
+
+
+@pytest.fixture
+def net() -> Iterator[NetnsCluster]:
+    """Three hosts on a bridge of their own (``net.hosts``); skips where namespaces cannot be made."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    with NetnsCluster(3) as cluster:
+        yield cluster

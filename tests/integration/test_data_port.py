@@ -448,12 +448,8 @@ async def test_mutual_tls_on_the_data_port(make_cluster: Callable[..., LocalClus
     from _certs import make_pki
 
     pki = make_pki(tmp_path)
-    cluster = make_cluster(
-        num_shards=1,
-        server_args=["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key),
-                     "--tls-client-ca", str(pki.ca)],
-    )  # fmt: skip
-    tls = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+    cluster = make_cluster(num_shards=1, server_args=pki.shard_flags())
+    tls = pki.client_options()
     x = np.random.default_rng(3).random(50_000).astype(np.float32)
     async with psclient.AsyncPSClient(cluster.addresses, "w0", timeout=CALL_TIMEOUT_S, **tls, **WIRE) as c:
         await c.create("v", x, optimizer=psclient.SGD(1.0))

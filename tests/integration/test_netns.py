@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 
 PEER = str(Path(__file__).with_name("_netns_peer.py"))
 MIB = 1 << 20
-
-
-@pytest.fixture
-def net() -> Iterator[NetnsCluster]:
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(why)
-    with NetnsCluster(3) as cluster:
-        yield cluster
 
 
 def _peer(net: NetnsCluster, host: Host, *args: str) -> dict[str, object]:

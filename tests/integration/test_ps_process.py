@@ -119,10 +119,12 @@ def test_ps_process_shard_starts_from_tf_config_without_shard_flag(tmp_path: Pat
             proc.wait()
 
 
+@pytest.mark.parametrize("wire", [{}, {"data_port": False}], ids=["data_port", "push_session"])
 def test_ps_process_sigterm_ends_idle_push_sessions_and_checkpoints_well_within_grace(
-    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path, wire: dict[str, bool]
 ) -> None:
-    # A client that pushed keeps its PushSession stream open; the shard must not wait out the grace for it.
+    # A client that pushed keeps its data connection (or, over gRPC, its PushSession stream) open; the
+    # shard must not wait out the grace for it.
     import numpy as np
 
     import psclient
@@ -131,11 +133,11 @@ def test_ps_process_sigterm_ends_idle_push_sessions_and_checkpoints_well_within_
     cluster = make_cluster(num_shards=1, server_args=["--checkpoint-dir", str(ckpt), "--grace", "30"])
     proc = cluster.procs[0]
     assert proc is not None
-    with psclient.PSClient(cluster.addresses, worker_id="w0", timeout=20) as client:
+    with psclient.PSClient(cluster.addresses, worker_id="w0", timeout=20, **wire) as client:
         client.create_many({"a": np.zeros(3, np.float32), "b": np.zeros(4, np.float32)})
         assert client.push({"a": np.ones(3, np.float32), "b": np.ones(4, np.float32)})
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0  # the grace is 30 s: only an idle stream ended at once gets here
+        assert proc.wait(timeout=20) == 0  # the grace is 30 s: only an idle link ended at once gets here
     log = cluster.log_path(0).read_text()
     assert "checkpoint 1 written" in log, log
     assert list(ckpt.glob("ckpt-*.npz")), list(ckpt.iterdir())

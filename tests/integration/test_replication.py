@@ -214,8 +214,8 @@ def test_a_primary_whose_backup_died_refuses_until_a_new_backup_confirms() -> No
 
 
 def test_sigterm_of_the_primary_hands_over_to_the_backup() -> None:
-    # Grace 30 s, longer than LocalCluster waits before SIGKILL (15 s): the open PushSession and
-    # Replicate streams must end at once for the exit status to be 0.
+    # Grace 30 s, longer than LocalCluster waits before SIGKILL (15 s): the open data connections and
+    # Replicate stream must end at once for the exit status to be 0.
     with _pair(("--grace", "30")) as (primary, backup):
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(8, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
@@ -312,19 +312,12 @@ def test_replication_over_mutual_tls(tmp_path: Path) -> None:
     from _certs import make_pki  # tests/_certs.py
 
     pki = make_pki(tmp_path)
-    tls = [
-        "--tls-cert",
-        str(pki.server_cert),
-        "--tls-key",
-        str(pki.server_key),
-        "--tls-client-ca",
-        str(pki.ca),
-    ]
+    tls = pki.shard_flags()
     with (
         LocalCluster(1, [*LEASE, *tls]) as primary,
         LocalCluster(1, [*tls, "--backup-of", primary.addresses[0]]) as backup,  # trusts --tls-client-ca
     ):
-        tls_client = {"tls_ca": str(pki.ca), "tls_cert": str(pki.client_cert), "tls_key": str(pki.client_key)}
+        tls_client = pki.client_options()
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S, **tls_client) as c:
             wait_until(lambda: "caught up" in backup.log_tail(0, 50), "the backup to catch up")
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
