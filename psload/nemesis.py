@@ -58,6 +58,7 @@ _SETTLE_S = 3.0  # fault-free seconds after the last fault before the clients st
 _FINAL_READ_S = 60.0
 _MONITOR_INTERVAL_S = 0.25
 _POLL_S = 0.05
+_TAIL_BYTES = 8192  # the monitor's last few status reads (a line is about 250 bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,8 +128,9 @@ class _Shard:
     def statuses(self) -> dict[str, Op]:
         """The monitor's latest status read of each process (ok or not)."""
         latest: dict[str, Op] = {}
-        with contextlib.suppress(OSError):
-            for line in self.monitor_path.read_text().splitlines()[-20:]:
+        with contextlib.suppress(OSError), open(self.monitor_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _TAIL_BYTES))
+            for line in f.read().decode(errors="replace").splitlines()[-20:]:
                 with contextlib.suppress(ValueError, TypeError):
                     op = Op.from_json(json.loads(line))
                     latest[op.address] = op
