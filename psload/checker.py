@@ -21,8 +21,9 @@ What ``check`` proves (each violation is an ``Anomaly``):
   (every update adds exactly 1 in every mode).
 - ``unbounded`` / ``incomplete``: every call returned within its deadline + ``slack_s``.
 - ``nameless_error``: every error names its party: the message contains an address of the shard's
-  replicas (``addresses``). An error that names only the pair (``PRIMARY|BACKUP``), not the replica
-  that failed it, passes, and is counted (``errors_naming_only_the_pair``, with an example in the notes).
+  replicas (``addresses``); ``pair_only_error``: and not only inside the pair (``PRIMARY|BACKUP``): it
+  names the replica that went silent or refused (with ``replica_named=False`` such errors are only
+  counted, ``errors_naming_only_the_pair``, with an example in the notes).
 - ``two_primaries``: no two processes served for overlapping terms, from status reads (``GetStatus``,
   ``f == "status"``): a primary that reports ``lease_s`` > 0 over a call ``[t0, t1]`` surely serves during
   ``[t1, t0 + lease_s * (1 - RHO))`` (its lease clock may run 1 % fast); a primary that needs no lease
@@ -106,7 +107,12 @@ class Report:
 
 
 def check(
-    ops: Sequence[Op], *, mode: str = "async", addresses: Sequence[str] = (), slack_s: float = 5.0
+    ops: Sequence[Op],
+    *,
+    mode: str = "async",
+    addresses: Sequence[str] = (),
+    slack_s: float = 5.0,
+    replica_named: bool = True,
 ) -> Report:
     """Checks a history (see the module's docstring); returns the report.
 
@@ -115,6 +121,8 @@ def check(
         mode: ``"async"``, ``"ssp"`` (every push adds 1) or ``"sync"`` (every completed step adds 1).
         addresses: the replicas' ``HOST:PORT`` (an error must name one; empty: not checked).
         slack_s: how far past its deadline a call may return.
+        replica_named: an error that names only the pair (``PRIMARY|BACKUP``), not one replica, is an
+            anomaly (``pair_only_error``); False: it is only counted.
     """
     report = Report()
     pushes = [op for op in ops if op.f == "push"]
@@ -131,7 +139,7 @@ def check(
         "counters": len(counters),
     }
     _check_bounded(ops, slack_s, report)
-    _check_errors(ops, addresses, report)
+    _check_errors(ops, addresses, replica_named, report)
     _check_counts(pulls, report)
     model = _Model(pushes, sync=mode == "sync")
     _check_reads(pulls, model, report)
@@ -160,8 +168,8 @@ def _check_bounded(ops: Sequence[Op], slack_s: float, report: Report) -> None:
             )  # fmt: skip
 
 
-def _check_errors(ops: Sequence[Op], addresses: Sequence[str], report: Report) -> None:
-    """An error must contain a replica's address; one that names only the pair (``A|B``) is counted."""
+def _check_errors(ops: Sequence[Op], addresses: Sequence[str], replica_named: bool, report: Report) -> None:
+    """An error must contain a replica's address, and (``replica_named``) not only inside the pair."""
     if not addresses:
         return
     pairs = ["|".join(addresses), "|".join(reversed(addresses))]
@@ -181,8 +189,15 @@ def _check_errors(ops: Sequence[Op], addresses: Sequence[str], report: Report) -
             rest = rest.replace(pair, "")
         if not any(a in rest for a in addresses):
             pair_only.append(op)
+            if replica_named:
+                _add(
+                    report, "pair_only_error",
+                    f"{op.process}'s {op.f}: {op.error_type}: {op.error[:300]!r} names the pair, not the "
+                    "replica that failed it",
+                    [op],
+                )  # fmt: skip
     report.stats["errors_naming_only_the_pair"] = len(pair_only)
-    if pair_only:
+    if pair_only and not replica_named:
         op = pair_only[0]
         report.notes.append(
             f"{len(pair_only)} errors name the pair, not the replica that failed them, e.g. "
