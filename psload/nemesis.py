@@ -13,6 +13,8 @@ redundant again (its primary has its backup attached), so each is a single fault
 - ``cut_clients``: every client cut from the primary; ``cut_client``: one client;
 - ``isolate``: one host (a process's or a client's) cut from everyone;
 - ``flap``: the primary-backup link cut and healed every 0.2-1 s;
+- ``flap_all``: the whole network flapping: every host but the monitor's cut from everyone and healed
+  every 0.2-1 s;
 - ``drop``: a host drops 5-30 % of its packets;
 - ``pause``: SIGSTOP of the primary or the backup, then SIGCONT;
 - ``kill``: ``kill -9`` of the primary, restarted at once with its usual flags (it rejoins as backup).
@@ -49,7 +51,7 @@ from trainer.netns import Host, NetnsCluster
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("cut_pair", "cut_clients", "cut_client", "isolate", "flap", "drop", "pause", "kill")
+FAULTS = ("cut_pair", "cut_clients", "cut_client", "isolate", "flap", "flap_all", "drop", "pause", "kill")
 MODES = ("async", "sync", "ssp")
 _PORT = 7100
 _START_TIMEOUT_S = 120.0  # interpreters starting on a loaded 2-core machine
@@ -273,6 +275,21 @@ class Nemesis:
                 self.net.cut(a, b)
             else:
                 self.net.heal(a, b)
+            flips += 1
+            time.sleep(min(self.rng.uniform(0.2, 1.0), max(0.0, end - time.monotonic())))
+        fault.detail = f"{flips} flips"
+
+    def _flap_all(self, fault: Fault, duration: float) -> None:
+        hosts = [*self.shard.hosts, *self.clients]
+        fault.target = "every host but the monitor's"
+        end = time.monotonic() + duration
+        flips = 0
+        while time.monotonic() < end:
+            for host in hosts:
+                if flips % 2 == 0:
+                    self.net.cut(host)
+                else:
+                    self.net.heal(host)
             flips += 1
             time.sleep(min(self.rng.uniform(0.2, 1.0), max(0.0, end - time.monotonic())))
         fault.detail = f"{flips} flips"
