@@ -115,7 +115,7 @@ class Fault:
     end_s: float = 0.0
     detail: str = ""
     waited_s: float = 0.0  # how long it waited for the shard to be redundant first
-    recovered_s: float | None = None  # from the heal until every client's next push was acknowledged
+    recovered_s: float | None = None  # heal to every client's next acknowledged push (_recovery)
 
 
 @dataclass
@@ -458,18 +458,22 @@ def _run(
 
 def _recovery(ops: list[Op], clients: list[str], nemesis: Nemesis) -> dict[str, Any]:
     """Per fault, the time from its heal until every client had a push acknowledged that began after the
-    heal (``Fault.recovered_s``; None: a client had none before the run ended); their median and largest."""
+    heal (``Fault.recovered_s``), counted only up to the next fault's start (None: the next fault, or the
+    end of the run, came first); their median and largest, and how many were cut short."""
     acked = {name: [op for op in ops if op.process == name and op.f == "push" and op.ok] for name in clients}
-    for fault in nemesis.faults:
+    starts = [nemesis.t0 + f.start_s for f in nemesis.faults[1:]] + [float("inf")]
+    for fault, next_start in zip(nemesis.faults, starts, strict=True):
         healed = nemesis.t0 + fault.end_s
         ends = [next((op.complete for op in acked[name] if op.invoke >= healed), None) for name in clients]
-        fault.recovered_s = None if None in ends else round(max(e for e in ends if e) - healed, 2)
-    done = sorted(f.recovered_s for f in nemesis.faults if f.recovered_s is not None)
+        done = [e for e in ends if e is not None and e <= next_start]
+        fault.recovered_s = round(max(done) - healed, 2) if len(done) == len(clients) else None
+    times = sorted(f.recovered_s for f in nemesis.faults if f.recovered_s is not None)
     worst = max(nemesis.faults, key=lambda f: f.recovered_s or 0.0, default=None)
     return {
-        "recovery_p50_s": done[len(done) // 2] if done else None,
-        "recovery_max_s": done[-1] if done else None,
+        "recovery_p50_s": times[len(times) // 2] if times else None,
+        "recovery_max_s": times[-1] if times else None,
         "recovery_worst": f"{worst.kind} {worst.target}" if worst is not None else "",
+        "recovery_cut_short": len(nemesis.faults) - len(times),
     }
 
 
