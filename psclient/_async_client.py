@@ -22,7 +22,7 @@ from psclient.config import ClientConfig
 from pscore import bulk, codec, embedding, rpc, transport
 from pscore.embedding import Rows
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
-from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_proto
+from pscore.optimizers import SGD, Optimizer, optimizer_from_proto
 from pscore.placement import dynamic_pieces, dynamic_row_shard, global_row, plan, table_pieces
 from psproto.v1 import ps_pb2
 
@@ -1048,7 +1048,7 @@ class AsyncPSClient:
             raise InvalidArgumentError(
                 f"table {name!r}: optimizer must be a psclient optimizer, got {optimizer!r}"
             )
-        if isinstance(optimizer, (Adafactor, Lamb)) or optimizer.clipnorm is not None:
+        if optimizer.needs_whole_variable:
             raise InvalidArgumentError(
                 f"table {name!r}: {optimizer!r} needs the whole variable; a table is updated row by row "
                 "(use clipvalue, or another optimizer)"
@@ -1464,9 +1464,8 @@ class AsyncPSClient:
         spec = optimizer.to_proto()
         pieces = await self._known(names)
         # Checked here too, so that a replacement refused on one shard is not made on another.
-        whole = isinstance(optimizer, (Adafactor, Lamb)) or optimizer.clipnorm is not None
         for name, group in pieces.items():
-            if whole and len(group) > 1:
+            if optimizer.needs_whole_variable and len(group) > 1:
                 raise InvalidArgumentError(
                     f"variable {name!r} is cut into {len(group)} partitions, but {optimizer!r} needs the "
                     "whole variable on one shard (clipnorm, Adafactor and Lamb use norms or means over it)"

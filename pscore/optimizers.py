@@ -666,6 +666,12 @@ class Optimizer(_Spec):
             self._check("ema_overwrite_frequency", every >= 1, "an integer >= 1 or None")
 
     @property
+    def needs_whole_variable(self) -> bool:
+        """Whether the rule uses norms or means over the whole variable (``clipnorm``, Adafactor, Lamb):
+        it cannot run on a partition of a variable, nor row by row on a table."""
+        return isinstance(self, Adafactor | Lamb) or self.clipnorm is not None
+
+    @property
     def has_schedule(self) -> bool:
         """Whether the learning rate is a schedule (evaluated on the shard) rather than a constant."""
         return isinstance(getattr(self, "learning_rate", None), LearningRateSchedule)

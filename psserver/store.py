@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pscore import codec
+from pscore.embedding import Regularizer
 from pscore.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
@@ -83,6 +84,8 @@ class Variable:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A dynamic table piece: its id -> row map and bookkeeping (the rows are ``state[0]``).
     dyn: dynamic.DynamicRows | None = None
+    # A table piece's regularizer (from its spec, checked at creation), applied with each row update.
+    regularizer: Regularizer | None = None
 
     @property
     def name(self) -> str:
@@ -350,6 +353,7 @@ class Store:
             optimizer=optimizer,
             slots=optimizer.init_slots(state[0]),
             state=state,
+            regularizer=tables.regularizer(spec),
         )
 
     # -- push ---------------------------------------------------------------
@@ -570,7 +574,7 @@ class Store:
 
     async def _apply_rows(self, var: Variable, grad: tables.RowGrad, now: float) -> int:
         """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
-        reg = tables.regularizer(var.spec)
+        reg = var.regularizer
         if var.dyn is not None:
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
@@ -643,7 +647,7 @@ class Store:
         """
         if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
-            reg = tables.regularizer(var.spec)
+            reg = var.regularizer
             if var.dyn is not None:
                 now = time.time() if now is None else now
                 rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
@@ -1066,7 +1070,7 @@ def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray
         optimizer.check_rows()
     except ValueError as err:
         raise InvalidArgumentError(f"table {config.table!r}: {err}") from None
-    tables.regularizer(spec)
+    regularizer = tables.regularizer(spec)
     rows = dynamic.DynamicRows(config, dtype)
     storage, slots = rows.new_storage(optimizer)
     return Variable(
@@ -1077,6 +1081,7 @@ def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray
         slots=slots,
         state=(storage, 0),
         dyn=rows,
+        regularizer=regularizer,
     )
 
 

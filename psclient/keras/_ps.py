@@ -75,7 +75,7 @@ from psclient.keras._common import StepTimer, check_no_jit, variable_name
 from psclient.keras._naming import model_variable_names
 from pscore.embedding import Regularizer, Rows
 from pscore.errors import DeadlineExceededError, InvalidArgumentError, PSError
-from pscore.optimizers import SGD, Adafactor, Lamb, Optimizer, optimizer_from_config
+from pscore.optimizers import SGD, Optimizer, optimizer_from_config
 from pscore.tf_config import read_tf_config
 
 log = logging.getLogger(__name__)
@@ -129,10 +129,9 @@ def _is_table(spec: Any) -> bool:
 
 def _embedding_tables(model: keras.Model) -> list[Any]:
     """The tables of a model's trainable ``keras.layers.Embedding`` layers (gradients: IndexedSlices)."""
-    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
     return [
         layer.embeddings
-        for layer in layers
+        for layer in _flatten(model)
         if isinstance(layer, keras.layers.Embedding)
         and layer.trainable
         and getattr(layer, "embeddings", None) is not None
@@ -142,10 +141,9 @@ def _embedding_tables(model: keras.Model) -> list[Any]:
 
 def _remote_tables(model: keras.Model) -> dict[int, Any]:
     """id(anchor) -> layer, for a model's ``psclient.keras.Embedding`` layers (rows only on the shards)."""
-    layers = model._flatten_layers() if hasattr(model, "_flatten_layers") else model.layers
     return {
         id(layer.anchor): layer
-        for layer in layers
+        for layer in _flatten(model)
         if getattr(layer, "_ps_remote_table", False) and getattr(layer, "anchor", None) is not None
     }
 
@@ -170,8 +168,7 @@ def _row_optimizer(optimizer: Any) -> Optimizer | None:
         spec = server_optimizer(optimizer)
     except (TypeError, ValueError):
         return None
-    whole = isinstance(spec, Adafactor | Lamb) or spec.clipnorm is not None
-    return None if whole or spec.gradient_accumulation_steps else spec
+    return None if spec.needs_whole_variable or spec.gradient_accumulation_steps else spec
 
 
 def _shard_regularizer(regularizer: Any, *, every_row: bool) -> Regularizer | None:
@@ -189,7 +186,7 @@ def _shard_regularizer(regularizer: Any, *, every_row: bool) -> Regularizer | No
 def _is_built(model: keras.Model) -> bool:
     """Whether a model and its layers are built (Keras builds a subclassed model, or a ``Sequential``
     without ``Input``, on its first call: in ``fit``, when the train step is first traced)."""
-    return bool(model.built and model.variables) and all(layer.built for layer in model._flatten_layers())
+    return bool(model.built and model.variables) and all(layer.built for layer in _flatten(model))
 
 
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
