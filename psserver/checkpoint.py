@@ -916,15 +916,9 @@ class Checkpointer:
         newest = _manifest_or_none(own[0])
         if newest is None or not newest.get("cut"):
             return own
-        by_shard: dict[int, set[str]] = {}
-        for f in files:
-            if f.num_shards == self.num_shards:
-                m = _manifest_or_none(f)
-                if m is not None and m.get("cut"):
-                    by_shard.setdefault(f.shard, set()).add(_cut_key(m["cut"]))
-        if len(by_shard) != self.num_shards:
+        complete = _complete_cuts(files, self.num_shards)
+        if complete is None:
             return own  # not every shard's files are here (one directory per shard): nothing to compare
-        complete = set.intersection(*by_shard.values())
         if _cut_key(newest["cut"]) in complete:
             return own
         for i, f in enumerate(own):
@@ -953,6 +947,8 @@ class Checkpointer:
         load_into(snap, self.store, self.mode)
         self._saved_at = (self.store.changes, len(self.store))
         resharded = snap.id == 0  # re-placed from another shard count's files
+        if snap.cut is not None and not resharded:
+            await asyncio.to_thread(self._remove_abandoned_cuts, snap)
         log.info(
             "shard %d: restored %d tensors (%.1f MiB) from %s",
             self.shard, len(snap.tensors), snap.nbytes / 2**20,
@@ -963,12 +959,53 @@ class Checkpointer:
             await self.save()
         return True
 
+    def _remove_abandoned_cuts(self, restored: Snapshot) -> None:
+        """Deletes this shard's files of cuts newer than ``restored`` (torn: another shard lacks them).
+
+        Training goes on from the restored cut, so those files hold a timeline
+        that no longer exists. Kept, one of them could later pair with another
+        shard's file of the same sync step written on the new timeline, and a
+        second restart would restore two versions of the model; they would also
+        push the new timeline's checkpoints out of the newest ``keep``.
+        """
+        files = list_files(self.directory)
+        complete = _complete_cuts(files, self.num_shards)
+        if complete is None:
+            return
+        for f in files:
+            if f.shard != self.shard or f.num_shards != self.num_shards or f.id <= restored.id:
+                continue
+            m = _manifest_or_none(f)
+            if m is None or not m.get("cut") or _cut_key(m["cut"]) in complete:
+                continue  # unreadable, not a cut, or a whole cut that failed to load: left for a person
+            log.warning(
+                "shard %d: removing checkpoint %s (a cut another shard did not finish writing; training goes "
+                "on from checkpoint %d)",
+                self.shard, f.path.name, restored.id,
+            )  # fmt: skip
+            with contextlib.suppress(FileNotFoundError):
+                f.path.unlink()
+
 
 def _manifest_or_none(f: CheckpointFile) -> dict[str, Any] | None:
     try:
         return read_manifest(f.path)
     except CheckpointError:
         return None
+
+
+def _complete_cuts(files: list[CheckpointFile], num_shards: int) -> set[str] | None:
+    """The cuts (``_cut_key``) that every one of ``num_shards`` shards holds a file of; None when some
+    shard has no cut file here (one directory per shard: nothing to compare)."""
+    by_shard: dict[int, set[str]] = {}
+    for f in files:
+        if f.num_shards == num_shards:
+            m = _manifest_or_none(f)
+            if m is not None and m.get("cut"):
+                by_shard.setdefault(f.shard, set()).add(_cut_key(m["cut"]))
+    if len(by_shard) != num_shards:
+        return None
+    return set.intersection(*by_shard.values())
 
 
 def _cut_key(cut: Mapping[str, Any]) -> str:

@@ -39,13 +39,14 @@ def test_a_client_fails_over_when_its_primary_goes_silent(
     net: NetnsCluster, wire: str, deadline: float
 ) -> None:
     p, b, c = net.hosts
+    record = net.workdir / "partition-client.json"
     primary = net.shards([p]).start()
     backup = net.shards([b], shard_args={0: ["--backup-of", primary.addresses[0]]}).start()
     try:
         client = net.popen(
             c,
             [sys.executable, CLIENT, f"{primary.addresses[0]}|{backup.addresses[0]}", str(RUN_S),
-             str(deadline), "0" if wire == "data_port" else str(1 << 30)],
+             str(deadline), "0" if wire == "data_port" else str(1 << 30), str(record)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert client.stdout is not None
@@ -58,7 +59,7 @@ def test_a_client_fails_over_when_its_primary_goes_silent(
         net.heal(p)
         out, _ = client.communicate(timeout=RUN_S + deadline + 30)
         assert client.returncode == 0, out
-        result = json.loads(out.strip().splitlines()[-1])
+        result = json.loads(record.read_text())
     finally:
         backup.stop()
         primary.stop()

@@ -108,8 +108,15 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
             np.testing.assert_array_equal(value, np.full(2, versions[name], np.float32))
         # Every periodic checkpoint was taken at the same steps on both shards (the newest may be
         # written on one shard and not yet on the other when the workers stop).
-        wait_until(
-            lambda: _cut_steps(tmp_path, 0) == _cut_steps(tmp_path, 1),
-            "the same checkpoint steps",
-            timeout=10.0,
-        )
+        try:
+            wait_until(
+                lambda: _cut_steps(tmp_path, 0) == _cut_steps(tmp_path, 1),
+                "the same checkpoint steps",
+                timeout=10.0,
+            )
+        except AssertionError as err:
+            raise AssertionError(
+                f"{err}: shard 0 {sorted(_cut_steps(tmp_path, 0))}, "
+                f"shard 1 {sorted(_cut_steps(tmp_path, 1))}\n"
+                + "\n".join(cluster.log_tail(s, 60) for s in range(2))
+            ) from None

@@ -159,5 +159,13 @@ def test_a_restart_restores_the_newest_cut_every_shard_holds(tmp_path: object) -
     write(1, 1, 5)
     write(0, 2, 10)  # the cluster stopped before shard 1 wrote step 10
     assert (chosen(0), chosen(1)) == (5, 5)
+    # A restore from step 5 removes shard 0's step 10 file: training goes on from step 5, and that file
+    # belongs to a timeline that no longer exists (kept, it would pair with shard 1's step 10 of the new one).
+    store = Store()
+    mode = SyncMode(store, replicas_to_aggregate=1, total_replicas=1, barrier_timeout_s=5.0)
+    ckpt = checkpoint.Checkpointer(tmp_path, store, mode, shard=0, num_shards=2)  # type: ignore[arg-type]
+    assert asyncio.run(ckpt.restore())
+    assert sorted((f.shard, f.id) for f in checkpoint.list_files(tmp_path)) == [(0, 1), (1, 1)]
+    write(0, 2, 10)
     write(1, 2, 10)
     assert (chosen(0), chosen(1)) == (10, 10)
