@@ -51,11 +51,12 @@ async def _as_coro(aw: Awaitable[T]) -> T:
 
 
 # Channels to a replicated shard (PRIMARY|BACKUP): an HTTP/2 ping every second, calls in flight or not;
-# unanswered for 3 s, the link is silent and the channel's calls fail (UNAVAILABLE) and fail over. A shard
-# with one address has nowhere to fail over to: its channel keeps gRPC's slower keepalive (30 s / 10 s),
-# and its calls wait for it (wait_for_ready) until their deadline.
+# unanswered for 2 s (gRPC's core answers pings, not the shard's busy event loop), the link is silent and
+# the channel's calls fail (UNAVAILABLE) and fail over. A shard with one address has nowhere to fail over
+# to: its channel keeps gRPC's slower keepalive (30 s / 10 s), and its calls wait for it (wait_for_ready)
+# until their deadline.
 KEEPALIVE_TIME_S = 1.0
-KEEPALIVE_TIMEOUT_S = 3.0
+KEEPALIVE_TIMEOUT_S = 2.0
 _SINGLE_KEEPALIVE_TIME_S = 30.0
 _SINGLE_KEEPALIVE_TIMEOUT_S = 10.0
 
