@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pscore import codec
-from pscore.errors import UnavailableError
+from pscore.errors import DeadlineExceededError, UnavailableError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, lease
@@ -70,6 +70,24 @@ async def test_a_sync_step_is_answered_once_its_backup_acknowledged_it() -> None
         acknowledged.set_result(None)
         assert [(await p).applied for p in pushes] == [True, True]
         assert (await late).reason == "stale"
+
+
+async def test_a_sync_step_waiting_for_its_backup_times_out_naming_the_backup_not_the_workers() -> None:
+    store = _store()
+    mode = SyncMode(store, replicas_to_aggregate=2, total_replicas=2, barrier_timeout_s=0.2)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def silent_backup() -> None:
+        await never
+
+    mode.replicate_step = lambda step: silent_backup()
+    async with asyncio.timeout(10):
+        pushes = [asyncio.create_task(mode.push(f"w{i}", 1, 0, _grad(), session=i + 1)) for i in range(2)]
+        for p in pushes:
+            with pytest.raises(DeadlineExceededError, match="step 0 is applied here, but its backup") as e:
+                await p
+            assert "no gradient" not in str(e.value)  # every worker pushed: none is blamed
+    never.cancel()
 
 
 async def test_a_sync_step_its_backup_did_not_acknowledge_fails_its_pushes() -> None:
