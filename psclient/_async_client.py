@@ -258,8 +258,9 @@ class AsyncPSClient:
             replicas = self._replica_story(shard, err, time.monotonic() - started)
             if err.code() in _UNREACHABLE_CODES:
                 why = await self._watch(shard).describe(time.monotonic() - started)
-                if why is not None or replicas:  # say what happened, not just "Deadline Exceeded"
-                    said = "; ".join(p for p in (why, err.details(), replicas) if p)
+                unknown = _OUTCOME_UNKNOWN if method in _PUSH_METHODS and _no_answer(err) else None
+                if why is not None or replicas or unknown:  # say what happened, not just "Deadline Exceeded"
+                    said = "; ".join(p for p in (why, err.details(), replicas, unknown) if p)
                     raise error_class(err.code())(said, method=method, address=address) from err
             raise from_rpc_error(err, method=method, address=address) from err
         finally:
@@ -1893,6 +1894,22 @@ def _receive(
 _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
 _INT32_IDS_MAX_ROWS = 2**31  # a fixed table's ids travel as int32 up to this many rows
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+_PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
+
+
+def _no_answer(err: grpc.RpcError) -> bool:
+    """The client gave up waiting (its deadline), as opposed to a shard that answered with an error."""
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details.startswith(
+        ("Deadline Exceeded", "no answer")
+    )
+
+
+# A push that failed for want of an answer may have reached the shard: say so, and what holds.
+_OUTCOME_UNKNOWN = (
+    "the push may or may not have been applied (never twice: the shard's push ledger applies each push at "
+    "most once); pull to see the values"
+)
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 _EMPTY_CREATE = ps_pb2.CreateVariablesRequest()
