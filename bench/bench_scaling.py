@@ -30,6 +30,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,8 @@ class Cell:
     def __init__(self, net: NetnsCluster, args: argparse.Namespace, name: str) -> None:
         self.net = net
         self.args = args
-        self.dir = net.workdir / name
-        self.dir.mkdir()
-        self.size = args.size_mib * MIB
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=net.workdir))
+        self.size = getattr(args, "size_bytes", None) or args.size_mib * MIB
         self.workers: list[subprocess.Popen[bytes]] = []
         self.servers: list[subprocess.Popen[bytes]] = []
 
@@ -139,10 +139,15 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
     cell = Cell(net, args, f"{system}-n{n}-k{k}")
     shards = None
     try:
+        sync = getattr(args, "mode", "async") == "sync"
         if system == "ps":
-            shards = net.shards(shard_hosts[:k]).start()
+            mode_args = ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(n)]
+            shards = net.shards(shard_hosts[:k], mode_args if sync else ()).start()
             cell.servers = [p for p in shards.procs if p is not None]
-            cfgs = [{"addresses": shards.addresses, "worker_id": f"w{i}", "vars": 16} for i in range(n)]
+            cfgs = [
+                {"addresses": shards.addresses, "worker_id": f"w{i}", "vars": 16, "sync": sync}
+                for i in range(n)
+            ]
             cell.start_workers(worker_hosts[:n], "ps", cfgs)
         else:
             piece = cell.size // k
@@ -150,7 +155,13 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
             addresses = []
             for j, host in enumerate(shard_hosts[:k]):
                 ready = cell.dir / f"server{j}"
-                cfg = {"host": host.address, "ready_file": str(ready), "conns": n, "piece": piece}
+                cfg = {
+                    "host": host.address,
+                    "ready_file": str(ready),
+                    "conns": n,
+                    "piece": piece,
+                    "barrier": sync,
+                }
                 cell.servers.append(
                     cell.spawn(host, "raw-server", {**cfg, "streamed": streamed, "seconds": 0})
                 )
@@ -164,6 +175,16 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
             shards.stop()
     bound = max(cell.size, n * cell.size / k) / (args.rate_mbit * 1e6 / 8)
     return {"system": system, "n": n, "k": k, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def cell_line(c: dict[str, Any]) -> str:
+    """One cell in a line, for progress output."""
+    return (
+        f"{c['system']:10s} n={c['n']} k={c['k']}: {c['ratio']:.2f} of bound "
+        f"({c['round_s'] * 1e3:.1f} ms vs {c['bound_s'] * 1e3:.1f} ms), CPU {c['machine_cpu_pct']} %, "
+        f"cell {c['cell_cores']} cores, busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, "
+        f"rounds {c['rounds']}"
+    )
 
 
 def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[str, Any]:
@@ -313,15 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.shards:
                 for system in systems:
                     cells.append(run_ps_cell(net, args, system, n, k))
-                    c = cells[-1]
-                    print(
-                        f"{system:10s} n={n} k={k}: {c['ratio']:.2f} of bound "
-                        f"({c['round_s'] * 1e3:.0f} ms vs {c['bound_s'] * 1e3:.0f} ms), "
-                        f"CPU {c['machine_cpu_pct']} %, cell {c['cell_cores']} cores, "
-                        f"busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, rounds {c['rounds']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(cell_line(cells[-1]), file=sys.stderr, flush=True)
         for n in args.ring:
             cells.append(run_ring_cell(net, args, n))
             c = cells[-1]
