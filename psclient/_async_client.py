@@ -671,7 +671,7 @@ class AsyncPSClient:
             initializer's row). A table whose rows are not returned is absent.
 
         Raises:
-            As ``push``.
+            PSError: as ``push``.
         """
         _, values, _ = await self._push(
             grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
@@ -706,8 +706,8 @@ class AsyncPSClient:
             ``lookup(table, ids)``'s, shape ``ids.shape + (dim,)``.
 
         Raises:
-            As ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push (nothing
-            is applied).
+            PSError: as ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push
+                (nothing is applied).
         """
         _, values, rows = await self._push(
             grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup
