@@ -1,36 +1,31 @@
 """Writes docs/reference/cli.md from the commands' own ``--help`` (run: ``python scripts/gen_cli_docs.py``).
 
-``--check`` exits 1 when the page differs from what the commands print now (the docs test runs it).
+Each command's entry point (the ``[project.scripts]`` function) runs in this process with ``--help``,
+as its console script would, at a fixed width. ``--check`` exits 1 when the page differs from what the
+commands print now (tests/test_docs.py runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import contextlib
+import importlib
+import io
 import os
 import pathlib
-import subprocess
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "reference" / "cli.md"
-
-# (command as a user types it, the module that `[project.scripts]` points at)
-COMMANDS = [
-    ("psserver", "psserver"),
-    ("pstrain", "trainer"),
-    ("pstrain demo", "trainer"),
-    ("pstrain worker", "trainer"),
-    ("pstrain launch", "trainer"),
-    ("pstrain local", "trainer"),
-    ("psctl", "psclient.ctl"),
-    ("psctl status", "psclient.ctl"),
-    ("psctl save", "psclient.ctl"),
-    ("psctl export", "psclient.ctl"),
-    ("psrun", "trainer.psrun"),
-    ("psload", "psload"),
-]
-_HELP_TIMEOUT_S = 60  # pstrain's parsers import nothing heavy; a loaded 2-core machine still needs seconds
+COMMANDS = [  # as a user types them; the entry point comes from pyproject.toml's [project.scripts]
+    "psserver",
+    "pstrain", "pstrain demo", "pstrain worker", "pstrain launch", "pstrain local",
+    "psctl", "psctl status", "psctl save", "psctl export",
+    "psrun",
+    "psload",
+]  # fmt: skip
+_WIDTH = "100"  # columns argparse wraps at, so the page does not depend on the terminal
 
 HEADER = """# Command line
 
@@ -41,25 +36,36 @@ Every command's `--help`, generated from the commands themselves by `python scri
 """
 
 
-def help_text(command: str, module: str) -> str:
-    """Runs ``python -m MODULE [SUBCOMMAND] --help`` at a fixed width and returns its output."""
-    args = [sys.executable, "-m", module, *command.split()[1:], "--help"]
-    env = {**os.environ, "COLUMNS": "100", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=_HELP_TIMEOUT_S, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{command} --help exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return proc.stdout.rstrip()
+def help_text(command: str, scripts: dict[str, str]) -> str:
+    """Runs ``command --help`` through its console-script entry point and returns what it prints."""
+    name, *sub = command.split()
+    module, func = scripts[name].split(":")
+    entry = getattr(importlib.import_module(module), func)
+    out = io.StringIO()
+    argv, columns = sys.argv, os.environ.get("COLUMNS")
+    sys.argv, os.environ["COLUMNS"] = [name, *sub, "--help"], _WIDTH
+    try:
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            entry([*sub, "--help"])
+    finally:
+        sys.argv = argv
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+    text = out.getvalue().rstrip()
+    if not text.startswith("usage: "):
+        raise RuntimeError(f"{command} --help printed no usage: {text[:500]!r}")
+    return text
 
 
 def render() -> str:
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        texts = list(pool.map(lambda c: help_text(*c), COMMANDS))
+    sys.path.insert(0, str(ROOT))
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     parts = [HEADER]
-    for (command, _), text in zip(COMMANDS, texts, strict=True):
+    for command in COMMANDS:
         level = "##" if " " not in command else "###"
-        parts.append(f"{level} `{command}`\n\n```text\n{text}\n```\n")
+        parts.append(f"{level} `{command}`\n\n```text\n{help_text(command, scripts)}\n```\n")
     return "\n".join(parts)
 
 
