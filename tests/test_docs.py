@@ -16,13 +16,16 @@ import os
 import pathlib
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
+import psclient
 from trainer.cluster import LocalCluster
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -133,6 +136,66 @@ def test_docs_cluster_blocks_run_against_a_local_cluster(docs_cluster: LocalClus
     assert proc.returncode == 0, proc.stderr[-4000:]
     failed = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not failed, "\n\n".join(f"{where}:\n{tb}" for where, tb in failed)
+
+
+def _normalized(text: str) -> str:
+    """Numbers (ports, seconds, counts) and 16-hex-digit session ids vary between runs."""
+    text = re.sub(r"\b[0-9a-f]{16}\b", "ID", text)
+    return re.sub(r"\d+(\.\d+)?", "N", text)
+
+
+def test_docs_troubleshooting_shows_the_real_messages(
+    docs_cluster: LocalCluster, tmp_path: pathlib.Path
+) -> None:
+    """The TF-free errors of docs/troubleshooting.md, reproduced: the page must quote them as they are."""
+    messages = []
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | {"PYTHONPATH": str(ROOT)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for args in (["--shard", "0", "--port", port], ["--port", port]):
+            proc = subprocess.run(
+                [sys.executable, "-m", "psserver", *args],
+                capture_output=True, text=True, env=env, timeout=_BLOCKS_TIMEOUT_S, check=False,
+            )  # fmt: skip
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            messages.append(proc.stderr.strip().splitlines()[-1])
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{free.getsockname()[1]}"
+    raised: list[BaseException] = []
+
+    def catch(call: object, *args: object, **kwargs: object) -> None:
+        with pytest.raises(psclient.PSError) as info:
+            call(*args, **kwargs)  # type: ignore[operator]
+        raised.append(info.value)
+
+    with psclient.PSClient([nobody], worker_id="w0", timeout=1.0) as c:
+        catch(c.pull)
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    guarded = LocalCluster(num_shards=1, server_args=["--auth-token-file", str(token)]).start()
+    try:
+        for auth in ("wrong", None):
+            with psclient.PSClient(guarded.addresses, worker_id="w0", auth_token=auth, timeout=10.0) as c:
+                catch(c.pull)
+    finally:
+        guarded.stop()
+    with (
+        psclient.PSClient(docs_cluster.addresses, worker_id="w0", timeout=10.0) as a,
+        psclient.PSClient(docs_cluster.addresses, worker_id="w0", timeout=10.0) as b,
+    ):
+        a.create("troubleshooting/v", np.zeros(4, np.float32), optimizer=psclient.SGD(0.1))
+        b.push({"troubleshooting/v": np.ones(4, np.float32)})
+        a.push({"troubleshooting/v": np.ones(4, np.float32)})  # a's session is newer: it takes over
+        catch(b.push, {"troubleshooting/v": np.ones(4, np.float32)})
+        catch(a.pull, ["dense/kernal"])
+    messages += [f"{type(e).__module__}.{type(e).__name__}: {e}" for e in raised]
+    page = _normalized((DOCS / "troubleshooting.md").read_text())
+    missing = [m for m in messages if _normalized(m) not in page]
+    stale = "\n".join(missing)
+    assert not missing, f"docs/troubleshooting.md does not quote these messages as they are now:\n{stale}"
 
 
 def test_docs_site_builds_strictly(tmp_path: pathlib.Path) -> None:
