@@ -104,10 +104,12 @@ class AsyncPSClient:
     """Async client of a sharded parameter server.
 
     Example:
+        ```python
         async with psclient.AsyncPSClient(["127.0.0.1:50051"], worker_id="w0") as c:
             await c.create("w", np.zeros((4, 4), np.float32), optimizer=psclient.SGD(0.1))
             await c.push({"w": np.ones((4, 4), np.float32)})
             values = await c.pull()
+        ```
 
     Concurrency: methods may be called concurrently from tasks of the event loop
     the client was first used on; use one AsyncPSClient per event loop.
