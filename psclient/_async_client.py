@@ -105,10 +105,12 @@ class AsyncPSClient:
     """Async client of a sharded parameter server.
 
     Example:
+        ```python
         async with psclient.AsyncPSClient(["127.0.0.1:50051"], worker_id="w0") as c:
             await c.create("w", np.zeros((4, 4), np.float32), optimizer=psclient.SGD(0.1))
             await c.push({"w": np.ones((4, 4), np.float32)})
             values = await c.pull()
+        ```
 
     Concurrency: methods may be called concurrently from tasks of the event loop
     the client was first used on; use one AsyncPSClient per event loop.
@@ -673,7 +675,7 @@ class AsyncPSClient:
             initializer's row). A table whose rows are not returned is absent.
 
         Raises:
-            As ``push``.
+            PSError: as ``push``.
         """
         _, values, _ = await self._push(
             grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
@@ -708,8 +710,8 @@ class AsyncPSClient:
             ``lookup(table, ids)``'s, shape ``ids.shape + (dim,)``.
 
         Raises:
-            As ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push (nothing
-            is applied).
+            PSError: as ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push
+                (nothing is applied).
         """
         _, values, rows = await self._push(
             grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup

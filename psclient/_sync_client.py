@@ -24,10 +24,12 @@ class PSClient:
     """Blocking client of a sharded parameter server.
 
     Example:
+        ```python
         with psclient.PSClient(["127.0.0.1:50051", "127.0.0.1:50052"], worker_id="w0") as c:
             c.create("dense/kernel", np.zeros((784, 10), np.float32), optimizer=psclient.Adam(1e-3))
             c.push({"dense/kernel": grad})
             params = c.pull()
+        ```
 
     It drives an ``AsyncPSClient`` on a private event loop in a daemon thread,
     so requests to different shards still go out concurrently. Thread-safe:

@@ -22,7 +22,7 @@ Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to the backup when the
 primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
 only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
-and the backup takes over once that lease has expired (see the README's "Replication").
+and the backup takes over once that lease has expired (see the docs, "Replication and leases").
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags or an address that cannot be bound (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
