@@ -21,7 +21,6 @@ Needs root, iproute2 and nftables. Every wait is bounded.
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -121,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
     text = render(cells, args, note, command)
     print(text)
-    results = {
-        "command": command,
-        "machine": note,
-        "rate_mbit": args.rate_mbit,
-        "cells": cells,
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
+    results = cm.results_record(command, note, cells, rate_mbit=args.rate_mbit)
     cm.write_results(args.out, text, results)
     return 0
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -341,16 +340,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ring n={n}: {c['ratio']:.2f} of bound, CPU {c['machine_cpu_pct']} %", file=sys.stderr)
     text = render(args, cells, note, command)
     print(text)
-    results = {
-        "command": command,
-        "machine": note,
-        "rate_mbit": args.rate_mbit,
-        "size_mib": args.size_mib,
-        "seconds": args.seconds,
-        "cells": cells,
-        "top_processes_after": cm.top_processes(),
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
+    results = cm.results_record(
+        command, note, cells, rate_mbit=args.rate_mbit, size_mib=args.size_mib, seconds=args.seconds
+    )
     cm.write_results(args.out, text, results)
     if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):
         print(why, file=sys.stderr)
