@@ -37,6 +37,12 @@ from trainer.netns import NetnsCluster, netns_available
 SYSTEMS = ("ps", "raw")
 
 
+def _per_round(cell: dict[str, Any], counter: str) -> str:
+    """A TCP counter of the cell (every host) per round of one worker."""
+    rounds = sum(cell["rounds"]) / len(cell["rounds"])
+    return f"{cell.get(counter, 0) / max(rounds, 1):.2f}"
+
+
 def render(cells: list[dict[str, Any]], args: argparse.Namespace, note: dict[str, Any], command: str) -> str:
     by = {(c["size_kib"], c["mode"], c["drop"], c["system"]): c for c in cells}
     lines = [
@@ -44,17 +50,21 @@ def render(cells: list[dict[str, Any]], args: argparse.Namespace, note: dict[str
         "",
         f"Command: `{command}`",
         "",
-        f"n = {args.workers} workers, k = {args.shards} shard(s), each in a namespace of its own, every link "
+        f"n = {args.workers} workers, k = {args.shards} shard(s), psclient over {args.wire}, each host a "
+        "namespace of its own, every link "
         f"{args.rate_mbit:g} Mbit/s each way; loss dropped at random by nftables on every host, each way. "
         f"{args.seconds:g} s per cell. Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
         "Rounds/s of each system, and retained = rounds/s with loss / rounds/s without (1.00: no loss of "
-        "throughput). raw = plain TCP sockets doing the same rounds.",
+        "throughput). raw = plain TCP sockets doing the same rounds. RTOs and retransmits: the kernel's TCP "
+        "counters (retransmission timeouts, each at least 200 ms of a stalled flow; retransmitted segments), "
+        "summed over every host, per round of one worker.",
         "",
         "| size | mode | loss % | ps rounds/s | raw rounds/s | ps / raw | ps retained | raw retained "
-        "| rate-limiter drops (ps) | machine CPU % |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ps RTOs / round | raw RTOs / round | ps retransmits / round | raw retransmits / round "
+        "| machine CPU % |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for size in args.sizes_kib:
         for mode in args.modes:
@@ -68,8 +78,9 @@ def render(cells: list[dict[str, Any]], args: argparse.Namespace, note: dict[str
                 kept_raw = f"{base_raw['round_s'] / raw['round_s']:.2f}" if base_raw else "-"
                 lines.append(
                     f"| {size:g} KiB | {mode} | {drop:g} | {rate_ps:.1f} | {rate_raw:.1f} | "
-                    f"{rate_ps / rate_raw:.2f} | {kept_ps} | {kept_raw} | {ps['link_drops']} | "
-                    f"{ps['machine_cpu_pct']} |"
+                    f"{rate_ps / rate_raw:.2f} | {kept_ps} | {kept_raw} | {_per_round(ps, 'tcp_timeouts')} | "
+                    f"{_per_round(raw, 'tcp_timeouts')} | {_per_round(ps, 'tcp_retrans_segs')} | "
+                    f"{_per_round(raw, 'tcp_retrans_segs')} | {ps['machine_cpu_pct']} |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -88,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per cell (default 8)")
     parser.add_argument("--min-rounds", type=int, default=3, help="and at least this many rounds (default 3)")
+    parser.add_argument(
+        "--wire",
+        choices=("data_port", "grpc"),
+        default="data_port",
+        help="psclient's wire (default data_port)",
+    )
     parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/loss)")
     args = parser.parse_args(argv)
     args.drop = [float(x) for x in args.drop.split(",") if x]

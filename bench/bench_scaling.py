@@ -90,7 +90,7 @@ class Cell:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {i} not ready: {self._tail(proc)}")
                 time.sleep(0.01)
-        drops0 = self._link_drops()
+        drops0, tcp0 = self._link_drops(), self._tcp_counters()
         cpu0 = [cpu_seconds(p.pid) for p in self.servers]
         busy0, total0 = cm.machine_cpu()
         (self.dir / "go").write_text("go")
@@ -103,6 +103,7 @@ class Cell:
             results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
         busy1, total1 = cm.machine_cpu()
         drops = self._link_drops() - drops0
+        tcp = {k: v - tcp0.get(k, 0) for k, v in self._tcp_counters().items()}
         window = max(r["seconds"] for r in results)
         # workers report their own CPU time; servers are read from /proc (NaN once one has exited)
         cores = [r["cpu_s"] / r["seconds"] for r in results]
@@ -115,7 +116,28 @@ class Cell:
             "cell_cores": round(sum(cores), 2),
             "busiest_proc_cores": round(max(cores, default=float("nan")), 2),
             "link_drops": drops,
+            **tcp,
         }
+
+    def _tcp_counters(self) -> dict[str, int]:
+        """The kernel's TCP loss recovery so far, summed over every host of the cluster: retransmitted
+        segments, retransmission timeouts (each at least 200 ms of a stalled flow) and tail loss probes."""
+        wanted = {
+            "RetransSegs": "tcp_retrans_segs",
+            "TCPTimeouts": "tcp_timeouts",
+            "TCPLossProbes": "tcp_loss_probes",
+        }
+        total = dict.fromkeys(wanted.values(), 0)
+        for host in self.net.hosts:
+            text = subprocess.run(
+                [*host.launcher, "cat", "/proc/net/snmp", "/proc/net/netstat"],
+                capture_output=True, text=True, timeout=10, check=False,
+            ).stdout.splitlines()  # fmt: skip
+            for names, values in zip(text[::2], text[1::2], strict=False):
+                for name, value in zip(names.split()[1:], values.split()[1:], strict=False):
+                    if name in wanted and value.lstrip("-").isdigit():
+                        total[wanted[name]] += int(value)
+        return total
 
     def _link_drops(self) -> int:
         """Packets the links' rate limiters dropped so far (both directions, every host): TCP's losses."""
@@ -144,7 +166,13 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
             shards = net.shards(shard_hosts[:k], mode_args if sync else ()).start()
             cell.servers = [p for p in shards.procs if p is not None]
             cfgs = [
-                {"addresses": shards.addresses, "worker_id": f"w{i}", "vars": 16, "sync": sync}
+                {
+                    "addresses": shards.addresses,
+                    "worker_id": f"w{i}",
+                    "vars": 16,
+                    "sync": sync,
+                    "wire": getattr(args, "wire", "data_port"),
+                }
                 for i in range(n)
             ]
             cell.start_workers(worker_hosts[:n], "ps", cfgs)
