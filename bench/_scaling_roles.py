@@ -67,17 +67,25 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
         for name, g in grads.items():
             c.create(name, g, optimizer=psclient.SGD(learning_rate=0.0))
         step = [0]
+        inflight = int(cfg.get("inflight", 1))
+        pending: list[Any] = []
 
         def one_round() -> None:
             if cfg.get("sync"):  # one sync step: every worker's push, then the values (every shard)
                 c.push_pull(grads, step=step[0], every_shard=True)
                 step[0] += 1
+            elif inflight > 1:  # rounds overlapped, as PSWorker(overlap=True): the next goes out meanwhile
+                while len(pending) < inflight:
+                    pending.append(c.push_pull_future(grads))
+                pending.pop(0).result(_IO_TIMEOUT_S)
             else:
                 c.push_pull(grads)
 
         one_round()  # warm-up: connections, data port, buffers
         _ready_then_go(cfg)
         result = _timed_rounds(one_round, cfg["seconds"], cfg["min_rounds"])
+        for f in pending:
+            f.result(_IO_TIMEOUT_S)
         c.leave()  # sync: the barrier stops waiting for this worker (the others may go one step more)
         return result
 

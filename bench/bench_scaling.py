@@ -172,6 +172,7 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
                     "vars": 16,
                     "sync": sync,
                     "wire": getattr(args, "wire", "data_port"),
+                    "inflight": getattr(args, "inflight", 1),
                 }
                 for i in range(n)
             ]
@@ -236,7 +237,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
         f"{args.rate_mbit:g} Mbit/s each way (htb); model M = {args.size_mib} MiB in 16 float32 variables; "
-        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell. "
+        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
+        f"{args.inflight} push_pull round(s) in flight per ps worker. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
@@ -335,6 +337,13 @@ def main(argv: list[str] | None = None) -> int:
         "--rate-mbit", type=float, default=200, help="every link's rate each way, Mbit/s (default 200)"
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
+    parser.add_argument(
+        "--inflight",
+        type=int,
+        default=1,
+        help="push_pull rounds each ps worker keeps in flight (default 1; 2: the next round's push goes out "
+        "while the last one's values come back, as PSWorker(overlap=True) trains)",
+    )
     parser.add_argument(
         "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
     )
