@@ -212,6 +212,12 @@ class Run:
             proc.wait(timeout=30)
 
 
+def _num_train() -> int:
+    from trainer.data import load_digits
+
+    return len(load_digits().y_train)
+
+
 def _steps_per_epoch(num_train: int, batch_size: int, n: int) -> int:
     from trainer.data import steps_per_epoch
 
@@ -331,22 +337,33 @@ def render(
         f"({window}). Bytes: per step on the worker's link (its qdisc counters over the window), up "
         "(worker to network) and down. Bound of a step: PS max(M/B, n M/(k B)); ring 2 (n-1)/n x M/B; "
         "achieved / bound = bound x steps/s. Shard links busy: the busier direction of each shard's link "
-        "over the window, as a share of its rate. Test accuracy: PS, a fresh model loaded from the shards; "
-        "ring, rank 0's replica. CPU over the window: the machine's busy % (both cores, other tenants "
-        "included), the run's own processes (workers and shards) in cores, and its busiest process.",
+        "over the window, as a share of its rate. Placement bound: the PS bound with the largest shard's "
+        "measured share s of the traffic in place of 1/k, max(M/B, n s M/B) (variables are placed whole "
+        "below 8 MiB, so k shards need not split M evenly). Test accuracy: PS, a fresh model loaded from "
+        "the shards; ring, rank 0's replica. CPU over the window: the machine's busy % (both cores, "
+        "other tenants included), the run's own processes (workers and shards) in cores, and its "
+        "busiest process.",
         "",
         "| run | n | k | steps/s per worker | examples/s, all workers | KB/step up | KB/step down | bound ms "
-        "| step ms | achieved / bound | shard links busy % | test accuracy | final train loss "
+        "| step ms | achieved / bound | shard links busy % | largest shard's share | placement bound ms "
+        "| achieved / placement bound | test accuracy | final train loss "
         "| machine CPU % | run cores | busiest process, cores |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "|" + " --- |" * 19,
     ]
+    m_over_b = info["model_bytes"] / (bench.rate_mbit * 1e6 / 8)  # seconds
     for r in runs:
+        busy = r.get("shard_link_busy_pct") or []
+        share = max(busy) / sum(busy) if r["k"] and sum(busy) > 0 else float("nan")
+        placed = max(m_over_b, r["n"] * share * m_over_b)
+        placement = (
+            f"{share:.2f} | {placed * 1e3:.0f} | {placed * r['steps_per_s']:.2f}" if r["k"] else "- | - | -"
+        )
         lines.append(
             f"| {r['system']} | {r['n']} | {r['k'] or '-'} | {r['steps_per_s']:.2f} | "
             f"{r['steps_per_s'] * r['n'] * bench.batch_size:.0f} | {r['up_bytes_per_step'] / 1e3:.0f} | "
             f"{r['down_bytes_per_step'] / 1e3:.0f} | {r['bound_s'] * 1e3:.0f} | "
             f"{1e3 / r['steps_per_s']:.0f} | "
-            f"{r['ratio']:.2f} | {', '.join(f'{b:.0f}' for b in r['shard_link_busy_pct']) or '-'} | "
+            f"{r['ratio']:.2f} | {', '.join(f'{b:.0f}' for b in busy) or '-'} | {placement} | "
             f"{r['test_accuracy']:.4f} | {r['final_loss']:.4f} | {r['machine_cpu_pct']} | "
             f"{r['run_cores']} | {r['busiest_proc_cores']} |"
         )
@@ -354,7 +371,7 @@ def render(
         lines.append(
             f"| local (no network) | 1 | - | {local['steps_per_second']:.2f} | "
             f"{local['steps_per_second'] * bench.batch_size:.0f} | - | - | - | "
-            f"{1e3 / local['steps_per_second']:.0f} | - | - | {local['test_accuracy']:.4f} | "
+            f"{1e3 / local['steps_per_second']:.0f} | - | - | - | - | - | {local['test_accuracy']:.4f} | "
             f"{local['final_loss']:.4f} | {local['machine_cpu_pct']} | - | - |"
         )
     lines += [
@@ -402,7 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-local", action="store_true", help="skip the local run")
     parser.add_argument("--quick", action="store_true", help="async k=1 and the ring, n=2, 3 epochs")
     parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/keras_netns)")
+    parser.add_argument(
+        "--render", metavar="JSON", help="no run: render an earlier run's JSON again (to OUT.md)"
+    )
     bench = parser.parse_args(argv)
+    if bench.render:
+        saved = json.loads(Path(bench.render).read_text())
+        old = parser.parse_args(shlex.split(saved["command"])[2:])
+        old.num_train = saved.get("num_train") or _num_train()
+        text = render(old, saved["runs"], saved["local"], saved)
+        if bench.out:
+            Path(f"{bench.out}.md").write_text(text)
+        print(text)
+        return 0
     if bench.quick:
         bench.workers, bench.shards, bench.modes, bench.ring, bench.epochs = [2], [1], "async", [2], 3
     if bench.epochs < 2:
@@ -480,6 +509,8 @@ def save(
         "model": bench.model,
         "epochs": bench.epochs,
         "batch_size": bench.batch_size,
+        "learning_rate": bench.learning_rate,
+        "num_train": bench.num_train,
         "runs": runs,
         "local": local,
         "top_processes_after": cm.top_processes(),
