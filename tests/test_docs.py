@@ -16,6 +16,7 @@ import os
 import pathlib
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,18 @@ def test_docs_troubleshooting_shows_the_real_messages(
         a.push({"troubleshooting/v": np.ones(4, np.float32)})  # a's session is newer: it takes over
         catch(b.push, {"troubleshooting/v": np.ones(4, np.float32)})
         catch(a.pull, ["dense/kernal"])
+    stalled = LocalCluster(num_shards=1).start()  # a push into a shard that stops (SIGSTOP) answering
+    try:
+        with psclient.PSClient(stalled.addresses, worker_id="w0", timeout=1.0) as c:
+            c.create("troubleshooting/v", np.zeros(2, np.float32))
+            c.push({"troubleshooting/v": np.ones(2, np.float32)})
+            os.kill(stalled.procs[0].pid, signal.SIGSTOP)
+            try:
+                catch(c.push, {"troubleshooting/v": np.ones(2, np.float32)})
+            finally:
+                os.kill(stalled.procs[0].pid, signal.SIGCONT)
+    finally:
+        stalled.stop()
     messages += [f"{type(e).__module__}.{type(e).__name__}: {e}" for e in raised]
     page = _normalized((DOCS / "troubleshooting.md").read_text())
     missing = [m for m in messages if _normalized(m) not in page]
