@@ -428,9 +428,10 @@ class DynamicRows:
         meta = self.index.nbytes + self.slot_ids.nbytes * 4 + self.live.nbytes + self.free.nbytes
         return meta + (self.sketch.nbytes if self.sketch is not None else 0)
 
-    def proto_stats(self) -> ps_pb2.DynamicStats:
+    def proto_stats(self, holder: Holder | None = None) -> ps_pb2.DynamicStats:
+        """The piece's counters; with a disk tier, its tiers' too (``holder``: for the bytes in memory)."""
         s = self.stats
-        return ps_pb2.DynamicStats(
+        out = ps_pb2.DynamicStats(
             rows=len(self),
             capacity=self.config.capacity,
             admitted=s.admitted,
@@ -439,6 +440,26 @@ class DynamicRows:
             dropped_updates=s.dropped_updates,
             initializer_reads=s.initializer_reads,
         )
+        tier = self.tier
+        if tier is not None:
+            t = tier.stats
+            memory = self.nbytes
+            if holder is not None:
+                memory += holder.state[0].nbytes + sum(a.nbytes for a in holder.slots.values())
+            out.MergeFrom(
+                ps_pb2.DynamicStats(
+                    rows_in_memory=self.hot_len,
+                    rows_on_disk=len(tier),
+                    memory_bytes=memory,
+                    disk_bytes=tier.disk_used,
+                    memory_rows_max=self.hot_rows,
+                    spilled=t.spilled,
+                    filled=t.filled,
+                    memory_hits=t.hot_hits,
+                    disk_hits=t.cold_hits,
+                )
+            )
+        return out
 
     # -- reads ------------------------------------------------------------------
 

@@ -42,7 +42,6 @@ import numpy as np
 
 from pscore.errors import InternalError, ResourceExhaustedError
 
-_ROOT = "psserver-tier"  # the subdirectory of --table-dir the shard owns (and wipes at start)
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
@@ -68,11 +67,14 @@ class TierConfig:
         directory: where the pieces' LMDB environments live (one subdirectory each).
         memory_bytes: the in-memory budget of each dynamic table piece's hot rows.
         disk_bytes: the most bytes one piece's environment may hold on disk.
+        owner: names the process's own subdirectory (``shard0``, ``shard0-backup``): the shards and
+            backups of one machine may share a directory.
     """
 
     directory: str
     memory_bytes: int
     disk_bytes: int = DEFAULT_DISK_BYTES
+    owner: str = "shard"
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 1 << 16:
@@ -82,16 +84,17 @@ class TierConfig:
 
     @property
     def root(self) -> Path:
-        """The directory the shard owns under ``directory`` (wiped at start-up)."""
-        return Path(self.directory) / _ROOT
+        """The directory this process owns under ``directory`` (wiped at start-up)."""
+        return Path(self.directory) / f"psserver-tier-{self.owner}"
 
     def open(self) -> int:
         """Claims the directory for this process at start-up; returns the lock's file descriptor.
 
-        Creates it, takes an exclusive lock (one shard per directory: a primary and
-        its backup on one machine need two), removes what an earlier process left
-        there (the tier is rebuilt from checkpoints, never reused) and writes a probe
-        file. The lock is held until the process exits.
+        Creates it, takes an exclusive lock on this owner's part of it (two processes
+        of one owner, e.g. two shard 0 primaries, cannot share it), removes what an
+        earlier process left there (the tier is rebuilt from checkpoints, never
+        reused) and writes a probe file. The lock is held until the process exits
+        (or the file descriptor returned is closed).
 
         Raises:
             TierDirError: it cannot be created or written, or another process holds it (the
@@ -100,7 +103,7 @@ class TierConfig:
         path = Path(self.directory)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path / ".psserver-tier.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path / f".psserver-tier-{self.owner}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
             raise TierDirError(f"--table-dir {self.directory!r} cannot hold the disk tier: {err}") from None
         try:
@@ -108,8 +111,8 @@ class TierConfig:
         except OSError:
             os.close(fd)
             raise TierDirError(
-                f"--table-dir {self.directory!r} is in use by another process (each shard, and each "
-                "backup, needs its own)"
+                f"--table-dir {self.directory!r} is in use by another {self.owner} process (two "
+                "processes of one shard and role cannot share it)"
             ) from None
         try:
             shutil.rmtree(self.root, ignore_errors=True)

@@ -197,8 +197,10 @@ def test_tier_directory_errors_are_clear(tmp_path: Path) -> None:
     ok = TierConfig(directory=str(tmp_path / "d"), memory_bytes=1 << 20)
     fd = ok.open()
     try:
-        with pytest.raises(TierDirError, match="in use by another process"):
+        with pytest.raises(TierDirError, match="in use by another shard process"):
             ok.open()
+        other = TierConfig(directory=ok.directory, memory_bytes=1 << 20, owner="shard-backup")
+        os.close(other.open())  # another process role shares the directory, in its own subdirectory
     finally:
         os.close(fd)
     with pytest.raises(ValueError, match="at least 64 KiB"):
