@@ -343,7 +343,9 @@ class DynamicRows:
         # With a disk tier (``attach_tier``): the most rows held in memory; 0: no limit but the capacity.
         self.hot_rows = hot_rows
         self.tier: DiskTier | None = None
-        rows = config.capacity or (min(_INITIAL_ROWS, hot_rows) if hot_rows else _INITIAL_ROWS)
+        # A tiered piece allocates its whole share at once: zeroed arrays take memory only as rows are
+        # written, and no growth ever holds an old and a new copy at the same time.
+        rows = config.capacity or hot_rows or _INITIAL_ROWS
         self.index = HashIndex(rows)
         self.slot_ids = np.zeros(rows, np.int64)
         self.last_step = np.zeros(rows, np.int64)
