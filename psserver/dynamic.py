@@ -78,8 +78,9 @@ MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
 _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
-# the free stack (8), and the hash index at its fullest (4 entries of 17 B per live row after a rebuild).
-_ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 8 + 4 * 17
+# the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
+# and its tier flag (on_disk: 1).
+_ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
 _MIN_HOT_ROWS = 64
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
@@ -352,6 +353,10 @@ class DynamicRows:
         self.hits = np.zeros(rows, np.int64)
         self.last_time = np.zeros(rows, np.float64)
         self.live = np.zeros(rows, bool)
+        # Disk tier: the row in memory also has an older copy on disk (filled rows keep theirs: deleting
+        # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
+        self.on_disk = np.zeros(rows, bool)
+        self.stale = 0
         self.free = np.arange(rows - 1, -1, -1, dtype=np.int64)  # a stack: the top is free[nfree - 1]
         self.nfree = rows
         self.sketch = CountMinSketch(config.sketch_width) if config.min_count > 1 else None
@@ -382,7 +387,12 @@ class DynamicRows:
 
     def __len__(self) -> int:
         """Rows of the piece: in memory and, with a disk tier, on disk."""
-        return self.hot_len + (len(self.tier) if self.tier is not None else 0)
+        return self.hot_len + self.cold_len
+
+    @property
+    def cold_len(self) -> int:
+        """Rows only on disk (not counting the older copies of rows in memory)."""
+        return len(self.tier) - self.stale if self.tier is not None else 0
 
     @staticmethod
     def hot_rows_for(config: Config, dtype: np.dtype, optimizer: Any, memory_bytes: int) -> int:
@@ -451,7 +461,7 @@ class DynamicRows:
             out.MergeFrom(
                 ps_pb2.DynamicStats(
                     rows_in_memory=self.hot_len,
-                    rows_on_disk=len(tier),
+                    rows_on_disk=self.cold_len,
                     memory_bytes=memory,
                     disk_bytes=tier.disk_used,
                     memory_rows_max=self.hot_rows,
@@ -498,7 +508,7 @@ class DynamicRows:
         ids = self.slot_ids[self.live]
         if after is not None:
             ids = ids[ids > after]
-        cold = self.tier.scan(after, n + 1) if self.tier is not None else ids[:0]
+        cold = self._cold_scan(after, n + 1)
         ids = np.concatenate([ids, cold])
         last = ids.size <= n
         if not last:
@@ -515,6 +525,25 @@ class DynamicRows:
         out[~hot] = records["value"]
         self.tier.stats.cold_reads += records.size
         return ids, out, last
+
+    def _cold_scan(self, after: int | None, n: int) -> np.ndarray:
+        """The first ``n`` ids ``> after`` of rows only on disk (older copies of rows in memory skipped)."""
+        if self.tier is None:
+            return np.zeros(0, np.int64)
+        out: list[np.ndarray] = []
+        have = 0
+        while have < n:
+            want = n - have + self.stale
+            got = self.tier.scan(after, want)
+            if not got.size:
+                break
+            cold = got[self.index.get(got) < 0][: n - have]
+            out.append(cold)
+            have += cold.size
+            after = int(got[-1])
+            if got.size < want:  # the tier has no more
+                break
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     # -- a push -----------------------------------------------------------------
 
@@ -581,6 +610,9 @@ class DynamicRows:
     def _release(self, rows: np.ndarray) -> None:
         self.index.remove(self.index.positions(self.slot_ids[rows]))
         self.live[rows] = False
+        if self.stale:
+            self.stale -= int(np.count_nonzero(self.on_disk[rows]))
+            self.on_disk[rows] = False
         self.free[self.nfree : self.nfree + rows.size] = rows
         self.nfree += rows.size
 
@@ -626,9 +658,10 @@ class DynamicRows:
         for them and the admitted new ids, rows not in the push are spilled (by the
         table's eviction policy, ``hot_rows // 64`` extra at once); a due expiry
         sweep runs here, over both tiers. Then one write transaction puts the spilled
-        rows on disk and deletes the filled and expired ones there. It is the only
-        step that can fail, and it runs before anything changes: a push that fails
-        here leaves the piece as it was.
+        rows on disk (over their older copies) and deletes the expired ones there;
+        filled rows keep their disk copy (``on_disk``) until they are spilled again
+        or expire. It is the only step that can fail, and it runs before anything
+        changes: a push that fails here leaves the piece as it was.
 
         Raises:
             TierFullError: the disk tier cannot take the spilled rows (nothing changed).
@@ -657,6 +690,7 @@ class DynamicRows:
             cold_old = tier.expired(
                 clock - c.ttl_steps if c.ttl_steps else None, now - c.ttl_seconds if c.ttl_seconds else None
             )
+            cold_old = cold_old[self.index.get(cold_old) < 0]  # older copies: rows in memory decide
             expired_cold = np.setdiff1d(cold_old, fill_ids)  # rows of this push are kept (protected)
         need = fill_ids.size + admitted
         room = self.nfree + expired_hot.size + (self.hot_rows - self.allocated)
@@ -673,7 +707,8 @@ class DynamicRows:
                     "ids at once); nothing was applied"
                 )
             victims = self.victims(candidates, need - room + self.hot_rows // _EVICT_SLACK)
-        tier.write(self.slot_ids[victims], self._records(holder, victims), delete=(fill_ids, expired_cold))
+        gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
+        tier.write(self.slot_ids[victims], self._records(holder, victims), delete=(expired_cold, gone))
         # Nothing below fails.
         if sweep:
             self.last_sweep = (clock, now)
@@ -696,6 +731,8 @@ class DynamicRows:
             for k, a in holder.slots.items():
                 if a.shape == (self.allocated, c.dim):
                     a[rows] = records[f"slot_{k}"]
+            self.on_disk[rows] = True
+            self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
 
     def _records(self, holder: Holder, rows: np.ndarray) -> np.ndarray:
@@ -741,7 +778,7 @@ class DynamicRows:
                 slots[k][:old] = a
             else:
                 slots[k] = a
-        for name in ("slot_ids", "last_step", "hits", "last_time", "live"):
+        for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk"):
             arr = getattr(self, name)
             grown = np.zeros(rows, arr.dtype)
             grown[:old] = arr
@@ -767,7 +804,8 @@ class DynamicRows:
         dim = self.config.dim
         if self.tier is not None and len(self.tier):
             hot = self._records(holder, rows)
-            parts = [(self.slot_ids[rows], hot), *self.tier.items()]
+            cold = [(i[self.index.get(i) < 0], r[self.index.get(i) < 0]) for i, r in self.tier.items()]
+            parts = [(self.slot_ids[rows], hot), *cold]
             ids = np.concatenate([p[0] for p in parts])
             recs = np.concatenate([p[1] for p in parts])
             order = np.argsort(ids, kind="stable")

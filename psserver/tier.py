@@ -255,7 +255,7 @@ class DiskTier:
         return found, records
 
     def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
-        """Puts ``records`` under ``ids`` (new keys) and deletes the ``delete`` ids, in one transaction.
+        """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -269,14 +269,13 @@ class DiskTier:
         size = self.record.itemsize
         try:
             with self.env.begin(write=True) as txn:
-                removed = 0
                 for d in dels:
                     for k in _keys(d):
-                        removed += bool(txn.delete(k))
+                        txn.delete(k)
                 if ids.size:
                     cur = txn.cursor()
                     items = [(k, raw[i * size : (i + 1) * size]) for i, k in enumerate(_keys(ids))]
-                    consumed, added = cur.putmulti(items, overwrite=True)
+                    consumed, _ = cur.putmulti(items, overwrite=True)
                     if consumed != ids.size:
                         raise lmdb.Error(f"{consumed} of {ids.size} rows written")
         except (lmdb.MapFullError, lmdb.DiskError) as err:
@@ -290,7 +289,7 @@ class DiskTier:
                 f"table {self.table!r}: disk tier write failed ({type(err).__name__}: {err}); "
                 "nothing was applied"
             ) from None
-        self._count += added - removed
+        self._count = int(self.env.stat()["entries"])
         self.stats.spilled += int(ids.size)
 
     def scan(self, after: int | None, n: int) -> np.ndarray:

@@ -111,6 +111,7 @@ def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
         assert tiered.rows.hot_len <= tiered.rows.hot_rows
     st = tiered.rows.tier.stats if tiered.rows.tier is not None else None
     assert st is not None and st.spilled > 500 and st.filled > 100  # both directions were exercised
+    assert tiered.rows.stale > 0  # filled rows whose older copy is still on disk (skipped by reads)
     assert len(tiered.rows.tier or ()) > 0 and tiered.rows.hot_rows < len(plain.rows)
     if kw.get("ttl_steps"):
         assert plain.rows.stats.expired > 0 and tiered.rows.stats.expired == plain.rows.stats.expired
