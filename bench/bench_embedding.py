@@ -386,10 +386,13 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sample_rss(cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]]) -> None:
+def _sample_rss(
+    cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]], anon: list[list[float]]
+) -> None:
     t0 = time.perf_counter()
     while not stop.wait(_RSS_SAMPLE_S):
         samples.append((time.perf_counter() - t0, cluster.shard_rss_mib()))
+        anon.append(cluster.shard_rss_mib("RssAnon"))  # the process's own memory, not mapped file pages
 
 
 def _table_counts(addresses: list[str]) -> dict[str, int]:
@@ -419,8 +422,9 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         server_args += ["--table-memory", args.table_memory, "--table-dir", tier_dir.name]
     cluster = LocalCluster(num_shards=2, server_args=server_args).start()
     samples: list[tuple[float, list[float]]] = []
+    anon: list[list[float]] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample_rss, args=(cluster, stop, samples), daemon=True)
+    sampler = threading.Thread(target=_sample_rss, args=(cluster, stop, samples, anon), daemon=True)
     try:
         cmd = [
             [sys.executable, __file__, "--worker", "--variant", variant, "--index", str(i),
@@ -453,6 +457,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         counts = _table_counts(cluster.addresses) if variant in ("psk-dynamic", "psk-tiered") else {}
         shard_rss_end = cluster.shard_rss_mib()
         shard_peak = cluster.shard_rss_mib("VmHWM")
+        shard_file = cluster.shard_rss_mib("RssFile")
     finally:
         stop.set()
         cluster.stop()
@@ -476,6 +481,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             "shard_rss_mib_end": [round(r) for r in shard_rss_end],
             "shard_rss_samples": [(round(t, 1), [round(r) for r in s]) for t, s in samples],
             "shard_peak_rss_mib": [round(r) for r in shard_peak],
+            "shard_anon_rss_mib_max": [round(max(a[i] for a in anon)) if anon else None for i in range(2)],
+            "shard_file_rss_mib_end": [round(r) for r in shard_file],
             "loss_curve": rows[0]["loss_curve"],
             "prefill_s": rows[0]["prefill_s"],
         }
@@ -563,9 +570,9 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
         f"`--table-memory {args.table_memory}` ({budget / mib:.0f} MiB per shard). "
         f"Machine: {json.dumps(cm.machine_note())}",
         "",
-        "| variant | steps/s | vs in memory | shard peak RSS MiB (budget + 300) | rows | in memory | "
-        "on disk | memory MiB | disk MiB | memory hit rate | spilled | filled | prefill s | "
-        "loss first -> last |",
+        "| variant | steps/s | vs in memory | shard RSS MiB: peak (VmHWM) / own max (RssAnon) / LMDB pages "
+        "mapped at end (RssFile) | rows | in memory | on disk | memory MiB | disk MiB | memory hit rate | "
+        "spilled | filled | prefill s | loss first -> last |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -573,10 +580,12 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
         looked = t.get("memory_hits", 0) + t.get("disk_hits", 0)
         tiered = r["variant"] == "psk-tiered"
         hit = f"{100 * t.get('memory_hits', 0) / looked:.1f}%" if tiered and looked else "-"
+        kinds = ("shard_peak_rss_mib", "shard_anon_rss_mib_max", "shard_file_rss_mib_end")
+        rss = " / ".join(", ".join(map(str, r[k])) for k in kinds)
         lines.append(
             f"| {r['variant']} | {r['steps_per_s']:.2f} | {r['steps_per_s'] / base['steps_per_s']:.2f} | "
-            f"{', '.join(map(str, r['shard_peak_rss_mib']))}"
-            f"{f' ({budget / mib + 300:.0f})' if tiered else ''} | {t.get('rows', '-')} | "
+            f"{rss}"
+            f" | {t.get('rows', '-')} | "
             f"{t.get('rows_in_memory') if tiered else t.get('rows', '-')} | {t.get('rows_on_disk', 0)} | "
             f"{t.get('memory_bytes', 0) / mib:.0f} | {t.get('disk_bytes', 0) / mib:.0f} | "
             f"{hit} | "
@@ -592,7 +601,11 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
         lines.append(f"| {st} | {points} |")
     lines += [
         "",
-        "Shard peak RSS: each shard's `VmHWM` at the end (prefill and training). Memory MiB: the tiered "
+        f"Shard RSS: `VmHWM` at the end (prefill and training, everything resident: the disk tier's "
+        f"LMDB file pages the shard has read are mapped into it and count, though the kernel can drop "
+        f"them); the largest `RssAnon` sampled every {_RSS_SAMPLE_S} s (the shard's own memory: what "
+        f"`--table-memory` bounds; budget + 300 MiB = {budget / mib + 300:.0f} MiB); `RssFile` at the end "
+        "(mapped file pages: LMDB's, and the shard's code). Memory MiB: the tiered "
         "table's rows, slots and bookkeeping in memory (psctl status's MEM SIZE, both shards); disk MiB: "
         "the blocks of its LMDB files. Hit rate: ids of pushes and lookups found in memory.",
         "",

@@ -493,7 +493,7 @@ class DynamicRows:
         missing = ~have
         if self.tier is not None:  # cold rows are read (one batched read), not filled: lookups change nothing
             cold = np.flatnonzero(missing)
-            found, records = self.tier.get(ids[cold])
+            found, records = self.tier.get(ids[cold], remember=True)
             out[cold[found]] = records["value"]
             self.tier.stats.cold_hits += records.size
             self.tier.stats.cold_reads += records.size

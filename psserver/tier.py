@@ -42,6 +42,7 @@ import numpy as np
 
 from pscore.errors import InternalError, ResourceExhaustedError
 
+_REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next push (``DiskTier.get``)
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
@@ -159,8 +160,8 @@ def parse_bytes(text: str) -> int:
 
 
 def _keys(ids: np.ndarray) -> list[bytes]:
-    raw = (np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").tobytes()
-    return [raw[i : i + 8] for i in range(0, len(raw), 8)]
+    keys: list[bytes] = (np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+    return keys
 
 
 def _ids(keys: list[bytes]) -> np.ndarray:
@@ -219,6 +220,10 @@ class DiskTier:
                 f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
             ) from None
         self._count = 0
+        # The records the last lookup read (sorted ids): the push of the same ids that usually follows
+        # fills from them instead of reading again. A write drops the ids it changes.
+        self._recent_ids = np.zeros(0, np.int64)
+        self._recent = np.zeros(0, record)
 
     def __len__(self) -> int:
         return self._count
@@ -237,22 +242,49 @@ class DiskTier:
         if remove:
             shutil.rmtree(self.path, ignore_errors=True)
 
-    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One batched read: ``(found, records)``: which ids have a cold row, and their records in order."""
+    def get(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """One batched read: ``(found, records)``: which ids have a cold row, and their records in order.
+
+        Ids the last remembering read found are answered from its records (still
+        what the disk holds: writes drop the ids they change). ``remember``: keep
+        this read's records for the next (a lookup's, for the push that follows).
+        """
         ids = np.asarray(ids, np.int64)
         found = np.zeros(ids.size, bool)
         if not ids.size or not self._count:
             return found, np.zeros(0, self.record)
         t0 = time.perf_counter()
-        with self.env.begin(buffers=False) as txn:
-            vals = [txn.get(k) for k in _keys(ids)]
-        for i, v in enumerate(vals):
-            found[i] = v is not None
-        got = [v for v in vals if v is not None]
-        records = np.frombuffer(b"".join(got), self.record) if got else np.zeros(0, self.record)
+        known = np.zeros(ids.size, bool)
+        at = np.zeros(ids.size, np.int64)
+        if self._recent_ids.size:
+            at = np.minimum(np.searchsorted(self._recent_ids, ids), self._recent_ids.size - 1)
+            known = self._recent_ids[at] == ids
+        ask = np.flatnonzero(~known)
+        vals: list[bytes | None] = []
+        if ask.size:
+            with self.env.begin(buffers=False) as txn:
+                vals = [txn.get(k) for k in _keys(ids[ask])]
+            self.stats.reads += 1
+        got = np.array([v is not None for v in vals], bool)
+        found[known] = True
+        found[ask[got]] = True
+        records = np.empty(int(np.count_nonzero(found)), self.record)
+        slot = np.cumsum(found) - 1
+        records[slot[known]] = self._recent[at[known]]
+        if got.any():
+            records[slot[ask[got]]] = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
+        if remember:
+            order = np.argsort(ids[found], kind="stable")
+            keep = records.nbytes <= _REMEMBER_BYTES
+            self._recent_ids = ids[found][order] if keep else np.zeros(0, np.int64)
+            self._recent = records[order] if keep else np.zeros(0, self.record)
         self.stats.read_seconds += time.perf_counter() - t0
-        self.stats.reads += 1
         return found, records
+
+    def _forget(self, changed: list[np.ndarray]) -> None:
+        if self._recent_ids.size and changed:
+            keep = ~np.isin(self._recent_ids, np.concatenate(changed))
+            self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
 
     def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
@@ -265,8 +297,8 @@ class DiskTier:
         dels = [np.asarray(d, np.int64) for d in delete]
         if not ids.size and not any(d.size for d in dels):
             return
-        raw = np.ascontiguousarray(records, self.record).tobytes()
-        size = self.record.itemsize
+        vals = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}").tolist()
+        self._forget([ids, *dels])  # before the write: a failed one may have changed nothing, or not
         try:
             with self.env.begin(write=True) as txn:
                 for d in dels:
@@ -274,7 +306,7 @@ class DiskTier:
                         txn.delete(k)
                 if ids.size:
                     cur = txn.cursor()
-                    items = [(k, raw[i * size : (i + 1) * size]) for i, k in enumerate(_keys(ids))]
+                    items = list(zip(_keys(ids), vals, strict=True))
                     consumed, _ = cur.putmulti(items, overwrite=True)
                     if consumed != ids.size:
                         raise lmdb.Error(f"{consumed} of {ids.size} rows written")
