@@ -42,6 +42,7 @@ import numpy as np
 
 from pscore.errors import InternalError, ResourceExhaustedError
 
+_RESERVE_STEP = 64 << 20  # disk blocks allocated ahead of the tier's writes at least this much at a time
 _REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next push (``DiskTier.get``)
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
@@ -214,11 +215,19 @@ class DiskTier:
                 readahead=False,  # random reads: the kernel's readahead would read pages never used
                 max_readers=64,
                 lock=True,
+                # Pages are written in place in the map: a commit copies nothing (without it, writing
+                # the dirty pages was half of a spill's cost). The data file is then as large as the
+                # map, sparse: writes go only to blocks ``_reserve`` allocated first, so a full disk is a
+                # TierFullError before a transaction, never a SIGBUS in one.
+                writemap=True,
             )
+            self._fd = os.open(path / "data.mdb", os.O_RDWR)
         except (OSError, lmdb.Error) as err:
             raise TierDirError(
                 f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
             ) from None
+        self._page = int(self.env.stat()["psize"])
+        self._reserved = 0  # bytes of the data file allocated (posix_fallocate) from its start
         self._count = 0
         # The records the last lookup read (sorted ids): the push of the same ids that usually follows
         # fills from them instead of reading again. A write drops the ids it changes.
@@ -239,6 +248,7 @@ class DiskTier:
     def close(self, remove: bool = True) -> None:
         """Closes the environment (and removes its files)."""
         self.env.close()
+        os.close(self._fd)
         if remove:
             shutil.rmtree(self.path, ignore_errors=True)
 
@@ -299,6 +309,7 @@ class DiskTier:
             return
         vals = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}").tolist()
         self._forget([ids, *dels])  # before the write: a failed one may have changed nothing, or not
+        self._reserve(ids.size + sum(d.size for d in dels))
         try:
             with self.env.begin(write=True) as txn:
                 for d in dels:
@@ -323,6 +334,38 @@ class DiskTier:
             ) from None
         self._count = int(self.env.stat()["entries"])
         self.stats.spilled += int(ids.size)
+
+    def _reserve(self, ops: int) -> None:
+        """Allocates disk blocks for a transaction of ``ops`` puts and deletes, before it runs.
+
+        A transaction writes at most a copy of every page of the tree it touches (each
+        page once: at most ``5 x ops``, at most every page there is) plus its new
+        records' pages (at least half full: ``2 x`` their bytes) plus the free list's;
+        LMDB puts them at the end of the used pages or into freed ones. Allocated in
+        steps of at least ``_RESERVE_STEP`` bytes, up to the map size.
+
+        Raises:
+            TierFullError: the disk has not that much space (nothing was written).
+        """
+        used = int(self.env.info()["last_pgno"]) + 1
+        pages = used + min(5 * ops, used) + 2 * ops * self.record.itemsize // self._page + 64
+        end = min(pages * self._page, self.disk_bytes)
+        if end <= self._reserved:
+            return
+        ahead = min(max(end, self._reserved + _RESERVE_STEP), self.disk_bytes)
+        try:
+            try:
+                os.posix_fallocate(self._fd, self._reserved, ahead - self._reserved)
+                end = ahead
+            except OSError:  # not that much room ahead: what this transaction needs, or TierFullError
+                os.posix_fallocate(self._fd, self._reserved, end - self._reserved)
+        except OSError as err:
+            raise TierFullError(
+                f"table {self.table!r}: its disk tier is full (cannot allocate {end - self._reserved} bytes "
+                f"at {str(self.path)!r}: {err.strerror or err}); nothing was applied. Free disk space, raise "
+                "--table-memory, or add shards"
+            ) from None
+        self._reserved = end
 
     def scan(self, after: int | None, n: int) -> np.ndarray:
         """The first ``n`` ids of cold rows that are ``> after``, ascending."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +141,43 @@ def test_a_full_disk_tier_refuses_the_push_and_leaves_the_table_unchanged(tmp_pa
     for k in slots:
         np.testing.assert_array_equal(s2[k], slots[k])
     t.push(meta["ids"][:10], seed=1)  # rows already held still train (no spill needed)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 4 MiB tmpfs: a disk that fills (needs root and mount: skipped elsewhere)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]
+    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True, timeout=10).returncode:
+        pytest.skip("needs root and mount (a 4 MiB tmpfs)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10)
+
+
+def test_a_full_disk_is_a_typed_error_before_the_write_never_a_crash(small_disk: Path) -> None:
+    # In a child process: the tier writes through a memory map, and a write to a block the disk cannot
+    # allocate would be a SIGBUS; it must be a TierFullError before the write, the table unchanged.
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_tier import _Table
+        from psserver.tier import TierConfig, TierFullError
+        t = _Table(TierConfig(directory={str(small_disk)!r}, memory_bytes=64 << 10), dim=64)
+        try:
+            for step in range(1000):
+                before = t.export()[0], len(t.rows)
+                t.push(np.arange(step * 64, (step + 1) * 64), seed=step)
+        except TierFullError as err:
+            assert "No space left on device" in str(err), err
+            assert np.array_equal(t.export()[0], before[0]) and len(t.rows) == before[1]
+            t.push(np.arange(10), seed=1)
+            print("full after", step, "pushes")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full after" in proc.stdout and int(proc.stdout.split()[2]) > 10  # it filled the disk first
 
 
 def test_a_push_with_more_rows_than_memory_holds_is_refused_unchanged(tmp_path: Path) -> None:
