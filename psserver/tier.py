@@ -13,9 +13,17 @@ A record is one row: its bookkeeping (``last_step``, ``hits``, ``last_time``),
 its value and its row slots, as one numpy structured record; the key is the
 id's 8 bytes, big-endian with the sign bit flipped, so LMDB's key order is
 the ids' order (``scan``). Every write (a spill of rows, the deletion of
-filled and expired rows) is one transaction: it commits whole or not at all,
-and a failed one (``TierFullError``: the disk or the tier's size limit is
-full) leaves the tier as it was.
+expired rows) is one transaction: it commits whole or not at all, and a
+failed one (``TierFullError``: the disk or the tier's size limit is full)
+leaves the tier as it was. A row filled back into memory keeps its record
+here (an older copy the piece skips: ``DynamicRows.on_disk``) until it is
+spilled again, over it, so a fill writes nothing.
+
+The environment is opened with ``writemap`` (pages written in place in the
+map: a commit copies nothing), whose data file is sparse and as large as the
+map; every write transaction first has the disk allocate the blocks it can
+reach (``posix_fallocate``), so a full disk is a ``TierFullError`` before the
+transaction, never a SIGBUS while writing the map.
 
 The tier is a spill space, not a durable store: durability comes from
 checkpoints (which read every cold row) and backups (which have their own
