@@ -4,7 +4,7 @@ A shard started with ``--table-memory BYTES`` keeps each dynamic table
 piece's hot rows (values, optimizer slots, bookkeeping) in memory under that
 budget (``psserver.dynamic``: ``TierConfig.hot_rows``) and its cold rows
 here, one LMDB environment per piece under ``--table-dir``. LMDB was picked by
-measurement against RocksDB (``bench/results/kv_tier.md``): 4-5x faster
+measurement against RocksDB (``bench/results/kv_tier.md``): 5-9x faster
 batched random reads (a fill is on a push's critical path), single-writer
 transactions that commit all or nothing, and no background compaction threads
 competing with the event loop; it uses about 2x the records' bytes on disk.
