@@ -212,6 +212,20 @@ def machine_note() -> dict[str, Any]:
     }
 
 
+def results_record(
+    command: str, note: dict[str, Any], cells: list[dict[str, Any]], **fields: Any
+) -> dict[str, Any]:
+    """A run's JSON record: its command, machine, ``fields``, every cell, and what else ran at its end."""
+    return {
+        "command": command,
+        "machine": note,
+        **fields,
+        "cells": cells,
+        "top_processes_after": top_processes(),
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def write_results(out: str | None, text: str, results: dict[str, Any]) -> None:
     """Writes ``OUT.md`` (the rendered tables) and ``OUT.json`` (every number) when ``--out`` is given."""
     if not out:

@@ -5,7 +5,8 @@
 Roles: ``ps`` (a psclient worker doing push_pull rounds), ``ring`` (one rank of a
 ``psclient.collective.Ring`` doing all-reduces), ``raw-server`` and ``raw-worker`` (plain TCP
 sockets doing the same rounds as ``ps``: the whole push, then the whole answer; or, ``streamed``,
-the answer echoed chunk by chunk while the push still arrives). A worker writes its ready file once
+the answer echoed chunk by chunk while the push still arrives; with ``barrier``, as a sync step: no
+answer before every worker's push is in). A worker writes its ready file once
 connected and warmed up, waits (bounded) for the go file, runs its rounds for ``seconds`` (and at
 least ``min_rounds``) and prints
 one line ``BENCH-RESULT {"rounds": R, "seconds": S, "cpu_s": C}``.
@@ -61,12 +62,32 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
     n_vars = cfg["vars"]
     per_var = cfg["size_bytes"] // n_vars // 4
     grads = {f"v{i:02d}": np.zeros(per_var, np.float32) for i in range(n_vars)}
-    with psclient.PSClient(cfg["addresses"], worker_id=cfg["worker_id"], timeout=_IO_TIMEOUT_S) as c:
+    wire = {"data_port_min_bytes": 1 << 40} if cfg.get("wire") == "grpc" else {}
+    with psclient.PSClient(cfg["addresses"], worker_id=cfg["worker_id"], timeout=_IO_TIMEOUT_S, **wire) as c:
         for name, g in grads.items():
             c.create(name, g, optimizer=psclient.SGD(learning_rate=0.0))
-        c.push_pull(grads)  # warm-up: connections, data port, buffers
+        step = [0]
+        inflight = int(cfg.get("inflight", 1))
+        pending: list[Any] = []
+
+        def one_round() -> None:
+            if cfg.get("sync"):  # one sync step: every worker's push, then the values (every shard)
+                c.push_pull(grads, step=step[0], every_shard=True)
+                step[0] += 1
+            elif inflight > 1:  # rounds overlapped, as PSWorker(overlap=True): the next goes out meanwhile
+                while len(pending) < inflight:
+                    pending.append(c.push_pull_future(grads))
+                pending.pop(0).result(_IO_TIMEOUT_S)
+            else:
+                c.push_pull(grads)
+
+        one_round()  # warm-up: connections, data port, buffers
         _ready_then_go(cfg)
-        return _timed_rounds(lambda: c.push_pull(grads), cfg["seconds"], cfg["min_rounds"])
+        result = _timed_rounds(one_round, cfg["seconds"], cfg["min_rounds"])
+        for f in pending:
+            f.result(_IO_TIMEOUT_S)
+        c.leave()  # sync: the barrier stops waiting for this worker (the others may go one step more)
+        return result
 
 
 def role_ring(cfg: dict[str, Any]) -> dict[str, float]:
@@ -102,13 +123,46 @@ def _recv_exactly(conn: socket.socket, nbytes: int, buf: bytearray, echo: bool =
     return True
 
 
-def _serve_conn(conn: socket.socket, piece: int, streamed: bool) -> None:
+class _StepBarrier:
+    """Sync mode's peer: no answer before every connected worker's push of the step is in; a worker that
+    hung up is not waited for (as a psclient worker's ``leave``)."""
+
+    def __init__(self, workers: int) -> None:
+        self._cond = threading.Condition()
+        self._workers, self._arrived, self._step = workers, 0, 0
+
+    def wait(self) -> None:
+        with self._cond:
+            step = self._step
+            self._arrived += 1
+            self._release_if_complete()
+            if not self._cond.wait_for(lambda: self._step != step, _IO_TIMEOUT_S):
+                raise TimeoutError("the other workers' pushes did not come")
+
+    def leave(self) -> None:
+        with self._cond:
+            self._workers -= 1
+            self._release_if_complete()
+
+    def _release_if_complete(self) -> None:
+        if self._arrived >= self._workers > 0:
+            self._arrived, self._step = 0, self._step + 1
+            self._cond.notify_all()
+
+
+def _serve_conn(conn: socket.socket, piece: int, streamed: bool, barrier: _StepBarrier | None = None) -> None:
     buf = bytearray(_CHUNK if streamed else piece)
     with conn:
         conn.settimeout(_IO_TIMEOUT_S)
-        while _recv_exactly(conn, piece, buf, echo=streamed):
-            if not streamed:
-                conn.sendall(buf)
+        try:
+            while _recv_exactly(conn, piece, buf, echo=streamed):
+                if barrier is not None:
+                    barrier.wait()
+                if not streamed:
+                    conn.sendall(buf)
+        finally:
+            if barrier is not None:
+                barrier.leave()
 
 
 def role_raw_server(cfg: dict[str, Any]) -> dict[str, float]:
@@ -118,9 +172,13 @@ def role_raw_server(cfg: dict[str, Any]) -> dict[str, float]:
         Path(tmp).write_text(f"{cfg['host']}:{srv.getsockname()[1]}")
         os.replace(tmp, cfg["ready_file"])
         threads = []
+        barrier = _StepBarrier(cfg["conns"]) if cfg.get("barrier") else None
         for _ in range(cfg["conns"]):
             conn, _ = srv.accept()
-            th = threading.Thread(target=_serve_conn, args=(conn, cfg["piece"], cfg["streamed"]), daemon=True)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as psclient's and gRPC's sockets
+            th = threading.Thread(
+                target=_serve_conn, args=(conn, cfg["piece"], cfg["streamed"], barrier), daemon=True
+            )
             th.start()
             threads.append(th)
         for th in threads:
@@ -134,6 +192,7 @@ def role_raw_worker(cfg: dict[str, Any]) -> dict[str, float]:
     for addr in cfg["addresses"]:
         host, _, port = addr.rpartition(":")
         conns.append(socket.create_connection((host, int(port)), timeout=_IO_TIMEOUT_S))
+        conns[-1].setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     payload = bytes(piece)
     bufs = [bytearray(piece) for _ in conns]
     pool = ThreadPoolExecutor(2 * len(conns))

@@ -567,14 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     text = render(args, cells, note, command)
     print(text)
-    results = {
-        "command": command,
-        "machine": note,
-        "args": vars(args),
-        "cells": cells,
-        "top_processes_after": cm.top_processes(),
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
+    results = cm.results_record(command, note, cells, args=vars(args))
     cm.write_results(args.out, text, results)
     return 0
 

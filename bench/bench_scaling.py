@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,9 +57,8 @@ class Cell:
     def __init__(self, net: NetnsCluster, args: argparse.Namespace, name: str) -> None:
         self.net = net
         self.args = args
-        self.dir = net.workdir / name
-        self.dir.mkdir()
-        self.size = args.size_mib * MIB
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=net.workdir))
+        self.size = getattr(args, "size_bytes", None) or args.size_mib * MIB
         self.workers: list[subprocess.Popen[bytes]] = []
         self.servers: list[subprocess.Popen[bytes]] = []
 
@@ -91,7 +90,7 @@ class Cell:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {i} not ready: {self._tail(proc)}")
                 time.sleep(0.01)
-        drops0 = self._link_drops()
+        drops0, tcp0 = self._link_drops(), self._tcp_counters()
         cpu0 = [cpu_seconds(p.pid) for p in self.servers]
         busy0, total0 = cm.machine_cpu()
         (self.dir / "go").write_text("go")
@@ -104,6 +103,7 @@ class Cell:
             results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
         busy1, total1 = cm.machine_cpu()
         drops = self._link_drops() - drops0
+        tcp = {k: v - tcp0.get(k, 0) for k, v in self._tcp_counters().items()}
         window = max(r["seconds"] for r in results)
         # workers report their own CPU time; servers are read from /proc (NaN once one has exited)
         cores = [r["cpu_s"] / r["seconds"] for r in results]
@@ -116,7 +116,28 @@ class Cell:
             "cell_cores": round(sum(cores), 2),
             "busiest_proc_cores": round(max(cores, default=float("nan")), 2),
             "link_drops": drops,
+            **tcp,
         }
+
+    def _tcp_counters(self) -> dict[str, int]:
+        """The kernel's TCP loss recovery so far, summed over every host of the cluster: retransmitted
+        segments, retransmission timeouts (each at least 200 ms of a stalled flow) and tail loss probes."""
+        wanted = {
+            "RetransSegs": "tcp_retrans_segs",
+            "TCPTimeouts": "tcp_timeouts",
+            "TCPLossProbes": "tcp_loss_probes",
+        }
+        total = dict.fromkeys(wanted.values(), 0)
+        for host in self.net.hosts:
+            text = subprocess.run(
+                [*host.launcher, "cat", "/proc/net/snmp", "/proc/net/netstat"],
+                capture_output=True, text=True, timeout=10, check=False,
+            ).stdout.splitlines()  # fmt: skip
+            for names, values in zip(text[::2], text[1::2], strict=False):
+                for name, value in zip(names.split()[1:], values.split()[1:], strict=False):
+                    if name in wanted and value.lstrip("-").isdigit():
+                        total[wanted[name]] += int(value)
+        return total
 
     def _link_drops(self) -> int:
         """Packets the links' rate limiters dropped so far (both directions, every host): TCP's losses."""
@@ -139,10 +160,22 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
     cell = Cell(net, args, f"{system}-n{n}-k{k}")
     shards = None
     try:
+        sync = getattr(args, "mode", "async") == "sync"
         if system == "ps":
-            shards = net.shards(shard_hosts[:k]).start()
+            mode_args = ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(n)]
+            shards = net.shards(shard_hosts[:k], mode_args if sync else ()).start()
             cell.servers = [p for p in shards.procs if p is not None]
-            cfgs = [{"addresses": shards.addresses, "worker_id": f"w{i}", "vars": 16} for i in range(n)]
+            cfgs = [
+                {
+                    "addresses": shards.addresses,
+                    "worker_id": f"w{i}",
+                    "vars": 16,
+                    "sync": sync,
+                    "wire": getattr(args, "wire", "data_port"),
+                    "inflight": getattr(args, "inflight", 1),
+                }
+                for i in range(n)
+            ]
             cell.start_workers(worker_hosts[:n], "ps", cfgs)
         else:
             piece = cell.size // k
@@ -150,7 +183,13 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
             addresses = []
             for j, host in enumerate(shard_hosts[:k]):
                 ready = cell.dir / f"server{j}"
-                cfg = {"host": host.address, "ready_file": str(ready), "conns": n, "piece": piece}
+                cfg = {
+                    "host": host.address,
+                    "ready_file": str(ready),
+                    "conns": n,
+                    "piece": piece,
+                    "barrier": sync,
+                }
                 cell.servers.append(
                     cell.spawn(host, "raw-server", {**cfg, "streamed": streamed, "seconds": 0})
                 )
@@ -164,6 +203,16 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
             shards.stop()
     bound = max(cell.size, n * cell.size / k) / (args.rate_mbit * 1e6 / 8)
     return {"system": system, "n": n, "k": k, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def cell_line(c: dict[str, Any]) -> str:
+    """One cell in a line, for progress output."""
+    return (
+        f"{c['system']:10s} n={c['n']} k={c['k']}: {c['ratio']:.2f} of bound "
+        f"({c['round_s'] * 1e3:.1f} ms vs {c['bound_s'] * 1e3:.1f} ms), CPU {c['machine_cpu_pct']} %, "
+        f"cell {c['cell_cores']} cores, busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, "
+        f"rounds {c['rounds']}"
+    )
 
 
 def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[str, Any]:
@@ -188,7 +237,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
         f"{args.rate_mbit:g} Mbit/s each way (htb); model M = {args.size_mib} MiB in 16 float32 variables; "
-        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell. "
+        f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
+        f"{args.inflight} push_pull round(s) in flight per ps worker. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
@@ -288,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
     parser.add_argument(
+        "--inflight",
+        type=int,
+        default=1,
+        help="push_pull rounds each ps worker keeps in flight (default 1; 2: the next round's push goes out "
+        "while the last one's values come back, as PSWorker(overlap=True) trains)",
+    )
+    parser.add_argument(
         "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
     )
     parser.add_argument("--quick", action="store_true", help="n in 1,2; k in 1,2; ring n=2; 2 s per cell")
@@ -313,31 +370,16 @@ def main(argv: list[str] | None = None) -> int:
             for k in args.shards:
                 for system in systems:
                     cells.append(run_ps_cell(net, args, system, n, k))
-                    c = cells[-1]
-                    print(
-                        f"{system:10s} n={n} k={k}: {c['ratio']:.2f} of bound "
-                        f"({c['round_s'] * 1e3:.0f} ms vs {c['bound_s'] * 1e3:.0f} ms), "
-                        f"CPU {c['machine_cpu_pct']} %, cell {c['cell_cores']} cores, "
-                        f"busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, rounds {c['rounds']}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    print(cell_line(cells[-1]), file=sys.stderr, flush=True)
         for n in args.ring:
             cells.append(run_ring_cell(net, args, n))
             c = cells[-1]
             print(f"ring n={n}: {c['ratio']:.2f} of bound, CPU {c['machine_cpu_pct']} %", file=sys.stderr)
     text = render(args, cells, note, command)
     print(text)
-    results = {
-        "command": command,
-        "machine": note,
-        "rate_mbit": args.rate_mbit,
-        "size_mib": args.size_mib,
-        "seconds": args.seconds,
-        "cells": cells,
-        "top_processes_after": cm.top_processes(),
-        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-    }
+    results = cm.results_record(
+        command, note, cells, rate_mbit=args.rate_mbit, size_mib=args.size_mib, seconds=args.seconds
+    )
     cm.write_results(args.out, text, results)
     if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):
         print(why, file=sys.stderr)

@@ -1,5 +1,7 @@
 """psclient: the worker-side library of paramserver (numpy-only core; Keras glue in ``psclient.keras``)."""
 
+__version__ = "0.1.0"  # the one version string: pyproject.toml reads it ([tool.hatch.version])
+
 from psclient._async_client import AsyncPSClient
 from psclient._sync_client import PSClient
 from psclient.config import ClientConfig

@@ -51,11 +51,12 @@ async def _as_coro(aw: Awaitable[T]) -> T:
 
 
 # Channels to a replicated shard (PRIMARY|BACKUP): an HTTP/2 ping every second, calls in flight or not;
-# unanswered for 3 s, the link is silent and the channel's calls fail (UNAVAILABLE) and fail over. A shard
-# with one address has nowhere to fail over to: its channel keeps gRPC's slower keepalive (30 s / 10 s),
-# and its calls wait for it (wait_for_ready) until their deadline.
+# unanswered for 2 s (gRPC's core answers pings, not the shard's busy event loop), the link is silent and
+# the channel's calls fail (UNAVAILABLE) and fail over. A shard with one address has nowhere to fail over
+# to: its channel keeps gRPC's slower keepalive (30 s / 10 s), and its calls wait for it (wait_for_ready)
+# until their deadline.
 KEEPALIVE_TIME_S = 1.0
-KEEPALIVE_TIMEOUT_S = 3.0
+KEEPALIVE_TIMEOUT_S = 2.0
 _SINGLE_KEEPALIVE_TIME_S = 30.0
 _SINGLE_KEEPALIVE_TIMEOUT_S = 10.0
 
@@ -104,10 +105,12 @@ class AsyncPSClient:
     """Async client of a sharded parameter server.
 
     Example:
+        ```python
         async with psclient.AsyncPSClient(["127.0.0.1:50051"], worker_id="w0") as c:
             await c.create("w", np.zeros((4, 4), np.float32), optimizer=psclient.SGD(0.1))
             await c.push({"w": np.ones((4, 4), np.float32)})
             values = await c.pull()
+        ```
 
     Concurrency: methods may be called concurrently from tasks of the event loop
     the client was first used on; use one AsyncPSClient per event loop.
@@ -257,8 +260,9 @@ class AsyncPSClient:
             replicas = self._replica_story(shard, err, time.monotonic() - started)
             if err.code() in _UNREACHABLE_CODES:
                 why = await self._watch(shard).describe(time.monotonic() - started)
-                if why is not None or replicas:  # say what happened, not just "Deadline Exceeded"
-                    said = "; ".join(p for p in (why, err.details(), replicas) if p)
+                unknown = _OUTCOME_UNKNOWN if method in _PUSH_METHODS and _no_answer(err) else None
+                if why is not None or replicas or unknown:  # say what happened, not just "Deadline Exceeded"
+                    said = "; ".join(p for p in (why, err.details(), replicas, unknown) if p)
                     raise error_class(err.code())(said, method=method, address=address) from err
             raise from_rpc_error(err, method=method, address=address) from err
         finally:
@@ -671,7 +675,7 @@ class AsyncPSClient:
             initializer's row). A table whose rows are not returned is absent.
 
         Raises:
-            As ``push``.
+            PSError: as ``push``.
         """
         _, values, _ = await self._push(
             grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
@@ -706,8 +710,8 @@ class AsyncPSClient:
             ``lookup(table, ids)``'s, shape ``ids.shape + (dim,)``.
 
         Raises:
-            As ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push (nothing
-            is applied).
+            PSError: as ``push`` and ``lookup``: a bad id in ``lookup`` refuses the whole push
+                (nothing is applied).
         """
         _, values, rows = await self._push(
             grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup
@@ -1892,6 +1896,22 @@ def _receive(
 _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
 _INT32_IDS_MAX_ROWS = 2**31  # a fixed table's ids travel as int32 up to this many rows
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+_PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
+
+
+def _no_answer(err: grpc.RpcError) -> bool:
+    """The client gave up waiting (its deadline), as opposed to a shard that answered with an error."""
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details.startswith(
+        ("Deadline Exceeded", "no answer")
+    )
+
+
+# A push that failed for want of an answer may have reached the shard: say so, and what holds.
+_OUTCOME_UNKNOWN = (
+    "the push may or may not have been applied (never twice: the shard's push ledger applies each push at "
+    "most once); pull to see the values"
+)
 _EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 _EMPTY_CREATE = ps_pb2.CreateVariablesRequest()

@@ -103,7 +103,8 @@ class PushSession:
                 response = await future
         except TimeoutError:
             raise SessionError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer to the push within {timeout:.3g} s"
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer to the push within {timeout:.3g} s (what its deadline had left)",
             ) from None
         if response.code:
             code = status_from_number(response.code)

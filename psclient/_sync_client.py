@@ -24,10 +24,12 @@ class PSClient:
     """Blocking client of a sharded parameter server.
 
     Example:
+        ```python
         with psclient.PSClient(["127.0.0.1:50051", "127.0.0.1:50052"], worker_id="w0") as c:
             c.create("dense/kernel", np.zeros((784, 10), np.float32), optimizer=psclient.Adam(1e-3))
             c.push({"dense/kernel": grad})
             params = c.pull()
+        ```
 
     It drives an ``AsyncPSClient`` on a private event loop in a daemon thread,
     so requests to different shards still go out concurrently. Thread-safe:
@@ -175,19 +177,25 @@ class PSClient:
         return list(self._run(self._async.status()))
 
     def push_pull_future(
-        self, grads: Tensors, *, step: int = 0, return_rows: bool | Iterable[str] = True
+        self,
+        grads: Tensors,
+        *,
+        step: int = 0,
+        every_shard: bool = False,
+        return_rows: bool | Iterable[str] = True,
     ) -> concurrent.futures.Future[dict[str, Any]]:
         """Starts a ``push_pull`` and returns at once; ``.result(timeout)`` gives the updated values.
 
         For callers that overlap the exchange with other work (the Keras glue):
         no helper thread sits blocked on the call. Cancelling the future cancels
         the request. Errors are raised by ``.result()``, as by ``push_pull``;
-        ``return_rows`` as there.
+        ``every_shard`` and ``return_rows`` as there.
 
         Raises:
             RuntimeError: the client is closed.
         """
-        return self._loop.submit(self._async.push_pull(grads, step=step, return_rows=return_rows))
+        coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
+        return self._loop.submit(coro)
 
     def push_pull_lookup(
         self,

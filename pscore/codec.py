@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from pscore.errors import InvalidArgumentError
 from psproto.v1 import ps_pb2
 
 _TO_WIRE: Final[dict[np.dtype, int]] = {
@@ -36,8 +37,12 @@ _FROM_WIRE: Final[dict[int, np.dtype]] = {v: k for k, v in _TO_WIRE.items()}
 SUPPORTED_DTYPES: Final[tuple[str, ...]] = tuple(sorted(str(np.dtype(d).name) for d in _TO_WIRE))
 
 
-class CodecError(ValueError):
-    """A tensor could not be encoded or decoded (unsupported dtype, bad byte count)."""
+class CodecError(InvalidArgumentError, ValueError):
+    """A tensor could not be encoded or decoded (unsupported dtype, bad byte count).
+
+    An ``InvalidArgumentError`` (a ``PSError``, as every error a client call raises) and a
+    ``ValueError``, as before.
+    """
 
 
 def wire_dtype(dtype: np.dtype | type | str) -> int:

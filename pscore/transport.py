@@ -100,9 +100,11 @@ class FrameTransport(abc.ABC, Generic[H]):
 
 # A peer that acknowledges nothing for this long (a cut link: no reset, no answer) drops the connection
 # (TCP_USER_TIMEOUT; keepalive probes every second while idle), so a call waiting on it fails and is
-# retried or failed over, instead of waiting for its deadline. Not less: a data stream under heavy
-# packet loss can go a few seconds between retransmissions (200 ms doubling), and a drop costs a retry.
-SILENT_LINK_S = 5.0
+# retried or failed over, instead of waiting for its deadline: about when a replicated shard's backup
+# takes over (psserver.lease: about 2 s after its primary's last word, with the default lease). Not much
+# less: under heavy packet loss a stream can go seconds between retransmissions (200 ms, doubling: four
+# losses of one segment in a row wait 3 s), and a drop costs a retry.
+SILENT_LINK_S = 3.0
 
 
 def tune_socket(sock: socket.socket) -> None:

@@ -23,10 +23,10 @@ Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to the backup when the
 primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
 only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
-and the backup takes over once that lease has expired (see the README's "Replication").
+and the backup takes over once that lease has expired (see the docs, "Replication and leases").
 Disk tier: with --table-memory and --table-dir, each dynamic table without a capacity keeps its hot
 rows (values, optimizer slots, bookkeeping) in memory under the budget and spills the others to an LMDB
-environment under --table-dir (rebuilt from checkpoints, wiped at start); see the README's "Disk tier".
+environment under --table-dir (rebuilt from checkpoints, wiped at start); see the docs, "Disk tier".
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags, an address that cannot be bound or a --table-dir
 that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").

@@ -37,7 +37,7 @@ DEFAULT_LEASE_S = 2.0
 MAX_CLOCK_DRIFT = 0.01  # rho: the largest rate error of either clock against real time (1 %)
 HEARTBEATS_PER_LEASE = 4  # a heartbeat every lease_s / 4: three can be late or lost before it lapses
 _TAKEOVER_MARGIN_S = 0.05  # on top of the bound: scheduling of the backup's own timers
-_SILENCE_LEASES = 2.0  # a backup declares its primary gone after 2 leases without a message
+_SILENCE_LEASES = 0.75  # a backup suspects its primary after 3 heartbeats' time without a message
 
 if hasattr(time, "CLOCK_BOOTTIME"):
 
@@ -66,12 +66,18 @@ def silence_limit(lease_s: float) -> float:
 
     A stream that ends (the primary's process died, its machine answered with
     a reset) is noticed at once; this catches a primary that stopped without
-    a word (a machine gone, a partition). Longer than ``backup_wait``, so a
-    backup that was merely paused (its messages waiting in the socket) does
-    not give up on a live primary.
+    a word (a machine gone, a partition). Three heartbeats' time: one late or
+    lost heartbeat is not a death. The backup then listens one heartbeat more
+    (``psserver.replication``: a backup that was itself paused reads the
+    messages that waited in its socket), and takes over no earlier than
+    ``backup_wait`` after its last read, so the clients of a silent primary
+    reach the backup about ``backup_wait`` after the primary's last word, not
+    later. Declaring early never breaks the lease (the takeover still waits
+    ``backup_wait``); a false alarm on a live primary, cut from its backup
+    only, costs a failover that its lapsed lease forces anyway.
 
     >>> silence_limit(2.0)
-    4.0
+    1.5
     """
     return _SILENCE_LEASES * lease_s
 

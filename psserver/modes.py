@@ -542,6 +542,12 @@ class SyncMode(Mode):
         n, m = self.needed, self.total_replicas
         got = sorted(rnd.contributions)
         why = _why(self.barrier_timeout_s, by_caller)
+        if rnd.closed:  # every gradient came and the step is applied: its backup has not acknowledged it
+            return (
+                f"sync step {step} is applied here, but its backup has not acknowledged it after "
+                f"{waited:.1f}s{why}; the step's pushes are answered once it has (a retry is answered "
+                "from the push ledger, never applied twice)"
+            )
         if step > self.step:
             return (
                 f"sync barrier timed out after {waited:.1f}s{why}: a push for step {step} waits for step "

@@ -79,7 +79,7 @@ BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serv
 _PEER_CHECK_EVERY_S = 0.5  # a primary without its lease asks its peer this often whether it took over
 _PEER_CHECK_TIMEOUT_S = 2.0
 _RESIGN_WAIT_S = 2.0  # a backup shutting down waits this long for its primary to take its resignation
-_PAUSE_CHECK_S = 1.0  # a backup that finds its primary silent listens this long more before giving up
+_PAUSE_CHECK_S = 0.25  # a backup that finds its primary silent listens a heartbeat (at least this) more
 _RESIGN = object()  # in a backup's acknowledgement queue: send ``resign`` and end the stream
 
 

@@ -217,5 +217,7 @@ def test_dockerfile() -> None:
     assert users and users[-1] not in ("root", "0")
     health = text[text.index("HEALTHCHECK") :]
     assert "python -m psclient.probe" in health
-    for package in ("psserver", "psclient", "trainer", "psload", "protos"):
+    for package in ("pscore", "psserver", "psclient", "trainer", "psload", "protos"):
         assert f"COPY {package} " in text
+    # what the build backend reads besides the packages: the readme, and the license (license-files)
+    assert "COPY pyproject.toml hatch_build.py README.md LICENSE ./" in text

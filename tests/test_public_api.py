@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import grpc
+import pytest
 
 import psclient
 
@@ -29,6 +31,31 @@ def test_public_api_all_matches_the_public_names() -> None:
     }
     assert set(psclient.__all__) == public
     assert len(psclient.__all__) == len(set(psclient.__all__))
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param("psclient.keras", marks=pytest.mark.tf),  # imports TensorFlow
+        pytest.param("psclient.horovod.keras", marks=pytest.mark.tf),
+        "psclient.elastic",
+        "psclient.collective",
+        "psload",
+    ],
+)
+def test_public_api_every_public_package_lists_what_it_defines_in_all(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert hasattr(module, name), f"{package}.__all__ names {name!r}, which it lacks"
+    ours = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not inspect.ismodule(value)
+        and getattr(value, "__module__", "").split(".")[0] in ("psclient", "pscore", "psload")
+    }  # typing's Any and the like, imported for annotations, are not the package's API
+    assert ours <= set(module.__all__), sorted(ours - set(module.__all__))
+    assert len(module.__all__) == len(set(module.__all__))
 
 
 def test_public_api_has_the_contract_names() -> None:
@@ -66,6 +93,32 @@ def test_public_api_sync_and_async_clients_have_the_same_methods_and_signatures(
         assert list(inspect.signature(sync).parameters) == list(inspect.signature(aio).parameters), method
     assert hasattr(psclient.PSClient, "__enter__") and hasattr(psclient.PSClient, "__exit__")
     assert hasattr(psclient.AsyncPSClient, "__aenter__") and hasattr(psclient.AsyncPSClient, "__aexit__")
+
+
+def _public_methods(cls: type) -> set[str]:
+    return {
+        name
+        for name in dir(cls)
+        if not name.startswith("_") and not isinstance(inspect.getattr_static(cls, name), property)
+    }
+
+
+def test_public_api_every_client_method_has_its_twin_with_the_same_signature() -> None:
+    sync, aio = _public_methods(psclient.PSClient), _public_methods(psclient.AsyncPSClient)
+    # The sync client's futures run a call in its event loop's thread while the caller computes; an
+    # AsyncPSClient caller makes a task of the method itself.
+    futures = {name for name in sync if name.endswith("_future")}
+    assert {name.removesuffix("_future") for name in futures} <= aio, futures
+    assert sync - futures == aio, (sync - futures) ^ aio
+    assert aio >= set(CLIENT_METHODS)
+    for name in sorted(aio):
+        s, a = getattr(psclient.PSClient, name), getattr(psclient.AsyncPSClient, name)
+        assert inspect.iscoroutinefunction(a) or inspect.isasyncgenfunction(a), name
+        assert list(inspect.signature(s).parameters) == list(inspect.signature(a).parameters), name
+    for name in futures:
+        base = name.removesuffix("_future")
+        params = list(inspect.signature(getattr(psclient.PSClient, name)).parameters)
+        assert params == list(inspect.signature(getattr(psclient.PSClient, base)).parameters), name
 
 
 def test_public_api_client_constructor_matches_the_contract() -> None:

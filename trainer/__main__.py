@@ -221,14 +221,17 @@ def run_local(args: argparse.Namespace) -> int:
     print(f"[local] test accuracy {accuracy:.4f}{auc}, {result.steps_per_second:.1f} steps/s", flush=True)
     report.write_json(
         args.result_json,
-        {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_rates(result.to_dict()),
+        {"mode": "local", "test_accuracy": accuracy, "epochs": args.epochs, **_summary(result.to_dict()),
          **result.extra},
     )  # fmt: skip
     return 0
 
 
-def _rates(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: result[k] for k in ("steps", "steps_per_second", "train_seconds")}
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    """The local run's steps, rate and final epoch's training loss and accuracy (for a launcher comparing
+    distributed runs with it)."""
+    keys = ("steps", "steps_per_second", "train_seconds", "final_loss", "final_accuracy")
+    return {k: result[k] for k in keys}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,6 +110,23 @@ def train_rank(
         )
 
 
+def rank_command(
+    args: argparse.Namespace, rank: int, addresses: list[str], result_json: str | os.PathLike[str]
+) -> list[str]:
+    """The ``pstrain worker --mode allreduce`` command line of ``rank`` in the demo ``args`` describe, on
+    the ring ``addresses`` (every rank's ``HOST:PORT``), writing its result to ``result_json``.
+
+    The demo runs it on loopback; ``bench/bench_keras_netns.py`` runs the same command inside a network
+    namespace host, each rank on its own host.
+    """
+    return [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
+            "--ring", ",".join(addresses), "--worker-index", str(rank),
+            "--compression", args.compression, "--ring-transport", args.ring_transport,
+            *(["--no-lr-scaling"] if args.no_lr_scaling else []),
+            "--result-json", str(result_json), *options.train_flags(args),
+            *options.security_argv(args)]  # fmt: skip
+
+
 def _launch(
     args: argparse.Namespace, workdir: Path, addresses: list[str]
 ) -> tuple[list[int], list[list[str]]]:
@@ -122,12 +139,7 @@ def _launch(
     threads: list[threading.Thread] = []
     try:
         for rank in range(args.workers):
-            cmd = [sys.executable, "-m", "trainer", "worker", "--mode", "allreduce",
-                   "--ring", ",".join(addresses), "--worker-index", str(rank),
-                   "--compression", args.compression, "--ring-transport", args.ring_transport,
-                   *(["--no-lr-scaling"] if args.no_lr_scaling else []),
-                   "--result-json", str(workdir / f"worker{rank}.json"), *options.train_flags(args),
-                   *options.security_argv(args)]  # fmt: skip
+            cmd = rank_command(args, rank, addresses, workdir / f"worker{rank}.json")
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             procs.append(proc)
             tails.append([])

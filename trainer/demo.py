@@ -67,6 +67,23 @@ def _server_args(args: argparse.Namespace) -> list[str]:
     )
 
 
+def worker_command(
+    args: argparse.Namespace, index: int, addresses: list[str], result_json: str | os.PathLike[str]
+) -> list[str]:
+    """The ``pstrain worker`` command line of parameter-server worker ``index`` of the demo ``args``
+    describe, training against the shards at ``addresses`` and writing its result to ``result_json``.
+
+    The demo runs it on loopback; ``bench/bench_keras_netns.py`` runs the same command inside a network
+    namespace host, against shards on other hosts.
+    """
+    cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
+           "--worker-index", str(index), "--num-workers", str(args.workers), "--mode", args.mode,
+           "--result-json", str(result_json), *options.train_flags(args)]  # fmt: skip
+    if args.no_overlap:
+        cmd.append("--no-overlap")
+    return cmd
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Runs the demo; returns the exit code.
 
@@ -127,12 +144,7 @@ def run_demo(args: argparse.Namespace) -> int:
         env.pop("TF_CONFIG", None)
         try:
             for i in range(args.workers):
-                cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
-                       "--worker-index", str(i), "--num-workers", str(args.workers), "--mode", args.mode,
-                       "--result-json", str(workdir / f"worker{i}.json"),
-                       *options.train_flags(args)]  # fmt: skip
-                if args.no_overlap:
-                    cmd.append("--no-overlap")
+                cmd = worker_command(args, i, addresses, workdir / f"worker{i}.json")
                 proc = subprocess.Popen(
                     cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
                 )

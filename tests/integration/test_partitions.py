@@ -23,8 +23,8 @@ from trainer.netns import NetnsCluster
 pytestmark = pytest.mark.timeout(120)
 
 CLIENT = str(Path(__file__).with_name("_partition_client.py"))
-CUT_S = 12.0  # the primary stays cut this long; a client that waits for its deadline makes no progress in it
-RUN_S = 20.0
+CUT_S = 9.0  # the primary stays cut this long; a client that waits for its deadline makes no progress in it
+RUN_S = 16.0
 
 
 @pytest.mark.parametrize(

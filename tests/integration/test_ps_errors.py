@@ -57,6 +57,17 @@ def test_ps_errors_client_side_shape_and_dtype_mismatch(
     _assert_unchanged(client, var_name, np.ones((2, 3)), 0)
 
 
+def test_ps_errors_an_unsupported_dtype_is_an_invalid_argument_ps_error(
+    client: psclient.PSClient, var_name: str
+) -> None:
+    # Caught on the client, before anything is sent: a PSError like every error of a client call.
+    with pytest.raises(psclient.InvalidArgumentError, match="complex64") as info:
+        client.create(var_name, np.ones(2, np.complex64))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and var_name in str(info.value)
+    with pytest.raises(psclient.NotFoundError):
+        client.pull([var_name])  # nothing was created
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_ps_errors_non_finite_gradients_are_rejected_by_default(
     client: psclient.PSClient, var_name: str, bad: float

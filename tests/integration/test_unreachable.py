@@ -1,14 +1,19 @@
-"""A shard that is down: the client says so (address, connection refused) within seconds and in its error."""
+"""A shard that is down: the client says so (address, connection refused) within seconds and in its error;
+a push that got no answer says its outcome is unknown."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 import psclient
+from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,3 +59,28 @@ async def test_a_replicated_shard_that_is_down_says_refused_after_its_retries(cl
             with pytest.raises(psclient.UnavailableError) as info:
                 await client.status()
     assert "connection refused" in str(info.value) and "unreachable" in str(info.value)
+
+
+@pytest.mark.parametrize("data_port_min_bytes", [0, 1 << 30], ids=["data_port", "grpc"])
+def test_a_push_that_got_no_answer_says_its_outcome_is_unknown_and_is_applied_at_most_once(
+    make_cluster: Callable[..., LocalCluster], data_port_min_bytes: int
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    pid = cluster.procs[0].pid
+    with psclient.PSClient(
+        cluster.addresses, worker_id="w0", timeout=1.0, data_port_min_bytes=data_port_min_bytes
+    ) as client:
+        client.create("v", np.zeros(2, np.float32), optimizer=psclient.SGD(1.0))
+        client.push({"v": np.ones(2, np.float32)})  # connections open: the next push reaches the shard
+        os.kill(pid, signal.SIGSTOP)  # a shard that stalls, with the push in its socket
+        try:
+            with pytest.raises(psclient.DeadlineExceededError) as pushed:
+                client.push({"v": np.ones(2, np.float32)})
+            with pytest.raises(psclient.DeadlineExceededError) as pulled:
+                client.pull(["v"])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert "may or may not have been applied" in str(pushed.value), pushed.value
+        assert "may or may not" not in str(pulled.value), pulled.value  # a read changes nothing
+        value = client.pull(["v"])["v"]
+    assert value[0] in (-1.0, -2.0), value  # the second push applied once, or not at all

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pscore import codec
-from pscore.errors import UnavailableError
+from pscore.errors import DeadlineExceededError, UnavailableError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, lease
@@ -70,6 +70,24 @@ async def test_a_sync_step_is_answered_once_its_backup_acknowledged_it() -> None
         acknowledged.set_result(None)
         assert [(await p).applied for p in pushes] == [True, True]
         assert (await late).reason == "stale"
+
+
+async def test_a_sync_step_waiting_for_its_backup_times_out_naming_the_backup_not_the_workers() -> None:
+    store = _store()
+    mode = SyncMode(store, replicas_to_aggregate=2, total_replicas=2, barrier_timeout_s=0.2)
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def silent_backup() -> None:
+        await never
+
+    mode.replicate_step = lambda step: silent_backup()
+    async with asyncio.timeout(10):
+        pushes = [asyncio.create_task(mode.push(f"w{i}", 1, 0, _grad(), session=i + 1)) for i in range(2)]
+        for p in pushes:
+            with pytest.raises(DeadlineExceededError, match="step 0 is applied here, but its backup") as e:
+                await p
+            assert "no gradient" not in str(e.value)  # every worker pushed: none is blamed
+    never.cancel()
 
 
 async def test_a_sync_step_its_backup_did_not_acknowledge_fails_its_pushes() -> None:
@@ -189,5 +207,8 @@ def test_the_backup_waits_out_the_lease_under_the_drift_bound(lease_s: float) ->
     # The primary's lease ends at most lease / (1 - rho) after the send, in real time; the backup waits at
     # least backup_wait / (1 + rho) after a later read.
     assert lease.backup_wait(lease_s) / (1 + rho) > lease_s / (1 - rho)
-    assert lease.silence_limit(lease_s) > lease.backup_wait(lease_s)
+    # A silent primary is suspected only after more than two heartbeats' time (one late or lost is no death),
+    # and declared gone about when its backup may take over: clients of a silent primary wait no longer.
+    assert lease.silence_limit(lease_s) > 2 * lease.heartbeat_every(lease_s)
+    assert lease.silence_limit(lease_s) + lease.heartbeat_every(lease_s) <= lease.backup_wait(lease_s)
     assert lease.heartbeat_every(lease_s) < lease_s

@@ -1,0 +1,39 @@
+"""The worker command lines the demo launches (``demo.worker_command``, ``allreduce_loop.rank_command``),
+which ``bench/bench_keras_netns.py`` runs inside namespace hosts: pstrain's own parser reads them back as
+the worker the demo meant."""
+
+from __future__ import annotations
+
+import argparse
+
+from trainer import allreduce_loop, demo, options
+from trainer.__main__ import build_parser
+
+
+def _demo(*argv: str) -> argparse.Namespace:
+    args = build_parser().parse_args(["demo", *argv])
+    options.resolve_model_defaults(args)
+    return args
+
+
+def _worker(cmd: list[str]) -> argparse.Namespace:
+    assert cmd[1:4] == ["-m", "trainer", "worker"]
+    args = build_parser().parse_args(cmd[3:])
+    options.resolve_model_defaults(args)
+    return args
+
+
+def test_worker_command_is_a_ps_worker_of_the_demo() -> None:
+    args = _demo("--mode", "sync", "--workers", "3", "--model", "mlp", "--epochs", "4", "--no-overlap")
+    w = _worker(demo.worker_command(args, 2, ["10.0.0.1:5000", "10.0.0.2:5000"], "/tmp/w2.json"))
+    assert (w.mode, w.ps, w.worker_index, w.num_workers) == ("sync", "10.0.0.1:5000,10.0.0.2:5000", 2, 3)
+    assert (w.model, w.epochs, w.result_json, w.no_overlap) == ("mlp", 4, "/tmp/w2.json", True)
+    assert w.learning_rate == 3e-3  # sync: the demo's linear scaling, x workers
+
+
+def test_rank_command_is_a_ring_rank_of_the_demo() -> None:
+    args = _demo("--mode", "allreduce", "--workers", "2", "--compression", "fp16")
+    ring = ["10.0.0.3:7000", "10.0.0.4:7000"]
+    w = _worker(allreduce_loop.rank_command(args, 1, ring, "/tmp/r1.json"))
+    assert (w.mode, w.ring, w.worker_index, w.compression) == ("allreduce", ",".join(ring), 1, "fp16")
+    assert w.learning_rate == 1e-3  # the rank scales it itself (train_rank), unless --no-lr-scaling
