@@ -43,6 +43,17 @@ workers train (flat after warm-up: the rows are preallocated for the capacity),
 and reads the table's admitted and evicted rows at the end (eviction rows/s over
 the training time).
 
+Disk tier (issue 21): ``--table-memory BYTES`` runs ``psk-dynamic`` (an unbounded
+dynamic table, all in memory) and ``psk-tiered`` (the same table on shards started with
+``--table-memory BYTES --table-dir``: hot rows in memory, the others on disk) on ids
+drawn by the power law from ``--rows`` ids (``--id-space`` and ``--capacity`` are set
+to ``--rows`` and 0), the same seeds; ``--prefill`` first pushes zero gradients for
+every id (Adagrad leaves a row unchanged by a zero gradient), so the table holds all
+``--rows`` rows before training. Reported: steps/s and its ratio to the in-memory run,
+each shard's peak RSS (``VmHWM``) against the budget, the rows and bytes in each
+tier, the memory hit rate, rows spilled and filled, and the loss curves (Keras's
+running loss every few steps) side by side.
+
 Reported per variant: steps/s (the workers' sum; steps after the first), payload
 bytes per worker-step (tensor bytes through the client: gradients pushed, values
 pulled, rows looked up; framing not counted) against the goal of issue 11,
@@ -61,6 +72,8 @@ Usage:
         --out bench/results/embedding_dynamic                               # 10M-id stream, 1M rows
     python bench/bench_embedding.py --rows 10000000 --dim 32 --variants psk,psk-prefetch \
         --workers 2 --out bench/results/embedding_10m                       # worker RSS, 10M x 32
+    python bench/bench_embedding.py --rows 2000000 --dim 32 --table-memory 64MiB --prefill \
+        --steps 1500 --out bench/results/embedding_tiered                   # the disk tier vs in memory
 """
 
 from __future__ import annotations
@@ -82,7 +95,9 @@ import _common as cm
 import _tfps
 
 VARIANTS = ("dense", "keras-table", "psk", "psk-prefetch", "tf-ps")
-DYNAMIC_VARIANTS = ("psk-capacity", "psk-dynamic")  # run by name: the id stream vs a capacity
+DYNAMIC_VARIANTS = ("psk-capacity", "psk-dynamic", "psk-tiered")  # run by name: the id stream vs a capacity
+_PREFILL_CHUNK = 8192  # ids per zero-gradient push of --prefill (a push must fit the in-memory tier)
+_LOSS_POINTS = 30  # points of the loss curve recorded per run
 _RESULT = "RESULT "
 _RSS_SAMPLE_S = 0.5
 
@@ -127,6 +142,7 @@ def worker_main(args: argparse.Namespace) -> None:
     from trainer.recsys import count_payload_bytes
 
     t0 = time.perf_counter()
+    keras.utils.set_random_seed(1000 + args.index)  # the same dense tower in every run (loss curves compare)
     dense = {"partition_bytes": 0} if args.variant == "dense" else {}  # clipnorm: whole, on one shard
     worker = psk.PSWorker(
         args.addresses.split(","), worker_index=args.index, num_workers=args.workers, **dense
@@ -136,8 +152,8 @@ def worker_main(args: argparse.Namespace) -> None:
         emb: Any = psk.Embedding(args.rows, args.dim, worker=worker, name="emb")
     elif args.variant == "psk-capacity":
         emb = psk.Embedding(args.capacity, args.dim, worker=worker, name="emb")
-    elif args.variant == "psk-dynamic":
-        emb = psk.Embedding(None, args.dim, worker=worker, name="emb", capacity=args.capacity)
+    elif args.variant in ("psk-dynamic", "psk-tiered"):
+        emb = psk.Embedding(None, args.dim, worker=worker, name="emb", capacity=args.capacity or None)
     else:
         emb = keras.layers.Embedding(args.rows, args.dim, name="emb")
     id_dtype = "int64" if args.variant in DYNAMIC_VARIANTS else "int32"
@@ -170,11 +186,34 @@ def worker_main(args: argparse.Namespace) -> None:
     def cpu_now() -> list[float]:
         return [time.process_time(), *(cpu_seconds(p) for p in shard_pids)]
 
+    prefill_s = [0.0]
+    loss_curve: list[tuple[int, float]] = []
+    every = max(1, args.steps // _LOSS_POINTS)
+
+    class Prefill(keras.callbacks.Callback):
+        """``--prefill``: after the attach (the table exists), zero gradients for every id of the id space."""
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            if not (args.prefill and args.index == 0 and args.variant in DYNAMIC_VARIANTS):
+                return
+            import psclient
+            from pscore.placement import mix64
+
+            t = time.perf_counter()
+            for start in range(0, args.id_space, _PREFILL_CHUNK):
+                ranks = np.arange(start, min(start + _PREFILL_CHUNK, args.id_space), dtype=np.int64)
+                ids = (mix64(ranks) >> np.uint64(1)).astype(np.int64)  # as _examples hashes them
+                zeros = np.zeros((ids.size, args.dim), np.float32)
+                worker.client.push({emb.table_name: psclient.Rows(ids, zeros)})
+            prefill_s[0] = time.perf_counter() - t
+
     class Mark(keras.callbacks.Callback):
         """Bytes of steps 2..n: not the attach, the first step's pull of every variable or the final pull."""
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             steps_seen[0] += 1
+            if steps_seen[0] % every == 0 and logs and "loss" in logs:
+                loss_curve.append((steps_seen[0], float(logs["loss"])))
             if steps_seen[0] == 1:  # cb (before this callback) counted the steps of the first call
                 attach_bytes.update(box)
                 cpu_at["first"] = cpu_now()
@@ -185,7 +224,7 @@ def worker_main(args: argparse.Namespace) -> None:
             cpu_at["end"] = cpu_now()
 
     fit_started = time.perf_counter()
-    hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Mark()])
+    hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[cb, Prefill(), Mark()])
     fit_seconds = time.perf_counter() - fit_started
     worker.close()
     steps = cb.steps
@@ -208,6 +247,8 @@ def worker_main(args: argparse.Namespace) -> None:
         "prefetch": emb.prefetch_stats if args.variant == "psk-prefetch" else None,
         "weights_mib": sum(int(np.prod(w.shape)) * 4 for w in model.weights) / 2**20,
         "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
+        "loss_curve": loss_curve,
+        "prefill_s": prefill_s[0],
         "wall_s": time.perf_counter() - t0,
         # CPU seconds over steps 2..n: this worker's, and the shards' (all workers' load)
         "cpu_s": [b - a for a, b in zip(cpu_at["first"], cpu_at["end"], strict=True)],
@@ -345,10 +386,13 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _sample_rss(cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]]) -> None:
+def _sample_rss(
+    cluster: Any, stop: threading.Event, samples: list[tuple[float, list[float]]], anon: list[list[float]]
+) -> None:
     t0 = time.perf_counter()
     while not stop.wait(_RSS_SAMPLE_S):
         samples.append((time.perf_counter() - t0, cluster.shard_rss_mib()))
+        anon.append(cluster.shard_rss_mib("RssAnon"))  # the process's own memory, not mapped file pages
 
 
 def _table_counts(addresses: list[str]) -> dict[str, int]:
@@ -358,7 +402,9 @@ def _table_counts(addresses: list[str]) -> dict[str, int]:
     with psclient.PSClient(addresses, worker_id="bench-reader", timeout=60) as c:
         listed = c.list_variables()
     infos = [i for group in listed.values() for i in group if i.spec.HasField("dynamic")]
-    fields = ("rows", "admitted", "evicted", "expired", "dropped_updates")
+    fields = ("rows", "admitted", "evicted", "expired", "dropped_updates", "rows_in_memory", "rows_on_disk",
+              "memory_bytes", "disk_bytes", "memory_rows_max", "spilled", "filled", "memory_hits",
+              "disk_hits")  # fmt: skip
     return {f: sum(int(getattr(i.dynamic, f)) for i in infos) for f in fields}
 
 
@@ -367,10 +413,18 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     if variant == "tf-ps":
         return run_tf_ps(args)
-    cluster = LocalCluster(num_shards=2, server_args=["--mode", "async"]).start()
+    import tempfile
+
+    tier_dir = None
+    server_args = ["--mode", "async"]
+    if variant == "psk-tiered":  # on the machine's disk (not the workdir's tmpfs, if /tmp were one)
+        tier_dir = tempfile.TemporaryDirectory(prefix="bench-tier-", dir=cm.REPO)
+        server_args += ["--table-memory", args.table_memory, "--table-dir", tier_dir.name]
+    cluster = LocalCluster(num_shards=2, server_args=server_args).start()
     samples: list[tuple[float, list[float]]] = []
+    anon: list[list[float]] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample_rss, args=(cluster, stop, samples), daemon=True)
+    sampler = threading.Thread(target=_sample_rss, args=(cluster, stop, samples, anon), daemon=True)
     try:
         cmd = [
             [sys.executable, __file__, "--worker", "--variant", variant, "--index", str(i),
@@ -381,6 +435,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
              "--id-space", str(args.id_space), "--capacity", str(args.capacity), "--zipf", str(args.zipf),
              "--shard-pids", ",".join(str(p.pid) for p in cluster.procs if p is not None),
              "--steps-per-execution", str(args.steps_per_execution)]
+            + (["--prefill"] if args.prefill else [])
             for i in range(args.workers)
         ]  # fmt: skip
         procs = [
@@ -399,11 +454,15 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             rows.append(json.loads(lines[-1][len(_RESULT) :]))
         stop.set()
         sampler.join()
-        counts = _table_counts(cluster.addresses) if variant == "psk-dynamic" else {}
+        counts = _table_counts(cluster.addresses) if variant in ("psk-dynamic", "psk-tiered") else {}
         shard_rss_end = cluster.shard_rss_mib()
+        shard_peak = cluster.shard_rss_mib("VmHWM")
+        shard_file = cluster.shard_rss_mib("RssFile")
     finally:
         stop.set()
         cluster.stop()
+        if tier_dir is not None:
+            tier_dir.cleanup()
     fit_s = max(r["fit_s"] for r in rows)
     dynamic = {}
     if variant in DYNAMIC_VARIANTS:
@@ -421,6 +480,11 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
             "shard_rss_mib_max": round(max(total)),
             "shard_rss_mib_end": [round(r) for r in shard_rss_end],
             "shard_rss_samples": [(round(t, 1), [round(r) for r in s]) for t, s in samples],
+            "shard_peak_rss_mib": [round(r) for r in shard_peak],
+            "shard_anon_rss_mib_max": [round(max(a[i] for a in anon)) if anon else None for i in range(2)],
+            "shard_file_rss_mib_end": [round(r) for r in shard_file],
+            "loss_curve": rows[0]["loss_curve"],
+            "prefill_s": rows[0]["prefill_s"],
         }
     return {
         **dynamic,
@@ -487,6 +551,72 @@ def _markdown_dynamic(args: argparse.Namespace, results: list[dict[str, Any]], c
         "",
     ]
     return "\n".join(lines)
+
+
+def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
+    mib = 2**20
+    budget = _parse_size(args.table_memory)
+    base = next(r for r in results if r["variant"] == "psk-dynamic")
+    prefilled = "prefilled (every id pushed a zero gradient first), " if args.prefill else ""
+    lines = [
+        "# Disk tier: a dynamic table in memory vs on shards with --table-memory",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Table: {args.rows:,} ids x {args.dim} (float32, Adagrad: "
+        f"{args.rows * args.dim * 8 / mib:.0f} MiB of rows and slots when all exist), {prefilled}"
+        f"{args.ids} ids per example by a power law (zipf {args.zipf}); batch {args.batch_size}, "
+        f"{args.steps} steps, {args.workers} worker(s), 2 async shards. `psk-tiered`: shards with "
+        f"`--table-memory {args.table_memory}` ({budget / mib:.0f} MiB per shard). "
+        f"Machine: {json.dumps(cm.machine_note())}",
+        "",
+        "| variant | steps/s | vs in memory | shard RSS MiB: peak (VmHWM) / own max (RssAnon) / LMDB pages "
+        "mapped at end (RssFile) | rows | in memory | on disk | memory MiB | disk MiB | memory hit rate | "
+        "spilled | filled | prefill s | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        t = r.get("table", {})
+        looked = t.get("memory_hits", 0) + t.get("disk_hits", 0)
+        tiered = r["variant"] == "psk-tiered"
+        hit = f"{100 * t.get('memory_hits', 0) / looked:.1f}%" if tiered and looked else "-"
+        kinds = ("shard_peak_rss_mib", "shard_anon_rss_mib_max", "shard_file_rss_mib_end")
+        rss = " / ".join(", ".join(map(str, r[k])) for k in kinds)
+        lines.append(
+            f"| {r['variant']} | {r['steps_per_s']:.2f} | {r['steps_per_s'] / base['steps_per_s']:.2f} | "
+            f"{rss}"
+            f" | {t.get('rows', '-')} | "
+            f"{t.get('rows_in_memory') if tiered else t.get('rows', '-')} | {t.get('rows_on_disk', 0)} | "
+            f"{t.get('memory_bytes', 0) / mib:.0f} | {t.get('disk_bytes', 0) / mib:.0f} | "
+            f"{hit} | "
+            f"{t.get('spilled', 0)} | {t.get('filled', 0)} | {r.get('prefill_s', 0):.1f} | "
+            f"{r['loss_first_last'][0]:.5f} -> {r['loss_first_last'][1]:.5f} |"
+        )
+    curves = {r["variant"]: dict(r.get("loss_curve", [])) for r in results}
+    steps = sorted(set().union(*(c.keys() for c in curves.values())))
+    lines += ["", "Loss curve (Keras's running loss of the epoch, worker 0):", "",
+              "| step | " + " | ".join(curves) + " |", "|---" * (len(curves) + 1) + "|"]  # fmt: skip
+    for st in steps:
+        points = " | ".join(f"{c.get(st, float('nan')):.6f}" for c in curves.values())
+        lines.append(f"| {st} | {points} |")
+    lines += [
+        "",
+        f"Shard RSS: `VmHWM` at the end (prefill and training, everything resident: the disk tier's "
+        f"LMDB file pages the shard has read are mapped into it and count, though the kernel can drop "
+        f"them); the largest `RssAnon` sampled every {_RSS_SAMPLE_S} s (the shard's own memory: what "
+        f"`--table-memory` bounds; budget + 300 MiB = {budget / mib + 300:.0f} MiB); `RssFile` at the end "
+        "(mapped file pages: LMDB's, and the shard's code). Memory MiB: the tiered "
+        "table's rows, slots and bookkeeping in memory (psctl status's MEM SIZE, both shards); disk MiB: "
+        "the blocks of its LMDB files. Hit rate: ids of pushes and lookups found in memory.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _parse_size(text: str) -> int:
+    from psserver.tier import parse_bytes
+
+    return parse_bytes(text)
 
 
 def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
@@ -586,6 +716,17 @@ def main() -> None:
         default=",".join(VARIANTS),
         help=f"comma-separated, of {', '.join(VARIANTS + DYNAMIC_VARIANTS)} (default: %(default)s)",
     )
+    ap.add_argument(
+        "--table-memory",
+        metavar="BYTES",
+        help="disk tier: run psk-dynamic (in memory) and psk-tiered (shards with --table-memory BYTES) "
+        "on --rows power-law ids",
+    )
+    ap.add_argument(
+        "--prefill",
+        action="store_true",
+        help="dynamic variants: push zero gradients for every id first (the table holds all of them)",
+    )
     ap.add_argument("--out", help="write OUT.md and OUT.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
@@ -601,6 +742,8 @@ def main() -> None:
         tf_coordinator_main(args)
         return
     results = []
+    if args.table_memory:
+        args.variants, args.id_space, args.capacity = "psk-dynamic,psk-tiered", args.rows, 0
     variants = args.variants.split(",")
     dynamic = [v in DYNAMIC_VARIANTS for v in variants]
     if any(dynamic) != all(dynamic):
@@ -616,7 +759,8 @@ def main() -> None:
         print(json.dumps({k: v for k, v in r.items() if k != "shard_rss_samples"}), flush=True)
         results.append(r)
     command = "python bench/bench_embedding.py " + " ".join(sys.argv[1:])
-    md = (_markdown_dynamic if any(dynamic) else _markdown)(args, results, command)
+    render = _markdown_tiered if args.table_memory else _markdown_dynamic if any(dynamic) else _markdown
+    md = render(args, results, command)
     print(md)
     if args.out:
         Path(args.out + ".md").write_text(md)

@@ -188,6 +188,20 @@ def format_status(report: dict[str, Any]) -> str:
             "INIT READS",
         ]
         lines += ["", table(headers, drows)]
+    tiered = [v for v in dynamic if v["dynamic"].get("memory_rows_max")]
+    if tiered:  # psserver --table-memory: rows in memory and on disk
+        trows = []
+        for v in tiered:
+            d = v["dynamic"]
+            looked = d["memory_hits"] + d["disk_hits"]
+            trows.append(
+                [v["name"], d["rows_in_memory"], d["memory_rows_max"], _human_bytes(d["memory_bytes"]),
+                 d["rows_on_disk"], _human_bytes(d["disk_bytes"]),
+                 f"{100 * d['memory_hits'] / looked:.1f}%" if looked else "-", d["spilled"], d["filled"]]
+            )  # fmt: skip
+        headers = ["TIERED TABLE", "IN MEMORY", "AT MOST", "MEM SIZE", "ON DISK", "DISK SIZE", "HIT RATE",
+                   "SPILLED", "FILLED"]  # fmt: skip
+        lines += ["", table(headers, trows)]
     return "\n".join(lines)
 
 
@@ -322,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         "status",
         help="table of shards (health, mode, sizes, push/pull rates) and variables (sizes, versions)",
         description="Show every shard's health, mode, variables, bytes, push/pull counts and rates, and "
-        "every variable's dtype, shape, size, shards and version.",
+        "every variable's dtype, shape, size, shards and version; dynamic tables' counters, and for "
+        "tables on a disk tier (psserver --table-memory) their rows and bytes in memory and on disk, "
+        "the memory hit rate, and the rows spilled and filled.",
     )
     status.add_argument(
         "addresses", nargs="*", help="HOST:PORT of every shard (default: TF_CONFIG's ps tasks)"

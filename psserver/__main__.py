@@ -9,6 +9,7 @@ import sys
 
 from psserver.config import MODES, ConfigError, ServerConfig, ps_task_from_tf_config
 from psserver.lease import DEFAULT_LEASE_S
+from psserver.tier import DEFAULT_DISK_BYTES, parse_bytes
 
 _EPILOG = """\
 examples:
@@ -23,7 +24,11 @@ Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to 
 primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
 only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
 and the backup takes over once that lease has expired (see the docs, "Replication and leases").
-Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags or an address that cannot be bound (one line on stderr:
+Disk tier: with --table-memory and --table-dir, each dynamic table without a capacity keeps its hot
+rows (values, optimizer slots, bookkeeping) in memory under the budget and spills the others to an LMDB
+environment under --table-dir (rebuilt from checkpoints, wiped at start); see the docs, "Disk tier".
+Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags, an address that cannot be bound or a --table-dir
+that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
 in-flight requests (up to --grace), write a checkpoint (with --checkpoint-dir), exit 0.
@@ -123,8 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
         const=None,
         help="serve no data port: clients pull and push over gRPC only",
     )
+    p.add_argument(
+        "--table-memory",
+        type=_size,
+        metavar="BYTES",
+        help="disk tier: the in-memory budget of each dynamic table's hot rows on this shard (values, "
+        "optimizer slots, bookkeeping), e.g. 2GiB; colder rows spill to --table-dir (tables with a "
+        "capacity stay in memory)",
+    )
+    p.add_argument(
+        "--table-dir",
+        help="disk tier: a local directory for the spilled rows (each process uses and wipes its own "
+        "subdirectory, psserver-tier-shardI[-backup]: the shards of a machine may share it)",
+    )
+    p.add_argument(
+        "--table-disk-limit",
+        type=_size,
+        default=DEFAULT_DISK_BYTES,
+        metavar="BYTES",
+        help="disk tier: the most bytes one table's spilled rows may take on disk; a push past it fails "
+        "with RESOURCE_EXHAUSTED and changes nothing (default: 1TiB)",
+    )
     p.add_argument("--log-level", default=env("PS_LOG_LEVEL", "INFO"), help="logging level (default: INFO)")
     return p
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -168,6 +201,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         replication_timeout_s=args.replication_timeout,
         data_port=args.data_port,
         lease_s=args.lease,
+        table_memory_bytes=args.table_memory,
+        table_dir=args.table_dir,
+        table_disk_bytes=args.table_disk_limit,
     )
 
 
@@ -185,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from pscore.memory import tune_malloc
     from pscore.security import BindError
     from psserver.server import serve  # after arg parsing: --help stays instant
+    from psserver.tier import TierDirError
 
     tune_malloc()  # before any large buffer: see pscore.memory
 
@@ -200,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         run(serve(config))
     except BindError as err:  # a port in use: one line, as for a bad flag
         print(f"psserver: error: {err.strerror}", file=sys.stderr)
+        return 2
+    except TierDirError as err:  # an unwritable or busy --table-dir: one line, at start-up
+        print(f"psserver: error: {err}", file=sys.stderr)
         return 2
     return 0
 

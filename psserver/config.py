@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pscore.tf_config import read_tf_config
 from psserver.lease import DEFAULT_LEASE_S
+from psserver.tier import DEFAULT_DISK_BYTES, TierConfig
 
 MODES = ("async", "sync", "ssp")
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this
@@ -48,6 +49,24 @@ class ServerConfig:
     replication_timeout_s: float = 30.0
     data_port: int | None = 0  # the raw-TCP data port (psserver.dataport): 0 ephemeral, None: none
     lease_s: float = DEFAULT_LEASE_S  # a replicated primary serves only while its backup renews this lease
+    # The disk tier of dynamic tables (psserver.tier): the in-memory budget of each piece's hot rows
+    # (None: every row in memory), the directory of the cold rows, and each piece's limit on disk.
+    table_memory_bytes: int | None = None
+    table_dir: str | None = None
+    table_disk_bytes: int = DEFAULT_DISK_BYTES
+
+    @property
+    def tier(self) -> TierConfig | None:
+        """The disk tier's settings, or None without ``--table-memory``."""
+        if self.table_memory_bytes is None:
+            return None
+        assert self.table_dir is not None
+        return TierConfig(
+            directory=self.table_dir,
+            memory_bytes=self.table_memory_bytes,
+            disk_bytes=self.table_disk_bytes,
+            owner=f"shard{self.shard}" + ("-backup" if self.backup_of else ""),
+        )
 
     @property
     def peer_ca(self) -> str | None:
@@ -103,6 +122,12 @@ class ServerConfig:
             raise ConfigError(f"--replication-timeout must be > 0 seconds, got {self.replication_timeout_s}")
         if not self.lease_s > 0:
             raise ConfigError(f"--lease must be > 0 seconds, got {self.lease_s}")
+        if (self.table_memory_bytes is None) != (self.table_dir is None):
+            raise ConfigError("--table-memory and --table-dir go together (the disk tier needs both)")
+        try:
+            _ = self.tier
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.max_message_bytes < 1 << 20:
             raise ConfigError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
 

@@ -35,6 +35,18 @@ pushes hold the same rows. An applied push, in order:
    and the id: the same on every process) and fresh optimizer slots; then the
    optimizer's row rule updates every kept row (``write``).
 
+With a disk tier (``psserver.tier``; a shard started with ``--table-memory``,
+for tables without a capacity) the rows live in two places: at most
+``hot_rows`` in memory (the budget's share), the others on disk, each row in
+exactly one. Where a row lives changes nothing of the above: a push first
+fills its cold rows back into memory (one batched read), spilling rows it does
+not touch by the eviction policy to make room, and deleting the rows an expiry
+sweep removes from both tiers (one write transaction, before anything else
+changes: ``_tier_in``); then steps 1-5 run as for an unbounded table in
+memory. So a tiered piece holds bit-for-bit the rows, slots and counters an
+unbounded in-memory piece fed the same pushes holds. Lookups and scans read
+cold rows without filling them.
+
 A lookup of an id without a row returns its initializer row (what its row
 would start from). The sketch's counters halve whenever it has counted as
 many ids as it has columns, so admission counts recent pushes (an id must
@@ -50,9 +62,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from pscore.embedding import check_initializer, init_rows
+from pscore.errors import ResourceExhaustedError
 from pscore.placement import dynamic_capacity, mix64
 from psproto.v1 import ps_pb2
 from psserver.tables import row_initializer
+from psserver.tier import DiskTier, TierConfig, record_dtype
 
 _INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
 _MIN_INDEX = 16
@@ -63,6 +77,11 @@ _SKETCH_UNBOUNDED_WIDTH = 1 << 20
 MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
 _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
+# Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
+# the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
+# and its tier flag (on_disk: 1).
+_ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
+_MIN_HOT_ROWS = 64
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
 
@@ -319,16 +338,25 @@ class DynamicRows:
         dtype: the rows' dtype.
     """
 
-    def __init__(self, config: Config, dtype: np.dtype) -> None:
+    def __init__(self, config: Config, dtype: np.dtype, hot_rows: int = 0) -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
-        rows = config.capacity or _INITIAL_ROWS
+        # With a disk tier (``attach_tier``): the most rows held in memory; 0: no limit but the capacity.
+        self.hot_rows = hot_rows
+        self.tier: DiskTier | None = None
+        # A tiered piece allocates its whole share at once: zeroed arrays take memory only as rows are
+        # written, and no growth ever holds an old and a new copy at the same time.
+        rows = config.capacity or hot_rows or _INITIAL_ROWS
         self.index = HashIndex(rows)
         self.slot_ids = np.zeros(rows, np.int64)
         self.last_step = np.zeros(rows, np.int64)
         self.hits = np.zeros(rows, np.int64)
         self.last_time = np.zeros(rows, np.float64)
         self.live = np.zeros(rows, bool)
+        # Disk tier: the row in memory also has an older copy on disk (filled rows keep theirs: deleting
+        # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
+        self.on_disk = np.zeros(rows, bool)
+        self.stale = 0
         self.free = np.arange(rows - 1, -1, -1, dtype=np.int64)  # a stack: the top is free[nfree - 1]
         self.nfree = rows
         self.sketch = CountMinSketch(config.sketch_width) if config.min_count > 1 else None
@@ -352,8 +380,59 @@ class DynamicRows:
     def allocated(self) -> int:
         return self.slot_ids.size
 
-    def __len__(self) -> int:
+    @property
+    def hot_len(self) -> int:
+        """Rows held in memory."""
         return self.allocated - self.nfree
+
+    def __len__(self) -> int:
+        """Rows of the piece: in memory and, with a disk tier, on disk."""
+        return self.hot_len + self.cold_len
+
+    @property
+    def cold_len(self) -> int:
+        """Rows only on disk (not counting the older copies of rows in memory)."""
+        return len(self.tier) - self.stale if self.tier is not None else 0
+
+    @staticmethod
+    def hot_rows_for(config: Config, dtype: np.dtype, optimizer: Any, memory_bytes: int) -> int:
+        """How many rows fit an in-memory budget of ``memory_bytes`` (values, row slots, bookkeeping,
+        the admission sketch).
+
+        Raises:
+            ValueError: the budget does not hold ``_MIN_HOT_ROWS`` rows (the message gives the bytes per row).
+        """
+        dim = config.dim
+        row = np.zeros((1, dim), dtype)
+        slots = optimizer.init_slots(row)
+        per_row = row.nbytes + sum(a.nbytes for a in slots.values() if a.shape == (1, dim))
+        per_row += _ROW_BOOKKEEPING_BYTES
+        sketch = len(_SKETCH_SEEDS) * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
+        rows = (memory_bytes - sketch) // per_row
+        if rows < _MIN_HOT_ROWS:
+            raise ValueError(
+                f"--table-memory {memory_bytes} bytes holds {max(0, rows)} rows of table {config.table!r} "
+                f"({per_row} bytes each with slots and bookkeeping, plus {sketch} bytes of sketch); "
+                f"at least {_MIN_HOT_ROWS} are needed"
+            )
+        return int(rows)
+
+    def attach_tier(self, tier: TierConfig, name: str, holder: Holder) -> None:
+        """Gives this (new, empty) piece its disk tier, an LMDB environment named after piece ``name``.
+
+        Raises:
+            TierDirError: the environment cannot be created.
+        """
+        dim = self.config.dim
+        row_slots = {k: a.dtype for k, a in holder.slots.items() if a.shape == (self.allocated, dim)}
+        record = record_dtype(dim, self.dtype, row_slots)
+        self.tier = DiskTier(tier.piece_dir(name), record, tier.disk_bytes, self.config.table)
+
+    def close(self) -> None:
+        """Closes and removes the disk tier (the piece is dropped)."""
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
 
     @property
     def nbytes(self) -> int:
@@ -361,9 +440,10 @@ class DynamicRows:
         meta = self.index.nbytes + self.slot_ids.nbytes * 4 + self.live.nbytes + self.free.nbytes
         return meta + (self.sketch.nbytes if self.sketch is not None else 0)
 
-    def proto_stats(self) -> ps_pb2.DynamicStats:
+    def proto_stats(self, holder: Holder | None = None) -> ps_pb2.DynamicStats:
+        """The piece's counters; with a disk tier, its tiers' too (``holder``: for the bytes in memory)."""
         s = self.stats
-        return ps_pb2.DynamicStats(
+        out = ps_pb2.DynamicStats(
             rows=len(self),
             capacity=self.config.capacity,
             admitted=s.admitted,
@@ -372,6 +452,26 @@ class DynamicRows:
             dropped_updates=s.dropped_updates,
             initializer_reads=s.initializer_reads,
         )
+        tier = self.tier
+        if tier is not None:
+            t = tier.stats
+            memory = self.nbytes
+            if holder is not None:
+                memory += holder.state[0].nbytes + sum(a.nbytes for a in holder.slots.values())
+            out.MergeFrom(
+                ps_pb2.DynamicStats(
+                    rows_in_memory=self.hot_len,
+                    rows_on_disk=self.cold_len,
+                    memory_bytes=memory,
+                    disk_bytes=tier.disk_used,
+                    memory_rows_max=self.hot_rows,
+                    spilled=t.spilled,
+                    filled=t.filled,
+                    memory_hits=t.hot_hits,
+                    disk_hits=t.cold_hits,
+                )
+            )
+        return out
 
     # -- reads ------------------------------------------------------------------
 
@@ -384,11 +484,20 @@ class DynamicRows:
         slots = self.index.get(ids)
         values = holder.state[0]
         have = slots >= 0
+        if self.tier is not None:
+            self.tier.stats.hot_hits += int(np.count_nonzero(have))
         if have.all():
             return values[slots]
         out = np.empty((ids.size, self.config.dim), self.dtype)
         out[have] = values[slots[have]]
         missing = ~have
+        if self.tier is not None:  # cold rows are read (one batched read), not filled: lookups change nothing
+            cold = np.flatnonzero(missing)
+            found, records = self.tier.get(ids[cold], remember=True)
+            out[cold[found]] = records["value"]
+            self.tier.stats.cold_hits += records.size
+            self.tier.stats.cold_reads += records.size
+            missing[cold[found]] = False
         out[missing] = self.initial_rows(ids[missing])
         self.stats.initializer_reads += int(np.count_nonzero(missing))
         return out
@@ -399,11 +508,42 @@ class DynamicRows:
         ids = self.slot_ids[self.live]
         if after is not None:
             ids = ids[ids > after]
+        cold = self._cold_scan(after, n + 1)
+        ids = np.concatenate([ids, cold])
         last = ids.size <= n
         if not last:
             ids = np.partition(ids, n - 1)[:n]
         ids = np.sort(ids)
-        return ids, holder.state[0][self.index.get(ids)], last
+        if not cold.size:
+            return ids, holder.state[0][self.index.get(ids)], last
+        assert self.tier is not None
+        rows = self.index.get(ids)
+        out = np.empty((ids.size, self.config.dim), self.dtype)
+        hot = rows >= 0
+        out[hot] = holder.state[0][rows[hot]]
+        _, records = self.tier.get(ids[~hot])
+        out[~hot] = records["value"]
+        self.tier.stats.cold_reads += records.size
+        return ids, out, last
+
+    def _cold_scan(self, after: int | None, n: int) -> np.ndarray:
+        """The first ``n`` ids ``> after`` of rows only on disk (older copies of rows in memory skipped)."""
+        if self.tier is None:
+            return np.zeros(0, np.int64)
+        out: list[np.ndarray] = []
+        have = 0
+        while have < n:
+            want = n - have + self.stale
+            got = self.tier.scan(after, want)
+            if not got.size:
+                break
+            cold = got[self.index.get(got) < 0][: n - have]
+            out.append(cold)
+            have += cold.size
+            after = int(got[-1])
+            if got.size < want:  # the tier has no more
+                break
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
 
     # -- a push -----------------------------------------------------------------
 
@@ -417,6 +557,8 @@ class DynamicRows:
         from ``write``'s storing of the new values.
         """
         c = self.config
+        if self.tier is not None:
+            self._tier_in(holder, ids, now, optimizer)
         self.clock += 1
         found = self.index.get(ids)
         present = np.flatnonzero(found >= 0)
@@ -430,7 +572,8 @@ class DynamicRows:
         self._sweep(now, protect=old)
         if new_pos.size > self.nfree:
             if not c.capacity:
-                self._grow(holder, optimizer, len(self) + new_pos.size)
+                assert self.tier is None, "the tier step made room for every row of the push"
+                self._grow(holder, optimizer, self.hot_len + new_pos.size)
             else:
                 self._evict(new_pos.size - self.nfree + c.capacity // _EVICT_SLACK, protect=old)
                 if new_pos.size > self.nfree:  # more new ids than the shard holds: the smallest fit
@@ -467,32 +610,143 @@ class DynamicRows:
     def _release(self, rows: np.ndarray) -> None:
         self.index.remove(self.index.positions(self.slot_ids[rows]))
         self.live[rows] = False
+        if self.stale:
+            self.stale -= int(np.count_nonzero(self.on_disk[rows]))
+            self.on_disk[rows] = False
         self.free[self.nfree : self.nfree + rows.size] = rows
         self.nfree += rows.size
 
-    def _sweep(self, now: float, protect: np.ndarray) -> None:
-        """Removes expired rows when a sweep is due (every 1/8 of the TTL)."""
+    def _sweep_due(self, clock: int, now: float) -> bool:
         c = self.config
         if not (c.ttl_steps or c.ttl_seconds):
-            return
+            return False
         step, when = self.last_sweep
-        due = (c.ttl_steps and self.clock - step >= max(1, c.ttl_steps // _SWEEPS_PER_TTL)) or (
-            c.ttl_seconds and now - when >= c.ttl_seconds / _SWEEPS_PER_TTL
+        return bool(
+            (c.ttl_steps and clock - step >= max(1, c.ttl_steps // _SWEEPS_PER_TTL))
+            or (c.ttl_seconds and now - when >= c.ttl_seconds / _SWEEPS_PER_TTL)
         )
-        if not due:
-            return
-        self.last_sweep = (self.clock, now)
+
+    def _expired(self, clock: int, now: float, protect: np.ndarray) -> np.ndarray:
+        """The rows in memory a sweep at push ``clock`` and time ``now`` removes (not ``protect``)."""
+        c = self.config
         old = np.zeros(self.allocated, bool)
         if c.ttl_steps:
-            old |= self.last_step < self.clock - c.ttl_steps
+            old |= self.last_step < clock - c.ttl_steps
         if c.ttl_seconds:
             old |= self.last_time < now - c.ttl_seconds
         old &= self.live
         old[protect] = False
-        rows = np.flatnonzero(old)
+        return np.flatnonzero(old)
+
+    def _sweep(self, now: float, protect: np.ndarray) -> None:
+        """Removes expired rows when a sweep is due (every 1/8 of the TTL)."""
+        if not self._sweep_due(self.clock, now):
+            return
+        self.last_sweep = (self.clock, now)
+        rows = self._expired(self.clock, now, protect)
         if rows.size:
             self._release(rows)
             self.stats.expired += rows.size
+
+    # -- the disk tier ------------------------------------------------------------
+
+    def _tier_in(self, holder: Holder, ids: np.ndarray, now: float, optimizer: Any) -> None:
+        """A push's tier step, before steps 1-5: afterwards every row of the push that exists is in
+        memory, and there is room in memory for the ids the push admits.
+
+        One batched read finds the push's cold rows; if memory has too little room
+        for them and the admitted new ids, rows not in the push are spilled (by the
+        table's eviction policy, ``hot_rows // 64`` extra at once); a due expiry
+        sweep runs here, over both tiers. Then one write transaction puts the spilled
+        rows on disk (over their older copies) and deletes the expired ones there;
+        filled rows keep their disk copy (``on_disk``) until they are spilled again
+        or expire. It is the only step that can fail, and it runs before anything
+        changes: a push that fails here leaves the piece as it was.
+
+        Raises:
+            TierFullError: the disk tier cannot take the spilled rows (nothing changed).
+            ResourceExhaustedError: the push has more rows than memory holds (nothing changed).
+        """
+        c, tier = self.config, self.tier
+        assert tier is not None
+        found = self.index.get(ids)
+        hot = found[found >= 0]
+        cold_pos = np.flatnonzero(found < 0)
+        on_disk, records = tier.get(ids[cold_pos])
+        fill_ids = ids[cold_pos[on_disk]]
+        new_ids = ids[cold_pos[~on_disk]]
+        tier.stats.hot_hits += hot.size
+        tier.stats.cold_hits += fill_ids.size
+        admitted = new_ids.size
+        if admitted and self.sketch is not None:  # what step 2 admits (``add`` returns estimate + 1)
+            admitted = int(
+                np.count_nonzero(self.sketch.estimate(new_ids).astype(np.int64) + 1 >= c.min_count)
+            )
+        clock = self.clock + 1
+        expired_hot = expired_cold = ids[:0]
+        sweep = self._sweep_due(clock, now)
+        if sweep:
+            expired_hot = self._expired(clock, now, protect=hot)
+            cold_old = tier.expired(
+                clock - c.ttl_steps if c.ttl_steps else None, now - c.ttl_seconds if c.ttl_seconds else None
+            )
+            cold_old = cold_old[self.index.get(cold_old) < 0]  # older copies: rows in memory decide
+            expired_cold = np.setdiff1d(cold_old, fill_ids)  # rows of this push are kept (protected)
+        need = fill_ids.size + admitted
+        room = self.nfree + expired_hot.size + (self.hot_rows - self.allocated)
+        victims = ids[:0]
+        if need > room:
+            candidates = np.ones(self.allocated, bool)
+            candidates[hot] = False
+            candidates[expired_hot] = False
+            candidates = np.flatnonzero(candidates & self.live)
+            if candidates.size < need - room:
+                raise ResourceExhaustedError(
+                    f"table {c.table!r}: a push of {ids.size} ids needs {hot.size + need} rows in memory; "
+                    f"this shard's in-memory tier holds {self.hot_rows} (raise --table-memory, or push fewer "
+                    "ids at once); nothing was applied"
+                )
+            victims = self.victims(candidates, need - room + self.hot_rows // _EVICT_SLACK)
+        gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
+        tier.write(self.slot_ids[victims], self._records(holder, victims), delete=(expired_cold, gone))
+        # Nothing below fails.
+        if sweep:
+            self.last_sweep = (clock, now)
+            if expired_hot.size:
+                self._release(expired_hot)
+            self.stats.expired += expired_hot.size + expired_cold.size
+        if victims.size:
+            self._release(victims)
+        if need > self.nfree:
+            self._grow(holder, optimizer, self.hot_len + need)
+        if fill_ids.size:
+            rows = self._take(fill_ids.size)
+            self.index.insert(fill_ids, rows)
+            self.slot_ids[rows] = fill_ids
+            self.live[rows] = True
+            self.last_step[rows] = records["last_step"]
+            self.hits[rows] = records["hits"]
+            self.last_time[rows] = records["last_time"]
+            holder.state[0][rows] = records["value"]
+            for k, a in holder.slots.items():
+                if a.shape == (self.allocated, c.dim):
+                    a[rows] = records[f"slot_{k}"]
+            self.on_disk[rows] = True
+            self.stale += fill_ids.size
+            tier.stats.filled += fill_ids.size
+
+    def _records(self, holder: Holder, rows: np.ndarray) -> np.ndarray:
+        """The disk tier's records of rows in memory."""
+        assert self.tier is not None
+        out = np.empty(rows.size, self.tier.record)
+        out["last_step"] = self.last_step[rows]
+        out["hits"] = self.hits[rows]
+        out["last_time"] = self.last_time[rows]
+        out["value"] = holder.state[0][rows]
+        for k, a in holder.slots.items():
+            if a.shape == (self.allocated, self.config.dim):
+                out[f"slot_{k}"] = a[rows]
+        return out
 
     def _evict(self, n: int, protect: np.ndarray) -> None:
         """Evicts ``n`` rows (fewer if fewer are not protected) by the table's policy."""
@@ -515,6 +769,8 @@ class DynamicRows:
         """Unbounded tables: more rows (at least doubling), keeping every row, slot and counter."""
         old = self.allocated
         rows = max(2 * old, _pow2(rows_needed))
+        if self.hot_rows:
+            rows = max(old, min(rows, self.hot_rows))
         values, slots = self._storage(optimizer, rows)
         values[:old] = holder.state[0]
         for k, a in holder.slots.items():
@@ -522,7 +778,7 @@ class DynamicRows:
                 slots[k][:old] = a
             else:
                 slots[k] = a
-        for name in ("slot_ids", "last_step", "hits", "last_time", "live"):
+        for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk"):
             arr = getattr(self, name)
             grown = np.zeros(rows, arr.dtype)
             grown[:old] = arr
@@ -538,26 +794,50 @@ class DynamicRows:
     # -- checkpoints --------------------------------------------------------------
 
     def export(self, holder: Holder) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Copies of the live rows, by ascending id: ``(values, slots, bookkeeping arrays)``."""
+        """Copies of the live rows, by ascending id: ``(values, slots, bookkeeping arrays)``.
+
+        With a disk tier, every cold row is read too (one pass over the tier in id
+        order): the copies hold the whole piece in memory, about twice its rows'
+        bytes at the peak, while the checkpoint is written.
+        """
         rows = np.flatnonzero(self.live)
+        dim = self.config.dim
+        if self.tier is not None and len(self.tier):
+            hot = self._records(holder, rows)
+            cold = [(i[self.index.get(i) < 0], r[self.index.get(i) < 0]) for i, r in self.tier.items()]
+            parts = [(self.slot_ids[rows], hot), *cold]
+            ids = np.concatenate([p[0] for p in parts])
+            recs = np.concatenate([p[1] for p in parts])
+            order = np.argsort(ids, kind="stable")
+            ids, recs = ids[order], recs[order]
+            slots = {
+                k: (np.ascontiguousarray(recs[f"slot_{k}"]) if a.shape == (self.allocated, dim) else a.copy())
+                for k, a in holder.slots.items()
+            }
+            return np.ascontiguousarray(recs["value"]), slots, self._meta(ids, recs)
         rows = rows[np.argsort(self.slot_ids[rows], kind="stable")]
         values = holder.state[0][rows]
         slots = {
-            k: (a[rows] if a.shape == (self.allocated, self.config.dim) else a.copy())
-            for k, a in holder.slots.items()
+            k: (a[rows] if a.shape == (self.allocated, dim) else a.copy()) for k, a in holder.slots.items()
         }
+        return values, slots, self._meta(self.slot_ids[rows], self._records_meta(rows))
+
+    def _records_meta(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        return {"last_step": self.last_step[rows], "hits": self.hits[rows], "last_time": self.last_time[rows]}
+
+    def _meta(self, ids: np.ndarray, per_row: Any) -> dict[str, np.ndarray]:
         meta = {
-            "ids": self.slot_ids[rows],
-            "last_step": self.last_step[rows],
-            "hits": self.hits[rows],
-            "last_time": self.last_time[rows],
+            "ids": ids,
+            "last_step": np.ascontiguousarray(per_row["last_step"]),
+            "hits": np.ascontiguousarray(per_row["hits"]),
+            "last_time": np.ascontiguousarray(per_row["last_time"]),
             "clock": np.array(self.clock, np.int64),
             "last_sweep": np.array(self.last_sweep, np.float64),
         }
         if self.sketch is not None:
             meta["sketch"] = self.sketch.table.copy()
             meta["sketch_added"] = np.array(self.sketch.added, np.int64)
-        return values, slots, meta
+        return meta
 
     def load(
         self,
@@ -570,17 +850,25 @@ class DynamicRows:
         """Fills an empty piece from ``export``'s arrays (or a checkpoint's, re-cut for this shard).
 
         Rows beyond the shard's capacity (a restore into fewer shards) are
-        evicted by the policy; a sketch of another width is folded or tiled
-        into this one's.
+        evicted by the policy; with a disk tier, the rows beyond memory's share go
+        to disk (those the policy would evict first; one write transaction). A
+        sketch of another width is folded or tiled into this one's.
 
         Raises:
             ValueError: arrays that do not match.
+            TierFullError: the disk tier cannot take the cold rows.
         """
         ids = np.asarray(meta["ids"], np.int64)
         n = ids.size
         dim = self.config.dim
         if values.shape != (n, dim):
             raise ValueError(f"rows of shape {values.shape} for {n} ids of dim {dim}")
+        for k, a in slots.items():
+            target = holder.slots.get(k)
+            if target is None:
+                raise ValueError(f"slot {k!r} is not one of the optimizer's ({sorted(holder.slots)})")
+            if target.shape == (self.allocated, dim) and a.shape != (n, dim):
+                raise ValueError(f"slot {k!r} has shape {a.shape}, not {(n, dim)}")
         self.clock = int(meta["clock"])
         sweep = np.asarray(meta["last_sweep"], np.float64)
         self.last_sweep = (int(sweep[0]), float(sweep[1]))
@@ -591,31 +879,38 @@ class DynamicRows:
             self.sketch.merged([saved])
         last_step = np.asarray(meta["last_step"], np.int64)
         hits = np.asarray(meta["hits"], np.int64)
+        last_time = np.asarray(meta["last_time"], np.float64)
         if not self.config.capacity and n > self.allocated:
             self._grow(holder, optimizer, n)
         keep = np.arange(n)
-        if n > self.nfree:  # more rows than this shard holds: keep those the policy would keep longest
+        if n > self.nfree:  # more rows than memory holds: keep those the policy would keep longest
             keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
             drop = _smallest(keep, keys, n - self.nfree)
+            drop = drop[np.argsort(ids[drop], kind="stable")]
+            if self.tier is not None:
+                out = np.empty(drop.size, self.tier.record)
+                out["last_step"], out["hits"], out["last_time"] = last_step[drop], hits[drop], last_time[drop]
+                out["value"] = values[drop]
+                for k, a in slots.items():
+                    if holder.slots[k].shape == (self.allocated, dim):
+                        out[f"slot_{k}"] = a[drop]
+                self.tier.write(ids[drop], out)
+            else:
+                self.stats.evicted += drop.size
             mask = np.ones(n, bool)
             mask[drop] = False
             keep = keep[mask]
-            self.stats.evicted += drop.size
         rows = self._take(keep.size)
         self.index.insert(ids[keep], rows)
         self.slot_ids[rows] = ids[keep]
         self.last_step[rows] = last_step[keep]
         self.hits[rows] = hits[keep]
-        self.last_time[rows] = np.asarray(meta["last_time"], np.float64)[keep]
+        self.last_time[rows] = last_time[keep]
         self.live[rows] = True
         holder.state[0][rows] = values[keep]
         for k, a in slots.items():
-            target = holder.slots.get(k)
-            if target is None:
-                raise ValueError(f"slot {k!r} is not one of the optimizer's ({sorted(holder.slots)})")
+            target = holder.slots[k]
             if target.shape == (self.allocated, dim):
-                if a.shape != (n, dim):
-                    raise ValueError(f"slot {k!r} has shape {a.shape}, not {(n, dim)}")
                 target[rows] = a[keep]
             else:
                 holder.slots[k] = np.array(a, dtype=target.dtype).reshape(target.shape)

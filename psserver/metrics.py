@@ -366,6 +366,7 @@ class _StoreCollector(Collector):
         yield from self._checkpointing(shard)
         yield from self._replication(shard)
         yield from _dynamic_families(shard, variables)
+        yield from _tier_families(shard, variables)
 
     def _checkpointing(self, shard: str) -> Iterator[GaugeMetricFamily]:
         checkpointer = self.m.checkpointer
@@ -469,6 +470,72 @@ def _dynamic_families(shard: str, variables: list[Any]) -> Iterator[Any]:
         for table, dyn in pieces:
             family.add_metric([shard, table], getattr(dyn.stats, attr))
         yield family
+
+
+def piece_memory_bytes(var: Any) -> int:
+    """Bytes a dynamic table piece holds in memory: rows, optimizer slots and bookkeeping."""
+    return int(var.value.nbytes + sum(a.nbytes for a in var.slots.values()) + var.dyn.nbytes)
+
+
+def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
+    """The disk tier of each tiered dynamic table piece (labels: shard, table, and tier: memory or disk).
+
+    Exported (without samples) by every shard, so dashboards and alerts can name them.
+    Hit rate: ``lookups{tier="memory"} / sum(lookups)``; mean batched read latency:
+    ``rate(read_seconds) / rate(reads)``.
+    """
+    pieces = [
+        (v.dyn.config.table, v, v.dyn.tier) for v in variables if v.dyn is not None and v.dyn.tier is not None
+    ]
+    labels = ["shard", "table", "tier"]
+    rows = GaugeMetricFamily(
+        "psserver_table_tier_rows", "Rows of a dynamic table in each tier", labels=labels
+    )
+    size = GaugeMetricFamily(
+        "psserver_table_tier_bytes",
+        "Bytes of a dynamic table in each tier (memory: rows, slots, bookkeeping; disk: allocated blocks)",
+        labels=labels,
+    )
+    budget = GaugeMetricFamily(
+        "psserver_table_tier_memory_budget_rows",
+        "Rows of a dynamic table the in-memory tier holds at most (--table-memory)",
+        labels=["shard", "table"],
+    )
+    lookups = CounterMetricFamily(
+        "psserver_table_tier_lookups",
+        "Ids of pushes and lookups found in each tier (the memory tier's share is the hit rate)",
+        labels=labels,
+    )
+    spilled = CounterMetricFamily(
+        "psserver_table_tier_spilled_rows", "Rows moved from memory to disk", labels=["shard", "table"]
+    )
+    filled = CounterMetricFamily(
+        "psserver_table_tier_filled_rows",
+        "Rows a push moved from disk back into memory",
+        labels=["shard", "table"],
+    )
+    reads = CounterMetricFamily(
+        "psserver_table_tier_reads", "Batched reads of the disk tier", labels=["shard", "table"]
+    )
+    read_s = CounterMetricFamily(
+        "psserver_table_tier_read_seconds",
+        "Seconds in batched reads of the disk tier",
+        labels=["shard", "table"],
+    )
+    for table, var, tier in pieces:
+        dyn = var.dyn
+        rows.add_metric([shard, table, "memory"], dyn.hot_len)
+        rows.add_metric([shard, table, "disk"], len(tier))
+        size.add_metric([shard, table, "memory"], piece_memory_bytes(var))
+        size.add_metric([shard, table, "disk"], tier.disk_used)
+        budget.add_metric([shard, table], dyn.hot_rows)
+        lookups.add_metric([shard, table, "memory"], tier.stats.hot_hits)
+        lookups.add_metric([shard, table, "disk"], tier.stats.cold_hits)
+        spilled.add_metric([shard, table], tier.stats.spilled)
+        filled.add_metric([shard, table], tier.stats.filled)
+        reads.add_metric([shard, table], tier.stats.reads)
+        read_s.add_metric([shard, table], tier.stats.read_seconds)
+    yield from (rows, size, budget, lookups, spilled, filled, reads, read_s)
 
 
 def _chunk_bytes(chunks: Iterable[ps_pb2.TensorChunk]) -> int:

@@ -207,7 +207,11 @@ async def start(config: ServerConfig) -> Shard:
             config.shard, config.backup_at,
         )  # fmt: skip
         config = dataclasses.replace(config, backup_of=config.backup_at, backup_at=None)
-    store = Store(allow_non_finite=config.allow_non_finite, inline_apply_bytes=config.inline_apply_bytes)
+    tier = config.tier
+    tier_lock = tier.open() if tier is not None else None  # TierDirError: before anything else starts
+    store = Store(
+        allow_non_finite=config.allow_non_finite, inline_apply_bytes=config.inline_apply_bytes, tier=tier
+    )
     mode = make_mode(
         config.mode,
         store,
@@ -332,8 +336,16 @@ async def start(config: ServerConfig) -> Shard:
             raise security.BindError(err.errno or 0, f"cannot bind --metrics-port {bind}: {why}") from err
         shard.on_shutdown.append(metrics.aclose)
         log.info("shard %d: metrics on http://%s:%d/metrics", config.shard, host, metrics_port)
+    if tier_lock is not None:
+        shard.on_shutdown.append(functools.partial(_close_tier, store, tier_lock))  # last: after the save
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return shard
+
+
+async def _close_tier(store: Store, lock_fd: int) -> None:
+    """Closes the disk tiers and releases ``--table-dir`` (a restart as a backup claims it again)."""
+    store.close()
+    os.close(lock_fd)
 
 
 def _checkpoint_hooks(

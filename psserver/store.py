@@ -50,6 +50,7 @@ from pscore.errors import (
 from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers, tables
+from psserver.tier import TierConfig, TierDirError
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,17 @@ class Store:
     Not thread-safe: call it from the shard's event loop only.
     """
 
-    def __init__(self, *, allow_non_finite: bool = False, inline_apply_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        *,
+        allow_non_finite: bool = False,
+        inline_apply_bytes: int = 1 << 20,
+        tier: TierConfig | None = None,
+    ) -> None:
         self._vars: dict[str, Variable] = {}
+        # The disk tier (``psserver.tier``): dynamic tables without a capacity keep their hot rows in
+        # memory under its budget and the others on disk; None: every row in memory.
+        self.tier = tier
         # worker_id -> session -> its window; insertion order is age: the last session is the current one.
         self._sessions: dict[str, dict[int, _SeqWindow]] = {}
         self.allow_non_finite = allow_non_finite
@@ -189,8 +199,15 @@ class Store:
         """Forgets every variable and the dedup table (a backup about to load a new snapshot)."""
         if self._updating or self._pending:
             raise RuntimeError("Store.clear while updates are in progress")
+        self.close()
         self._vars = {}
         self._sessions = {}
+
+    def close(self) -> None:
+        """Closes (and removes) the dynamic tables' disk tiers; the store is not used after."""
+        for var in self._vars.values():
+            if var.dyn is not None:
+                var.dyn.close()
 
     # -- inspection ---------------------------------------------------------
 
@@ -245,6 +262,30 @@ class Store:
         """
         made = made or {}
         staged: list[Variable | None] = []
+        try:
+            self._stage(specs, values, made, staged)
+        except BaseException:
+            for var in staged:  # a dynamic piece's disk tier was created: drop it with the piece
+                if var is not None and var.dyn is not None:
+                    var.dyn.close()
+            raise
+        for var in staged:
+            if var is not None:
+                self._vars[var.name] = var
+                self.changes += 1
+                log.info(
+                    "created %s %s%s (%s)", var.name, var.dtype.name, list(var.shape), var.optimizer.name
+                )
+        return [var is not None for var in staged]
+
+    def _stage(
+        self,
+        specs: list[ps_pb2.VariableSpec],
+        values: Mapping[str, np.ndarray],
+        made: Mapping[str, np.ndarray],
+        staged: list[Variable | None],
+    ) -> None:
+        """``create``'s checks and builds: appends each spec's new variable (None: it exists)."""
         seen: set[str] = set()
         for spec in specs:
             name = spec.name
@@ -274,14 +315,6 @@ class Store:
         extra = set(values) - seen
         if extra:
             raise InvalidArgumentError(f"values given for variables without a spec: {sorted(extra)}")
-        for var in staged:
-            if var is not None:
-                self._vars[var.name] = var
-                self.changes += 1
-                log.info(
-                    "created %s %s%s (%s)", var.name, var.dtype.name, list(var.shape), var.optimizer.name
-                )
-        return [var is not None for var in staged]
 
     async def make_rows(self, specs: Iterable[ps_pb2.VariableSpec]) -> dict[str, np.ndarray]:
         """The rows of the new table pieces in ``specs`` whose spec names an initializer, for ``create``.
@@ -315,7 +348,7 @@ class Store:
         name = spec.name
         dtype, shape = _parse(spec)
         if spec.HasField("dynamic"):
-            return _build_dynamic(spec, dtype, value)
+            return _build_dynamic(spec, dtype, value, self.tier)
         if value is None and not made:
             raise InvalidArgumentError(f"variable {name!r}: no initial value was sent")
         if spec.HasField("partition"):
@@ -1054,8 +1087,15 @@ def _check_table(
     tables.regularizer(spec)
 
 
-def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray | None) -> Variable:
-    """A new, empty dynamic table piece. Raises: InvalidArgumentError for a bad spec (or a value sent)."""
+def _build_dynamic(
+    spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray | None, tier: TierConfig | None = None
+) -> Variable:
+    """A new, empty dynamic table piece, with its disk tier when ``tier`` is set and it has no capacity.
+
+    Raises:
+        InvalidArgumentError: a bad spec (or a value sent), or a tier budget too small for the table.
+        ResourceExhaustedError: its disk tier cannot be created.
+    """
     what = f"dynamic table piece {spec.name!r}"
     if value is not None and value.size:
         raise InvalidArgumentError(f"{what}: takes no initial value (rows are created on their first push)")
@@ -1071,9 +1111,22 @@ def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray
     except ValueError as err:
         raise InvalidArgumentError(f"table {config.table!r}: {err}") from None
     regularizer = tables.regularizer(spec)
-    rows = dynamic.DynamicRows(config, dtype)
+    hot_rows = 0
+    if tier is not None and not config.capacity:
+        try:
+            hot_rows = dynamic.DynamicRows.hot_rows_for(config, dtype, optimizer, tier.memory_bytes)
+        except ValueError as err:
+            raise InvalidArgumentError(f"{what}: {err}") from None
+    elif tier is not None:
+        log.info(
+            "%s: table %r has a capacity (%d rows on this shard): kept in memory, not tiered",
+            spec.name,
+            config.table,
+            config.capacity,
+        )
+    rows = dynamic.DynamicRows(config, dtype, hot_rows)
     storage, slots = rows.new_storage(optimizer)
-    return Variable(
+    var = Variable(
         spec=spec,
         dtype=dtype,
         shape=(0, config.dim),
@@ -1083,6 +1136,13 @@ def _build_dynamic(spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray
         dyn=rows,
         regularizer=regularizer,
     )
+    if hot_rows:
+        assert tier is not None
+        try:
+            rows.attach_tier(tier, spec.name, var)
+        except TierDirError as err:
+            raise ResourceExhaustedError(f"{what}: {err}") from None
+    return var
 
 
 def _owned(value: np.ndarray) -> np.ndarray:

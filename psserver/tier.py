@@ -1,0 +1,427 @@
+"""The disk tier of a dynamic table piece: its cold rows in a local LMDB environment.
+
+A shard started with ``--table-memory BYTES`` keeps each dynamic table
+piece's hot rows (values, optimizer slots, bookkeeping) in memory under that
+budget (``psserver.dynamic``: ``TierConfig.hot_rows``) and its cold rows
+here, one LMDB environment per piece under ``--table-dir``. LMDB was picked by
+measurement against RocksDB (``bench/results/kv_tier.md``): 5-9x faster
+batched random reads (a fill is on a push's critical path), single-writer
+transactions that commit all or nothing, and no background compaction threads
+competing with the event loop; it uses about 2x the records' bytes on disk.
+
+A record is one row: its bookkeeping (``last_step``, ``hits``, ``last_time``),
+its value and its row slots, as one numpy structured record; the key is the
+id's 8 bytes, big-endian with the sign bit flipped, so LMDB's key order is
+the ids' order (``scan``). Every write (a spill of rows, the deletion of
+expired rows) is one transaction: it commits whole or not at all, and a
+failed one (``TierFullError``: the disk or the tier's size limit is full)
+leaves the tier as it was. A row filled back into memory keeps its record
+here (an older copy the piece skips: ``DynamicRows.on_disk``) until it is
+spilled again, over it, so a fill writes nothing.
+
+The environment is opened with ``writemap`` (pages written in place in the
+map: a commit copies nothing), whose data file is sparse and as large as the
+map; every write transaction first has the disk allocate the blocks it can
+reach (``posix_fallocate``), so a full disk is a ``TierFullError`` before the
+transaction, never a SIGBUS while writing the map.
+
+The tier is a spill space, not a durable store: durability comes from
+checkpoints (which read every cold row) and backups (which have their own
+tier), so it is written without fsync and wiped when a piece is created.
+
+Not thread-safe for writes: write from the shard's event loop only. Reads
+(``get``, ``scan``, ``items``) may run in another thread meanwhile (a
+checkpoint snapshot's export), each in its own read transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from pscore.errors import InternalError, ResourceExhaustedError
+
+_RESERVE_STEP = 64 << 20  # disk blocks allocated ahead of the tier's writes at least this much at a time
+_REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next push (``DiskTier.get``)
+DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
+_SIGN = np.uint64(1 << 63)
+_META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
+
+
+class TierFullError(ResourceExhaustedError):
+    """A dynamic table's disk tier cannot take a write: its disk is full, or it hit ``--table-disk-limit``.
+
+    The push (or restore) that hit it was not applied: the table is unchanged.
+    Retryable once space is freed; more shards or a larger limit make room.
+    """
+
+
+class TierDirError(ValueError):
+    """The ``--table-dir`` cannot hold a disk tier (not creatable or not writable); the message says why."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierConfig:
+    """A shard's disk tier settings (``--table-memory``, ``--table-dir``, ``--table-disk-limit``).
+
+    Attributes:
+        directory: where the pieces' LMDB environments live (one subdirectory each).
+        memory_bytes: the in-memory budget of each dynamic table piece's hot rows.
+        disk_bytes: the most bytes one piece's environment may hold on disk.
+        owner: names the process's own subdirectory (``shard0``, ``shard0-backup``): the shards and
+            backups of one machine may share a directory.
+    """
+
+    directory: str
+    memory_bytes: int
+    disk_bytes: int = DEFAULT_DISK_BYTES
+    owner: str = "shard"
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 1 << 16:
+            raise ValueError(f"--table-memory must be at least 64 KiB, got {self.memory_bytes} bytes")
+        if self.disk_bytes < 1 << 20:
+            raise ValueError(f"--table-disk-limit must be at least 1 MiB, got {self.disk_bytes} bytes")
+
+    @property
+    def root(self) -> Path:
+        """The directory this process owns under ``directory`` (wiped at start-up)."""
+        return Path(self.directory) / f"psserver-tier-{self.owner}"
+
+    def open(self) -> int:
+        """Claims the directory for this process at start-up; returns the lock's file descriptor.
+
+        Creates it, takes an exclusive lock on this owner's part of it (two processes
+        of one owner, e.g. two shard 0 primaries, cannot share it), removes what an
+        earlier process left there (the tier is rebuilt from checkpoints, never
+        reused) and writes a probe file. The lock is held until the process exits
+        (or the file descriptor returned is closed).
+
+        Raises:
+            TierDirError: it cannot be created or written, or another process holds it (the
+                message names the path and the reason).
+        """
+        path = Path(self.directory)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path / f".psserver-tier-{self.owner}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise TierDirError(f"--table-dir {self.directory!r} cannot hold the disk tier: {err}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise TierDirError(
+                f"--table-dir {self.directory!r} is in use by another {self.owner} process (two "
+                "processes of one shard and role cannot share it)"
+            ) from None
+        try:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root.mkdir()
+            probe = self.root / ".probe"
+            with open(probe, "wb") as f:
+                f.write(b"x" * 4096)
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as err:
+            os.close(fd)
+            raise TierDirError(f"--table-dir {self.directory!r} cannot hold the disk tier: {err}") from None
+        return fd
+
+    def piece_dir(self, name: str) -> Path:
+        """The directory of piece ``name``'s environment (a readable prefix and a hash: any name is safe)."""
+        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:48]
+        return self.root / f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from ``"2GiB"``, ``"512MiB"``, ``"1.5G"``, ``"1000000"`` (K/M/G/T: powers of 1024).
+
+    >>> parse_bytes("2GiB"), parse_bytes("64m"), parse_bytes("4096")
+    (2147483648, 67108864, 4096)
+
+    Raises:
+        ValueError: not a size.
+    """
+    s = text.strip().lower().removesuffix("b").removesuffix("i")
+    scale = 1
+    for i, unit in enumerate("kmgt", start=1):
+        if s.endswith(unit):
+            s, scale = s[:-1], 1024**i
+            break
+    try:
+        value = float(s)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1000000)") from None
+    if not value >= 0:
+        raise ValueError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1000000)")
+    return int(value * scale)
+
+
+def _keys(ids: np.ndarray) -> list[bytes]:
+    keys: list[bytes] = (np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+    return keys
+
+
+def _ids(keys: list[bytes]) -> np.ndarray:
+    if not keys:
+        return np.zeros(0, np.int64)
+    return (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+
+
+@dataclasses.dataclass(slots=True)
+class TierStats:
+    """Counters of one piece's tier since the shard started (metrics, ``psctl status``)."""
+
+    spilled: int = 0  # rows written out of memory
+    filled: int = 0  # rows read back into memory by a push
+    cold_reads: int = 0  # rows a lookup or scan read from disk (not filled)
+    hot_hits: int = 0  # ids of pushes and lookups found in memory
+    cold_hits: int = 0  # ids of pushes and lookups found on disk
+    read_seconds: float = 0.0  # time in batched disk reads
+    reads: int = 0  # batched disk reads
+
+
+class DiskTier:
+    """The cold rows of one dynamic table piece (see the module docs).
+
+    Args:
+        path: the environment's directory (removed first: a new piece starts empty).
+        record: the numpy structured dtype of one row's record (``record_dtype``).
+        disk_bytes: the environment's size limit.
+        table: the table's name (for messages).
+
+    Raises:
+        TierDirError: the environment cannot be created there.
+    """
+
+    def __init__(self, path: Path, record: np.dtype, disk_bytes: int, table: str) -> None:
+        self.path = path
+        self.record = record
+        self.table = table
+        self.disk_bytes = disk_bytes
+        self.stats = TierStats()
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True, exist_ok=True)
+            self.env = lmdb.open(
+                str(path),
+                map_size=disk_bytes,
+                subdir=True,
+                sync=False,  # a spill space: checkpoints and backups make rows durable, not this
+                metasync=False,
+                readahead=False,  # random reads: the kernel's readahead would read pages never used
+                max_readers=64,
+                lock=True,
+                # Pages are written in place in the map: a commit copies nothing (without it, writing
+                # the dirty pages was half of a spill's cost). The data file is then as large as the
+                # map, sparse: writes go only to blocks ``_reserve`` allocated first, so a full disk is a
+                # TierFullError before a transaction, never a SIGBUS in one.
+                writemap=True,
+            )
+            self._fd = os.open(path / "data.mdb", os.O_RDWR)
+        except (OSError, lmdb.Error) as err:
+            raise TierDirError(
+                f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
+            ) from None
+        self._page = int(self.env.stat()["psize"])
+        self._reserved = 0  # bytes of the data file allocated (posix_fallocate) from its start
+        self._count = 0
+        # The records the last lookup read (sorted ids): the push of the same ids that usually follows
+        # fills from them instead of reading again. A write drops the ids it changes.
+        self._recent_ids = np.zeros(0, np.int64)
+        self._recent = np.zeros(0, record)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def disk_used(self) -> int:
+        """Bytes the environment's data file takes on disk."""
+        try:
+            return os.stat(self.path / "data.mdb").st_blocks * 512
+        except OSError:
+            return 0
+
+    def close(self, remove: bool = True) -> None:
+        """Closes the environment (and removes its files)."""
+        self.env.close()
+        os.close(self._fd)
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def get(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """One batched read: ``(found, records)``: which ids have a cold row, and their records in order.
+
+        Ids the last remembering read found are answered from its records (still
+        what the disk holds: writes drop the ids they change). ``remember``: keep
+        this read's records for the next (a lookup's, for the push that follows).
+        """
+        ids = np.asarray(ids, np.int64)
+        found = np.zeros(ids.size, bool)
+        if not ids.size or not self._count:
+            return found, np.zeros(0, self.record)
+        t0 = time.perf_counter()
+        known = np.zeros(ids.size, bool)
+        at = np.zeros(ids.size, np.int64)
+        if self._recent_ids.size:
+            at = np.minimum(np.searchsorted(self._recent_ids, ids), self._recent_ids.size - 1)
+            known = self._recent_ids[at] == ids
+        ask = np.flatnonzero(~known)
+        vals: list[bytes | None] = []
+        if ask.size:
+            with self.env.begin(buffers=False) as txn:
+                vals = [txn.get(k) for k in _keys(ids[ask])]
+            self.stats.reads += 1
+        got = np.array([v is not None for v in vals], bool)
+        found[known] = True
+        found[ask[got]] = True
+        records = np.empty(int(np.count_nonzero(found)), self.record)
+        slot = np.cumsum(found) - 1
+        records[slot[known]] = self._recent[at[known]]
+        if got.any():
+            records[slot[ask[got]]] = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
+        if remember:
+            order = np.argsort(ids[found], kind="stable")
+            keep = records.nbytes <= _REMEMBER_BYTES
+            self._recent_ids = ids[found][order] if keep else np.zeros(0, np.int64)
+            self._recent = records[order] if keep else np.zeros(0, self.record)
+        self.stats.read_seconds += time.perf_counter() - t0
+        return found, records
+
+    def _forget(self, changed: list[np.ndarray]) -> None:
+        if self._recent_ids.size and changed:
+            keep = ~np.isin(self._recent_ids, np.concatenate(changed))
+            self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
+
+    def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
+        """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
+
+        Raises:
+            TierFullError: the disk or the size limit is full; nothing was written.
+            InternalError: another LMDB failure; nothing was written.
+        """
+        ids = np.asarray(ids, np.int64)
+        dels = [np.asarray(d, np.int64) for d in delete]
+        if not ids.size and not any(d.size for d in dels):
+            return
+        vals = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}").tolist()
+        self._forget([ids, *dels])  # before the write: a failed one may have changed nothing, or not
+        self._reserve(ids.size + sum(d.size for d in dels))
+        try:
+            with self.env.begin(write=True) as txn:
+                for d in dels:
+                    for k in _keys(d):
+                        txn.delete(k)
+                if ids.size:
+                    cur = txn.cursor()
+                    items = list(zip(_keys(ids), vals, strict=True))
+                    consumed, _ = cur.putmulti(items, overwrite=True)
+                    if consumed != ids.size:
+                        raise lmdb.Error(f"{consumed} of {ids.size} rows written")
+        except (lmdb.MapFullError, lmdb.DiskError) as err:
+            raise TierFullError(
+                f"table {self.table!r}: its disk tier is full ({type(err).__name__}: {err}; limit "
+                f"{self.disk_bytes / 2**30:.1f} GiB at {str(self.path)!r}); nothing was applied. Free disk "
+                "space, raise --table-disk-limit or --table-memory, or add shards"
+            ) from None
+        except lmdb.Error as err:
+            raise InternalError(
+                f"table {self.table!r}: disk tier write failed ({type(err).__name__}: {err}); "
+                "nothing was applied"
+            ) from None
+        self._count = int(self.env.stat()["entries"])
+        self.stats.spilled += int(ids.size)
+
+    def _reserve(self, ops: int) -> None:
+        """Allocates disk blocks for a transaction of ``ops`` puts and deletes, before it runs.
+
+        A transaction writes at most a copy of every page of the tree it touches (each
+        page once: at most ``5 x ops``, at most every page there is) plus its new
+        records' pages (at least half full: ``2 x`` their bytes) plus the free list's;
+        LMDB puts them at the end of the used pages or into freed ones. Allocated in
+        steps of at least ``_RESERVE_STEP`` bytes, up to the map size.
+
+        Raises:
+            TierFullError: the disk has not that much space (nothing was written).
+        """
+        used = int(self.env.info()["last_pgno"]) + 1
+        pages = used + min(5 * ops, used) + 2 * ops * self.record.itemsize // self._page + 64
+        end = min(pages * self._page, self.disk_bytes)
+        if end <= self._reserved:
+            return
+        ahead = min(max(end, self._reserved + _RESERVE_STEP), self.disk_bytes)
+        try:
+            try:
+                os.posix_fallocate(self._fd, self._reserved, ahead - self._reserved)
+                end = ahead
+            except OSError:  # not that much room ahead: what this transaction needs, or TierFullError
+                os.posix_fallocate(self._fd, self._reserved, end - self._reserved)
+        except OSError as err:
+            raise TierFullError(
+                f"table {self.table!r}: its disk tier is full (cannot allocate {end - self._reserved} bytes "
+                f"at {str(self.path)!r}: {err.strerror or err}); nothing was applied. Free disk space, raise "
+                "--table-memory, or add shards"
+            ) from None
+        self._reserved = end
+
+    def scan(self, after: int | None, n: int) -> np.ndarray:
+        """The first ``n`` ids of cold rows that are ``> after``, ascending."""
+        out: list[bytes] = []
+        if n <= 0 or not self._count:
+            return np.zeros(0, np.int64)
+        with self.env.begin() as txn:
+            cur = txn.cursor()
+            if after is None:
+                ok = cur.first()
+            else:
+                if after == np.iinfo(np.int64).max:
+                    return np.zeros(0, np.int64)
+                ok = cur.set_range(_keys(np.array([after + 1]))[0])
+            while ok and len(out) < n:
+                out.append(bytes(cur.key()))
+                ok = cur.next()
+        return _ids(out)
+
+    def items(self, chunk: int = 1 << 16) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        """Every cold row in ascending id order, ``chunk`` at a time: ``(ids, records)``."""
+        with self.env.begin(buffers=False) as txn:
+            keys: list[bytes] = []
+            vals: list[bytes] = []
+            for k, v in txn.cursor():
+                keys.append(k)
+                vals.append(v)
+                if len(keys) == chunk:
+                    yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+                    keys, vals = [], []
+            if keys:
+                yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+
+    def expired(self, before_step: int | None, before_time: float | None) -> np.ndarray:
+        """Ids of cold rows last updated before push ``before_step`` or time ``before_time`` (a full scan)."""
+        out = []
+        for ids, rec in self.items():
+            old = np.zeros(ids.size, bool)
+            if before_step is not None:
+                old |= rec["last_step"] < before_step
+            if before_time is not None:
+                old |= rec["last_time"] < before_time
+            out.append(ids[old])
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def record_dtype(dim: int, dtype: np.dtype, slots: dict[str, np.dtype]) -> np.dtype:
+    """The structured dtype of a cold row: bookkeeping, value, then each row slot (sorted by name)."""
+    fields = [*_META, ("value", np.dtype(dtype), (dim,))]
+    fields += [(f"slot_{k}", np.dtype(slots[k]), (dim,)) for k in sorted(slots)]
+    return np.dtype(fields)

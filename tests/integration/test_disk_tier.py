@@ -1,0 +1,131 @@
+"""The disk tier of dynamic tables (``psserver --table-memory --table-dir``) with real shard processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _support import CALL_TIMEOUT_S as TIMEOUT_S
+
+import psclient
+from psclient import ctl
+from trainer.cluster import LocalCluster
+
+pytestmark = [pytest.mark.timeout(120)]
+
+_DIM = 16
+_IDS = np.arange(3000, dtype=np.int64) * 1_000_003 - 7  # about 1500 rows a shard: 5x what 64 KiB holds
+
+
+def _tier(path: Path, memory: str = "64KiB") -> list[str]:
+    return ["--table-memory", memory, "--table-dir", str(path)]
+
+
+def _stats(c: psclient.PSClient, name: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for info in c.list_variables([name])[name]:
+        for field, value in info.dynamic.ListFields():
+            out[field.name] = out.get(field.name, 0) + int(value)
+    return out
+
+
+def _train(c: psclient.PSClient, steps: range) -> None:
+    for i in steps:
+        rng = np.random.default_rng(i)
+        ids = np.unique(_IDS[np.floor(_IDS.size * rng.random(200) ** 2).astype(np.int64)])  # power law
+        c.push({"emb": psclient.Rows(ids, rng.standard_normal((ids.size, _DIM)).astype(np.float32))})
+
+
+def _create(c: psclient.PSClient) -> None:
+    c.create_embedding("emb", None, _DIM, optimizer=psclient.Adagrad(0.1), initializer=("uniform", -1, 1))
+
+
+def test_a_tiered_table_trains_checkpoints_and_restores_like_one_in_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    with LocalCluster(1) as ref, psclient.PSClient(ref.addresses, "ref", timeout=TIMEOUT_S) as c:
+        _create(c)
+        _train(c, range(40))
+        middle = c.lookup("emb", _IDS)
+        _train(c, range(40, 50))
+        final = c.lookup("emb", _IDS)
+    with LocalCluster(2, [*ckpt, *_tier(tmp_path / "tier")]) as two:
+        with psclient.PSClient(two.addresses, "w0", timeout=TIMEOUT_S) as c:
+            _create(c)
+            _train(c, range(40))
+            np.testing.assert_array_equal(c.lookup("emb", _IDS), middle)  # bit-equal, cold rows included
+            s = _stats(c, "emb")
+            assert s["rows_on_disk"] > s["rows_in_memory"] > 0 and s["spilled"] > 0 and s["filled"] > 0
+            assert s["rows"] == s["rows_in_memory"] + s["rows_on_disk"]
+            assert s["memory_rows_max"] < s["rows"] / 2
+            assert ctl.main(["status", *two.addresses, "--interval", "0"]) == 0
+            out = capsys.readouterr().out
+            assert "TIERED TABLE" in out and "HIT RATE" in out
+        assert two.stop() == [0, 0]  # SIGTERM: final checkpoints, the disk tier included
+    # Into 3 shards with another budget: the rows come back, cold ones included, and train on alike.
+    more = [*ckpt, *_tier(tmp_path / "tier", "96KiB")]
+    with LocalCluster(3, more) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
+        np.testing.assert_array_equal(c.lookup("emb", _IDS), middle)
+        assert _stats(c, "emb")["rows_on_disk"] > 0
+        _train(c, range(40, 50))
+        np.testing.assert_array_equal(c.lookup("emb", _IDS), final)
+
+
+def test_a_push_the_disk_tier_cannot_take_fails_typed_and_changes_nothing(tmp_path: Path) -> None:
+    args = [*_tier(tmp_path / "tier"), "--table-disk-limit", "1MiB"]
+    with LocalCluster(1, args) as one, psclient.PSClient(one.addresses, "w0", timeout=TIMEOUT_S) as c:
+        _create(c)
+        ids = np.arange(20_000, dtype=np.int64)
+        with pytest.raises(psclient.ResourceExhaustedError, match="disk tier is full") as caught:
+            for start in range(0, ids.size, 200):  # 1 MiB holds about 5000 rows of 16 floats and a slot
+                before = c.lookup("emb", ids), _stats(c, "emb")
+                chunk = ids[start : start + 200]
+                c.push({"emb": psclient.Rows(chunk, np.ones((chunk.size, _DIM), np.float32))})
+        assert "--table-disk-limit" in str(caught.value)
+        np.testing.assert_array_equal(c.lookup("emb", ids), before[0])
+        after = _stats(c, "emb")
+        assert after["rows"] == before[1]["rows"] and after["spilled"] == before[1]["spilled"]
+        c.push({"emb": psclient.Rows(ids[:10], np.ones((10, _DIM), np.float32))})  # still serving
+
+
+def test_an_unwritable_table_dir_is_a_clear_error_at_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run(
+        [sys.executable, "-m", "psserver", "--shard", "0", "--port", "0", *_tier(blocker / "tier")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "psserver: error: --table-dir" in proc.stderr and "cannot hold the disk tier" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "psserver", "--shard", "0", "--table-memory", "1GiB"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--table-memory and --table-dir go together" in proc.stderr
+
+
+def test_a_backup_with_its_own_tier_holds_the_same_rows_after_kill_9(tmp_path: Path) -> None:
+    from trainer.cluster import backups_of
+
+    args = _tier(tmp_path / "tier")  # one directory: primaries and backups each use their own part
+    with LocalCluster(2, args) as primary, backups_of(primary, args) as backup:
+        addresses = [f"{p}|{b}" for p, b in zip(primary.addresses, backup.addresses, strict=True)]
+        with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
+            _create(c)
+            _train(c, range(25))
+            before, stats = c.lookup("emb", _IDS), _stats(c, "emb")
+            assert stats["rows_on_disk"] > 0
+            primary.kill_shard(0)
+            primary.kill_shard(1)
+            np.testing.assert_array_equal(c.lookup("emb", _IDS), before)  # the promoted backups' rows
+            after: dict[str, Any] = _stats(c, "emb")
+            assert after["rows"] == stats["rows"] and after["rows_on_disk"] > 0

@@ -1,0 +1,264 @@
+"""The disk tier of dynamic tables without sockets: spill and fill exactness, full disks, restores, scans."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pscore.errors import InvalidArgumentError, ResourceExhaustedError
+from pscore.optimizers import Adagrad, Adam, Optimizer
+from psproto.v1 import ps_pb2
+from psserver import tables
+from psserver.dynamic import DynamicRows
+from psserver.store import Store, Variable
+from psserver.tier import TierConfig, TierDirError, TierFullError, parse_bytes
+
+_SKETCH_BYTES = 4 * (1 << 20) * 2  # an unbounded table's admission sketch (min_count > 1)
+
+
+def _spec(dim: int, opt: Optimizer, **kw: Any) -> ps_pb2.VariableSpec:
+    spec = ps_pb2.VariableSpec(
+        name="t/rows_0", dtype=ps_pb2.DTYPE_FLOAT32, shape=[0, dim], optimizer=opt.to_proto()
+    )
+    spec.dynamic.CopyFrom(
+        ps_pb2.DynamicTable(
+            table="t",
+            dim=dim,
+            index=0,
+            count=1,
+            initializer=ps_pb2.RowInitializer(name="uniform", args=[-1.0, 1.0]),
+            **kw,
+        )
+    )
+    return spec
+
+
+class _Table:
+    """A dynamic table piece in a real store, tiered when ``tier`` is given."""
+
+    def __init__(
+        self, tier: TierConfig | None = None, dim: int = 16, opt: Optimizer | None = None, **kw: Any
+    ) -> None:
+        self.store = Store(tier=tier)
+        self.spec = _spec(dim, opt or Adagrad(0.1), **kw)
+        self.store.create([self.spec], {})
+        self.var: Variable = self.store.get(self.spec.name)
+        self.now = 1000.0
+
+    @property
+    def rows(self) -> DynamicRows:
+        assert self.var.dyn is not None
+        return self.var.dyn
+
+    def push(self, ids: np.ndarray, seed: int) -> None:
+        ids = np.asarray(ids, np.int64)
+        values = np.random.default_rng(seed).standard_normal((ids.size, self.var.shape[1]), np.float32)
+        pairs = self.store.validate_grads({self.spec.name: tables.RowGrad(ids, values)})
+        self.now += 1.0
+        asyncio.run(self.store.apply(pairs, self.now))
+
+    def export(self) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        return self.rows.export(self.var)
+
+
+def _stream(n_pushes: int, ids_per_push: int, id_space: int, seed: int = 0) -> list[np.ndarray]:
+    """Power-law ids (a few hot, a long tail), distinct per push."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_pushes):
+        ranks = np.floor(id_space * rng.random(ids_per_push) ** 3).astype(np.int64)
+        out.append(np.unique(ranks * 7919 - 50_000))  # negative ids too
+    return out
+
+
+def _assert_same(a: _Table, b: _Table) -> None:
+    va, sa, ma = a.export()
+    vb, sb, mb = b.export()
+    np.testing.assert_array_equal(ma["ids"], mb["ids"])
+    np.testing.assert_array_equal(va, vb)  # bit-equal: the same float32 math on the same rows
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        np.testing.assert_array_equal(sa[k], sb[k])
+    for k in ("last_step", "hits", "last_time", "clock", "last_sweep"):
+        np.testing.assert_array_equal(ma[k], mb[k])
+    probe = np.concatenate([ma["ids"], np.arange(-5, 5)])
+    np.testing.assert_array_equal(a.rows.read(a.var, probe), b.rows.read(b.var, probe))
+    assert len(a.rows) == len(b.rows)
+
+
+@pytest.mark.parametrize(
+    ("opt", "kw"),
+    [
+        (Adagrad(0.1), {}),
+        (Adam(0.01), {"eviction": ps_pb2.EVICTION_LFU, "ttl_steps": 40, "min_count": 2}),
+    ],
+    ids=["adagrad-lru", "adam-lfu-ttl-admission"],
+)
+def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
+    tmp_path: Path, opt: Optimizer, kw: dict[str, Any]
+) -> None:
+    sketch = _SKETCH_BYTES if kw.get("min_count", 0) > 1 else 0
+    tier = TierConfig(directory=str(tmp_path), memory_bytes=sketch + (96 << 10))
+    tiered, plain = _Table(tier, opt=opt, **kw), _Table(None, opt=opt, **kw)
+    for step, ids in enumerate(_stream(120, 120, 4000)):
+        for t in (tiered, plain):
+            if step % 2:  # as psclient.keras does: a lookup of the ids, then their push
+                t.rows.read(t.var, ids)
+            t.push(ids, seed=step)
+        assert tiered.rows.hot_len <= tiered.rows.hot_rows
+    st = tiered.rows.tier.stats if tiered.rows.tier is not None else None
+    assert st is not None and st.spilled > 500 and st.filled > 100  # both directions were exercised
+    assert tiered.rows.stale > 0  # filled rows whose older copy is still on disk (skipped by reads)
+    assert len(tiered.rows.tier or ()) > 0 and tiered.rows.hot_rows < len(plain.rows)
+    if kw.get("ttl_steps"):
+        assert plain.rows.stats.expired > 0 and tiered.rows.stats.expired == plain.rows.stats.expired
+    _assert_same(tiered, plain)
+
+
+def test_a_full_disk_tier_refuses_the_push_and_leaves_the_table_unchanged(tmp_path: Path) -> None:
+    tier = TierConfig(directory=str(tmp_path), memory_bytes=64 << 10, disk_bytes=1 << 20)
+    t = _Table(tier, dim=64)
+    before = None
+    with pytest.raises(TierFullError, match="disk tier is full") as caught:
+        for step in range(400):  # 64 new rows a push, 64-dim: the 1 MiB tier fills within a few dozen
+            before = t.export(), t.rows.clock, t.var.version, len(t.rows), t.rows.hot_len
+            t.push(np.arange(step * 64, (step + 1) * 64), seed=step)
+    assert isinstance(caught.value, ResourceExhaustedError)
+    assert before is not None
+    (values, slots, meta), clock, version, n, hot = before
+    assert (t.rows.clock, t.var.version, len(t.rows), t.rows.hot_len) == (clock, version, n, hot)
+    v2, s2, m2 = t.export()
+    np.testing.assert_array_equal(m2["ids"], meta["ids"])
+    np.testing.assert_array_equal(v2, values)
+    for k in slots:
+        np.testing.assert_array_equal(s2[k], slots[k])
+    t.push(meta["ids"][:10], seed=1)  # rows already held still train (no spill needed)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 4 MiB tmpfs: a disk that fills (needs root and mount: skipped elsewhere)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]
+    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True, timeout=10).returncode:
+        pytest.skip("needs root and mount (a 4 MiB tmpfs)")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10)
+
+
+def test_a_full_disk_is_a_typed_error_before_the_write_never_a_crash(small_disk: Path) -> None:
+    # In a child process: the tier writes through a memory map, and a write to a block the disk cannot
+    # allocate would be a SIGBUS; it must be a TierFullError before the write, the table unchanged.
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_tier import _Table
+        from psserver.tier import TierConfig, TierFullError
+        t = _Table(TierConfig(directory={str(small_disk)!r}, memory_bytes=64 << 10), dim=64)
+        try:
+            for step in range(1000):
+                before = t.export()[0], len(t.rows)
+                t.push(np.arange(step * 64, (step + 1) * 64), seed=step)
+        except TierFullError as err:
+            assert "No space left on device" in str(err), err
+            assert np.array_equal(t.export()[0], before[0]) and len(t.rows) == before[1]
+            t.push(np.arange(10), seed=1)
+            print("full after", step, "pushes")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full after" in proc.stdout and int(proc.stdout.split()[2]) > 10  # it filled the disk first
+
+
+def test_a_push_with_more_rows_than_memory_holds_is_refused_unchanged(tmp_path: Path) -> None:
+    t = _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10))
+    t.push(np.arange(10), seed=0)
+    before = t.export()
+    with pytest.raises(ResourceExhaustedError, match="raise --table-memory"):
+        t.push(np.arange(t.rows.hot_rows + 1), seed=1)
+    np.testing.assert_array_equal(t.export()[0], before[0])
+    assert t.rows.clock == 1
+
+
+def test_an_export_restores_into_a_tiered_or_an_in_memory_piece_and_goes_on_alike(tmp_path: Path) -> None:
+    pushes = _stream(80, 100, 3000, seed=5)
+    small = TierConfig(directory=str(tmp_path / "a"), memory_bytes=64 << 10)
+    a = _Table(small)
+    for i, ids in enumerate(pushes[:40]):
+        a.push(ids, seed=i)
+    assert a.rows.tier is not None and len(a.rows.tier) > 0
+    values, slots, meta = a.export()
+    restored = [
+        _Table(TierConfig(directory=str(tmp_path / "b"), memory_bytes=80 << 10)),  # another budget
+        _Table(None),
+    ]
+    for t in restored:
+        t.rows.load(t.var, t.var.optimizer, values, slots, meta)
+        t.var.iterations, t.now = a.var.iterations, a.now
+    assert restored[0].rows.tier is not None and len(restored[0].rows.tier) > 0
+    for i, ids in enumerate(pushes[40:], start=40):
+        for t in (a, *restored):
+            t.push(ids, seed=i)
+    _assert_same(a, restored[1])
+    _assert_same(restored[0], restored[1])
+
+
+def test_scan_pages_through_rows_in_memory_and_on_disk_in_id_order(tmp_path: Path) -> None:
+    t = _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10))
+    plain = _Table(None)
+    for i, ids in enumerate(_stream(30, 150, 5000, seed=2)):
+        t.push(ids, seed=i)
+        plain.push(ids, seed=i)
+    assert t.rows.tier is not None and len(t.rows.tier) > 0
+    seen, after = [], None
+    while True:
+        ids, rows, last = t.rows.scan(t.var, after, 97)
+        seen.append(ids)
+        np.testing.assert_array_equal(rows, plain.rows.read(plain.var, ids))
+        if last:
+            break
+        after = int(ids[-1])
+    got = np.concatenate(seen)
+    np.testing.assert_array_equal(got, plain.export()[2]["ids"])
+
+
+def test_tier_directory_errors_are_clear(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(TierDirError, match="cannot hold the disk tier"):
+        TierConfig(directory=str(blocker / "sub"), memory_bytes=1 << 20).open()
+    ok = TierConfig(directory=str(tmp_path / "d"), memory_bytes=1 << 20)
+    fd = ok.open()
+    try:
+        with pytest.raises(TierDirError, match="in use by another shard process"):
+            ok.open()
+        other = TierConfig(directory=ok.directory, memory_bytes=1 << 20, owner="shard-backup")
+        os.close(other.open())  # another process role shares the directory, in its own subdirectory
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError, match="at least 64 KiB"):
+        TierConfig(directory=str(tmp_path), memory_bytes=100)
+
+
+def test_a_budget_too_small_for_the_table_is_refused_at_creation(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="--table-memory"):
+        _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10), dim=1024)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("2GiB") == 2 << 30
+    assert parse_bytes("1.5G") == 3 << 29
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        parse_bytes("lots")
