@@ -32,7 +32,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.UNAVAILABLE})
+# CANCELLED: an RpcError with it comes from the other side (a shard whose server stops, or restarts
+# in-process as its peer's backup, cancels the calls it holds); this client's own cancellations raise
+# asyncio.CancelledError instead. Every call retried is idempotent (pushes by their ledger key).
+RETRYABLE_CODES: frozenset[grpc.StatusCode] = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+)
 # A connection that breaks under a streaming call can surface as INTERNAL or UNKNOWN with one of
 # these messages from gRPC core (not from our server): retried like UNAVAILABLE.
 BROKEN_CONNECTION_CODES: frozenset[grpc.StatusCode] = frozenset(
@@ -95,7 +100,8 @@ def attempt_timeout(default: float) -> float:
 
 
 def is_retryable(err: grpc.RpcError) -> bool:
-    """True for errors a repeat of the same (idempotent) call may fix: UNAVAILABLE, a broken connection."""
+    """True for errors a repeat of the same (idempotent) call may fix: UNAVAILABLE, a call the shard
+    cancelled, a broken connection."""
     code = err.code() if callable(getattr(err, "code", None)) else None
     if code in RETRYABLE_CODES:
         return True

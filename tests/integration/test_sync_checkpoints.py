@@ -82,11 +82,17 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
             before = list(steps)
             for s in range(2):  # ... and comes back from its checkpoints while the workers wait
                 cluster.start_shard(s, port=ports[s])
-            wait_until(
-                lambda: min(steps[i] - before[i] for i in range(2)) >= 20,
-                "20 steps after the restore",
-                timeout=60.0,
-            )
+            try:
+                wait_until(
+                    lambda: errors or min(steps[i] - before[i] for i in range(2)) >= 20,
+                    "20 steps after the restore",
+                    timeout=60.0,
+                )
+            except AssertionError as err:
+                raise AssertionError(
+                    f"{err}: steps {steps} (at the restore {before}), errors {errors!r}\n"
+                    + "\n".join(cluster.log_tail(s, 60) for s in range(2))
+                ) from None
         finally:
             stop.set()
             for t in workers:

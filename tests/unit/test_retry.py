@@ -40,13 +40,18 @@ def test_policy_rejects_nonsense(bad: dict) -> None:
         _retry.RetryPolicy(**bad)
 
 
-async def test_unavailable_is_retried_until_success_with_shrinking_attempt_timeout() -> None:
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+async def test_unavailable_is_retried_until_success_with_shrinking_attempt_timeout(
+    code: grpc.StatusCode,
+) -> None:
+    # CANCELLED as an RpcError: the shard cancelled the call (its server stopping, or restarting in-process as
+    # its peer's backup); the client's own cancellations are asyncio.CancelledError, never retried.
     seen: list[float] = []
 
     async def fn() -> str:
         seen.append(_retry.attempt_timeout(99.0))
         if len(seen) < 4:
-            raise _Err(grpc.StatusCode.UNAVAILABLE)
+            raise _Err(code)
         return "ok"
 
     assert await _retry.call_with_retry(fn, timeout=5.0, policy=FAST) == "ok"
