@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from trainer.cluster import reserve_ports
 
@@ -47,3 +48,12 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def table_stats(client: Any, name: str) -> dict[str, int]:
+    """A dynamic table's counters (``DynamicStats``) summed over its shards."""
+    out: dict[str, int] = {}
+    for info in client.list_variables([name])[name]:
+        for field, value in info.dynamic.ListFields():
+            out[field.name] = out.get(field.name, 0) + int(value)
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _support import CALL_TIMEOUT_S as TIMEOUT_S
+from _support import table_stats
 
 import psclient
 from psclient import ctl
@@ -23,14 +24,6 @@ _IDS = np.arange(3000, dtype=np.int64) * 1_000_003 - 7  # about 1500 rows a shar
 
 def _tier(path: Path, memory: str = "64KiB") -> list[str]:
     return ["--table-memory", memory, "--table-dir", str(path)]
-
-
-def _stats(c: psclient.PSClient, name: str) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for info in c.list_variables([name])[name]:
-        for field, value in info.dynamic.ListFields():
-            out[field.name] = out.get(field.name, 0) + int(value)
-    return out
 
 
 def _train(c: psclient.PSClient, steps: range) -> None:
@@ -59,7 +52,7 @@ def test_a_tiered_table_trains_checkpoints_and_restores_like_one_in_memory(
             _create(c)
             _train(c, range(40))
             np.testing.assert_array_equal(c.lookup("emb", _IDS), middle)  # bit-equal, cold rows included
-            s = _stats(c, "emb")
+            s = table_stats(c, "emb")
             assert s["rows_on_disk"] > s["rows_in_memory"] > 0 and s["spilled"] > 0 and s["filled"] > 0
             assert s["rows"] == s["rows_in_memory"] + s["rows_on_disk"]
             assert s["memory_rows_max"] < s["rows"] / 2
@@ -71,7 +64,7 @@ def test_a_tiered_table_trains_checkpoints_and_restores_like_one_in_memory(
     more = [*ckpt, *_tier(tmp_path / "tier", "96KiB")]
     with LocalCluster(3, more) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
         np.testing.assert_array_equal(c.lookup("emb", _IDS), middle)
-        assert _stats(c, "emb")["rows_on_disk"] > 0
+        assert table_stats(c, "emb")["rows_on_disk"] > 0
         _train(c, range(40, 50))
         np.testing.assert_array_equal(c.lookup("emb", _IDS), final)
 
@@ -83,12 +76,12 @@ def test_a_push_the_disk_tier_cannot_take_fails_typed_and_changes_nothing(tmp_pa
         ids = np.arange(20_000, dtype=np.int64)
         with pytest.raises(psclient.ResourceExhaustedError, match="disk tier is full") as caught:
             for start in range(0, ids.size, 200):  # 1 MiB holds about 5000 rows of 16 floats and a slot
-                before = c.lookup("emb", ids), _stats(c, "emb")
+                before = c.lookup("emb", ids), table_stats(c, "emb")
                 chunk = ids[start : start + 200]
                 c.push({"emb": psclient.Rows(chunk, np.ones((chunk.size, _DIM), np.float32))})
         assert "--table-disk-limit" in str(caught.value)
         np.testing.assert_array_equal(c.lookup("emb", ids), before[0])
-        after = _stats(c, "emb")
+        after = table_stats(c, "emb")
         assert after["rows"] == before[1]["rows"] and after["spilled"] == before[1]["spilled"]
         c.push({"emb": psclient.Rows(ids[:10], np.ones((10, _DIM), np.float32))})  # still serving
 
@@ -122,10 +115,10 @@ def test_a_backup_with_its_own_tier_holds_the_same_rows_after_kill_9(tmp_path: P
         with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
             _create(c)
             _train(c, range(25))
-            before, stats = c.lookup("emb", _IDS), _stats(c, "emb")
+            before, stats = c.lookup("emb", _IDS), table_stats(c, "emb")
             assert stats["rows_on_disk"] > 0
             primary.kill_shard(0)
             primary.kill_shard(1)
             np.testing.assert_array_equal(c.lookup("emb", _IDS), before)  # the promoted backups' rows
-            after: dict[str, Any] = _stats(c, "emb")
+            after: dict[str, Any] = table_stats(c, "emb")
             assert after["rows"] == stats["rows"] and after["rows_on_disk"] > 0

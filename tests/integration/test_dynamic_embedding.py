@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _support import CALL_TIMEOUT_S as TIMEOUT_S
+from _support import table_stats
 
 import psclient
 from pscore.embedding import hash_keys, init_rows
@@ -17,15 +18,6 @@ from pscore.placement import dynamic_row_shard
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
-
-
-def _stats(c: psclient.PSClient, name: str) -> dict[str, int]:
-    """The table's counters summed over its shards."""
-    out: dict[str, int] = {}
-    for info in c.list_variables([name])[name]:
-        for field, value in info.dynamic.ListFields():
-            out[field.name] = out.get(field.name, 0) + int(value)
-    return out
 
 
 def test_rows_are_created_on_their_first_push_from_their_initializer_row(
@@ -36,7 +28,7 @@ def test_rows_are_created_on_their_first_push_from_their_initializer_row(
     ids = np.array([[7, -(2**40)], [2**63 - 1, 7]])
     expected = init_rows(var_name, ids.reshape(-1), 3, np.float32, init).reshape(2, 2, 3)
     np.testing.assert_array_equal(client.lookup(var_name, ids), expected)
-    assert _stats(client, var_name).get("rows", 0) == 0  # a lookup creates nothing
+    assert table_stats(client, var_name).get("rows", 0) == 0  # a lookup creates nothing
     wide = np.arange(200, dtype=np.int64) * 1_000_003  # spread over both shards by the id's hash
     grads = np.ones((200, 3), np.float32)
     new = client.push_pull(
@@ -101,7 +93,7 @@ def test_bad_keys_are_refused_and_change_nothing(client: psclient.PSClient, var_
     with pytest.raises(psclient.InvalidArgumentError, match=r"must have shape \(2, 2\)"):
         client.push({i: psclient.Rows([1, 2], np.ones((2, 3), np.float32))})
     np.testing.assert_array_equal(client.pull([w])[w], np.zeros(2))  # nothing applied anywhere
-    assert _stats(client, s).get("admitted", 0) == _stats(client, i).get("admitted", 0) == 0
+    assert table_stats(client, s).get("admitted", 0) == table_stats(client, i).get("admitted", 0) == 0
 
 
 @pytest.mark.parametrize(
@@ -140,12 +132,12 @@ def test_admission_and_eviction_over_the_wire(client: psclient.PSClient, var_nam
     g = np.ones((100, 2), np.float32)
     client.push({var_name: psclient.Rows(ids, g)})  # seen once: nothing admitted
     np.testing.assert_array_equal(client.lookup(var_name, ids), np.zeros((100, 2)))
-    stats = _stats(client, var_name)
+    stats = table_stats(client, var_name)
     assert stats.get("rows", 0) == 0 and stats["dropped_updates"] == 100 and stats["initializer_reads"] == 100
     client.push({var_name: psclient.Rows(ids[:10], g[:10])})  # seen twice: admitted, this update applied
     np.testing.assert_array_equal(client.lookup(var_name, ids[:10]), -np.ones((10, 2)))
     client.push({var_name: psclient.Rows(ids[10:60], g[10:60])})  # 50 admitted into 20 rows (10 per shard)
-    stats = _stats(client, var_name)
+    stats = table_stats(client, var_name)
     assert stats["rows"] <= 20 and stats["capacity"] == 20
     assert stats["admitted"] - stats["evicted"] == stats["rows"]
     assert stats["evicted"] >= 10  # the first ten rows went first (least recently updated)
@@ -244,7 +236,7 @@ def test_a_dynamic_table_checkpoint_restores_into_another_shard_count(tmp_path: 
             c.create_embedding(var_name, None, 4, **kw)
             _pushes(c, var_name, range(6))
             before = c.lookup(var_name, probe)
-            rows = _stats(c, var_name)["rows"]
+            rows = table_stats(c, var_name)["rows"]
         assert two.stop() == [0, 0]  # SIGTERM: final checkpoints
     with LocalCluster(3, args) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
         np.testing.assert_array_equal(c.lookup(var_name, probe), before)
@@ -278,12 +270,12 @@ def test_a_backup_holds_the_same_rows_after_kill_9_of_the_primary() -> None:
                 c.push({"t": rows})
                 if i % 10 == 9:
                     time.sleep(0.4)  # every row outlives its TTL (by the primary's clock, replayed as is)
-            before, stats = c.lookup("t", probe), _stats(c, "t")
+            before, stats = c.lookup("t", probe), table_stats(c, "t")
             assert stats["expired"] > 0 and stats["evicted"] > 0 and stats["dropped_updates"] > 0
             primary.kill_shard(0)
             primary.kill_shard(1)
             np.testing.assert_array_equal(c.lookup("t", probe), before)  # served by the promoted backups
-            after = _stats(c, "t")
+            after = table_stats(c, "t")
             assert (after["rows"], after["admitted"], after["evicted"], after["expired"]) == (
                 stats["rows"], stats["admitted"], stats["evicted"], stats["expired"],
             )  # fmt: skip
