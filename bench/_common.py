@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -244,3 +245,19 @@ def top_processes(limit: int = 8) -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [line.strip()[:160] for line in out.splitlines()[1 : limit + 1]]
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """How this run was started, for its results: ``python bench/SCRIPT ARGS`` (``argv``: sys.argv's)."""
+    return f"python bench/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def netns_missing(script: str) -> bool:
+    """True, having said why on stderr, where ``script`` cannot build its namespace cluster (not root, no
+    ``ip``/``tc``/``nft``); the bench then exits 2."""
+    from trainer.netns import netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        print(f"{script} needs network namespaces: {why}", file=sys.stderr)
+    return not ok

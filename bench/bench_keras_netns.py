@@ -51,7 +51,7 @@ import _common as cm
 from trainer import allreduce_loop, demo, options
 from trainer.__main__ import build_parser
 from trainer.cluster import cpu_seconds
-from trainer.netns import Host, NetnsCluster, leftovers, netns_available
+from trainer.netns import Host, NetnsCluster, leftovers
 
 PS_MODES = ("async", "sync")
 _RING_PORT = 7000  # inside a namespace this run made: nothing else can hold it
@@ -439,13 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in bench.modes.split(",") if m]
     if unknown := set(modes) - set(PS_MODES):
         parser.error(f"unknown modes {sorted(unknown)}")
-    ok, why = netns_available()
-    if not ok:
-        print(f"bench_keras_netns needs network namespaces: {why}", file=sys.stderr)
+    if cm.netns_missing("bench_keras_netns.py"):
         return 2
     bench.max_shards = max(bench.shards) if modes else 0
     info: dict[str, Any] = {
-        "command": "python bench/bench_keras_netns.py " + shlex.join(argv),
+        "command": cm.command_line("bench_keras_netns.py", argv),
         "machine": cm.machine_note(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

@@ -21,7 +21,6 @@ Needs root, iproute2 and nftables. Every wait is bounded.
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as cm
 from bench_scaling import cell_line, run_ps_cell
 
-from trainer.netns import NetnsCluster, netns_available
+from trainer.netns import NetnsCluster
 
 SYSTEMS = ("ps", "raw")
 
@@ -111,11 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.drop or args.drop[0] != 0:
         parser.error("--drop must start with 0 (the baseline)")
-    ok, why = netns_available()
-    if not ok:
-        print(f"bench_loss needs network namespaces: {why}", file=sys.stderr)
+    if cm.netns_missing("bench_loss.py"):
         return 2
-    command = "python bench/bench_loss.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = cm.command_line("bench_loss.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
     args.max_shards = args.shards

@@ -56,7 +56,7 @@ import _common as cm
 
 from psload.spec import ModelSpec
 from trainer.cluster import cpu_seconds, rss_mib
-from trainer.netns import Host, NetnsCluster, netns_available
+from trainer.netns import Host, NetnsCluster
 
 _SAMPLE_S = 0.5  # shard RSS / fd / connection sampling period
 _EXTRA_S = 240.0  # a case's psload run may take this long beyond its seconds (start-up on 2 cores, stop)
@@ -532,11 +532,9 @@ def main(argv: list[str] | None = None) -> int:
             _placement(n, args.worker_hosts)
     except ValueError as e:
         parser.error(str(e))
-    ok, why = netns_available()
-    if not ok:
-        print(f"bench_many_workers needs network namespaces: {why}", file=sys.stderr)
+    if cm.netns_missing("bench_many_workers.py"):
         return 2
-    command = "python bench/bench_many_workers.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = cm.command_line("bench_many_workers.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
     with NetnsCluster(rate_mbit=args.rate_mbit or None, workdir=args.workdir) as net:

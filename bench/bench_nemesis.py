@@ -27,9 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import machine_note, write_results
+from bench._common import command_line, machine_note, netns_missing, write_results
 from psload.nemesis import FAULTS, MODES, NemesisConfig, run_nemesis
-from trainer.netns import netns_available
 
 
 def _table(results: list[dict[str, Any]]) -> str:
@@ -67,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ok, why = netns_available()
-    if not ok:
-        print(f"bench_nemesis: {why}", file=sys.stderr)
+    if netns_missing("bench_nemesis.py"):
         return 2
     results = []
     for i, mode in enumerate(m for m in args.modes.split(",") if m):
@@ -81,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_nemesis(config)
         print(f"{mode}: {result['elapsed_s']} s\n{result['summary']}", flush=True)
         results.append(result)
-    command = "python bench/bench_nemesis.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("bench_nemesis.py", argv)
     text = (
         f"# Nemesis soak\n\n`{command}` ({time.strftime('%Y-%m-%d')}; {machine_note()['cpus']} CPUs)\n\n"
         + _table(results)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as cm
 
 from trainer.cluster import cpu_seconds
-from trainer.netns import Host, NetnsCluster, netns_available
+from trainer.netns import Host, NetnsCluster
 
 ROLES = str(Path(__file__).with_name("_scaling_roles.py"))
 MIB = 1 << 20
@@ -356,13 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     if unknown := set(systems) - set(SYSTEMS):
         parser.error(f"unknown systems {sorted(unknown)}")
-    ok, why = netns_available()
-    if not ok:
-        print(f"bench_scaling needs network namespaces: {why}", file=sys.stderr)
+    if cm.netns_missing("bench_scaling.py"):
         return 2
     args.max_shards = max(args.shards)
     num_hosts = args.max_shards + max([*args.workers, *args.ring])
-    command = "python bench/bench_scaling.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
     with NetnsCluster(num_hosts, rate_mbit=args.rate_mbit) as net:
