@@ -259,7 +259,11 @@ class AsyncPSClient:
         except grpc.RpcError as err:
             replicas = self._replica_story(shard, err, time.monotonic() - started)
             if err.code() in _UNREACHABLE_CODES:
-                why = await self._watch(shard).describe(time.monotonic() - started)
+                waited = time.monotonic() - started
+                why = await self._watch(shard).describe(waited)
+                if why is None and _no_answer(err):
+                    state = self._channel_state(shard)
+                    why = _SILENT_SHARD.format(address=address, waited=waited, state=state)
                 unknown = _OUTCOME_UNKNOWN if method in _PUSH_METHODS and _no_answer(err) else None
                 if why is not None or replicas or unknown:  # say what happened, not just "Deadline Exceeded"
                     said = "; ".join(p for p in (why, err.details(), replicas, unknown) if p)
@@ -301,6 +305,12 @@ class AsyncPSClient:
             return False
         state = self._channels[shard][replica].get_state(try_to_connect=False)
         return state == grpc.ChannelConnectivity.READY
+
+    def _channel_state(self, shard: int) -> str:
+        """The state of the gRPC channel to ``shard``'s current replica (``READY``, ``CONNECTING``...)."""
+        if not self._channels:
+            return "closed"
+        return self._channels[shard][self._current[shard]].get_state(try_to_connect=False).name
 
     def _kw(self, shard: int) -> dict[str, Any]:
         return {
@@ -1897,13 +1907,18 @@ _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are co
 _INT32_IDS_MAX_ROWS = 2**31  # a fixed table's ids travel as int32 up to this many rows
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
+_SILENT_SHARD = (
+    "shard {address} accepts connections but sent no answer in {waited:.0f} s (gRPC channel {state}; its "
+    "log says why: a shard whose event loop is blocked logs where; `kill -USR1` on its process writes every "
+    "thread's stack there)"
+)
 
 
 def _no_answer(err: grpc.RpcError) -> bool:
     """The client gave up waiting (its deadline), as opposed to a shard that answered with an error."""
-    details = err.details() or ""
-    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details.startswith(
-        ("Deadline Exceeded", "no answer")
+    details = err.details() or ""  # gRPC's: "Deadline Exceeded", "Stream removed (Deadline Exceeded)"
+    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
+        "Deadline Exceeded" in details or details.startswith("no answer")
     )
 
 

@@ -30,6 +30,8 @@ environment under --table-dir (rebuilt from checkpoints, wiped at start); see th
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags, an address that cannot be bound or a --table-dir
 that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
+SIGUSR1: write every thread's stack to stderr (the log) and carry on: for a shard that looks hung. A shard
+whose event loop stops turning for 2 s logs a WARNING with where it is stuck.
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
 in-flight requests (up to --grace), write a checkpoint (with --checkpoint-dir), exit 0.
 """
@@ -218,12 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s psserver[shard={config.shard} pid=%(process)d] "
         "%(name)s: %(message)s",
     )
+    from pscore.loopwatch import dump_stacks_on
     from pscore.memory import tune_malloc
     from pscore.security import BindError
     from psserver.server import serve  # after arg parsing: --help stays instant
     from psserver.tier import TierDirError
 
     tune_malloc()  # before any large buffer: see pscore.memory
+    dump_stacks_on()  # kill -USR1: every thread's stack into the log, for a shard that looks hung
 
     try:
         import uvloop

@@ -108,6 +108,12 @@ class ShardMetrics:
             "psserver_dropped_stale_gradients", "Gradients dropped because their step had passed (sync)"
         ).labels(**label)
         self.checkpoints = counter("psserver_checkpoints", "Checkpoints written").labels(**label)
+        self.loop_stalls = counter(
+            "psserver_event_loop_stalls", "Times the shard's event loop stopped turning for 2 s or more"
+        ).labels(**label)
+        self.loop_blocked = counter(
+            "psserver_event_loop_blocked_seconds", "Seconds the event loop spent in those stalls"
+        ).labels(**label)
         self._latency = Histogram(
             "psserver_rpc_latency_seconds",
             "Time to serve a ParameterServer RPC, by method",
@@ -284,6 +290,11 @@ class ShardMetrics:
             report = self.stall_report(older_than_s)
             if report:
                 log.warning("%s", report)
+
+    def on_loop_stall(self, blocked_s: float) -> None:
+        """Counts one stall of the event loop (``pscore.loopwatch.LoopWatch``'s ``on_stall``)."""
+        self.loop_stalls.inc()
+        self.loop_blocked.inc(blocked_s)
 
     # -- interceptor --------------------------------------------------------
 

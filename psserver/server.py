@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pscore import security, transport
 from pscore.errors import UnavailableError
+from pscore.loopwatch import LoopWatch
 from psproto.v1 import ps_pb2
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
@@ -381,8 +382,18 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    watch = LoopWatch(f"shard {config.shard}")  # a blocked loop is logged with its stack, not silent
+    watch.start()
+    try:
+        await _serve_shard(config, stop, watch)
+    finally:
+        watch.stop()
+
+
+async def _serve_shard(config: ServerConfig, stop: asyncio.Event, watch: LoopWatch) -> None:
     shard = await start(config)
     while True:
+        watch.on_stall = shard.metrics.on_loop_stall if shard.metrics is not None else None
         _announce(shard)
         watcher = asyncio.create_task(shard.metrics.watch_stalls()) if shard.metrics is not None else None
         try:

@@ -27,7 +27,11 @@ Only process-based tests use these; unit tests need none of them (no sockets, no
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +42,35 @@ from _support import CALL_TIMEOUT_S
 from psproto.v1 import ps_pb2_grpc
 from trainer.cluster import LocalCluster
 from trainer.netns import NetnsCluster, netns_available
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_FAILED] = True
+    return report
+
+
+def _report_shards(request: pytest.FixtureRequest, clusters: Sequence[LocalCluster]) -> None:
+    """After a failed test: every live shard writes its threads' stacks into its log (SIGUSR1,
+    ``pscore.loopwatch``), and the report gets each shard's log tail, so a call that hung shows where."""
+    if not request.node.stash.get(_FAILED, False):
+        return
+    live = [(c, s, p) for c in clusters for s, p in enumerate(c.procs) if p is not None and p.poll() is None]
+    for _, _, proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(0.5 if live else 0)  # the dumps reach the logs
+    tails = [
+        f"--- cluster {i} shard {s} ({'running' if p is not None and p.poll() is None else 'stopped'}) ---\n"
+        f"{c.log_tail(s, lines=60)}"
+        for i, c in enumerate(clusters)
+        for s, p in enumerate(c.procs)
+    ]
+    request.node.add_report_section("teardown", "shard logs", "\n".join(tails))
 
 
 @pytest.fixture(scope="session")
@@ -50,9 +83,10 @@ def _shared_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def cluster(_shared_cluster: LocalCluster) -> Iterator[LocalCluster]:
+def cluster(_shared_cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     """The session's shared 2-shard cluster; asserts after the test that every shard still serves."""
     yield _shared_cluster
+    _report_shards(request, [_shared_cluster])
     dead = [s for s, p in enumerate(_shared_cluster.procs) if p is None or p.poll() is not None]
     if dead:
         tails = "\n".join(f"--- shard {s} ---\n{_shared_cluster.log_tail(s)}" for s in dead)
@@ -62,10 +96,10 @@ def cluster(_shared_cluster: LocalCluster) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def make_cluster() -> Iterator[Callable[..., LocalCluster]]:
+def make_cluster(request: pytest.FixtureRequest) -> Iterator[Callable[..., LocalCluster]]:
     """Factory: ``make_cluster(num_shards=2, server_args=(), **LocalCluster kwargs)`` -> started cluster.
 
-    Every cluster made is stopped at teardown.
+    Every cluster made is stopped at teardown (after a failed test, the report shows the shards' logs).
     """
     made: list[LocalCluster] = []
 
@@ -75,6 +109,7 @@ def make_cluster() -> Iterator[Callable[..., LocalCluster]]:
         return c.start()
 
     yield factory
+    _report_shards(request, made)
     for c in made:
         c.stop()
 

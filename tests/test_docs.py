@@ -200,6 +200,7 @@ def test_docs_troubleshooting_shows_the_real_messages(
             os.kill(stalled.procs[0].pid, signal.SIGSTOP)
             try:
                 catch(c.push, {"troubleshooting/v": np.ones(2, np.float32)})
+                catch(c.list_variables, ["troubleshooting/v"])  # any call: the shard is silent
             finally:
                 os.kill(stalled.procs[0].pid, signal.SIGCONT)
     finally:

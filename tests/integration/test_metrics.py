@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import psclient
 from psserver.config import ServerConfig
-from psserver.server import start
+from psserver.server import serve, start
 from trainer.cluster import LocalCluster
 
 
@@ -236,3 +237,38 @@ async def test_replication_lag_role_and_backup_link() -> None:
     finally:
         await primary.stop(0)
         await backup.stop(0)
+
+
+async def test_a_blocked_event_loop_is_logged_with_where_and_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard's event loop blocked past 2 s: a WARNING naming the blocking code, then the stall counted."""
+    ready = tmp_path / "ps0.addr"
+    metrics_file = Path(f"{ready}.metrics")
+    stop = asyncio.Event()
+    config = ServerConfig(shard=0, port=0, metrics_port=0, ready_file=str(ready))
+    with caplog.at_level(logging.WARNING, logger="pscore.loopwatch"):
+        served = asyncio.create_task(serve(config, stop=stop))
+        try:
+            for _ in range(200):
+                if await asyncio.to_thread(metrics_file.exists):
+                    break
+                await asyncio.sleep(0.05)
+            metrics = (await asyncio.to_thread(metrics_file.read_text)).strip()
+            _hold_the_loop(2.6)  # what a blocking call in a handler does to every call
+            for _ in range(100):
+                if any("turns again" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+            samples = await asyncio.to_thread(scrape, metrics)
+        finally:
+            stop.set()
+            await asyncio.wait_for(served, TIMEOUT_S)
+    stuck = [r.getMessage() for r in caplog.records if "has not turned" in r.getMessage()]
+    assert len(stuck) == 1 and "_hold_the_loop" in stuck[0], caplog.text
+    assert value(samples, "psserver_event_loop_stalls_total") == 1
+    assert 2.0 < value(samples, "psserver_event_loop_blocked_seconds_total") < 4.0
+
+
+def _hold_the_loop(seconds: float) -> None:
+    time.sleep(seconds)
