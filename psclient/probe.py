@@ -13,6 +13,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pscore.errors import PSError, from_rpc_error
 from psproto.v1 import ps_pb2
 
 DEFAULT_SERVICE = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].full_name
@@ -38,7 +39,8 @@ def check(
     """Returns the serving status name of ``service`` at ``address`` (e.g. ``"SERVING"``).
 
     Raises:
-        grpc.RpcError: the shard did not answer (UNAVAILABLE, DEADLINE_EXCEEDED, ...).
+        PSError: the shard did not answer (``UnavailableError``, ``DeadlineExceededError``, ...), or
+            refused the call (``UnauthenticatedError``: a wrong token).
     """
     if tls_ca or tls_cert:
         creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
@@ -47,9 +49,12 @@ def check(
         channel = grpc.insecure_channel(address)
     metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else None
     with channel:
-        resp = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=metadata
-        )
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout, metadata=metadata
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, method="Health.Check", address=address) from err
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
@@ -73,11 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             args.address, service=args.service, timeout=args.timeout, auth_token=token,
             tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         )  # fmt: skip
-    except grpc.RpcError as err:
-        code = err.code().name if hasattr(err, "code") else "ERROR"
-        details = err.details() if hasattr(err, "details") else str(err)
+    except PSError as err:
         if not args.quiet:
-            print(f"{args.address}: {code}: {details}", file=sys.stderr)
+            print(f"{args.address}: {err.code.name}: {err.details}", file=sys.stderr)
         return 1
     if not args.quiet:
         print(f"{args.address}: {status}")

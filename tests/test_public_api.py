@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 
 import grpc
 import pytest
@@ -125,3 +126,44 @@ def test_public_api_client_constructor_matches_the_contract() -> None:
     params = list(inspect.signature(psclient.PSClient).parameters)
     expected = ["addresses", "worker_id", "auth_token", "timeout", "tls_ca", "tls_cert", "tls_key"]
     assert params[: len(expected)] == expected
+
+
+# What a documented ``Raises:`` may name besides PSError subclasses: programming errors found before any
+# call is made (bad arguments, a closed client) and files that cannot be written; HostsUpdatedInterrupt is
+# Horovod's control-flow signal (ranks changed at a commit), not an error.
+_NOT_PS_ERRORS = {"ValueError", "TypeError", "RuntimeError", "OSError", "HostsUpdatedInterrupt"}
+_PUBLIC_MODULES = ("psclient", "psclient.elastic", "psclient.collective", "psclient.admin", "psclient.probe")
+
+
+def _documented_raises() -> dict[str, list[str]]:
+    """``{exception name: [where documented]}`` over the ``Raises:`` sections of the public API."""
+    found: dict[str, list[str]] = {}
+    for modname in _PUBLIC_MODULES:
+        module = importlib.import_module(modname)
+        for name in getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")]):
+            obj = getattr(module, name)
+            members = [(name, obj)]
+            if inspect.isclass(obj):
+                members += [(f"{name}.{k}", m) for k, m in vars(obj).items() if not k.startswith("_")]
+            for where, member in members:
+                section = re.search(r"Raises:\n((?:[ \t]+.+\n?)+)", inspect.getdoc(member) or "")
+                for line in section.group(1).splitlines() if section else ():
+                    raised = re.match(r" {4}([\w.]+(?:, [\w.]+)*):", line)
+                    for exc in raised.group(1).split(", ") if raised else ():
+                        found.setdefault(exc, []).append(f"{modname}:{where}")
+    return found
+
+
+def test_public_api_every_documented_raise_is_a_ps_error_with_a_code() -> None:
+    import psclient.elastic
+
+    documented = _documented_raises()
+    assert {"NotFoundError", "InvalidArgumentError", "RendezvousError"} <= set(documented)  # the walk works
+    namespaces = (psclient, psclient.elastic)
+    for exc, where in documented.items():
+        if exc in _NOT_PS_ERRORS:
+            continue
+        cls = next((getattr(ns, exc) for ns in namespaces if hasattr(ns, exc)), None)
+        assert cls is not None, f"{exc} (documented in {where[:3]}) is not exported by psclient"
+        assert issubclass(cls, psclient.PSError), f"{exc} (documented in {where[:3]}) is not a PSError"
+        assert isinstance(cls.code, grpc.StatusCode), exc

@@ -21,6 +21,8 @@ from typing import Final, NamedTuple
 
 import numpy as np
 
+from pscore.errors import InvalidArgumentError
+
 # Wire types: 1 = 64-bit, 5 = 32-bit, 2 = length-delimited.
 _TAGS: Final[tuple[int, ...]] = (
     (1 << 3) | 1,  # seq
@@ -33,7 +35,7 @@ HEADER_BYTES: Final[int] = _STRUCT.size  # 64: payload offset, 8-byte aligned
 MAX_PAYLOAD_BYTES: Final[int] = (1 << 35) - 1  # what a 5-byte varint holds
 
 
-class FrameError(ValueError):
+class FrameError(InvalidArgumentError, ValueError):
     """Bytes that are not a frame of the fixed layout."""
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pscore.errors import AbortedError, UnavailableError
 
-class HorovodInternalError(RuntimeError):
+
+class HorovodInternalError(AbortedError, RuntimeError):
     """A collective failed because the ring broke (a rank died, left or stopped answering).
 
     In elastic mode (``hvd.elastic.run``) this is recoverable: the ranks that are left restore
@@ -20,7 +22,7 @@ class HorovodInternalError(RuntimeError):
         self.generation = generation
         self.lost_ranks = lost_ranks
         lost = f" (lost rank(s) {list(lost_ranks)})" if lost_ranks else ""
-        super().__init__(f"the ring of generation {generation} broke{lost}: {reason}")
+        super().__init__(f"the ring of generation {generation} broke{lost}: {reason}")  # a PSError (ABORTED)
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -35,5 +37,8 @@ class HostsUpdatedInterrupt(RuntimeError):
         super().__init__("the set of ranks changed: re-forming the ring at this commit")
 
 
-class RendezvousError(RuntimeError):
-    """psrun's rendezvous cannot be reached, refused this worker, or ended the job (the message says)."""
+class RendezvousError(UnavailableError, RuntimeError):
+    """psrun's rendezvous cannot be reached, refused this worker, or ended the job (the message says).
+
+    A ``PSError`` (UNAVAILABLE), and a ``RuntimeError`` as before.
+    """
