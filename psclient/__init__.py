@@ -3,6 +3,7 @@
 __version__ = "0.1.0"  # the one version string: pyproject.toml reads it ([tool.hatch.version])
 
 from psclient._async_client import AsyncPSClient
+from psclient._requests import PushedValues
 from psclient._sync_client import PSClient
 from psclient.config import ClientConfig
 from pscore.embedding import Regularizer, Rows
@@ -72,6 +73,7 @@ __all__ = [
     "PSClient",
     "PSError",
     "PermissionDeniedError",
+    "PushedValues",
     "RMSprop",
     "Regularizer",
     "ResourceExhaustedError",

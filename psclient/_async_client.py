@@ -18,6 +18,7 @@ import numpy as np
 
 from psclient import _bulk, _reach, _retry, _session
 from psclient import _requests as rq
+from psclient._requests import PushedValues
 from psclient.config import ClientConfig
 from pscore import bulk, codec, embedding, rpc, transport
 from pscore.embedding import Rows
@@ -666,7 +667,7 @@ class AsyncPSClient:
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
-    ) -> dict[str, Any]:
+    ) -> PushedValues:
         """Pushes gradients and returns the updated values of those variables, in one round trip per shard.
 
         Args:
@@ -677,7 +678,8 @@ class AsyncPSClient:
                 in ssp mode the wait for the staleness bound, are the same either way.
 
         Returns:
-            name -> the variable's new value (read-only array); for a ``Rows``
+            A ``PushedValues`` (a ``dict``; ``.applied``: whether every shard applied the push, as
+            ``push`` returns): name -> the variable's new value (read-only array); for a ``Rows``
             gradient whose rows are returned, ``psclient.Rows(ids, values)``: the
             distinct ids pushed (int64, sorted) and their rows after the update,
             shape ``[n, dim]`` (a string-keyed dynamic table: the distinct keys, in
@@ -687,10 +689,10 @@ class AsyncPSClient:
         Raises:
             PSError: as ``push``.
         """
-        _, values, _ = await self._push(
+        applied, values, _ = await self._push(
             grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
         )
-        return values
+        return PushedValues(values, applied=applied)
 
     async def push_pull_lookup(
         self,

@@ -21,6 +21,21 @@ from pscore.placement import Piece
 from psproto.v1 import ps_pb2
 
 
+class PushedValues(dict[str, Any]):
+    """What ``push_pull`` returns: the updated values by name (a plain ``dict``), and whether the push
+    was applied.
+
+    Attributes:
+        applied: True if every shard applied the push; False if one did not (a retry the shard had
+            already applied, or in sync mode a gradient dropped as stale: the values are then the
+            shards' current ones, which a worker that fell behind loads to catch up).
+    """
+
+    def __init__(self, values: Mapping[str, Any], *, applied: bool) -> None:
+        super().__init__(values)
+        self.applied = applied
+
+
 class Registry:
     """Where each variable's pieces live (learned from creates and from ListVariables)."""
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from psclient._async_client import AsyncPSClient, Tensors
 from psclient._loop import BackgroundLoop
+from psclient._requests import PushedValues
 from psclient.config import ClientConfig
 from pscore.embedding import Initializer, Regularizer
 from pscore.optimizers import Optimizer
@@ -121,11 +122,11 @@ class PSClient:
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
-    ) -> dict[str, Any]:
-        """Pushes gradients and returns the updated values (``return_rows``: which tables' rows); see
-        ``AsyncPSClient.push_pull``."""
+    ) -> PushedValues:
+        """Pushes gradients and returns the updated values (``return_rows``: which tables' rows) and
+        ``.applied``; see ``AsyncPSClient.push_pull``."""
         coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
-        return dict(self._run(coro))
+        return self._run(coro)
 
     def create_embedding(
         self,
@@ -183,7 +184,7 @@ class PSClient:
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
-    ) -> concurrent.futures.Future[dict[str, Any]]:
+    ) -> concurrent.futures.Future[PushedValues]:
         """Starts a ``push_pull`` and returns at once; ``.result(timeout)`` gives the updated values.
 
         For callers that overlap the exchange with other work (the Keras glue):

@@ -872,10 +872,13 @@ class PSWorker:
         if self.mode == "sync":
             # Every shard takes part in every step (empty pushes to the others), so one step count
             # holds for all shards whatever variables a step updates.
+            # One round trip per shard: the push waits at the step's barrier, and its answer carries
+            # the values after the step (a local table's pushed rows too; a remote table's next
+            # lookup reads its rows).
             step = self.step
-            applied = self.client.push(gmap, step=step, every_shard=True)
-            values = self._values_after(gmap)
-            if applied:
+            local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
+            values = self.client.push_pull(gmap, step=step, every_shard=True, return_rows=local_tables)
+            if values.applied:
                 self.step = step + 1
             else:
                 self.stale_steps += 1
@@ -944,16 +947,6 @@ class PSWorker:
 
         both.add_done_callback(done)
         values.add_done_callback(lambda f: both.cancel() if f.cancelled() else None)
-        return values
-
-    def _values_after(self, gmap: dict[str, Any]) -> dict[str, Any]:
-        """The shards' values of what a push updated: whole variables, and a table's pushed rows."""
-        dense = [n for n, g in gmap.items() if not isinstance(g, Rows)]
-        values: dict[str, Any] = dict(self.client.pull(dense)) if dense else {}
-        for name, g in gmap.items():
-            if isinstance(g, Rows) and name not in self._remote:  # a remote table: the next lookup reads it
-                ids = np.unique(np.asarray(g.ids, np.int64).reshape(-1))
-                values[name] = Rows(ids, self.client.lookup(name, ids))
         return values
 
     def apply_gradients(

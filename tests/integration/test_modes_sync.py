@@ -54,6 +54,11 @@ async def test_push_is_the_barrier(make_cluster) -> None:
         )
         for values in both:
             np.testing.assert_allclose(values["v"], -3 * np.ones(4, np.float32))
+            assert values.applied
+        # a gradient for a step already done is dropped: push_pull says so, with the current values
+        late = await w0.push_pull({"v": np.ones(4, np.float32)}, step=0)
+        assert not late.applied
+        np.testing.assert_allclose(late["v"], -3 * np.ones(4, np.float32))
     finally:
         await close_all(clients)
 
