@@ -1,22 +1,22 @@
-"""The shard's raw-TCP data port: pulls, pushes and lookups without gRPC, served by the servicer's paths.
+"""The shard's raw-TCP data port: pulls, pushes and lookups without gRPC, an adapter over ``ShardService``.
 
 A client gets the port and a one-time nonce from the ``DataPort`` call (so the
 auth token guards the port too), connects (TLS when the shard serves TLS, with
 its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
 
-- A pull is ``ParameterServerServicer.pull_snapshot``, as for ``Pull``; the values
+- A pull is ``ShardService.pull_snapshot``, as for ``Pull``; the values
   are sent straight from the stored arrays (copy-on-write, so a snapshot stays
   put while it is sent).
 - A push's gradients are received straight into a buffer of a small pool
   (reused once nothing refers to it, so a steady stream of pushes does not
-  fault in fresh pages), then go through ``ParameterServerServicer.push_one``, as
+  fault in fresh pages), then go through ``ShardService.push_one``, as
   ``Push``: validation, the mode (idempotence, sync barrier, ssp clock),
   replication and the returned values are exactly those of the gRPC calls. The
   shard applies a push once all of it has arrived (a push is all or nothing).
 - Failures are answered with the status, message and reason the gRPC call
-  would have ended with (``ParameterServerServicer.failure``); bytes that are not
+  would have ended with (``ShardService.failure``); bytes that are not
   frames end the connection (the shard goes on serving).
-- A lookup is ``ParameterServerServicer.lookup_rows``, as ``Lookup``; its ids travel in
+- A lookup is ``ShardService.lookup_rows``, as ``Lookup``; its ids travel in
   the head, the rows are sent straight from the copy it read.
 - Metrics count these requests as ``Push``, ``Pull`` and ``Lookup`` RPCs.
 
@@ -47,7 +47,7 @@ from pscore import bulk, codec, transport
 from pscore.errors import PSError, UnavailableError, status_number
 from psproto.v1 import ps_pb2
 from psserver.metrics import ShardMetrics
-from psserver.servicer import ParameterServerServicer, deadline_of
+from psserver.service import ShardService, deadline_of
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DataPortServer:
     """The data port of one shard (see the module doc).
 
     Args:
-        servicer: the shard's servicer (its push and pull paths).
+        service: the shard's operations (its push, pull and lookup).
         metrics: the shard's metrics (requests counted as ``Push`` / ``Pull``), or None.
         host: the host the gRPC server binds.
         port: the port to bind (0: an ephemeral one).
@@ -107,16 +107,16 @@ class DataPortServer:
 
     def __init__(
         self,
-        servicer: ParameterServerServicer,
+        service: ShardService,
         metrics: ShardMetrics | None,
         *,
         host: str,
         port: int = 0,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        self._servicer = servicer
+        self._service = service
         self._metrics = metrics
-        self._shard = servicer.shard
+        self._shard = service.shard
         self._port = transport.DataPort(
             host,
             port,
@@ -125,7 +125,7 @@ class DataPortServer:
             tls=tls,
             max_nonces=_NONCES,
             nonce_ttl_s=_NONCE_TTL_S,
-            name=f"shard {servicer.shard} data port",
+            name=f"shard {service.shard} data port",
         )
         self.pool = BufferPool()
         self._idle: set[asyncio.Task[None]] = set()  # serving tasks waiting for a request
@@ -223,27 +223,27 @@ class DataPortServer:
                 request = _push_request(head, buf)
                 if self._metrics is not None:
                     self._metrics.push_received(head, sum(c.data.nbytes for c in request.grads))
-                response = await self._servicer.push_one(request, deadline_of(None, head.timeout_s))
+                response = await self._service.push_one(request, deadline_of(None, head.timeout_s))
                 answer = response.header if isinstance(response, codec.WireMessage) else response
                 chunks = response.chunks if isinstance(response, codec.WireMessage) else []
                 answer.values.extend(_described(chunks))
                 payload = [c.data for c in chunks]
                 reply = bulk.Frame(bulk.PUSHED, answer)
             elif kind == bulk.LOOKUP:
-                rows = await self._servicer.lookup_rows(head, None)
+                rows = await self._service.lookup_rows(head, None)
                 rows.header.values.extend(_described(rows.chunks))
                 payload = [c.data for c in rows.chunks]
                 reply = bulk.Frame(bulk.LOOKED_UP, rows.header)
             else:
                 if self._metrics is not None:
                     self._metrics.saw_worker(head.worker_id)
-                snapshot = await self._servicer.pull_snapshot(head, deadline_of(None, head.timeout_s))
+                snapshot = await self._service.pull_snapshot(head, deadline_of(None, head.timeout_s))
                 chunks = [codec.WireChunk.of(name, value) for name, value, _ in snapshot]
                 answer = ps_pb2.PullResponse(versions=[v for _, _, v in snapshot], values=_described(chunks))
                 payload = [c.data for c in chunks]
                 reply = bulk.Frame(bulk.PULLED, answer)
         except (PSError, codec.CodecError) as err:
-            code, message, reason = self._servicer.failure(err)
+            code, message, reason = self._service.failure(err)
             reply = bulk.Frame(
                 bulk.ERROR, ps_pb2.DataPortError(code=status_number(code), message=message, reason=reason)
             )

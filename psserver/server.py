@@ -30,6 +30,7 @@ from psserver.dataport import DataPortServer
 from psserver.metrics import ShardMetrics
 from psserver.modes import Mode, SyncMode, make_mode
 from psserver.replication import Backup, Primary, has_taken_over, peer_status
+from psserver.service import ShardService
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store
 
@@ -124,6 +125,7 @@ class Shard:
     checkpointer: Checkpointer | None = None
     primary: Primary | None = None
     backup: Backup | None = None
+    service: ShardService | None = None
     servicer: ParameterServerServicer | None = None
     data_port: DataPortServer | None = None
     # Set when this process's backup took over while it held no lease (``Primary.on_taken_over``):
@@ -278,7 +280,7 @@ async def start(config: ServerConfig) -> Shard:
         backup=backup,
     )
     mode.listener = metrics  # times the waits in the mode, names who waits
-    servicer = ParameterServerServicer(
+    service = ShardService(
         store,
         mode,
         shard=config.shard,
@@ -288,7 +290,8 @@ async def start(config: ServerConfig) -> Shard:
         backup=backup,
     )
     if checkpointer is not None and isinstance(mode, SyncMode):
-        servicer.step_cuts = StepCuts(mode, store, checkpointer, shard=config.shard)
+        service.step_cuts = StepCuts(mode, store, checkpointer, shard=config.shard)
+    servicer = ParameterServerServicer(service)
     # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
     add_to_server(servicer, server)
     health_servicer = HealthServicer()
@@ -303,7 +306,7 @@ async def start(config: ServerConfig) -> Shard:
         data_tls = None
         if config.tls_cert and config.tls_key:  # the same certificates and client checks as gRPC
             data_tls = transport.server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-        data_port = DataPortServer(servicer, metrics, host=config.host, port=config.data_port, tls=data_tls)
+        data_port = DataPortServer(service, metrics, host=config.host, port=config.data_port, tls=data_tls)
         try:
             await data_port.start()
         except OSError as err:
@@ -316,7 +319,8 @@ async def start(config: ServerConfig) -> Shard:
     address = f"{host}:{port}"
     shard = Shard(config, server, store, mode, health_servicer, address, port, metrics=metrics)
     shard.checkpointer = checkpointer
-    shard.primary, shard.backup, shard.servicer = primary, backup, servicer
+    shard.primary, shard.backup = primary, backup
+    shard.service, shard.servicer = service, servicer
     shard.data_port = data_port
     primary.on_taken_over = shard.hand_over
     primary.start()
@@ -326,7 +330,7 @@ async def start(config: ServerConfig) -> Shard:
         backup.start()
         shard.on_shutdown.insert(0, backup.stop)
     if checkpointer is not None:
-        shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer, servicer.step_cuts))
+        shard.on_shutdown.append(_checkpoint_hooks(shard, checkpointer, service.step_cuts))
     if config.metrics_port is not None:
         try:
             metrics_port = metrics.serve(config.host, config.metrics_port)
