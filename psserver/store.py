@@ -30,11 +30,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +63,8 @@ _RETIRED_SESSIONS = 4  # older sessions remembered per worker id (beyond the new
 # (30 s by default), so a piece that has not arrived by then never will.
 CUT_WINDOW_S = 60.0
 
+# A heavy step of one variable's update (``Store._update``): the bytes it works on, and the computation.
+_Work = tuple[int, Callable[[], np.ndarray]]
 # A push's dedup key: (worker_id, session, seq).
 PushKey = tuple[str, int, int]
 # The dedup table of one worker id as checkpoints hold it: [(session, floor, seen seqs)], oldest first.
@@ -155,6 +159,18 @@ def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
 def _freeze(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
+
+
+def _run_inline(update: Generator[_Work, np.ndarray, int]) -> int:
+    """Runs an ``Store._update`` on the event loop, with no await (a backup replaying)."""
+    with contextlib.closing(update):
+        result: Any = None
+        while True:
+            try:
+                _, work = update.send(result)
+            except StopIteration as done:
+                return done.value
+            result = work()
 
 
 class Store:
@@ -590,50 +606,58 @@ class Store:
             versions = []
             for var, grad in pairs:
                 async with var.lock:
-                    if isinstance(grad, tables.RowGrad):
-                        versions.append(await self._apply_rows(var, grad, now))
-                        continue
-                    value, version = var.state
-                    step = var.iterations
-                    if value.nbytes > self.inline_apply_bytes:
-                        new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, step)
-                    else:
-                        new = var.optimizer.apply(value, grad, var.slots, step)
-                    var.state = (_freeze(new), version + 1)
-                    var.iterations = step + 1
-                    versions.append(version + 1)
+                    versions.append(await self._run_offloaded(self._update(var, grad, now)))
             self.pushes += 1
             return versions
 
-    async def _apply_rows(self, var: Variable, grad: tables.RowGrad, now: float) -> int:
-        """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
+    def _update(self, var: Variable, grad: tables.Grad, now: float) -> Generator[_Work, np.ndarray, int]:
+        """The update of one variable by one validated gradient: the primary's push and its backup's replay.
+
+        The caller holds ``var.lock``. Each heavy computation (the optimizer's
+        rule, the copy of a frozen table piece) is yielded with the bytes it
+        works on, and its result sent back: the primary runs the large ones in a
+        worker thread (``_run_offloaded``), a backup runs them all on the event
+        loop (``_run_inline``); the values are the same either way. Returns the
+        new version.
+        """
+        if not isinstance(grad, tables.RowGrad):
+            value, version = var.state
+            step = var.iterations
+            new = yield value.nbytes, functools.partial(var.optimizer.apply, value, grad, var.slots, step)
+            var.state = (_freeze(new), version + 1)
+            var.iterations = step + 1
+            return version + 1
         reg = var.regularizer
         if var.dyn is not None:
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
-            if values.nbytes > self.inline_apply_bytes:  # only ``rows`` are touched meanwhile
-                new = await asyncio.to_thread(
-                    var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
-                )
-            else:
-                new = var.optimizer.apply_rows(var.value, rows, values, var.slots, var.iterations, reg)
+            work = functools.partial(
+                var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
+            )
+            new = yield values.nbytes, work  # only ``rows`` are touched meanwhile
             return self._write_rows(var, var.value, rows, new)
         rows, values = tables.rows_to_update(
             var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
         )
         value = var.value
-        if values.nbytes > self.inline_apply_bytes:
-            new = await asyncio.to_thread(
-                var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
-            )
-        else:
-            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
+        work = functools.partial(
+            var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
+        )
+        new = yield values.nbytes, work
         if not value.flags.writeable:  # frozen (created, restored, assigned): copy once, then in place
-            if value.nbytes > self.inline_apply_bytes:
-                value = await asyncio.to_thread(np.array, value, copy=True)
-            else:
-                value = value.copy()
+            value = yield value.nbytes, value.copy
         return self._write_rows(var, value, rows, new)
+
+    async def _run_offloaded(self, update: Generator[_Work, np.ndarray, int]) -> int:
+        """Runs an ``_update``, its computations on more than ``inline_apply_bytes`` in a worker thread."""
+        with contextlib.closing(update):
+            result: Any = None
+            while True:
+                try:
+                    nbytes, work = update.send(result)
+                except StopIteration as done:
+                    return done.value
+                result = await asyncio.to_thread(work) if nbytes > self.inline_apply_bytes else work()
 
     def _write_rows(self, var: Variable, value: np.ndarray, rows: np.ndarray, new: np.ndarray) -> int:
         # No await from here on: readers on the event loop see the rows and the version change together.
@@ -674,33 +698,18 @@ class Store:
                 self._notify()  # a cut waiting for what it let through
 
     def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
-        """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
+        """Applies one gradient now, on the event loop (a backup replaying its primary's updates).
 
-        ``now``: the push's time on the primary (dynamic tables' TTL). Returns the new version.
+        The same update as the primary's (``_update``), with no await: a row
+        gradient as the primary forwarded it is first validated as the primary
+        did (duplicates summed, in the same order). ``now``: the push's time on the
+        primary (dynamic tables' TTL). Returns the new version.
         """
-        if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
+        if isinstance(grad, tables.RowGrad):
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
-            reg = var.regularizer
-            if var.dyn is not None:
-                now = time.time() if now is None else now
-                rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
-                new = var.optimizer.apply_rows(
-                    var.value, rows, grad.values[keep], var.slots, var.iterations, reg
-                )
-                self.changes += 1
-                return self._write_rows(var, var.value, rows, new)
-            rows, values = tables.rows_to_update(
-                var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
-            )
-            value = var.value if var.value.flags.writeable else var.value.copy()
-            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
-            self.changes += 1
-            return self._write_rows(var, value, rows, new)
-        value, version = var.state
-        var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, var.iterations)), version + 1)
-        var.iterations += 1
+        version = _run_inline(self._update(var, grad, time.time() if now is None else now))
         self.changes += 1
-        return version + 1
+        return version
 
     # -- assign (Assign) -------------------------------------------------------
 
