@@ -87,8 +87,9 @@ from pscore import codec
 from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers, tables
+from psserver.ledger import SessionState
 from psserver.modes import Mode
-from psserver.store import SessionState, Store, Variable
+from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -679,9 +680,9 @@ async def take_snapshot(
     (replication attaches its backup there, so it gets every later update).
 
     Raises:
-        TimeoutError: updates in progress did not finish (``Store.quiesced``).
+        TimeoutError: updates in progress did not finish (``UpdateGate.quiesced``).
     """
-    async with store.quiesced() as held:
+    async with store.gate.quiesced() as held:
         variables = [v for v in store.variables() if v.dyn is None]
         dynamic_vars = [v for v in store.variables() if v.dyn is not None]
         states = [(v.spec, *v.state, v.iterations) for v in variables]
@@ -691,7 +692,7 @@ async def take_snapshot(
                 (session, floor, [s for s in seen if (worker, session, s) not in exclude])
                 for session, floor, seen in entries
             ]
-            for worker, entries in store.dedup_state().items()
+            for worker, entries in store.ledger.dedup_state().items()
         }
         mode_state = mode.state_dict()
         if while_quiesced is not None:
@@ -799,7 +800,7 @@ class Checkpointer:
 
         Raises:
             CheckpointError: the file could not be written.
-            TimeoutError: updates in progress did not finish (``Store.quiesced``).
+            TimeoutError: updates in progress did not finish (``UpdateGate.quiesced``).
         """
         async with self._lock:
             started = time.monotonic()
@@ -1078,5 +1079,5 @@ def load_into(snap: Snapshot, store: Store, mode: Mode, *, restored: bool = True
             k: np.array(a, dtype=var.slots[k].dtype, copy=True).reshape(var.slots[k].shape)
             for k, a in t.slots.items()
         }
-    store.load_dedup_state(snap.dedup)
+    store.ledger.load_dedup_state(snap.dedup)
     mode.load_state_dict(snap.mode_state, restored=restored)

@@ -66,8 +66,9 @@ from pscore import codec, rpc, security
 from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, lease, optimizers, tables
+from psserver.ledger import PushKey
 from psserver.modes import Mode, StepUpdate
-from psserver.store import PushKey, Store, Variable
+from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -907,13 +908,13 @@ class Backup:
             # Recorded, not claimed: the primary already decided (its order of claims may differ from
             # this order of applied updates, so a takeover must not refuse anything here).
             for key in message.claims:
-                self.store.record(key.worker_id, key.seq_ranges[0], key.session)
+                self.store.ledger.record(key.worker_id, key.seq_ranges[0], key.session)
             workers = [key.worker_id for key in message.claims]
             self._then[message.id] = functools.partial(self.mode.replay_step, message.step, workers)
         elif not assign:
-            self.store.record(message.worker_id, message.seq, message.session)
+            self.store.ledger.record(message.worker_id, message.seq, message.session)
             if len(message.shards) > 1:
-                self.store.note_sent(message.worker_id, message.seq, message.session, message.shards)
+                self.store.ledger.note_sent(message.worker_id, message.seq, message.session, message.shards)
             self._then[message.id] = functools.partial(self.mode.replay_push, message.worker_id, message.step)
         self._remaining[message.id] = len(tensors)
         if assign:

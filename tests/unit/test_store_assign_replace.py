@@ -99,7 +99,7 @@ async def test_store_a_snapshot_waits_for_an_assignment_and_a_replacement() -> N
     store = _store(w=np.zeros(3, np.float32))
     mode = AsyncMode(store)
     async with asyncio.timeout(10):
-        async with store.quiesced():
+        async with store.gate.quiesced():
             assigning = asyncio.create_task(
                 store.set_values(store.validate_values({"w": np.ones(3, np.float32)}))
             )

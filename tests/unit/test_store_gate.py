@@ -38,14 +38,14 @@ async def test_a_held_push_waits_and_is_not_counted_by_a_snapshot() -> None:
     store = _store()
     mode = AsyncMode(store)
     async with asyncio.timeout(10):
-        store.hold()
+        store.gate.hold()
         pushing = asyncio.create_task(mode.push("w0", 1, 0, _grad(), session=5))
         await _settle()
         assert not pushing.done() and store.get("w").version == 0
         assert not store.has_applied("w0", 1, 5)  # claimed, waiting at the gate
         snap = await checkpoint.take_snapshot(store, mode, 0, 1)  # nests with the hold
         assert snap.dedup["w0"] == [(5, -1, [])]  # a restore must let its retry apply it
-        store.release()
+        store.gate.release()
         assert (await pushing).applied
         assert store.has_applied("w0", 1, 5) and store.get("w").version == 1
 
@@ -54,32 +54,32 @@ async def test_let_through_passes_a_held_gate_but_never_a_snapshot() -> None:
     store = _store()
     mode = AsyncMode(store)
     async with asyncio.timeout(10):
-        store.hold()
+        store.gate.hold()
         first = asyncio.create_task(mode.push("w0", 1, 0, _grad(), session=5))
         second = asyncio.create_task(mode.push("w0", 2, 0, _grad(), session=5))
         await _settle()
-        async with store.quiesced():  # a snapshot being read: nothing passes, not even a let-through
-            store.let_through([("w0", 5, 1)])
+        async with store.gate.quiesced():  # a snapshot being read: nothing passes, not even a let-through
+            store.gate.let_through([("w0", 5, 1)])
             await _settle()
             assert store.get("w").version == 0
         assert (await first).applied
         await _settle()
         assert not second.done() and store.get("w").version == 1
-        store.release()
+        store.gate.release()
         assert (await second).applied
         with pytest.raises(RuntimeError):
-            store.release()
+            store.gate.release()
 
 
 def test_pushes_sent_to_several_shards_are_remembered_by_session_and_shards() -> None:
     store = _store()
     for seq in (1, 2, 3, 5):
-        assert store.claim("w0", seq, 9)
-        store.note_sent("w0", seq, 9, [0, 2])
-    assert store.claim("w0", 6, 9)
-    store.note_sent("w0", 6, 9, [1])  # one shard: nothing another shard must match
-    assert store.sent_pushes() == [("w0", 9, 0b101, [1, 2, 3, 5])]
-    assert store.sent_pushes(window_s=-1) == []  # older than the window: forgotten
+        assert store.ledger.claim("w0", seq, 9)
+        store.ledger.note_sent("w0", seq, 9, [0, 2])
+    assert store.ledger.claim("w0", 6, 9)
+    store.ledger.note_sent("w0", 6, 9, [1])  # one shard: nothing another shard must match
+    assert store.ledger.sent_pushes() == [("w0", 9, 0b101, [1, 2, 3, 5])]
+    assert store.ledger.sent_pushes(window_s=-1) == []  # older than the window: forgotten
     assert seq_ranges([1, 2, 3, 5]) == [1, 3, 5, 5]
     assert expand_ranges([1, 3, 5, 5]) == [1, 2, 3, 5]
     for bad in ([1], [3, 1], [0, 10]):
@@ -93,10 +93,10 @@ async def test_a_cut_holds_reports_and_releases(tmp_path: object) -> None:
     ckpt = checkpoint.Checkpointer(tmp_path, store, mode, shard=0, num_shards=2)  # type: ignore[arg-type]
     cuts = CutHolds(store, mode, ckpt, shard=0, num_shards=2)
     async with asyncio.timeout(10):
-        assert store.claim("w0", 1, 3)
-        store.note_sent("w0", 1, 3, [0, 1])
+        assert store.ledger.claim("w0", 1, 3)
+        store.ledger.note_sent("w0", 1, 3, [0, 1])
         report = await cuts.prepare("c1", 5.0, None)
-        assert store.held and cuts.active == "c1"
+        assert store.gate.held and cuts.active == "c1"
         assert [(k.worker_id, k.session, list(k.seq_ranges), list(k.shards)) for k in report.applied] == [
             ("w0", 3, [1, 1], [0, 1])
         ]
@@ -104,7 +104,7 @@ async def test_a_cut_holds_reports_and_releases(tmp_path: object) -> None:
         with pytest.raises(AbortedError, match="c1"):
             await cuts.prepare("c2", 5.0, None)
         reply = await cuts.commit(ps_pb2.CommitCutRequest(cut_id="c1", checkpoint_id=7), None)
-        assert not store.held and reply.id == 7 and ckpt.next_id == 8
+        assert not store.gate.held and reply.id == 7 and ckpt.next_id == 8
         assert checkpoint.read(reply.path).cut == {"id": "c1", "num_shards": 2}
         assert await cuts.commit(ps_pb2.CommitCutRequest(cut_id="c1", checkpoint_id=7), None) == reply
         assert cuts.release("c1", discard=True) == (False, True)
@@ -113,7 +113,7 @@ async def test_a_cut_holds_reports_and_releases(tmp_path: object) -> None:
             await cuts.prepare("c1", 5.0, None)
         await cuts.prepare("c3", 0.05, None)  # expires by itself
         await asyncio.sleep(0.2)
-        assert not store.held and cuts.active is None
+        assert not store.gate.held and cuts.active is None
         with pytest.raises(AbortedError, match="expired"):
             await cuts.commit(ps_pb2.CommitCutRequest(cut_id="c3", checkpoint_id=9), None)
     with pytest.raises(FailedPreconditionError):
