@@ -34,7 +34,7 @@ from pathlib import Path
 
 from pscore.errors import AbortedError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, ckptfile
 from psserver.ledger import PushKey
 from psserver.modes import Mode, SyncMode, step_key
 from psserver.store import Store
@@ -440,7 +440,7 @@ class StepCuts:
                 held = False
             snap.cut = {"step": step}
             await self.checkpointer.write_snapshot(snap, self.checkpointer.next_id, started)
-        except (checkpoint.CheckpointError, TimeoutError) as err:
+        except (ckptfile.CheckpointError, TimeoutError) as err:
             log.error("shard %d: periodic checkpoint at step %d failed: %s", self.shard, step, err)
         finally:
             if held:

@@ -65,7 +65,7 @@ import numpy as np
 from pscore import codec, rpc, security
 from pscore.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from psproto.v1 import ps_pb2
-from psserver import checkpoint, lease, optimizers, tables
+from psserver import checkpoint, ckptfile, lease, optimizers, tables
 from psserver.ledger import PushKey
 from psserver.modes import Mode, StepUpdate
 from psserver.store import Store, Variable
@@ -646,9 +646,9 @@ class _Link:
     error: Exception | None = None  # why the backup's side of the stream failed
 
 
-def _encode(snap: checkpoint.Snapshot) -> bytes:
+def _encode(snap: ckptfile.Snapshot) -> bytes:
     buf = io.BytesIO()
-    checkpoint.dump(snap, buf, ckpt_id=0)
+    ckptfile.dump(snap, buf, ckpt_id=0)
     return buf.getvalue()
 
 
@@ -876,7 +876,7 @@ class Backup:
                 self._apply(header, tables.pair(tensors.result()))
 
     async def _load(self, data: bytes) -> None:
-        snap = await asyncio.to_thread(checkpoint.load, io.BytesIO(data), f"snapshot from {self.primary}")
+        snap = await asyncio.to_thread(ckptfile.load, io.BytesIO(data), f"snapshot from {self.primary}")
         if snap.shard != self.shard:
             raise RuntimeError(
                 f"primary {self.primary} is shard {snap.shard}; this backup is shard {self.shard}"

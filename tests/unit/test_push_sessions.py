@@ -16,7 +16,7 @@ from pscore import codec, errors
 from pscore.errors import WorkerIdConflictError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import ckptfile
 from psserver.ledger import _RETIRED_SESSIONS
 from psserver.modes import AsyncMode, SyncMode
 from psserver.store import Store
@@ -118,20 +118,20 @@ async def test_sync_mode_a_newer_session_replaces_the_older_ones_gradient_in_an_
     assert mode.step == 1 and mode.pending_claims() == []
 
 
-def _snapshot(dedup: dict) -> checkpoint.Snapshot:
+def _snapshot(dedup: dict) -> ckptfile.Snapshot:
     spec = ps_pb2.VariableSpec(name="v", dtype=ps_pb2.DTYPE_FLOAT32, shape=[2])
-    return checkpoint.Snapshot(
+    return ckptfile.Snapshot(
         shard=0, num_shards=1, mode="async",
-        tensors=[checkpoint.StoredTensor(spec, np.zeros(2, np.float32), 3, {})],
+        tensors=[ckptfile.StoredTensor(spec, np.zeros(2, np.float32), 3, {})],
         dedup=dedup, mode_state={},
     )  # fmt: skip
 
 
 def test_checkpoint_keeps_sessions_and_writes_the_current_window_for_old_readers() -> None:
     buf = io.BytesIO()
-    checkpoint.dump(_snapshot({"w": [(A, -1, [1, 2]), (B, -1, [1])]}), buf, ckpt_id=1)
+    ckptfile.dump(_snapshot({"w": [(A, -1, [1, 2]), (B, -1, [1])]}), buf, ckpt_id=1)
     buf.seek(0)
-    back = checkpoint.load(buf, "mem")
+    back = ckptfile.load(buf, "mem")
     assert back.dedup == {"w": [(A, -1, [1, 2]), (B, -1, [1])]}
     buf.seek(0)
     with np.load(buf) as z:
@@ -141,7 +141,7 @@ def test_checkpoint_keeps_sessions_and_writes_the_current_window_for_old_readers
 
 def test_checkpoint_without_sessions_loads_as_session_zero() -> None:
     buf = io.BytesIO()
-    checkpoint.dump(_snapshot({"w": [(0, 4, [6, 7])]}), buf, ckpt_id=1)
+    ckptfile.dump(_snapshot({"w": [(0, 4, [6, 7])]}), buf, ckpt_id=1)
     with np.load(io.BytesIO(buf.getvalue())) as z:
         arrays = dict(z)
     manifest = json.loads(bytes(arrays["manifest"]).decode())
@@ -150,7 +150,7 @@ def test_checkpoint_without_sessions_loads_as_session_zero() -> None:
     old = io.BytesIO()
     np.savez(old, **arrays)
     old.seek(0)
-    snap = checkpoint.load(old, "old")
+    snap = ckptfile.load(old, "old")
     assert snap.dedup == {"w": [(0, 4, [6, 7])]}
     store = Store()
     store.ledger.load_dedup_state(snap.dedup)
@@ -162,7 +162,7 @@ def test_checkpoint_without_sessions_loads_as_session_zero() -> None:
 def test_merged_dedup_tables_keep_the_first_tables_current_session() -> None:
     first = _snapshot({"w": [(A, -1, [1]), (B, -1, [2])]})
     second = _snapshot({"w": [(B, -1, [3]), (A, -1, [4])], "u": [(C, -1, [1])]})
-    merged = checkpoint._merge_dedup([first, second])
+    merged = ckptfile._merge_dedup([first, second])
     assert merged == {"w": [(A, -1, [1, 4]), (B, -1, [2, 3])], "u": [(C, -1, [1])]}
 
 

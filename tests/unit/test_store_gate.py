@@ -11,7 +11,7 @@ from pscore import codec
 from pscore.errors import AbortedError, FailedPreconditionError, InvalidArgumentError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, ckptfile
 from psserver.cut import CutHolds, expand_ranges, seq_ranges
 from psserver.modes import AsyncMode, SyncMode
 from psserver.store import Store
@@ -105,7 +105,7 @@ async def test_a_cut_holds_reports_and_releases(tmp_path: object) -> None:
             await cuts.prepare("c2", 5.0, None)
         reply = await cuts.commit(ps_pb2.CommitCutRequest(cut_id="c1", checkpoint_id=7), None)
         assert not store.gate.held and reply.id == 7 and ckpt.next_id == 8
-        assert checkpoint.read(reply.path).cut == {"id": "c1", "num_shards": 2}
+        assert ckptfile.read(reply.path).cut == {"id": "c1", "num_shards": 2}
         assert await cuts.commit(ps_pb2.CommitCutRequest(cut_id="c1", checkpoint_id=7), None) == reply
         assert cuts.release("c1", discard=True) == (False, True)
         assert not list(tmp_path.glob("ckpt-*"))  # type: ignore[attr-defined]
@@ -136,17 +136,17 @@ async def test_a_sync_cut_lets_held_steps_through_up_to_its_step(tmp_path: objec
         assert not step0.done() and mode.current_step() == 0  # held at the gate
         reply = await cuts.commit(ps_pb2.CommitCutRequest(cut_id="s", step=1, checkpoint_id=1), None)
         assert (await step0).applied
-        snap = checkpoint.read(reply.path)
+        snap = ckptfile.read(reply.path)
         assert snap.mode_state["step"] == 1 and snap.tensors[0].version == 1
 
 
 def test_a_restart_restores_the_newest_cut_every_shard_holds(tmp_path: object) -> None:
     def write(shard: int, ckpt_id: int, step: int) -> None:
-        snap = checkpoint.Snapshot(
+        snap = ckptfile.Snapshot(
             shard=shard, num_shards=2, mode="sync", tensors=[], dedup={}, mode_state={"step": step},
             cut={"step": step},
         )  # fmt: skip
-        checkpoint.write(snap, tmp_path, ckpt_id)  # type: ignore[arg-type]
+        ckptfile.write(snap, tmp_path, ckpt_id)  # type: ignore[arg-type]
 
     def chosen(shard: int) -> int:
         store = Store()
@@ -165,7 +165,7 @@ def test_a_restart_restores_the_newest_cut_every_shard_holds(tmp_path: object) -
     mode = SyncMode(store, replicas_to_aggregate=1, total_replicas=1, barrier_timeout_s=5.0)
     ckpt = checkpoint.Checkpointer(tmp_path, store, mode, shard=0, num_shards=2)  # type: ignore[arg-type]
     assert asyncio.run(ckpt.restore())
-    assert sorted((f.shard, f.id) for f in checkpoint.list_files(tmp_path)) == [(0, 1), (1, 1)]
+    assert sorted((f.shard, f.id) for f in ckptfile.list_files(tmp_path)) == [(0, 1), (1, 1)]
     write(0, 2, 10)
     write(1, 2, 10)
     assert (chosen(0), chosen(1)) == (10, 10)
