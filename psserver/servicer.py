@@ -31,10 +31,11 @@ from pscore.errors import (
 )
 from psproto.v1 import ps_pb2
 from psserver import tables
+from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer, CheckpointError
 from psserver.cut import CutHolds, StepCuts
 from psserver.modes import Mode
-from psserver.replication import BACKUP_ADDRESS_KEY, Backup, Primary
+from psserver.replication import BACKUP_ADDRESS_KEY, Primary
 from psserver.store import Store, Variable
 
 if TYPE_CHECKING:
