@@ -418,7 +418,7 @@ class Store:
         it: None once it is applied, or this one applies it if the original failed.
 
         Raises:
-            WorkerIdConflictError: see ``claim``; nothing applied.
+            WorkerIdConflictError: see ``PushLedger.claim``; nothing applied.
         """
         key = (worker_id, session, seq)
         while not self.ledger.claim(worker_id, seq, session):
@@ -437,9 +437,8 @@ class Store:
 
     def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
         """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
-        return self.ledger.recorded(worker_id, seq, session) and not self.gate.is_pending(
-            (worker_id, session, seq)
-        )
+        key = (worker_id, session, seq)
+        return self.ledger.recorded(worker_id, seq, session) and not self.gate.is_pending(key)
 
     async def apply(
         self,
@@ -451,7 +450,7 @@ class Store:
     ) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
-        Waits while updates are held back (``hold``: a checkpoint snapshot, a
+        Waits while updates are held back (``UpdateGate.hold``: a checkpoint snapshot, a
         consistent cut), so a snapshot never holds half of one update.
 
         Args:
