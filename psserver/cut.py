@@ -3,10 +3,10 @@
 A coordinator (``psclient``'s ``save_checkpoint(consistent=True)``) runs two
 phases over every shard; this module is one shard's side.
 
-1. ``PrepareCut``: the shard holds new updates back (``Store.hold``; pulls go
+1. ``PrepareCut``: the shard holds new updates back (``UpdateGate.hold``; pulls go
    on), waits for the updates in progress, and reports its sync step and the
    pushes it applied in the last minute that were sent to other shards too
-   (``PushRequest.shards``, remembered by ``Store.note_sent``).
+   (``PushRequest.shards``, remembered by ``PushLedger.note_sent``).
 2. ``CommitCut``: every shard gets the pushes the others applied that were
    sent to it too, and (sync mode) the largest step of any shard. It lets those
    updates through the held gate (they are waiting there, or arrive soon: the
@@ -34,9 +34,10 @@ from pathlib import Path
 
 from pscore.errors import AbortedError, DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, ckptfile
+from psserver.ledger import PushKey
 from psserver.modes import Mode, SyncMode, step_key
-from psserver.store import PushKey, Store
+from psserver.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +160,14 @@ class CutHolds:
             raise AbortedError(f"consistent cut {cut_id} has ended here ({self._done[cut_id].why_released})")
         if cut is None:
             cut = self._active = _Cut(cut_id, hold_s or DEFAULT_HOLD_S)
-            self.store.hold()
+            self.store.gate.hold()
             cut.expiry = asyncio.get_running_loop().call_later(cut.hold_s, self._expire, cut)
             log.info("shard %d: cut %s: holding updates (%.1fs at most)", self.shard, cut_id, cut.hold_s)
         if cut.report is not None:
             return cut.report
         try:
             async with asyncio.timeout(_limit(cut, deadline)):
-                await self.store.wait_idle()
+                await self.store.gate.wait_idle()
         except TimeoutError:
             self._end(cut, "the updates in progress did not finish in time")
             raise DeadlineExceededError(
@@ -189,7 +190,7 @@ class CutHolds:
                 ps_pb2.PushKeys(
                     worker_id=worker, session=session, seq_ranges=seq_ranges(seqs), shards=_shards(mask)
                 )
-                for worker, session, mask, seqs in self.store.sent_pushes()
+                for worker, session, mask, seqs in self.store.ledger.sent_pushes()
             ],
             next_checkpoint_id=self.checkpointer.next_id,
         )
@@ -268,13 +269,13 @@ class CutHolds:
     async def _settle(self, cut: _Cut, include: list[PushKey], target: int | None) -> None:
         """Lets the cut's updates through and waits until they are applied and nothing else runs."""
         if target is not None:
-            self.store.let_through(step_key(s) for s in range(self.mode.current_step(), target))
-        self.store.let_through(include)
+            self.store.gate.let_through(step_key(s) for s in range(self.mode.current_step(), target))
+        self.store.gate.let_through(include)
         while True:
             self._check_held(cut)
-            if not self._missing(include, target) and not self.store.updating:
+            if not self._missing(include, target) and not self.store.gate.updating:
                 return
-            await self.store.changed()
+            await self.store.gate.changed()
 
     def _missing(self, include: list[PushKey], target: int | None) -> str:
         """What the cut still waits for ("" when nothing)."""
@@ -329,7 +330,7 @@ class CutHolds:
             cut.expiry.cancel()
         if self._active is cut:
             self._active = None
-        self.store.release()
+        self.store.gate.release()
         self._done[cut.id] = cut
         while len(self._done) > _DONE_KEPT:
             del self._done[next(iter(self._done))]
@@ -424,7 +425,7 @@ class StepCuts:
     def _stepped(self, step: int) -> None:
         if step != self.target:
             return
-        self.store.hold()  # the next step's update waits here: the snapshot is at this boundary
+        self.store.gate.hold()  # the next step's update waits here: the snapshot is at this boundary
         self.saving = asyncio.create_task(self._save(step, held=True, after=self.saving))
 
     async def _save(self, step: int, *, held: bool, after: asyncio.Task[None] | None = None) -> None:
@@ -435,15 +436,15 @@ class StepCuts:
             started = time.monotonic()
             snap = await self.checkpointer.snapshot()
             if held:
-                self.store.release()
+                self.store.gate.release()
                 held = False
             snap.cut = {"step": step}
             await self.checkpointer.write_snapshot(snap, self.checkpointer.next_id, started)
-        except (checkpoint.CheckpointError, TimeoutError) as err:
+        except (ckptfile.CheckpointError, TimeoutError) as err:
             log.error("shard %d: periodic checkpoint at step %d failed: %s", self.shard, step, err)
         finally:
             if held:
-                self.store.release()
+                self.store.gate.release()
             if self.saving is asyncio.current_task():
                 self.saving = None
 

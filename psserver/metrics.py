@@ -51,8 +51,9 @@ from psproto.v1 import ps_pb2
 from psserver.store import Store
 
 if TYPE_CHECKING:
+    from psserver.backup import Backup
     from psserver.checkpoint import Checkpointer
-    from psserver.replication import Backup, Primary
+    from psserver.replication import Primary
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,8 @@ from pscore.errors import (
     WorkerIdConflictError,
 )
 from psserver import tables
-from psserver.store import PushKey, Store, Variable
+from psserver.ledger import PushKey
+from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Mode(abc.ABC):
     ) -> PushOutcome:
         """Applies (or schedules, or drops) one worker's gradients for this shard.
 
-        ``(worker_id, session, seq)`` identifies the push (``Store.claim``).
+        ``(worker_id, session, seq)`` identifies the push (``PushLedger.claim``).
         ``deadline`` (``time.monotonic()`` clock): the caller's; a wait gives up
         just before it, as at the barrier timeout. The ``listener`` sees the call
         from start to end (how long it waited in the mode).
@@ -435,7 +436,7 @@ class SyncMode(Mode):
                 rnd.done.set_exception(error(step, rnd))
                 rnd.done.exception()  # retrieved: waiters re-raise it
             for worker, ((session, seq), _) in rnd.contributions.items():
-                self.store.unclaim(worker, seq, session)
+                self.store.ledger.unclaim(worker, seq, session)
             rnd.withdrawn.update(rnd.contributions)
             rnd.contributions.clear()
 
@@ -461,7 +462,7 @@ class SyncMode(Mode):
         if step < 0:
             raise InvalidArgumentError(f"sync mode: step must be >= 0, got {step}")
         key = (session, seq)
-        if not self.store.claim(worker_id, seq, session):
+        if not self.store.ledger.claim(worker_id, seq, session):
             # A retry: join the original's round if it is still gathering.
             for k, rnd in self._rounds.items():
                 if rnd.contributions.get(worker_id, (None,))[0] == key:
@@ -486,7 +487,7 @@ class SyncMode(Mode):
                 try:
                     await self._wait(step, applying, worker_id, key, deadline)
                 except BaseException:
-                    self.store.unclaim(worker_id, seq, session)  # its retry is judged afresh
+                    self.store.ledger.unclaim(worker_id, seq, session)  # its retry is judged afresh
                     raise
             self.dropped += 1
             log.debug(
@@ -502,7 +503,7 @@ class SyncMode(Mode):
             # A newer session of the worker id (a restarted worker, or a second client that took
             # over) speaks for it: its gradient replaces the older session's, which is refused.
             del rnd.contributions[worker_id]
-            self.store.unclaim(worker_id, old_seq, old_session)
+            self.store.ledger.unclaim(worker_id, old_seq, old_session)
             rnd.replaced.add((worker_id, old_session, old_seq))
         rnd.contributions[worker_id] = (key, pairs)
         await self._advance()
@@ -528,7 +529,7 @@ class SyncMode(Mode):
                 # Nothing half-applied: withdraw this gradient; a retry of the push applies it.
                 del rnd.contributions[worker_id]
                 rnd.withdrawn.add(worker_id)
-                self.store.unclaim(worker_id, key[1], key[0])
+                self.store.ledger.unclaim(worker_id, key[1], key[0])
                 if not rnd.contributions and self._rounds.get(step) is rnd:
                     del self._rounds[step]
         if (worker_id, *key) in rnd.replaced:
@@ -588,7 +589,7 @@ class SyncMode(Mode):
                 versions = await self.store.apply(update, now, key=step_key(step), claims=claims)
             except BaseException as err:
                 for worker, ((session, seq), _) in rnd.contributions.items():
-                    self.store.unclaim(worker, seq, session)
+                    self.store.ledger.unclaim(worker, seq, session)
                 del self._rounds[step]
                 if not rnd.done.done():
                     rnd.done.set_exception(err)

@@ -23,13 +23,14 @@ from pscore import security, transport
 from pscore.errors import UnavailableError
 from pscore.loopwatch import LoopWatch
 from psproto.v1 import ps_pb2
+from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer
 from psserver.config import ServerConfig
 from psserver.cut import StepCuts
 from psserver.dataport import DataPortServer
 from psserver.metrics import ShardMetrics
 from psserver.modes import Mode, SyncMode, make_mode
-from psserver.replication import Backup, Primary, has_taken_over, peer_status
+from psserver.replication import Primary, has_taken_over, peer_status
 from psserver.service import ShardService
 from psserver.servicer import ParameterServerServicer, add_to_server
 from psserver.store import Store

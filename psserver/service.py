@@ -32,10 +32,12 @@ from pscore.errors import (
 )
 from psproto.v1 import ps_pb2
 from psserver import tables
-from psserver.checkpoint import Checkpointer, CheckpointError
+from psserver.backup import Backup
+from psserver.checkpoint import Checkpointer
+from psserver.ckptfile import CheckpointError
 from psserver.cut import CutHolds, StepCuts
 from psserver.modes import Mode
-from psserver.replication import Backup, Primary
+from psserver.replication import Primary
 from psserver.store import Store, Variable
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amortise per-message cost
@@ -415,7 +417,7 @@ class ShardService:
             header.worker_id, header.seq, header.step, grads, header.session, deadline
         )
         if outcome.applied and len(header.shards) > 1:  # in the same tick as the update: a cut sees both
-            self.store.note_sent(header.worker_id, header.seq, header.session, header.shards)
+            self.store.ledger.note_sent(header.worker_id, header.seq, header.session, header.shards)
         if outcome.forward and self.primary is not None:  # answered once the backup has it too
             await self.primary.forward_push(
                 header.worker_id,

@@ -1,20 +1,16 @@
-"""The variables one shard owns: values, optimizer slots, versions, and the push dedup table.
+"""The variables one shard owns: values, optimizer slots, versions, and how updates change them.
 
-Dedup: a push is identified by ``(worker_id, session, seq)``. Every client
-picks a random 64-bit session once and numbers its pushes from 1, so a retry
-(same session, same seq) is applied once. Per worker id the shard remembers its
-sessions, newest last: a new session takes over (a restarted worker, whose
-seqs start again at 1); a push of an older session is a retry of an applied
-push (a duplicate) or else refused with ``WorkerIdConflictError``: two live clients
-share the worker id, and silently deduplicating their pushes against each
-other would drop about half of them. At most ``_RETIRED_SESSIONS`` older
-sessions are remembered per worker id.
+The store also holds the shard's push ledger (``psserver.ledger``: which
+pushes were applied, so a retry is applied once) and its update gate
+(``psserver.gate``: where updates wait while a checkpoint snapshot or a
+consistent cut holds them back).
 
 Concurrency: everything runs on the shard's event loop. Each variable's update
 is serialised by its ``asyncio.Lock``; values are copy-on-write (an update
 builds a new array and swaps it in with one assignment), so a pull reads a
 consistent ``(value, version)`` snapshot without taking the lock, and an update
-of a large tensor runs in a worker thread without blocking readers.
+of a large tensor runs in a worker thread without blocking readers. A primary's
+push and its backup's replay of it are one update (``Store._update``).
 
 Embedding table pieces (``psserver.tables``) are the exception: a row
 gradient's new rows are computed (in a thread when large) and then written
@@ -28,13 +24,14 @@ gather copies the rows at once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Hashable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -45,26 +42,18 @@ from pscore.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
-    WorkerIdConflictError,
 )
 from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers, tables
+from psserver.gate import UpdateGate
+from psserver.ledger import PushKey, PushLedger
 from psserver.tier import TierConfig, TierDirError
 
 log = logging.getLogger(__name__)
 
-_DEDUP_WINDOW = 4096  # sequence numbers remembered per session; older ones count as already applied
-_RETIRED_SESSIONS = 4  # older sessions remembered per worker id (beyond the newest); older ones are forgotten
-# Consistent cuts (psserver.cut): how long a session's pushes sent to several shards are remembered with
-# those shards. A push's pieces go to its shards at once and are retried for at most the client's deadline
-# (30 s by default), so a piece that has not arrived by then never will.
-CUT_WINDOW_S = 60.0
-
-# A push's dedup key: (worker_id, session, seq).
-PushKey = tuple[str, int, int]
-# The dedup table of one worker id as checkpoints hold it: [(session, floor, seen seqs)], oldest first.
-SessionState = list[tuple[int, int, list[int]]]
+# A heavy step of one variable's update (``Store._update``): the bytes it works on, and the computation.
+_Work = tuple[int, Callable[[], np.ndarray]]
 
 
 @dataclass(slots=True)
@@ -115,34 +104,6 @@ class Variable:
         return (value.copy() if value.flags.writeable else value), version
 
 
-class _SeqWindow:
-    """The sequence numbers of one session's recent pushes."""
-
-    __slots__ = ("floor", "seen", "sent")
-
-    def __init__(self) -> None:
-        self.seen: set[int] = set()
-        self.floor = -1  # every seq <= floor counts as seen
-        # Applied pushes that went to other shards too: (seq, bitmask of their shards, time.monotonic()).
-        self.sent: collections.deque[tuple[int, int, float]] | None = None
-
-    def __contains__(self, seq: int) -> bool:
-        return seq <= self.floor or seq in self.seen
-
-    def add(self, seq: int) -> None:
-        self.seen.add(seq)
-        # Trimmed to the newest _DEDUP_WINDOW once it holds twice as many: amortized O(1) per push (a
-        # trim at every push past the window cost O(window), 0.2 ms a push). Between trims the window
-        # remembers more, never less; a seq above the floor and not seen was never applied either way.
-        if len(self.seen) > 2 * _DEDUP_WINDOW:
-            newest = max(self.seen)
-            self.floor = max(self.floor, newest - _DEDUP_WINDOW)
-            self.seen = {s for s in self.seen if s > self.floor}
-
-    def discard(self, seq: int) -> None:
-        self.seen.discard(seq)
-
-
 def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
     """What makes two specs equal for an idempotent create: all but a fixed table's initializer (how its
     rows started, not what the table is: an equal table created with another initializer keeps its rows)."""
@@ -155,6 +116,18 @@ def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
 def _freeze(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
+
+
+def _run_inline(update: Generator[_Work, np.ndarray, int]) -> int:
+    """Runs an ``Store._update`` on the event loop, with no await (a backup replaying)."""
+    with contextlib.closing(update):
+        result: Any = None
+        while True:
+            try:
+                _, work = update.send(result)
+            except StopIteration as done:
+                return done.value
+            result = work()
 
 
 class Store:
@@ -174,34 +147,23 @@ class Store:
         # The disk tier (``psserver.tier``): dynamic tables without a capacity keep their hot rows in
         # memory under its budget and the others on disk; None: every row in memory.
         self.tier = tier
-        # worker_id -> session -> its window; insertion order is age: the last session is the current one.
-        self._sessions: dict[str, dict[int, _SeqWindow]] = {}
+        self.ledger = PushLedger()  # the pushes applied here (retries are applied once)
         self.allow_non_finite = allow_non_finite
         self.inline_apply_bytes = inline_apply_bytes
         self.pushes = 0
         self.pulls = 0
         self.changes = 0  # creates, updates, assignments, optimizer changes: what a checkpoint must save
         self.started = time.monotonic()
-        # The update gate (see ``hold``): updates in progress, the holds keeping new ones back, the
-        # updates a consistent cut lets through, and the snapshots being read (nothing passes then).
-        self._updating = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._holds = 0
-        self._snapshots = 0
-        self._let_through: set[Hashable] = set()
-        self._gate = asyncio.Event()  # replaced (and the old one set) whenever the gate changes
-        # Pushes whose update waits at the gate or is being applied (a snapshot must not count them).
-        self._pending: collections.Counter[PushKey] = collections.Counter()
-        self._unpended: asyncio.Event | None = None  # set (and dropped) when a push leaves _pending
+        # Updates pass it (``_updates``); checkpoint snapshots and consistent cuts hold them back.
+        self.gate = UpdateGate()
 
     def clear(self) -> None:
         """Forgets every variable and the dedup table (a backup about to load a new snapshot)."""
-        if self._updating or self._pending:
+        if self.gate.busy:
             raise RuntimeError("Store.clear while updates are in progress")
         self.close()
         self._vars = {}
-        self._sessions = {}
+        self.ledger = PushLedger()
 
     def close(self) -> None:
         """Closes (and removes) the dynamic tables' disk tiers; the store is not used after."""
@@ -437,101 +399,6 @@ class Store:
             pairs.append((var, grad))
         return pairs
 
-    def claim(self, worker_id: str, seq: int, session: int = 0) -> bool:
-        """Records push ``(worker_id, session, seq)``; False if it was already recorded (a retry).
-
-        A session not seen before for ``worker_id`` becomes its current one.
-
-        Raises:
-            WorkerIdConflictError: a new push (not a retry) of an older session of
-                ``worker_id``: another client with the same id took over.
-                Nothing is recorded.
-        """
-        sessions = self._sessions.setdefault(worker_id, {})
-        window = sessions.get(session)
-        if window is None:
-            window = self._take_over(worker_id, sessions, session)
-        elif seq in window:
-            return False
-        elif (current := next(reversed(sessions))) != session:
-            raise WorkerIdConflictError(
-                f"worker id {worker_id!r} is used by two clients at once (sessions {session:016x} and "
-                f"{current:016x}, the newer); this push of session {session:016x} is refused, nothing of "
-                "it applied; give each worker its own worker_id (TF_CONFIG task index, or "
-                "PSWorker(worker_index=...))"
-            )
-        window.add(seq)
-        return True
-
-    def record(self, worker_id: str, seq: int, session: int = 0) -> None:
-        """Records a push its primary applied (a backup replaying it): never refuses, never a duplicate."""
-        sessions = self._sessions.setdefault(worker_id, {})
-        window = sessions.get(session)
-        if window is None:
-            window = self._take_over(worker_id, sessions, session)
-        window.add(seq)
-
-    def note_sent(self, worker_id: str, seq: int, session: int, shards: Iterable[int]) -> None:
-        """Remembers an applied push that was sent to other shards too (``PushRequest.shards``).
-
-        Kept for ``CUT_WINDOW_S`` (and at most the dedup window's length per
-        session): a consistent cut asks the other shards to hold it as well
-        (``sent_pushes``). A no-op for a push sent to one shard.
-        """
-        mask = 0
-        for s in shards:
-            mask |= 1 << int(s)
-        if mask & (mask - 1) == 0:  # one shard (or none): nothing another shard must match
-            return
-        window = self._sessions.get(worker_id, {}).get(session)
-        if window is None:
-            return
-        if window.sent is None:
-            window.sent = collections.deque(maxlen=_DEDUP_WINDOW)
-        window.sent.append((seq, mask, time.monotonic()))
-
-    def sent_pushes(self, window_s: float = CUT_WINDOW_S) -> list[tuple[str, int, int, list[int]]]:
-        """Pushes applied in the last ``window_s`` seconds that went to several shards.
-
-        Returns ``(worker_id, session, shard bitmask, sorted seqs)``, one entry per
-        worker session and set of shards.
-        """
-        since = time.monotonic() - window_s
-        out = []
-        for worker, sessions in self._sessions.items():
-            for session, window in sessions.items():
-                if not window.sent:
-                    continue
-                while window.sent and window.sent[0][2] < since:
-                    window.sent.popleft()
-                by_mask: dict[int, list[int]] = {}
-                for seq, mask, _ in window.sent:
-                    by_mask.setdefault(mask, []).append(seq)
-                out.extend((worker, session, mask, sorted(seqs)) for mask, seqs in by_mask.items())
-        return out
-
-    def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
-        """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
-        window = self._sessions.get(worker_id, {}).get(session)
-        return window is not None and seq in window and (worker_id, session, seq) not in self._pending
-
-    def _take_over(self, worker_id: str, sessions: dict[int, _SeqWindow], session: int) -> _SeqWindow:
-        if sessions:
-            log.info(
-                "worker %s: session %016x takes over from session %016x (a restarted or second client)",
-                worker_id, session, next(reversed(sessions)),
-            )  # fmt: skip
-        window = sessions[session] = _SeqWindow()
-        while len(sessions) > 1 + _RETIRED_SESSIONS:
-            del sessions[next(iter(sessions))]
-        return window
-
-    def unclaim(self, worker_id: str, seq: int, session: int = 0) -> None:
-        """Forgets a claimed push that failed before it was applied, so a retry applies it."""
-        window = self._sessions.get(worker_id, {}).get(session)
-        if window is not None:
-            window.discard(seq)
-
     async def apply_once(
         self,
         worker_id: str,
@@ -551,18 +418,23 @@ class Store:
         it: None once it is applied, or this one applies it if the original failed.
 
         Raises:
-            WorkerIdConflictError: see ``claim``; nothing applied.
+            WorkerIdConflictError: see ``PushLedger.claim``; nothing applied.
         """
         key = (worker_id, session, seq)
-        while not self.claim(worker_id, seq, session):
-            if key not in self._pending:
+        while not self.ledger.claim(worker_id, seq, session):
+            if not self.gate.is_pending(key):
                 return None
-            await self._left_pending(key)
+            await self.gate.left_pending(key)
         try:
             return await self.apply(pairs, now, key=key, claims=(key,))
         except BaseException:
-            self.unclaim(worker_id, seq, session)
+            self.ledger.unclaim(worker_id, seq, session)
             raise
+
+    def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
+        """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
+        key = (worker_id, session, seq)
+        return self.ledger.recorded(worker_id, seq, session) and not self.gate.is_pending(key)
 
     async def apply(
         self,
@@ -574,7 +446,7 @@ class Store:
     ) -> list[int]:
         """Applies validated gradients, one variable at a time under its lock; returns new versions.
 
-        Waits while updates are held back (``hold``: a checkpoint snapshot, a
+        Waits while updates are held back (``UpdateGate.hold``: a checkpoint snapshot, a
         consistent cut), so a snapshot never holds half of one update.
 
         Args:
@@ -590,50 +462,58 @@ class Store:
             versions = []
             for var, grad in pairs:
                 async with var.lock:
-                    if isinstance(grad, tables.RowGrad):
-                        versions.append(await self._apply_rows(var, grad, now))
-                        continue
-                    value, version = var.state
-                    step = var.iterations
-                    if value.nbytes > self.inline_apply_bytes:
-                        new = await asyncio.to_thread(var.optimizer.apply, value, grad, var.slots, step)
-                    else:
-                        new = var.optimizer.apply(value, grad, var.slots, step)
-                    var.state = (_freeze(new), version + 1)
-                    var.iterations = step + 1
-                    versions.append(version + 1)
+                    versions.append(await self._run_offloaded(self._update(var, grad, now)))
             self.pushes += 1
             return versions
 
-    async def _apply_rows(self, var: Variable, grad: tables.RowGrad, now: float) -> int:
-        """Applies a validated row gradient (the caller holds ``var.lock``); returns the new version."""
+    def _update(self, var: Variable, grad: tables.Grad, now: float) -> Generator[_Work, np.ndarray, int]:
+        """The update of one variable by one validated gradient: the primary's push and its backup's replay.
+
+        The caller holds ``var.lock``. Each heavy computation (the optimizer's
+        rule, the copy of a frozen table piece) is yielded with the bytes it
+        works on, and its result sent back: the primary runs the large ones in a
+        worker thread (``_run_offloaded``), a backup runs them all on the event
+        loop (``_run_inline``); the values are the same either way. Returns the
+        new version.
+        """
+        if not isinstance(grad, tables.RowGrad):
+            value, version = var.state
+            step = var.iterations
+            new = yield value.nbytes, functools.partial(var.optimizer.apply, value, grad, var.slots, step)
+            var.state = (_freeze(new), version + 1)
+            var.iterations = step + 1
+            return version + 1
         reg = var.regularizer
         if var.dyn is not None:
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
-            if values.nbytes > self.inline_apply_bytes:  # only ``rows`` are touched meanwhile
-                new = await asyncio.to_thread(
-                    var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
-                )
-            else:
-                new = var.optimizer.apply_rows(var.value, rows, values, var.slots, var.iterations, reg)
+            work = functools.partial(
+                var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
+            )
+            new = yield values.nbytes, work  # only ``rows`` are touched meanwhile
             return self._write_rows(var, var.value, rows, new)
         rows, values = tables.rows_to_update(
             var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
         )
         value = var.value
-        if values.nbytes > self.inline_apply_bytes:
-            new = await asyncio.to_thread(
-                var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
-            )
-        else:
-            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
+        work = functools.partial(
+            var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
+        )
+        new = yield values.nbytes, work
         if not value.flags.writeable:  # frozen (created, restored, assigned): copy once, then in place
-            if value.nbytes > self.inline_apply_bytes:
-                value = await asyncio.to_thread(np.array, value, copy=True)
-            else:
-                value = value.copy()
+            value = yield value.nbytes, value.copy
         return self._write_rows(var, value, rows, new)
+
+    async def _run_offloaded(self, update: Generator[_Work, np.ndarray, int]) -> int:
+        """Runs an ``_update``, its computations on more than ``inline_apply_bytes`` in a worker thread."""
+        with contextlib.closing(update):
+            result: Any = None
+            while True:
+                try:
+                    nbytes, work = update.send(result)
+                except StopIteration as done:
+                    return done.value
+                result = await asyncio.to_thread(work) if nbytes > self.inline_apply_bytes else work()
 
     def _write_rows(self, var: Variable, value: np.ndarray, rows: np.ndarray, new: np.ndarray) -> int:
         # No await from here on: readers on the event loop see the rows and the version change together.
@@ -645,62 +525,26 @@ class Store:
 
     @contextlib.asynccontextmanager
     async def _updates(self, key: Hashable = None, claims: Iterable[PushKey] = ()) -> AsyncIterator[None]:
-        """Counts an update in progress; waits first while updates are held back (``hold``).
-
-        An update whose ``key`` a consistent cut lets through (``let_through``)
-        passes a held gate, unless a snapshot is being read.
-        """
-        claims = tuple(claims)
-        pending = self._pending
-        for claim in claims:
-            pending[claim] += 1
-        try:
-            while self._holds and (key is None or key not in self._let_through or self._snapshots):
-                await self._gate.wait()
-            self._updating += 1
-            self._idle.clear()
-        except BaseException:
-            self._unpend(claims)
-            raise
-        try:
-            yield
-        finally:
-            self._unpend(claims)
-            self._updating -= 1
-            self.changes += 1
-            if not self._updating:
-                self._idle.set()
-            if self._holds:
-                self._notify()  # a cut waiting for what it let through
+        """An update of the store, through the gate (``UpdateGate.passing``), counted in ``changes``."""
+        async with self.gate.passing(key, claims):
+            try:
+                yield
+            finally:
+                self.changes += 1
 
     def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
-        """Applies one validated gradient now, on the event loop (a backup replaying its primary's updates).
+        """Applies one gradient now, on the event loop (a backup replaying its primary's updates).
 
-        ``now``: the push's time on the primary (dynamic tables' TTL). Returns the new version.
+        The same update as the primary's (``_update``), with no await: a row
+        gradient as the primary forwarded it is first validated as the primary
+        did (duplicates summed, in the same order). ``now``: the push's time on the
+        primary (dynamic tables' TTL). Returns the new version.
         """
-        if isinstance(grad, tables.RowGrad):  # as the primary did: duplicates summed, in the same order
+        if isinstance(grad, tables.RowGrad):
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
-            reg = var.regularizer
-            if var.dyn is not None:
-                now = time.time() if now is None else now
-                rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
-                new = var.optimizer.apply_rows(
-                    var.value, rows, grad.values[keep], var.slots, var.iterations, reg
-                )
-                self.changes += 1
-                return self._write_rows(var, var.value, rows, new)
-            rows, values = tables.rows_to_update(
-                var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
-            )
-            value = var.value if var.value.flags.writeable else var.value.copy()
-            new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
-            self.changes += 1
-            return self._write_rows(var, value, rows, new)
-        value, version = var.state
-        var.state = (_freeze(var.optimizer.apply(value, grad, var.slots, var.iterations)), version + 1)
-        var.iterations += 1
+        version = _run_inline(self._update(var, grad, time.time() if now is None else now))
         self.changes += 1
-        return version + 1
+        return version
 
     # -- assign (Assign) -------------------------------------------------------
 
@@ -767,95 +611,6 @@ class Store:
         var.state = (_freeze(value.reshape(var.shape)), version)
         self.changes += 1
         return version
-
-    # -- the update gate (checkpoint snapshots, consistent cuts) ---------------
-
-    def hold(self) -> None:
-        """Holds new updates back (pushes, assignments, optimizer changes wait) until ``release``.
-
-        Holds nest: the gate opens when every hold is released. Updates in
-        progress go on (``wait_idle`` waits for them); pulls and creates are not
-        held.
-        """
-        self._holds += 1
-
-    def release(self) -> None:
-        """Ends one ``hold``; the last one lets the waiting updates go on."""
-        if self._holds <= 0:
-            raise RuntimeError("Store.release without a hold")
-        self._holds -= 1
-        if not self._holds:
-            self._let_through.clear()
-        self._notify()
-
-    @property
-    def held(self) -> bool:
-        """True while a hold keeps updates back."""
-        return self._holds > 0
-
-    @property
-    def updating(self) -> int:
-        """Updates in progress (past the gate, not done)."""
-        return self._updating
-
-    def let_through(self, keys: Iterable[Hashable]) -> None:
-        """While held, lets the updates with these keys (``apply(key=...)``) pass (a consistent cut's)."""
-        self._let_through.update(keys)
-        self._notify()
-
-    async def wait_idle(self) -> None:
-        """Waits until no update is in progress (bound it with a timeout)."""
-        await self._idle.wait()
-
-    async def changed(self) -> None:
-        """Waits for the next change of the gate, or the end of an update while held."""
-        await self._gate.wait()
-
-    def _unpend(self, claims: tuple[PushKey, ...]) -> None:
-        pending = self._pending
-        for claim in claims:
-            left = pending[claim] - 1
-            if left > 0:
-                pending[claim] = left
-            else:
-                del pending[claim]
-        if claims and self._unpended is not None:
-            self._unpended.set()
-            self._unpended = None
-
-    async def _left_pending(self, key: PushKey) -> None:
-        """Waits until push ``key`` is no longer being applied (applied, or failed)."""
-        while key in self._pending:
-            if self._unpended is None:
-                self._unpended = asyncio.Event()
-            await self._unpended.wait()
-
-    def _notify(self) -> None:
-        gate, self._gate = self._gate, asyncio.Event()
-        gate.set()
-
-    @contextlib.asynccontextmanager
-    async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[PushKey]]:
-        """Holds new updates back and waits for those in progress (checkpoint snapshots).
-
-        Inside the block no ``apply`` (nor assignment, nor optimizer change)
-        runs, not even one a consistent cut lets through, so values, slots,
-        versions and the dedup table agree. Pulls and creates go on. Yields the
-        pushes claimed whose update waits at the gate (a snapshot must not count
-        them as seen). Nests with ``hold``.
-
-        Raises:
-            TimeoutError: updates in progress did not finish within ``timeout_s``.
-        """
-        self.hold()
-        self._snapshots += 1
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-            yield set(self._pending)
-        finally:
-            self._snapshots -= 1
-            self.release()
 
     def assign(self, name: str, value: np.ndarray, version: int) -> None:
         """Replaces a value (checkpoint restore, aggregated sync updates)."""
@@ -980,28 +735,6 @@ class Store:
         var.optimizer = optimizer
         self.changes += 1
         log.info("variable %s: optimizer is now %r%s", var.name, optimizer.config, " (reset)" * reset)
-
-    # -- dedup table (checkpoints) -------------------------------------------
-
-    def dedup_state(self) -> dict[str, SessionState]:
-        """Per worker id, its sessions oldest first (the last is the current one) with their windows."""
-        return {
-            w: [(session, win.floor, sorted(win.seen)) for session, win in sessions.items()]
-            for w, sessions in self._sessions.items()
-        }
-
-    def load_dedup_state(self, state: Mapping[str, SessionState]) -> None:
-        """Replaces the dedup table with what ``dedup_state`` returned."""
-        self._sessions = {}
-        for worker, entries in state.items():
-            sessions: dict[int, _SeqWindow] = {}
-            for session, floor, seen in list(entries)[-(1 + _RETIRED_SESSIONS) :]:
-                window = _SeqWindow()
-                window.floor = int(floor)
-                window.seen = {int(s) for s in seen}
-                sessions.pop(int(session), None)  # listed twice: the later place counts
-                sessions[int(session)] = window
-            self._sessions[worker] = sessions
 
 
 def _parse(spec: ps_pb2.VariableSpec) -> tuple[np.dtype, tuple[int, ...]]:

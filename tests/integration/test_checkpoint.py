@@ -19,7 +19,7 @@ from _support import CALL_TIMEOUT_S as TIMEOUT_S
 import psclient
 from pscore import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
-from psserver import checkpoint
+from psserver import ckptfile
 from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -213,10 +213,10 @@ def test_kill_9_during_checkpoint_writes_never_corrupts(tmp_path: Path) -> None:
         assert "restored 1 tensors" in cluster.log_tail(0, 400)
         assert interrupted >= 2, f"only {interrupted} of 8 kills hit a save in progress"
         cluster.kill_shard(0)  # a live shard keeps saving and pruning old files while they are read
-        files = checkpoint.list_files(ck)
+        files = ckptfile.list_files(ck)
         assert files
         for f in files:
-            checkpoint.read(f.path)  # every file a kill -9 left behind is whole and valid
+            ckptfile.read(f.path)  # every file a kill -9 left behind is whole and valid
 
 
 def _saving(directory: Path) -> bool:
@@ -244,8 +244,8 @@ def test_a_corrupt_newest_file_falls_back_to_the_previous_one(tmp_path: Path) ->
         data = bytearray(newest.read_bytes())
         data[len(data) // 3] ^= 0xFF  # a flipped byte inside the tensor data
         newest.write_bytes(bytes(data))
-        with pytest.raises(checkpoint.CheckpointError):
-            checkpoint.read(newest)
+        with pytest.raises(ckptfile.CheckpointError):
+            ckptfile.read(newest)
         cluster.start_shard(0, port=_port(cluster, 0))
         with psclient.PSClient(cluster.addresses, "w1", timeout=TIMEOUT_S) as c:
             values, versions = c.pull_with_versions()
@@ -255,23 +255,23 @@ def test_a_corrupt_newest_file_falls_back_to_the_previous_one(tmp_path: Path) ->
 
 
 def test_truncated_and_foreign_files_are_rejected(tmp_path: Path) -> None:
-    snap = checkpoint.Snapshot(
+    snap = ckptfile.Snapshot(
         shard=0, num_shards=1, mode="async",
-        tensors=[checkpoint.StoredTensor(ps_pb2.VariableSpec(name="v", dtype=ps_pb2.DTYPE_FLOAT32, shape=[3]),
+        tensors=[ckptfile.StoredTensor(ps_pb2.VariableSpec(name="v", dtype=ps_pb2.DTYPE_FLOAT32, shape=[3]),
                                          np.arange(3, dtype=np.float32), 2, {})],
         dedup={"w": [(7, -1, [1, 2])]}, mode_state={},
     )  # fmt: skip
-    path = checkpoint.write(snap, tmp_path, 1)
-    back = checkpoint.read(path)
+    path = ckptfile.write(snap, tmp_path, 1)
+    back = ckptfile.read(path)
     assert back.tensors[0].version == 2 and back.dedup == {"w": [(7, -1, [1, 2])]}
     whole = path.read_bytes()
     for cut in (0, 10, len(whole) // 2, len(whole) - 1):
         path.write_bytes(whole[:cut])
-        with pytest.raises(checkpoint.CheckpointError):
-            checkpoint.read(path)
+        with pytest.raises(ckptfile.CheckpointError):
+            ckptfile.read(path)
     np.savez(tmp_path / "other.npz", manifest=np.frombuffer(b'{"format": "x"}', np.uint8))
-    with pytest.raises(checkpoint.CheckpointError, match="not a psserver-checkpoint"):
-        checkpoint.read(tmp_path / "other.npz")
+    with pytest.raises(ckptfile.CheckpointError, match="not a psserver-checkpoint"):
+        ckptfile.read(tmp_path / "other.npz")
 
 
 def test_save_without_a_checkpoint_dir_is_failed_precondition(client: psclient.PSClient) -> None:
@@ -284,4 +284,4 @@ def test_psctl_save_writes_every_shard(tmp_path: Path) -> None:
 
     with LocalCluster(2, ["--checkpoint-dir", str(tmp_path)]) as cluster:
         assert ctl.main(["save", *cluster.addresses]) == 0
-        assert {f.shard for f in checkpoint.list_files(tmp_path)} == {0, 1}
+        assert {f.shard for f in ckptfile.list_files(tmp_path)} == {0, 1}

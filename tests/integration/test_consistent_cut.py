@@ -21,7 +21,7 @@ import pytest
 import psclient
 from pscore import codec
 from psproto.v1 import ps_pb2, ps_pb2_grpc
-from psserver import checkpoint
+from psserver import ckptfile
 from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -94,7 +94,7 @@ def test_a_consistent_save_under_concurrent_pushers_restores_one_version(tmp_pat
                     assert len({r.id for r in replies}) == 1  # one id for the whole set
                     counts = set()
                     for reply in replies:
-                        snap = checkpoint.read(reply.path)
+                        snap = ckptfile.read(reply.path)
                         assert snap.cut is not None and snap.cut["num_shards"] == 3
                         counts |= {t.version for t in snap.tensors}
                     cuts.append(counts)  # every file of the cut must hold the same count
@@ -148,7 +148,7 @@ def test_a_push_applied_on_one_shard_is_waited_for_and_included_on_the_other(tmp
         with psclient.PSClient(cluster.addresses, "saver", timeout=TIMEOUT_S) as c:
             replies = c.save_checkpoint(consistent=True)
         late.join()
-        assert [{t.version for t in checkpoint.read(r.path).tensors} for r in replies] == [{1}, {1}]
+        assert [{t.version for t in ckptfile.read(r.path).tensors} for r in replies] == [{1}, {1}]
 
         # Never sent to shard 1: the cut cannot be consistent, so it is aborted and nothing is kept.
         assert _raw_push(a, seq=2, shards=[0, 1]).applied

@@ -16,7 +16,7 @@ from _support import CALL_TIMEOUT_S as TIMEOUT_S
 from _support import wait_until
 
 import psclient
-from psserver import checkpoint
+from psserver import ckptfile
 from trainer.cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,11 +26,11 @@ COUNTERS = [f"count/{i}" for i in range(4)]
 
 def _cut_steps(directory: Path, shard: int) -> set[int]:
     steps = set()
-    for f in checkpoint.list_files(directory):
+    for f in ckptfile.list_files(directory):
         if f.shard == shard:
             try:
-                cut = checkpoint.read_manifest(f.path).get("cut") or {}
-            except checkpoint.CheckpointError:  # pruned while read
+                cut = ckptfile.read_manifest(f.path).get("cut") or {}
+            except ckptfile.CheckpointError:  # pruned while read
                 continue
             if "step" in cut:
                 steps.add(int(cut["step"]))
@@ -102,8 +102,8 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
         for s in range(2):
             m = re.findall(r"restored \d+ tensors .* from checkpoint (\d+)", cluster.log_tail(s, 200))
             assert m, cluster.log_tail(s, 40)
-            path = tmp_path / checkpoint.file_name(int(m[-1]), s, 2)
-            restored.append(checkpoint.read(path))
+            path = tmp_path / ckptfile.file_name(int(m[-1]), s, 2)
+            restored.append(ckptfile.read(path))
         assert restored[0].cut is not None and restored[0].cut == restored[1].cut  # one step boundary
         assert restored[0].mode_state["step"] == restored[1].mode_state["step"] == restored[0].cut["step"]
         assert {t.version for r in restored for t in r.tensors} == {restored[0].cut["step"]}

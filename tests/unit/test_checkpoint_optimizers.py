@@ -12,7 +12,7 @@ import pytest
 from pscore import codec
 from pscore import optimizers as specs
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, ckptfile
 from psserver.modes import make_mode
 from psserver.store import Store
 
@@ -63,12 +63,12 @@ def _assert_same(a: Store, b: Store) -> None:
         assert va.spec == vb.spec
 
 
-async def _round_trip(store: Store) -> checkpoint.Snapshot:
+async def _round_trip(store: Store) -> ckptfile.Snapshot:
     snap = await checkpoint.take_snapshot(store, make_mode("async", store), 0, 1)
     buf = io.BytesIO()
-    checkpoint.dump(snap, buf, 1)
+    ckptfile.dump(snap, buf, 1)
     buf.seek(0)
-    return checkpoint.load(buf, "memory")
+    return ckptfile.load(buf, "memory")
 
 
 async def test_new_optimizers_restore_bit_exact_and_continue_identically() -> None:
@@ -94,7 +94,7 @@ async def test_reshard_keeps_whole_variables_with_factored_slots() -> None:
         store = _new_store(np.random.default_rng(4))
         await _train(store, 2, seed=5)
         snap = await _round_trip(store)
-        pieces = [checkpoint.reshard([snap], shard, 3) for shard in range(3)]
+        pieces = [ckptfile.reshard([snap], shard, 3) for shard in range(3)]
         by_name = {t.spec.name: t for p in pieces for t in p.tensors}
         assert set(by_name) == set(OPTIMIZERS)
         original = {t.spec.name: t for t in snap.tensors}
@@ -110,7 +110,7 @@ def test_a_slot_of_the_wrong_size_is_a_checkpoint_error() -> None:
     for t in snap.tensors:
         if t.spec.name == "adafactor":
             t.slots["r"] = np.zeros(5, np.float32)
-    with pytest.raises(checkpoint.CheckpointError, match="slot 'r' has shape"):
+    with pytest.raises(ckptfile.CheckpointError, match="slot 'r' has shape"):
         target = Store()
         checkpoint.load_into(snap, target, make_mode("async", target))
 

@@ -166,23 +166,23 @@ async def test_a_retry_waits_for_its_original_being_applied() -> None:
     store = _store()
     mode = AsyncMode(store)
     async with asyncio.timeout(10):
-        store.hold()
+        store.gate.hold()
         original = asyncio.create_task(mode.push("w0", 1, 0, _grad(), session=5))
         retry = asyncio.create_task(mode.push("w0", 1, 0, _grad(), session=5))
         await _settle()
         assert not retry.done()  # not "duplicate" while the original is not applied
-        store.release()
+        store.gate.release()
         assert (await original).applied and (await retry).reason == "duplicate"
         assert store.get("w").version == 1
 
         # An original that fails leaves the update to its retry.
-        store.hold()
+        store.gate.hold()
         failing = asyncio.create_task(store.apply_once("w0", 2, 5, [(store.get("w"), _grad()["w"])]))
         await _settle()
         retried = asyncio.create_task(mode.push("w0", 2, 0, _grad(), session=5))
         await _settle()
         failing.cancel()  # the original's call went away before its update was applied
-        store.release()
+        store.gate.release()
         with pytest.raises(asyncio.CancelledError):
             await failing
         assert (await retried).applied and store.get("w").version == 2

@@ -16,9 +16,10 @@ from pscore import codec, errors
 from pscore.errors import WorkerIdConflictError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import ckptfile
+from psserver.ledger import _RETIRED_SESSIONS
 from psserver.modes import AsyncMode, SyncMode
-from psserver.store import _RETIRED_SESSIONS, Store
+from psserver.store import Store
 
 A, B, C = 0xA1, 0xB2, 0xC3  # session ids
 
@@ -37,56 +38,56 @@ def _store(**values: np.ndarray) -> Store:
 
 def test_a_retry_of_one_session_is_a_duplicate_and_sessions_of_one_worker_do_not_share_seqs() -> None:
     store = Store()
-    assert store.claim("w0", 1, A)
-    assert not store.claim("w0", 1, A)  # a retry
-    assert store.claim("w0", 1, B)  # a restarted worker numbers from 1 again: applied, not a duplicate
-    assert store.claim("w1", 1, A)  # sequence numbers are per worker id
+    assert store.ledger.claim("w0", 1, A)
+    assert not store.ledger.claim("w0", 1, A)  # a retry
+    assert store.ledger.claim("w0", 1, B)  # a restarted worker numbers from 1 again: applied, not a duplicate
+    assert store.ledger.claim("w1", 1, A)  # sequence numbers are per worker id
 
 
 def test_an_older_session_is_refused_once_a_newer_one_took_over_and_nothing_is_recorded() -> None:
     store = Store()
-    assert store.claim("worker0", 1, A) and store.claim("worker0", 2, A)
-    assert store.claim("worker0", 1, B)  # takes over
+    assert store.ledger.claim("worker0", 1, A) and store.ledger.claim("worker0", 2, A)
+    assert store.ledger.claim("worker0", 1, B)  # takes over
     with pytest.raises(
         WorkerIdConflictError, match=r"worker id 'worker0' is used by two clients at once"
     ) as info:
-        store.claim("worker0", 3, A)
+        store.ledger.claim("worker0", 3, A)
     assert f"{A:016x}" in str(info.value) and f"{B:016x}" in str(info.value)
     assert "PSWorker(worker_index=...)" in str(info.value)
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert not store.claim("worker0", 2, A)  # a retry of an applied push of A: still a duplicate
-    assert dict((s, seen) for s, _, seen in store.dedup_state()["worker0"]) == {A: [1, 2], B: [1]}
-    assert next(reversed(store.dedup_state()["worker0"]))[0] == B  # B stays current: no ping-pong
-    assert store.claim("worker0", 2, B)
+    assert not store.ledger.claim("worker0", 2, A)  # a retry of an applied push of A: still a duplicate
+    assert dict((s, seen) for s, _, seen in store.ledger.dedup_state()["worker0"]) == {A: [1, 2], B: [1]}
+    assert next(reversed(store.ledger.dedup_state()["worker0"]))[0] == B  # B stays current: no ping-pong
+    assert store.ledger.claim("worker0", 2, B)
 
 
 def test_a_session_is_not_refused_for_its_own_unclaimed_push() -> None:
     store = Store()
-    assert store.claim("w", 1, A)
-    store.unclaim("w", 1, A)
-    assert store.claim("w", 1, A)  # the retry of a push that failed before it was applied
+    assert store.ledger.claim("w", 1, A)
+    store.ledger.unclaim("w", 1, A)
+    assert store.ledger.claim("w", 1, A)  # the retry of a push that failed before it was applied
 
 
 def test_old_sessions_are_forgotten_beyond_the_bound() -> None:
     store = Store()
     sessions = list(range(1, _RETIRED_SESSIONS + 4))
     for s in sessions:
-        assert store.claim("w", 1, s)
-    kept = [s for s, _, _ in store.dedup_state()["w"]]
+        assert store.ledger.claim("w", 1, s)
+    kept = [s for s, _, _ in store.ledger.dedup_state()["w"]]
     assert kept == sessions[-(_RETIRED_SESSIONS + 1) :]
-    assert store.claim("w", 7, sessions[0])  # forgotten: it counts as new and takes over
+    assert store.ledger.claim("w", 7, sessions[0])  # forgotten: it counts as new and takes over
 
 
 def test_record_never_refuses_and_dedup_state_round_trips() -> None:
     store = Store()
-    store.record("w", 5, B)
-    store.record("w", 9, A)  # a backup replays what its primary applied, in its order
-    store.record("w", 6, B)
+    store.ledger.record("w", 5, B)
+    store.ledger.record("w", 9, A)  # a backup replays what its primary applied, in its order
+    store.ledger.record("w", 6, B)
     other = Store()
-    other.load_dedup_state(store.dedup_state())
-    assert other.dedup_state() == store.dedup_state()
-    assert not other.claim("w", 6, B) and not other.claim("w", 9, A)
-    assert other.claim("w", 10, A)  # A was recorded last: it is current
+    other.ledger.load_dedup_state(store.ledger.dedup_state())
+    assert other.ledger.dedup_state() == store.ledger.dedup_state()
+    assert not other.ledger.claim("w", 6, B) and not other.ledger.claim("w", 9, A)
+    assert other.ledger.claim("w", 10, A)  # A was recorded last: it is current
 
 
 async def test_async_mode_refused_push_changes_nothing() -> None:
@@ -117,20 +118,20 @@ async def test_sync_mode_a_newer_session_replaces_the_older_ones_gradient_in_an_
     assert mode.step == 1 and mode.pending_claims() == []
 
 
-def _snapshot(dedup: dict) -> checkpoint.Snapshot:
+def _snapshot(dedup: dict) -> ckptfile.Snapshot:
     spec = ps_pb2.VariableSpec(name="v", dtype=ps_pb2.DTYPE_FLOAT32, shape=[2])
-    return checkpoint.Snapshot(
+    return ckptfile.Snapshot(
         shard=0, num_shards=1, mode="async",
-        tensors=[checkpoint.StoredTensor(spec, np.zeros(2, np.float32), 3, {})],
+        tensors=[ckptfile.StoredTensor(spec, np.zeros(2, np.float32), 3, {})],
         dedup=dedup, mode_state={},
     )  # fmt: skip
 
 
 def test_checkpoint_keeps_sessions_and_writes_the_current_window_for_old_readers() -> None:
     buf = io.BytesIO()
-    checkpoint.dump(_snapshot({"w": [(A, -1, [1, 2]), (B, -1, [1])]}), buf, ckpt_id=1)
+    ckptfile.dump(_snapshot({"w": [(A, -1, [1, 2]), (B, -1, [1])]}), buf, ckpt_id=1)
     buf.seek(0)
-    back = checkpoint.load(buf, "mem")
+    back = ckptfile.load(buf, "mem")
     assert back.dedup == {"w": [(A, -1, [1, 2]), (B, -1, [1])]}
     buf.seek(0)
     with np.load(buf) as z:
@@ -140,7 +141,7 @@ def test_checkpoint_keeps_sessions_and_writes_the_current_window_for_old_readers
 
 def test_checkpoint_without_sessions_loads_as_session_zero() -> None:
     buf = io.BytesIO()
-    checkpoint.dump(_snapshot({"w": [(0, 4, [6, 7])]}), buf, ckpt_id=1)
+    ckptfile.dump(_snapshot({"w": [(0, 4, [6, 7])]}), buf, ckpt_id=1)
     with np.load(io.BytesIO(buf.getvalue())) as z:
         arrays = dict(z)
     manifest = json.loads(bytes(arrays["manifest"]).decode())
@@ -149,18 +150,19 @@ def test_checkpoint_without_sessions_loads_as_session_zero() -> None:
     old = io.BytesIO()
     np.savez(old, **arrays)
     old.seek(0)
-    snap = checkpoint.load(old, "old")
+    snap = ckptfile.load(old, "old")
     assert snap.dedup == {"w": [(0, 4, [6, 7])]}
     store = Store()
-    store.load_dedup_state(snap.dedup)
-    assert not store.claim("w", 7) and not store.claim("w", 3) and store.claim("w", 8)  # an old client
-    assert store.claim("w", 1, A)  # a new client takes over
+    store.ledger.load_dedup_state(snap.dedup)
+    ledger = store.ledger
+    assert not ledger.claim("w", 7) and not ledger.claim("w", 3) and ledger.claim("w", 8)  # an old client
+    assert store.ledger.claim("w", 1, A)  # a new client takes over
 
 
 def test_merged_dedup_tables_keep_the_first_tables_current_session() -> None:
     first = _snapshot({"w": [(A, -1, [1]), (B, -1, [2])]})
     second = _snapshot({"w": [(B, -1, [3]), (A, -1, [4])], "u": [(C, -1, [1])]})
-    merged = checkpoint._merge_dedup([first, second])
+    merged = ckptfile._merge_dedup([first, second])
     assert merged == {"w": [(A, -1, [1, 4]), (B, -1, [2, 3])], "u": [(C, -1, [1])]}
 
 

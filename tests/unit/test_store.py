@@ -11,8 +11,9 @@ from pscore import codec
 from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from pscore.optimizers import SGD, Adam
 from psproto.v1 import ps_pb2
+from psserver.ledger import _DEDUP_WINDOW
 from psserver.modes import AsyncMode
-from psserver.store import _DEDUP_WINDOW, Store
+from psserver.store import Store
 
 
 def spec(name: str, value: np.ndarray, optimizer: object = None, **partition: object) -> ps_pb2.VariableSpec:
@@ -218,11 +219,11 @@ async def test_store_zero_element_variable() -> None:
 
 def test_store_claim_dedups_retries_and_unclaim_forgets() -> None:
     store = Store()
-    assert store.claim("w0", 1)
-    assert not store.claim("w0", 1)
-    assert store.claim("w1", 1)  # sequence numbers are per worker
-    store.unclaim("w0", 1)
-    assert store.claim("w0", 1)
+    assert store.ledger.claim("w0", 1)
+    assert not store.ledger.claim("w0", 1)
+    assert store.ledger.claim("w1", 1)  # sequence numbers are per worker
+    store.ledger.unclaim("w0", 1)
+    assert store.ledger.claim("w0", 1)
 
 
 def test_store_dedup_window_remembers_old_sequence_numbers() -> None:
@@ -230,17 +231,17 @@ def test_store_dedup_window_remembers_old_sequence_numbers() -> None:
     last = 3 * _DEDUP_WINDOW
     for seq in range(1, last):
         if seq != 10:  # never pushed
-            assert store.claim("w", seq)
-    assert not store.claim("w", 1)  # fell below the window's floor: still counted as applied
-    assert not store.claim("w", 10)  # below the floor too: a push that old is refused, not applied late
-    assert not store.claim("w", last - 50)
-    state = store.dedup_state()
+            assert store.ledger.claim("w", seq)
+    assert not store.ledger.claim("w", 1)  # fell below the window's floor: still counted as applied
+    assert not store.ledger.claim("w", 10)  # below the floor too: that old is refused, not applied late
+    assert not store.ledger.claim("w", last - 50)
+    state = store.ledger.dedup_state()
     ((_, floor, seen),) = state["w"]
     assert last - 1 - 2 * _DEDUP_WINDOW <= floor < last - 1 - _DEDUP_WINDOW  # memory stays bounded
     assert len(seen) <= 2 * _DEDUP_WINDOW
     other = Store()
-    other.load_dedup_state(state)
-    assert not other.claim("w", 5) and other.claim("w", last + 1)
+    other.ledger.load_dedup_state(state)
+    assert not other.ledger.claim("w", 5) and other.ledger.claim("w", last + 1)
 
 
 async def test_store_async_mode_applies_a_retried_push_once() -> None:

@@ -13,7 +13,7 @@ from pscore import codec
 from pscore.errors import InvalidArgumentError, NotFoundError
 from pscore.optimizers import SGD, Adam, Lamb
 from psproto.v1 import ps_pb2
-from psserver import checkpoint
+from psserver import checkpoint, ckptfile
 from psserver.modes import AsyncMode
 from psserver.store import Store
 
@@ -99,7 +99,7 @@ async def test_store_a_snapshot_waits_for_an_assignment_and_a_replacement() -> N
     store = _store(w=np.zeros(3, np.float32))
     mode = AsyncMode(store)
     async with asyncio.timeout(10):
-        async with store.quiesced():
+        async with store.gate.quiesced():
             assigning = asyncio.create_task(
                 store.set_values(store.validate_values({"w": np.ones(3, np.float32)}))
             )
@@ -110,9 +110,9 @@ async def test_store_a_snapshot_waits_for_an_assignment_and_a_replacement() -> N
     assert snap.tensors[0].version == 1 and snap.tensors[0].iterations == 0
 
 
-def _manifest_roundtrip(snap: checkpoint.Snapshot, drop_iterations: bool) -> checkpoint.Snapshot:
+def _manifest_roundtrip(snap: ckptfile.Snapshot, drop_iterations: bool) -> ckptfile.Snapshot:
     buf = io.BytesIO()
-    checkpoint.dump(snap, buf, ckpt_id=1)
+    ckptfile.dump(snap, buf, ckpt_id=1)
     buf.seek(0)
     with np.load(buf) as z:
         arrays = {k: z[k] for k in z.files}
@@ -124,7 +124,7 @@ def _manifest_roundtrip(snap: checkpoint.Snapshot, drop_iterations: bool) -> che
     out = io.BytesIO()
     np.savez(out, **arrays)  # type: ignore[arg-type]
     out.seek(0)
-    return checkpoint.load(out, "mem")
+    return ckptfile.load(out, "mem")
 
 
 @pytest.mark.parametrize("drop_iterations", [False, True], ids=["current", "older-file"])
@@ -144,5 +144,5 @@ async def test_checkpoint_keeps_the_step_count_and_old_files_load_it_as_the_vers
     var = restored.get("w")
     assert var.version == 4
     assert var.iterations == (4 if drop_iterations else 1)
-    resharded = checkpoint.reshard([back], 0, 1)
+    resharded = ckptfile.reshard([back], 0, 1)
     assert resharded.tensors[0].step == (4 if drop_iterations else 1)

@@ -1,0 +1,168 @@
+"""The update gate of a shard's store: where updates wait while a snapshot or a consistent cut holds them.
+
+Every update of the store (a push's or a sync step's gradients, an Assign, an
+optimizer change) passes the gate (``passing``), which counts it in progress.
+A hold (``hold``: a consistent cut, ``psserver.cut``) keeps new updates back
+until released, except those a cut lets through (``let_through``); a checkpoint
+snapshot (``quiesced``) holds them all and waits for those in progress, so a
+snapshot never holds half of one update. The gate also knows the pushes whose
+update waits at it or is being applied (``is_pending``): a snapshot must not
+count them as applied, and a retry waits for its original (``left_pending``).
+
+Everything runs on the shard's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Hashable, Iterable
+
+from psserver.ledger import PushKey
+
+
+class UpdateGate:
+    """Counts the updates in progress and holds new ones back while asked to.
+
+    Not thread-safe: call it from the shard's event loop only.
+    """
+
+    def __init__(self) -> None:
+        # Updates in progress, the holds keeping new ones back, the updates a consistent cut lets
+        # through, and the snapshots being read (nothing passes then).
+        self._updating = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._holds = 0
+        self._snapshots = 0
+        self._let_through: set[Hashable] = set()
+        self._gate = asyncio.Event()  # replaced (and the old one set) whenever the gate changes
+        # Pushes whose update waits at the gate or is being applied (a snapshot must not count them).
+        self._pending: collections.Counter[PushKey] = collections.Counter()
+        self._unpended: asyncio.Event | None = None  # set (and dropped) when a push leaves _pending
+
+    @property
+    def busy(self) -> bool:
+        """True while an update waits at the gate with its pushes, or is in progress."""
+        return bool(self._updating or self._pending)
+
+    @contextlib.asynccontextmanager
+    async def passing(self, key: Hashable = None, claims: Iterable[PushKey] = ()) -> AsyncIterator[None]:
+        """Counts an update in progress; waits first while updates are held back (``hold``).
+
+        An update whose ``key`` a consistent cut lets through (``let_through``)
+        passes a held gate, unless a snapshot is being read.
+        """
+        claims = tuple(claims)
+        pending = self._pending
+        for claim in claims:
+            pending[claim] += 1
+        try:
+            while self._holds and (key is None or key not in self._let_through or self._snapshots):
+                await self._gate.wait()
+            self._updating += 1
+            self._idle.clear()
+        except BaseException:
+            self._unpend(claims)
+            raise
+        try:
+            yield
+        finally:
+            self._unpend(claims)
+            self._updating -= 1
+            if not self._updating:
+                self._idle.set()
+            if self._holds:
+                self._notify()  # a cut waiting for what it let through
+
+    def hold(self) -> None:
+        """Holds new updates back (pushes, assignments, optimizer changes wait) until ``release``.
+
+        Holds nest: the gate opens when every hold is released. Updates in
+        progress go on (``wait_idle`` waits for them); pulls and creates are not
+        held.
+        """
+        self._holds += 1
+
+    def release(self) -> None:
+        """Ends one ``hold``; the last one lets the waiting updates go on."""
+        if self._holds <= 0:
+            raise RuntimeError("UpdateGate.release without a hold")
+        self._holds -= 1
+        if not self._holds:
+            self._let_through.clear()
+        self._notify()
+
+    @property
+    def held(self) -> bool:
+        """True while a hold keeps updates back."""
+        return self._holds > 0
+
+    @property
+    def updating(self) -> int:
+        """Updates in progress (past the gate, not done)."""
+        return self._updating
+
+    def let_through(self, keys: Iterable[Hashable]) -> None:
+        """While held, lets the updates with these keys (``passing(key=...)``) pass (a consistent cut's)."""
+        self._let_through.update(keys)
+        self._notify()
+
+    async def wait_idle(self) -> None:
+        """Waits until no update is in progress (bound it with a timeout)."""
+        await self._idle.wait()
+
+    async def changed(self) -> None:
+        """Waits for the next change of the gate, or the end of an update while held."""
+        await self._gate.wait()
+
+    def _unpend(self, claims: tuple[PushKey, ...]) -> None:
+        pending = self._pending
+        for claim in claims:
+            left = pending[claim] - 1
+            if left > 0:
+                pending[claim] = left
+            else:
+                del pending[claim]
+        if claims and self._unpended is not None:
+            self._unpended.set()
+            self._unpended = None
+
+    def is_pending(self, key: PushKey) -> bool:
+        """Whether push ``key``'s update waits at the gate or is being applied."""
+        return key in self._pending
+
+    async def left_pending(self, key: PushKey) -> None:
+        """Waits until push ``key`` is no longer being applied (applied, or failed)."""
+        while key in self._pending:
+            if self._unpended is None:
+                self._unpended = asyncio.Event()
+            await self._unpended.wait()
+
+    def _notify(self) -> None:
+        gate, self._gate = self._gate, asyncio.Event()
+        gate.set()
+
+    @contextlib.asynccontextmanager
+    async def quiesced(self, timeout_s: float = 60.0) -> AsyncIterator[set[PushKey]]:
+        """Holds new updates back and waits for those in progress (checkpoint snapshots).
+
+        Inside the block no update (push, assignment, optimizer change)
+        passes, not even one a consistent cut lets through, so values, slots,
+        versions and the dedup table agree. Pulls and creates go on. Yields the
+        pushes claimed whose update waits at the gate (a snapshot must not count
+        them as seen). Nests with ``hold``.
+
+        Raises:
+            TimeoutError: updates in progress did not finish within ``timeout_s``.
+        """
+        self.hold()
+        self._snapshots += 1
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+            yield set(self._pending)
+        finally:
+            self._snapshots -= 1
+            self.release()
