@@ -74,6 +74,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from pscore import codec
+from pscore.errors import InternalError
 from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers
@@ -87,8 +88,10 @@ _NAME = re.compile(r"^ckpt-(\d{10})-shard(\d{5})-of-(\d{5})\.npz$")
 TMP_PREFIX = ".ckpt-tmp-"
 
 
-class CheckpointError(Exception):
-    """A checkpoint could not be written, or no valid one could be read; the message says which file."""
+class CheckpointError(InternalError):
+    """A checkpoint could not be written, or no valid one could be read; the message says which file.
+
+    A ``PSError`` (INTERNAL), as the shard answers a save that failed with it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
