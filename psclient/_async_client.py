@@ -16,9 +16,10 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from psclient import _bulk, _reach, _retry, _session
+from psclient import _bulk, _reach, _retry, _session, _wire
 from psclient import _requests as rq
 from psclient._requests import PushedValues
+from psclient._wire import Op, Wire
 from psclient.config import ClientConfig
 from pscore import bulk, codec, embedding, rpc, transport
 from pscore.embedding import Rows
@@ -321,11 +322,11 @@ class AsyncPSClient:
             "wait_for_ready": len(self._replicas[shard]) == 1,
         }
 
-    def _data_link(self, shard: int, nbytes: int | None = None) -> _bulk.DataLink | None:
-        """The data port of ``shard``'s current replica, for a transfer of ``nbytes`` (None: any size);
-        None: use gRPC (turned off, too small, or the data port could not be reached lately)."""
+    def _data_link(self, shard: int) -> _bulk.DataLink | None:
+        """The data port of ``shard``'s current replica; None: use gRPC (turned off, or the data port
+        could not be reached lately). Which requests take it: ``_wire``."""
         cfg = self.config
-        if not cfg.data_port or (nbytes is not None and nbytes < cfg.data_port_min_bytes):
+        if not cfg.data_port:
             return None
         self._stub(shard)  # the channels exist
         replica = self._current[shard]
@@ -347,6 +348,37 @@ class AsyncPSClient:
                 self._replicas[shard][replica], data_port, self._data_tls
             )
         return link if link.usable else None
+
+    def _wire(self, op: Op, shard: int, nbytes: int, *, after: Wire | None = None) -> Wire:
+        """The wire of an ``op`` request of ``nbytes`` to ``shard``'s current replica (the rule:
+        ``psclient._wire.choose``); ``after``: the wire that refused it."""
+
+        def available(wire: Wire) -> bool:
+            if wire is Wire.DATA_PORT:
+                return self._data_link(shard) is not None
+            return self._session(shard).supported
+
+        return _wire.choose(op, nbytes, self.config, available, after=after)
+
+    async def _over_wire(self, op: Op, shard: int, nbytes: int, send: Callable[[Wire], Awaitable[T]]) -> T:
+        """``send(wire)``: one ``op`` request to ``shard`` over the wire ``_wire`` picks, or over the next
+        one if that wire refuses it (a data port that cannot be used, a shard without PushSession).
+
+        Retries and failover are ``send``'s, within one wire (``_call``).
+        """
+        wire = self._wire(op, shard, nbytes)
+        while True:
+            try:
+                return await send(wire)
+            except _bulk.Unusable:
+                if wire is not Wire.DATA_PORT:
+                    raise
+                # logged by the link; the next wire
+            except _session.SessionUnsupported:
+                if wire is not Wire.SESSION:
+                    raise
+                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
+            wire = self._wire(op, shard, nbytes, after=wire)
 
     async def close(self) -> None:
         """Closes the channels. Idempotent."""
@@ -563,28 +595,11 @@ class AsyncPSClient:
                 per_shard.setdefault(piece.shard, []).append(piece)
         into = rq.Gather(pieces, self._pool.take)
 
-        async def one(shard: int, wanted: list[rq.Piece]) -> None:
+        async def pull_from(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes, ema=ema,
             )  # fmt: skip
-            nbytes = sum(p.nbytes for p in wanted)
-            if self._data_link(shard, nbytes) is not None:
-                try:
-                    await self._call(
-                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
-                    )
-                    return
-                except _bulk.Unusable:
-                    pass  # logged; over gRPC
-            if nbytes <= self.config.unary_max_bytes:
-                resp = await self._call(
-                    shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
-                )
-                for c in resp.values:
-                    into.add(c)
-                into.add_versions(rq.versions_of(resp.values, resp.versions))
-                return
 
             async def stream() -> None:
                 into.restart(wanted)  # a retried attempt starts over
@@ -593,9 +608,24 @@ class AsyncPSClient:
                         into.add(c)
                     into.add_versions(rq.versions_of(resp.values, resp.versions))
 
-            await self._call(shard, "PullStream", stream)
+            async def send(wire: Wire) -> None:
+                if wire is Wire.DATA_PORT:
+                    await self._call(
+                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
+                    )
+                elif wire is Wire.UNARY:
+                    resp = await self._call(
+                        shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
+                    )
+                    for c in resp.values:
+                        into.add(c)
+                    into.add_versions(rq.versions_of(resp.values, resp.versions))
+                else:
+                    await self._call(shard, "PullStream", stream)
 
-        await _each(one, per_shard)
+            await self._over_wire(Op.PULL, shard, sum(p.nbytes for p in wanted), send)
+
+        await _each(pull_from, per_shard)
         return into.result(), into.versions
 
     async def _pull_data_port(
@@ -799,7 +829,7 @@ class AsyncPSClient:
             else:
                 into.add(chunk)
 
-        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
+        async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             header = ps_pb2.PushRequest(
                 worker_id=self.worker_id,
                 seq=seq,
@@ -811,52 +841,34 @@ class AsyncPSClient:
                 omit_values=omit.get(shard, []) if return_values else [],
                 lookup_ids=lookup_ids.get(shard, []),
             )
-            nbytes = rq.payload_bytes(tensors)
-            if self._data_link(shard, nbytes) is not None:
 
-                def restart() -> None:
-                    if into is not None:
-                        into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                        row_parts.pop(shard, None)
+            def restart() -> None:  # a retried attempt starts over
+                if into is not None:
+                    into.restart(p for group in pieces.values() for p in group if p.shard == shard)
+                    row_parts.pop(shard, None)
 
-                try:
+            async def send(wire: Wire) -> bool:
+                if wire is Wire.DATA_PORT:
                     return await self._call(
                         shard,
                         "Push",
                         lambda: self._push_data_port(shard, header, tensors, into, add, restart),
                     )
-                except _bulk.Unusable:
-                    pass  # logged; over gRPC
-            if nbytes <= self.config.unary_max_bytes:
+                if wire is Wire.STREAM:
+                    return await self._push_stream(shard, header, tensors, add, restart)
                 request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
-                resp = await self._push_small(shard, request)
+                if wire is Wire.SESSION:
+                    resp = await self._push_session(shard, request)
+                else:
+                    resp = await self._call(
+                        shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard))
+                    )
                 self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
                 for c in resp.values:
                     add(shard, c)
                 return resp.applied
 
-            def messages() -> Iterable[codec.WireMessage]:
-                first = header
-                for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
-                    yield codec.WireMessage(first, "grads", batch)
-                    first = _EMPTY_PUSH  # the header fields travel in the first message only
-
-            applied = True
-
-            async def stream() -> None:
-                nonlocal applied
-                applied = True  # a retried attempt starts over
-                if into is not None:
-                    into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                    row_parts.pop(shard, None)
-                async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
-                    applied = applied and resp.applied
-                    self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-                    for c in resp.values:
-                        add(shard, c)
-
-            await self._call(shard, "PushStream", stream)
-            return applied
+            return await self._over_wire(Op.PUSH, shard, rq.payload_bytes(tensors), send)
 
         async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
             request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
@@ -869,7 +881,7 @@ class AsyncPSClient:
             return True
 
         work: dict[int, Any] = dict(per_shard)
-        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, one)
+        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
         for shard, chunks in lookup_ids.items():
             if shard not in per_shard:
                 work[shard], calls[shard] = chunks, read_only
@@ -941,22 +953,56 @@ class AsyncPSClient:
             )
         return session
 
-    async def _push_small(self, shard: int, request: codec.WireMessage) -> Any:
-        """One whole push in one message: over the shard's PushSession stream, else a unary Push."""
-        if self._session(shard).supported:
-            timeout = self.config.timeout
+    async def _push_session(self, shard: int, request: codec.WireMessage) -> Any:
+        """One whole push in one message over the shard's PushSession stream; returns its response.
 
-            async def attempt() -> Any:  # each attempt: the session of the shard's current replica
-                left = _retry.attempt_timeout(timeout)
-                # The stream's deadline is not this push's: the shard bounds its waits by this one.
-                request.header.timeout_s = left
-                return await self._session(shard).push(request, left)
+        Raises:
+            _session.SessionUnsupported: the shard has no PushSession (send it as a unary Push).
+            PSError: as the push.
+        """
+        timeout = self.config.timeout
 
-            try:
-                return await self._call(shard, "PushSession", attempt)
-            except _session.SessionUnsupported:
-                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
-        return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))
+        async def attempt() -> Any:  # each attempt: the session of the shard's current replica
+            left = _retry.attempt_timeout(timeout)
+            # The stream's deadline is not this push's: the shard bounds its waits by this one.
+            request.header.timeout_s = left
+            return await self._session(shard).push(request, left)
+
+        return await self._call(shard, "PushSession", attempt)
+
+    async def _push_stream(
+        self,
+        shard: int,
+        header: ps_pb2.PushRequest,
+        tensors: list[tuple[str, np.ndarray]],
+        add: Callable[[int, Any], None],
+        restart: Callable[[], None],
+    ) -> bool:
+        """A push too large for one message, as a PushStream in chunks; returns whether it was applied.
+
+        push_pull's values come back through ``add``.
+        """
+
+        def messages() -> Iterable[codec.WireMessage]:
+            first = header
+            for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
+                yield codec.WireMessage(first, "grads", batch)
+                first = _EMPTY_PUSH  # the header fields travel in the first message only
+
+        applied = True
+
+        async def attempt() -> None:
+            nonlocal applied
+            applied = True  # a retried attempt starts over
+            restart()
+            async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
+                applied = applied and resp.applied
+                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
+                for c in resp.values:
+                    add(shard, c)
+
+        await self._call(shard, "PushStream", attempt)
+        return applied
 
     # -- embedding tables -----------------------------------------------------
 
@@ -1248,13 +1294,16 @@ class AsyncPSClient:
         Raises:
             PSError: as the Lookup call.
         """
-        if self._data_link(shard) is not None:
-            try:
+
+        async def send(wire: Wire) -> list[Any]:
+            if wire is Wire.DATA_PORT:
                 return await self._call(shard, "Lookup", lambda: self._lookup_data_port(shard, request))
-            except _bulk.Unusable:
-                pass  # logged; over gRPC
-        resp = await self._call(shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard)))
-        return list(resp.values)
+            resp = await self._call(
+                shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard))
+            )
+            return list(resp.values)
+
+        return await self._over_wire(Op.LOOKUP, shard, 0, send)
 
     async def _lookup_data_port(self, shard: int, request: ps_pb2.LookupRequest) -> list[codec.WireChunk]:
         """One attempt of a lookup over the shard's data port.
