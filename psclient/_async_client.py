@@ -411,14 +411,14 @@ class AsyncPSClient:
         """
         request = ps_pb2.ListVariablesRequest(names=list(names))
 
-        async def one(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
+        async def list_on(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
             resp = await self._call(
                 shard, "ListVariables", lambda: self._stub(shard).ListVariables(request, **self._kw(shard))
             )
             return shard, resp
 
         found: dict[str, list[ps_pb2.VariableInfo]] = {}
-        for shard, resp in await gather(one(s) for s in range(self.num_shards)):
+        for shard, resp in await gather(list_on(s) for s in range(self.num_shards)):
             if resp.num_shards and resp.num_shards != self.num_shards:
                 raise InvalidArgumentError(
                     f"shard {shard} at {self.config.addresses[shard]} says the cluster has {resp.num_shards} "
@@ -493,7 +493,7 @@ class AsyncPSClient:
                     (rq.spec_of(piece, opts[name]), rq.piece_view(piece, arrays[name]))
                 )
 
-        async def one(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
+        async def create_on(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
             def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
                 yield ps_pb2.CreateVariablesRequest(variables=[spec for spec, _ in items])
                 tensors = [(spec.name, value) for spec, value in items]
@@ -508,7 +508,7 @@ class AsyncPSClient:
             return list(resp.created)
 
         shards = sorted(per_shard)
-        results = await gather(one(s, per_shard[s]) for s in shards)
+        results = await gather(create_on(s, per_shard[s]) for s in shards)
         for shard, flags in zip(shards, results, strict=True):
             for (spec, _), flag in zip(per_shard[shard], flags, strict=True):
                 name = spec.partition.variable if spec.HasField("partition") else spec.name
@@ -1169,7 +1169,7 @@ class AsyncPSClient:
                 return False
         pieces = table_pieces(name, num_rows, dim, dt, self.num_shards)
 
-        async def one(piece: rq.Piece) -> bool:
+        async def create_table_piece(piece: rq.Piece) -> bool:
             rows, _ = piece.stored_shape
             spec = ps_pb2.VariableSpec(
                 name=piece.stored_name,
@@ -1193,7 +1193,7 @@ class AsyncPSClient:
                 value = embedding.init_rows(name, ids, dim, dt, initializer)
             return await self._create_piece(piece.shard, spec, value)
 
-        created = await gather(one(p) for p in pieces)
+        created = await gather(create_table_piece(p) for p in pieces)
         self.registry.add(pieces)
         return all(created)
 
@@ -1274,7 +1274,7 @@ class AsyncPSClient:
         read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup")
         batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
 
-        async def one(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
+        async def lookup_on(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
             piece, where = work
             for start in range(0, where.size, batch_rows):
                 part = where[start : start + batch_rows]
@@ -1284,7 +1284,7 @@ class AsyncPSClient:
                 values = await self._lookup_call(shard, request)
                 read.fill(shard, part, values[0] if len(values) == 1 else None)
 
-        await _each(one, read.per_shard) if read.per_shard else None
+        await _each(lookup_on, read.per_shard) if read.per_shard else None
         return read.result()
 
     async def _lookup_call(self, shard: int, request: ps_pb2.LookupRequest) -> list[Any]:
@@ -1389,10 +1389,10 @@ class AsyncPSClient:
         """
         request = ps_pb2.LeaveRequest(worker_id=self.worker_id)
 
-        async def one(shard: int) -> None:
+        async def leave_shard(shard: int) -> None:
             await self._call(shard, "Leave", lambda: self._stub(shard).Leave(request, **self._kw(shard)))
 
-        await gather(one(s) for s in range(self.num_shards))
+        await gather(leave_shard(s) for s in range(self.num_shards))
 
     async def status(self) -> list[ps_pb2.GetStatusResponse]:
         """Every shard's status (mode, step, counters, role), in shard order.
@@ -1402,12 +1402,12 @@ class AsyncPSClient:
         """
         request = ps_pb2.GetStatusRequest()
 
-        async def one(shard: int) -> ps_pb2.GetStatusResponse:
+        async def status_of(shard: int) -> ps_pb2.GetStatusResponse:
             return await self._call(
                 shard, "GetStatus", lambda: self._stub(shard).GetStatus(request, **self._kw(shard))
             )
 
-        return await gather(one(s) for s in range(self.num_shards))
+        return await gather(status_of(s) for s in range(self.num_shards))
 
     # -- optimizer hyper-parameters -------------------------------------------
 
@@ -1478,7 +1478,7 @@ class AsyncPSClient:
                 _check_optimizer_update(name, infos[0].spec.optimizer, params)
         variable_of = {p.stored_name: p.variable for ps in self.registry.pieces.values() for p in ps}
 
-        async def one(shard: int, stored: list[str]) -> list[str]:
+        async def update_on(shard: int, stored: list[str]) -> list[str]:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, params=params)
             resp = await self._call(
                 shard,
@@ -1487,7 +1487,7 @@ class AsyncPSClient:
             )
             return list(resp.names)
 
-        changed = [n for names_ in await _each(one, per_shard) for n in names_]
+        changed = [n for names_ in await _each(update_on, per_shard) for n in names_]
         return sorted({variable_of.get(n, n) for n in changed})
 
     async def replace_optimizer(self, optimizer: Optimizer, names: Iterable[str]) -> list[str]:
@@ -1540,7 +1540,7 @@ class AsyncPSClient:
             for piece in group:
                 per_shard.setdefault(piece.shard, []).append(piece.stored_name)
 
-        async def one(shard: int, stored: list[str]) -> None:
+        async def replace_on(shard: int, stored: list[str]) -> None:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, optimizer=spec, reset=True)
             await self._call(
                 shard,
@@ -1548,7 +1548,7 @@ class AsyncPSClient:
                 lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
             )
 
-        await _each(one, per_shard)
+        await _each(replace_on, per_shard)
         return sorted(pieces)
 
     # -- assign -------------------------------------------------------------
@@ -1584,7 +1584,7 @@ class AsyncPSClient:
         pieces = await self._known(list(values))
         per_shard = rq.split_by_shard(pieces, values, "value")
 
-        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
+        async def assign_on(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
             def messages() -> Iterable[codec.WireMessage]:
                 for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_ASSIGN, "values", batch)
@@ -1595,8 +1595,8 @@ class AsyncPSClient:
 
         risky = {s: t for s, t in per_shard.items() if not all(_finite(a) for _, a in t)}
         for shard, tensors in risky.items():
-            await one(shard, tensors)
-        await _each(one, {s: t for s, t in per_shard.items() if s not in risky})
+            await assign_on(shard, tensors)
+        await _each(assign_on, {s: t for s, t in per_shard.items() if s not in risky})
 
     # -- checkpoints --------------------------------------------------------
 
@@ -1632,12 +1632,12 @@ class AsyncPSClient:
             return await consistent_save(self, self.config.timeout if timeout is None else timeout)
         request = ps_pb2.SaveCheckpointRequest()
 
-        async def one(shard: int) -> ps_pb2.SaveCheckpointResponse:
+        async def save_on(shard: int) -> ps_pb2.SaveCheckpointResponse:
             return await self._call(
                 shard, "SaveCheckpoint", lambda: self._stub(shard).SaveCheckpoint(request, **self._kw(shard))
             )
 
-        return await gather(one(s) for s in range(self.num_shards))
+        return await gather(save_on(s) for s in range(self.num_shards))
 
 
 def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mapping[str, float]) -> None:
