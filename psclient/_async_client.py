@@ -11,6 +11,7 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -770,11 +771,67 @@ class AsyncPSClient:
         return_rows: bool | Iterable[str] = True,
         lookup: Mapping[str, Any] | None = None,
     ) -> tuple[bool, dict[str, Any], dict[str, np.ndarray]]:
+        """``push``, ``push_pull`` and ``push_pull_lookup``: one push to every shard concerned, each part
+        over its own wire; returns whether every shard applied it, push_pull's values and the rows read."""
         reads: dict[str, _RowRead] = {}
         if lookup:
             groups = await self._known(list(lookup))
             what = "lookup with a push"
             reads = {n: _RowRead(n, groups[n], ids, self.num_shards, what) for n, ids in lookup.items()}
+        plan = await self._push_plan(grads, return_rows, every_shard)
+        per_shard = plan.per_shard
+        # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
+        reading: dict[str, tuple[_RowRead, np.ndarray]] = {}  # wire name -> its read and positions
+        lookup_ids: dict[int, list[ps_pb2.TensorChunk]] = {}
+        for read in reads.values():
+            for shard, (piece, where) in read.per_shard.items():
+                lookup_ids.setdefault(shard, []).append(read.wire_ids(piece, where))
+                reading[embedding.lookup_name(piece.stored_name)] = (read, where)
+        seq = next(self._seq)
+        # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
+        shards = sorted(per_shard) if len(per_shard) > 1 else []
+        answers = _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
+
+        async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
+            header = ps_pb2.PushRequest(
+                worker_id=self.worker_id,
+                seq=seq,
+                session=self.session,
+                step=step,
+                return_values=return_values,
+                shards=shards,
+                checkpoint_step=self._checkpoint_step,
+                omit_values=plan.omit.get(shard, []) if return_values else [],
+                lookup_ids=lookup_ids.get(shard, []),
+            )
+            return await self._push_to(shard, header, tensors, answers)
+
+        async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
+            request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
+            answers.read(shard, chunks, await self._lookup_call(shard, request))
+            return True
+
+        work: dict[int, Any] = dict(per_shard)
+        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
+        for shard, chunks in lookup_ids.items():
+            if shard not in per_shard:
+                work[shard], calls[shard] = chunks, read_only
+        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
+        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
+        answers.check_read()
+        looked_up = {name: read.result() for name, read in reads.items()}
+        return all(results), answers.values(grads, plan), looked_up
+
+    async def _push_plan(
+        self, grads: Tensors, return_rows: bool | Iterable[str], every_shard: bool
+    ) -> _PushPlan:
+        """Where each gradient goes (the wire tensors per shard), and which tables' rows come back.
+
+        Raises:
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: Rows for a variable that is not a table, an array for one that
+                is, or a bad gradient (see ``rq.split_by_shard`` and ``_row_tensors``).
+        """
         known = await self._known(list(grads))
         pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
         row_tables = [n for n in known if n not in pieces]
@@ -802,119 +859,50 @@ class AsyncPSClient:
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
-        # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
-        reading: dict[str, tuple[_RowRead, np.ndarray]] = {}  # wire name -> its read and positions
-        lookup_ids: dict[int, list[ps_pb2.TensorChunk]] = {}
-        for read in reads.values():
-            for shard, (piece, where) in read.per_shard.items():
-                lookup_ids.setdefault(shard, []).append(read.wire_ids(piece, where))
-                reading[embedding.lookup_name(piece.stored_name)] = (read, where)
-        seq = next(self._seq)
-        # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
-        shards = sorted(per_shard) if len(per_shard) > 1 else []
-        into = rq.Gather(pieces, self._pool.take) if return_values else None
-        row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
-        read_parts: set[str] = set()  # the wire names of the rows read so far
+        returned = [n for n in row_tables if n not in omitted]
+        return _PushPlan(known=known, pieces=pieces, returned_tables=returned, omit=omit, per_shard=per_shard)
 
-        def add(shard: int, chunk: Any) -> None:
-            if chunk.name in reading:
-                read, where = reading[chunk.name]
-                read.fill(shard, where, chunk)
-                read_parts.add(chunk.name)
-                return
-            if into is None:
-                return
-            if "\x00" in chunk.name:
-                row_parts.setdefault(shard, codec.Assembler()).add(chunk)
+    async def _push_to(
+        self,
+        shard: int,
+        header: ps_pb2.PushRequest,
+        tensors: list[tuple[str, np.ndarray]],
+        answers: _PushAnswers,
+    ) -> bool:
+        """One shard's part of a push, over the wire ``_wire`` picks; returns whether it was applied."""
+
+        async def send(wire: Wire) -> bool:
+            if wire is Wire.DATA_PORT:
+                return await self._call(
+                    shard, "Push", lambda: self._push_data_port(shard, header, tensors, answers)
+                )
+            if wire is Wire.STREAM:
+                return await self._push_stream(shard, header, tensors, answers)
+            request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
+            if wire is Wire.SESSION:
+                resp = await self._push_session(shard, request)
             else:
-                into.add(chunk)
+                resp = await self._call(
+                    shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard))
+                )
+            self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
+            for c in resp.values:
+                answers.add(shard, c)
+            return resp.applied
 
-        async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
-            header = ps_pb2.PushRequest(
-                worker_id=self.worker_id,
-                seq=seq,
-                session=self.session,
-                step=step,
-                return_values=return_values,
-                shards=shards,
-                checkpoint_step=self._checkpoint_step,
-                omit_values=omit.get(shard, []) if return_values else [],
-                lookup_ids=lookup_ids.get(shard, []),
-            )
-
-            def restart() -> None:  # a retried attempt starts over
-                if into is not None:
-                    into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                    row_parts.pop(shard, None)
-
-            async def send(wire: Wire) -> bool:
-                if wire is Wire.DATA_PORT:
-                    return await self._call(
-                        shard,
-                        "Push",
-                        lambda: self._push_data_port(shard, header, tensors, into, add, restart),
-                    )
-                if wire is Wire.STREAM:
-                    return await self._push_stream(shard, header, tensors, add, restart)
-                request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
-                if wire is Wire.SESSION:
-                    resp = await self._push_session(shard, request)
-                else:
-                    resp = await self._call(
-                        shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard))
-                    )
-                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-                for c in resp.values:
-                    add(shard, c)
-                return resp.applied
-
-            return await self._over_wire(Op.PUSH, shard, rq.payload_bytes(tensors), send)
-
-        async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
-            request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
-            values = await self._lookup_call(shard, request)
-            for asked, chunk in zip(chunks, values, strict=False):  # in the order asked
-                name = embedding.lookup_name(asked.name)
-                read, where = reading[name]
-                read.fill(shard, where, chunk)
-                read_parts.add(name)
-            return True
-
-        work: dict[int, Any] = dict(per_shard)
-        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
-        for shard, chunks in lookup_ids.items():
-            if shard not in per_shard:
-                work[shard], calls[shard] = chunks, read_only
-        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
-        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
-        missing = set(reading) - read_parts
-        if missing:
-            raise codec.CodecError(f"rows of {sorted(missing)[0]!r} were not returned")
-        looked_up = {name: read.result() for name, read in reads.items()}
-        if into is None:
-            return all(results), {}, looked_up
-        values: dict[str, Any] = dict(into.result())
-        values.update(_returned_rows([n for n in row_tables if n not in omitted], known, row_parts))
-        for name, rows in values.items():  # a string-keyed table's rows come back under their keys
-            if isinstance(rows, Rows) and known[name][0].keys == "string":
-                keys = np.asarray(grads[name].ids).reshape(-1)
-                hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
-                values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
-        return all(results), values, looked_up
+        return await self._over_wire(Op.PUSH, shard, rq.payload_bytes(tensors), send)
 
     async def _push_data_port(
         self,
         shard: int,
         header: ps_pb2.PushRequest,
         tensors: list[tuple[str, np.ndarray]],
-        into: rq.Gather | None,
-        add: Callable[[int, Any], None],
-        restart: Callable[[], None],
+        answers: _PushAnswers,
     ) -> bool:
         """One attempt of a push over the shard's data port; returns whether it was applied.
 
         The gradients go straight from their arrays to the socket; push_pull's values come
-        straight into ``into``'s arrays (embedding rows through ``add``).
+        straight into the arrays of ``answers.into`` (embedding rows through ``answers.add``).
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
@@ -922,14 +910,14 @@ class AsyncPSClient:
         link = self._data_link(shard)
         if link is None:
             raise _bulk.Unusable
-        restart()  # a retried attempt starts over
+        answers.restart(shard)  # a retried attempt starts over
         timeout = _retry.attempt_timeout(self.config.timeout)
         head = ps_pb2.PushRequest()
         head.CopyFrom(header)
         head.timeout_s = timeout
         head.grads.extend(bulk.describe(n, t) for n, t in tensors)
         spare: list[codec.WireChunk] = []
-        place = into.place if into is not None else None
+        place = answers.into.place if answers.into is not None else None
         reply = await link.request(
             bulk.Frame(bulk.PUSH, head),
             bulk.payload_of(t for _, t in tensors),
@@ -937,7 +925,7 @@ class AsyncPSClient:
             timeout,
         )
         for chunk in spare:
-            add(shard, chunk)
+            answers.add(shard, chunk)
         self._checkpoint_step = max(self._checkpoint_step, reply.head.checkpoint_step)
         return bool(reply.head.applied)
 
@@ -975,12 +963,11 @@ class AsyncPSClient:
         shard: int,
         header: ps_pb2.PushRequest,
         tensors: list[tuple[str, np.ndarray]],
-        add: Callable[[int, Any], None],
-        restart: Callable[[], None],
+        answers: _PushAnswers,
     ) -> bool:
         """A push too large for one message, as a PushStream in chunks; returns whether it was applied.
 
-        push_pull's values come back through ``add``.
+        push_pull's values come back into ``answers``.
         """
 
         def messages() -> Iterable[codec.WireMessage]:
@@ -994,12 +981,12 @@ class AsyncPSClient:
         async def attempt() -> None:
             nonlocal applied
             applied = True  # a retried attempt starts over
-            restart()
+            answers.restart(shard)
             async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
                 applied = applied and resp.applied
                 self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
                 for c in resp.values:
-                    add(shard, c)
+                    answers.add(shard, c)
 
         await self._call(shard, "PushStream", attempt)
         return applied
@@ -1765,6 +1752,92 @@ def _describe_table(spec: ps_pb2.VariableSpec) -> str:
         f"{ps_pb2.Eviction.Name(d.eviction).removeprefix('EVICTION_').lower()}, "
         f"ttl_steps {d.ttl_steps or None}, ttl_seconds {d.ttl_seconds or None}, initializer {init}"
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PushPlan:
+    """Where a push's gradients go (``AsyncPSClient._push_plan``)."""
+
+    known: dict[str, list[rq.Piece]]  # every variable pushed -> its pieces
+    pieces: dict[str, list[rq.Piece]]  # those pushed as arrays (not Rows) -> their pieces
+    returned_tables: list[str]  # the tables pushed as Rows whose updated rows push_pull returns
+    omit: dict[int, list[str]]  # per shard: the stored names of the tables whose rows are not returned
+    per_shard: dict[int, list[tuple[str, np.ndarray]]]  # the wire tensors for each shard
+
+
+class _PushAnswers:
+    """What a push's shards answer: push_pull's values (arrays straight into a ``Gather``, a table's
+    rows per shard) and the rows read with the push (``push_pull_lookup``).
+
+    Args:
+        pieces: the variables pushed as arrays, whose values push_pull returns.
+        reading: the wire name of each set of rows read with the push -> its read and positions.
+        take: ``ArrayPool.take`` for push_pull's arrays; None: a plain push (its values are dropped).
+    """
+
+    def __init__(
+        self,
+        pieces: dict[str, list[rq.Piece]],
+        reading: dict[str, tuple[_RowRead, np.ndarray]],
+        take: Callable[[int, np.dtype], np.ndarray] | None,
+    ) -> None:
+        self.into = rq.Gather(pieces, take) if take is not None else None
+        self._pieces = pieces
+        self._reading = reading
+        self._row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
+        self._read_parts: set[str] = set()  # the wire names of the rows read so far
+
+    def add(self, shard: int, chunk: Any) -> None:
+        """One tensor of ``shard``'s answer: rows read, a table's updated rows, or a variable's value."""
+        if chunk.name in self._reading:
+            read, where = self._reading[chunk.name]
+            read.fill(shard, where, chunk)
+            self._read_parts.add(chunk.name)
+            return
+        if self.into is None:
+            return
+        if "\x00" in chunk.name:
+            self._row_parts.setdefault(shard, codec.Assembler()).add(chunk)
+        else:
+            self.into.add(chunk)
+
+    def restart(self, shard: int) -> None:
+        """Forgets what ``shard`` answered so far: a retried attempt starts over."""
+        if self.into is not None:
+            self.into.restart(p for group in self._pieces.values() for p in group if p.shard == shard)
+            self._row_parts.pop(shard, None)
+
+    def read(self, shard: int, asked: list[ps_pb2.TensorChunk], values: list[Any]) -> None:
+        """The answer of a Lookup for the rows of ``asked`` (a shard that got none of the push)."""
+        for ids, chunk in zip(asked, values, strict=False):  # in the order asked
+            name = embedding.lookup_name(ids.name)
+            read, where = self._reading[name]
+            read.fill(shard, where, chunk)
+            self._read_parts.add(name)
+
+    def check_read(self) -> None:
+        """Raises CodecError if rows to read were not returned."""
+        missing = set(self._reading) - self._read_parts
+        if missing:
+            raise codec.CodecError(f"rows of {sorted(missing)[0]!r} were not returned")
+
+    def values(self, grads: Tensors, plan: _PushPlan) -> dict[str, Any]:
+        """push_pull's values: name -> array, or ``Rows`` for a table (a string-keyed one's under its keys);
+        a plain push's: none.
+
+        Raises:
+            CodecError: a shard did not return a table's rows.
+        """
+        if self.into is None:  # a plain push
+            return {}
+        values: dict[str, Any] = dict(self.into.result())
+        values.update(_returned_rows(plan.returned_tables, plan.known, self._row_parts))
+        for name, rows in values.items():  # a string-keyed table's rows come back under their keys
+            if isinstance(rows, Rows) and plan.known[name][0].keys == "string":
+                keys = np.asarray(grads[name].ids).reshape(-1)
+                hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
+                values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
+        return values
 
 
 class _RowRead:
