@@ -11,14 +11,16 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from psclient import _bulk, _reach, _retry, _session
+from psclient import _bulk, _reach, _retry, _session, _wire
 from psclient import _requests as rq
 from psclient._requests import PushedValues
+from psclient._wire import Op, Wire
 from psclient.config import ClientConfig
 from pscore import bulk, codec, embedding, rpc, transport
 from pscore.embedding import Rows
@@ -321,11 +323,11 @@ class AsyncPSClient:
             "wait_for_ready": len(self._replicas[shard]) == 1,
         }
 
-    def _data_link(self, shard: int, nbytes: int | None = None) -> _bulk.DataLink | None:
-        """The data port of ``shard``'s current replica, for a transfer of ``nbytes`` (None: any size);
-        None: use gRPC (turned off, too small, or the data port could not be reached lately)."""
+    def _data_link(self, shard: int) -> _bulk.DataLink | None:
+        """The data port of ``shard``'s current replica; None: use gRPC (turned off, or the data port
+        could not be reached lately). Which requests take it: ``_wire``."""
         cfg = self.config
-        if not cfg.data_port or (nbytes is not None and nbytes < cfg.data_port_min_bytes):
+        if not cfg.data_port:
             return None
         self._stub(shard)  # the channels exist
         replica = self._current[shard]
@@ -347,6 +349,37 @@ class AsyncPSClient:
                 self._replicas[shard][replica], data_port, self._data_tls
             )
         return link if link.usable else None
+
+    def _wire(self, op: Op, shard: int, nbytes: int, *, after: Wire | None = None) -> Wire:
+        """The wire of an ``op`` request of ``nbytes`` to ``shard``'s current replica (the rule:
+        ``psclient._wire.choose``); ``after``: the wire that refused it."""
+
+        def available(wire: Wire) -> bool:
+            if wire is Wire.DATA_PORT:
+                return self._data_link(shard) is not None
+            return self._session(shard).supported
+
+        return _wire.choose(op, nbytes, self.config, available, after=after)
+
+    async def _over_wire(self, op: Op, shard: int, nbytes: int, send: Callable[[Wire], Awaitable[T]]) -> T:
+        """``send(wire)``: one ``op`` request to ``shard`` over the wire ``_wire`` picks, or over the next
+        one if that wire refuses it (a data port that cannot be used, a shard without PushSession).
+
+        Retries and failover are ``send``'s, within one wire (``_call``).
+        """
+        wire = self._wire(op, shard, nbytes)
+        while True:
+            try:
+                return await send(wire)
+            except _bulk.Unusable:
+                if wire is not Wire.DATA_PORT:
+                    raise
+                # logged by the link; the next wire
+            except _session.SessionUnsupported:
+                if wire is not Wire.SESSION:
+                    raise
+                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
+            wire = self._wire(op, shard, nbytes, after=wire)
 
     async def close(self) -> None:
         """Closes the channels. Idempotent."""
@@ -379,14 +412,14 @@ class AsyncPSClient:
         """
         request = ps_pb2.ListVariablesRequest(names=list(names))
 
-        async def one(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
+        async def list_on(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
             resp = await self._call(
                 shard, "ListVariables", lambda: self._stub(shard).ListVariables(request, **self._kw(shard))
             )
             return shard, resp
 
         found: dict[str, list[ps_pb2.VariableInfo]] = {}
-        for shard, resp in await gather(one(s) for s in range(self.num_shards)):
+        for shard, resp in await gather(list_on(s) for s in range(self.num_shards)):
             if resp.num_shards and resp.num_shards != self.num_shards:
                 raise InvalidArgumentError(
                     f"shard {shard} at {self.config.addresses[shard]} says the cluster has {resp.num_shards} "
@@ -461,7 +494,7 @@ class AsyncPSClient:
                     (rq.spec_of(piece, opts[name]), rq.piece_view(piece, arrays[name]))
                 )
 
-        async def one(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
+        async def create_on(shard: int, items: list[tuple[ps_pb2.VariableSpec, np.ndarray]]) -> list[bool]:
             def messages() -> Iterable[ps_pb2.CreateVariablesRequest | codec.WireMessage]:
                 yield ps_pb2.CreateVariablesRequest(variables=[spec for spec, _ in items])
                 tensors = [(spec.name, value) for spec, value in items]
@@ -476,7 +509,7 @@ class AsyncPSClient:
             return list(resp.created)
 
         shards = sorted(per_shard)
-        results = await gather(one(s, per_shard[s]) for s in shards)
+        results = await gather(create_on(s, per_shard[s]) for s in shards)
         for shard, flags in zip(shards, results, strict=True):
             for (spec, _), flag in zip(per_shard[shard], flags, strict=True):
                 name = spec.partition.variable if spec.HasField("partition") else spec.name
@@ -563,28 +596,11 @@ class AsyncPSClient:
                 per_shard.setdefault(piece.shard, []).append(piece)
         into = rq.Gather(pieces, self._pool.take)
 
-        async def one(shard: int, wanted: list[rq.Piece]) -> None:
+        async def pull_from(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes, ema=ema,
             )  # fmt: skip
-            nbytes = sum(p.nbytes for p in wanted)
-            if self._data_link(shard, nbytes) is not None:
-                try:
-                    await self._call(
-                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
-                    )
-                    return
-                except _bulk.Unusable:
-                    pass  # logged; over gRPC
-            if nbytes <= self.config.unary_max_bytes:
-                resp = await self._call(
-                    shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
-                )
-                for c in resp.values:
-                    into.add(c)
-                into.add_versions(rq.versions_of(resp.values, resp.versions))
-                return
 
             async def stream() -> None:
                 into.restart(wanted)  # a retried attempt starts over
@@ -593,9 +609,24 @@ class AsyncPSClient:
                         into.add(c)
                     into.add_versions(rq.versions_of(resp.values, resp.versions))
 
-            await self._call(shard, "PullStream", stream)
+            async def send(wire: Wire) -> None:
+                if wire is Wire.DATA_PORT:
+                    await self._call(
+                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
+                    )
+                elif wire is Wire.UNARY:
+                    resp = await self._call(
+                        shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
+                    )
+                    for c in resp.values:
+                        into.add(c)
+                    into.add_versions(rq.versions_of(resp.values, resp.versions))
+                else:
+                    await self._call(shard, "PullStream", stream)
 
-        await _each(one, per_shard)
+            await self._over_wire(Op.PULL, shard, sum(p.nbytes for p in wanted), send)
+
+        await _each(pull_from, per_shard)
         return into.result(), into.versions
 
     async def _pull_data_port(
@@ -740,11 +771,67 @@ class AsyncPSClient:
         return_rows: bool | Iterable[str] = True,
         lookup: Mapping[str, Any] | None = None,
     ) -> tuple[bool, dict[str, Any], dict[str, np.ndarray]]:
+        """``push``, ``push_pull`` and ``push_pull_lookup``: one push to every shard concerned, each part
+        over its own wire; returns whether every shard applied it, push_pull's values and the rows read."""
         reads: dict[str, _RowRead] = {}
         if lookup:
             groups = await self._known(list(lookup))
             what = "lookup with a push"
             reads = {n: _RowRead(n, groups[n], ids, self.num_shards, what) for n, ids in lookup.items()}
+        plan = await self._push_plan(grads, return_rows, every_shard)
+        per_shard = plan.per_shard
+        # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
+        reading: dict[str, tuple[_RowRead, np.ndarray]] = {}  # wire name -> its read and positions
+        lookup_ids: dict[int, list[ps_pb2.TensorChunk]] = {}
+        for read in reads.values():
+            for shard, (piece, where) in read.per_shard.items():
+                lookup_ids.setdefault(shard, []).append(read.wire_ids(piece, where))
+                reading[embedding.lookup_name(piece.stored_name)] = (read, where)
+        seq = next(self._seq)
+        # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
+        shards = sorted(per_shard) if len(per_shard) > 1 else []
+        answers = _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
+
+        async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
+            header = ps_pb2.PushRequest(
+                worker_id=self.worker_id,
+                seq=seq,
+                session=self.session,
+                step=step,
+                return_values=return_values,
+                shards=shards,
+                checkpoint_step=self._checkpoint_step,
+                omit_values=plan.omit.get(shard, []) if return_values else [],
+                lookup_ids=lookup_ids.get(shard, []),
+            )
+            return await self._push_to(shard, header, tensors, answers)
+
+        async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
+            request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
+            answers.read(shard, chunks, await self._lookup_call(shard, request))
+            return True
+
+        work: dict[int, Any] = dict(per_shard)
+        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
+        for shard, chunks in lookup_ids.items():
+            if shard not in per_shard:
+                work[shard], calls[shard] = chunks, read_only
+        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
+        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
+        answers.check_read()
+        looked_up = {name: read.result() for name, read in reads.items()}
+        return all(results), answers.values(grads, plan), looked_up
+
+    async def _push_plan(
+        self, grads: Tensors, return_rows: bool | Iterable[str], every_shard: bool
+    ) -> _PushPlan:
+        """Where each gradient goes (the wire tensors per shard), and which tables' rows come back.
+
+        Raises:
+            NotFoundError: an unknown variable.
+            InvalidArgumentError: Rows for a variable that is not a table, an array for one that
+                is, or a bad gradient (see ``rq.split_by_shard`` and ``_row_tensors``).
+        """
         known = await self._known(list(grads))
         pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
         row_tables = [n for n in known if n not in pieces]
@@ -772,137 +859,50 @@ class AsyncPSClient:
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
-        # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
-        reading: dict[str, tuple[_RowRead, np.ndarray]] = {}  # wire name -> its read and positions
-        lookup_ids: dict[int, list[ps_pb2.TensorChunk]] = {}
-        for read in reads.values():
-            for shard, (piece, where) in read.per_shard.items():
-                lookup_ids.setdefault(shard, []).append(read.wire_ids(piece, where))
-                reading[embedding.lookup_name(piece.stored_name)] = (read, where)
-        seq = next(self._seq)
-        # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
-        shards = sorted(per_shard) if len(per_shard) > 1 else []
-        into = rq.Gather(pieces, self._pool.take) if return_values else None
-        row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
-        read_parts: set[str] = set()  # the wire names of the rows read so far
+        returned = [n for n in row_tables if n not in omitted]
+        return _PushPlan(known=known, pieces=pieces, returned_tables=returned, omit=omit, per_shard=per_shard)
 
-        def add(shard: int, chunk: Any) -> None:
-            if chunk.name in reading:
-                read, where = reading[chunk.name]
-                read.fill(shard, where, chunk)
-                read_parts.add(chunk.name)
-                return
-            if into is None:
-                return
-            if "\x00" in chunk.name:
-                row_parts.setdefault(shard, codec.Assembler()).add(chunk)
+    async def _push_to(
+        self,
+        shard: int,
+        header: ps_pb2.PushRequest,
+        tensors: list[tuple[str, np.ndarray]],
+        answers: _PushAnswers,
+    ) -> bool:
+        """One shard's part of a push, over the wire ``_wire`` picks; returns whether it was applied."""
+
+        async def send(wire: Wire) -> bool:
+            if wire is Wire.DATA_PORT:
+                return await self._call(
+                    shard, "Push", lambda: self._push_data_port(shard, header, tensors, answers)
+                )
+            if wire is Wire.STREAM:
+                return await self._push_stream(shard, header, tensors, answers)
+            request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
+            if wire is Wire.SESSION:
+                resp = await self._push_session(shard, request)
             else:
-                into.add(chunk)
+                resp = await self._call(
+                    shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard))
+                )
+            self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
+            for c in resp.values:
+                answers.add(shard, c)
+            return resp.applied
 
-        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
-            header = ps_pb2.PushRequest(
-                worker_id=self.worker_id,
-                seq=seq,
-                session=self.session,
-                step=step,
-                return_values=return_values,
-                shards=shards,
-                checkpoint_step=self._checkpoint_step,
-                omit_values=omit.get(shard, []) if return_values else [],
-                lookup_ids=lookup_ids.get(shard, []),
-            )
-            nbytes = rq.payload_bytes(tensors)
-            if self._data_link(shard, nbytes) is not None:
-
-                def restart() -> None:
-                    if into is not None:
-                        into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                        row_parts.pop(shard, None)
-
-                try:
-                    return await self._call(
-                        shard,
-                        "Push",
-                        lambda: self._push_data_port(shard, header, tensors, into, add, restart),
-                    )
-                except _bulk.Unusable:
-                    pass  # logged; over gRPC
-            if nbytes <= self.config.unary_max_bytes:
-                request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
-                resp = await self._push_small(shard, request)
-                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-                for c in resp.values:
-                    add(shard, c)
-                return resp.applied
-
-            def messages() -> Iterable[codec.WireMessage]:
-                first = header
-                for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
-                    yield codec.WireMessage(first, "grads", batch)
-                    first = _EMPTY_PUSH  # the header fields travel in the first message only
-
-            applied = True
-
-            async def stream() -> None:
-                nonlocal applied
-                applied = True  # a retried attempt starts over
-                if into is not None:
-                    into.restart(p for group in pieces.values() for p in group if p.shard == shard)
-                    row_parts.pop(shard, None)
-                async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
-                    applied = applied and resp.applied
-                    self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-                    for c in resp.values:
-                        add(shard, c)
-
-            await self._call(shard, "PushStream", stream)
-            return applied
-
-        async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
-            request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
-            values = await self._lookup_call(shard, request)
-            for asked, chunk in zip(chunks, values, strict=False):  # in the order asked
-                name = embedding.lookup_name(asked.name)
-                read, where = reading[name]
-                read.fill(shard, where, chunk)
-                read_parts.add(name)
-            return True
-
-        work: dict[int, Any] = dict(per_shard)
-        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, one)
-        for shard, chunks in lookup_ids.items():
-            if shard not in per_shard:
-                work[shard], calls[shard] = chunks, read_only
-        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
-        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
-        missing = set(reading) - read_parts
-        if missing:
-            raise codec.CodecError(f"rows of {sorted(missing)[0]!r} were not returned")
-        looked_up = {name: read.result() for name, read in reads.items()}
-        if into is None:
-            return all(results), {}, looked_up
-        values: dict[str, Any] = dict(into.result())
-        values.update(_returned_rows([n for n in row_tables if n not in omitted], known, row_parts))
-        for name, rows in values.items():  # a string-keyed table's rows come back under their keys
-            if isinstance(rows, Rows) and known[name][0].keys == "string":
-                keys = np.asarray(grads[name].ids).reshape(-1)
-                hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
-                values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
-        return all(results), values, looked_up
+        return await self._over_wire(Op.PUSH, shard, rq.payload_bytes(tensors), send)
 
     async def _push_data_port(
         self,
         shard: int,
         header: ps_pb2.PushRequest,
         tensors: list[tuple[str, np.ndarray]],
-        into: rq.Gather | None,
-        add: Callable[[int, Any], None],
-        restart: Callable[[], None],
+        answers: _PushAnswers,
     ) -> bool:
         """One attempt of a push over the shard's data port; returns whether it was applied.
 
         The gradients go straight from their arrays to the socket; push_pull's values come
-        straight into ``into``'s arrays (embedding rows through ``add``).
+        straight into the arrays of ``answers.into`` (embedding rows through ``answers.add``).
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
@@ -910,14 +910,14 @@ class AsyncPSClient:
         link = self._data_link(shard)
         if link is None:
             raise _bulk.Unusable
-        restart()  # a retried attempt starts over
+        answers.restart(shard)  # a retried attempt starts over
         timeout = _retry.attempt_timeout(self.config.timeout)
         head = ps_pb2.PushRequest()
         head.CopyFrom(header)
         head.timeout_s = timeout
         head.grads.extend(bulk.describe(n, t) for n, t in tensors)
         spare: list[codec.WireChunk] = []
-        place = into.place if into is not None else None
+        place = answers.into.place if answers.into is not None else None
         reply = await link.request(
             bulk.Frame(bulk.PUSH, head),
             bulk.payload_of(t for _, t in tensors),
@@ -925,7 +925,7 @@ class AsyncPSClient:
             timeout,
         )
         for chunk in spare:
-            add(shard, chunk)
+            answers.add(shard, chunk)
         self._checkpoint_step = max(self._checkpoint_step, reply.head.checkpoint_step)
         return bool(reply.head.applied)
 
@@ -941,22 +941,55 @@ class AsyncPSClient:
             )
         return session
 
-    async def _push_small(self, shard: int, request: codec.WireMessage) -> Any:
-        """One whole push in one message: over the shard's PushSession stream, else a unary Push."""
-        if self._session(shard).supported:
-            timeout = self.config.timeout
+    async def _push_session(self, shard: int, request: codec.WireMessage) -> Any:
+        """One whole push in one message over the shard's PushSession stream; returns its response.
 
-            async def attempt() -> Any:  # each attempt: the session of the shard's current replica
-                left = _retry.attempt_timeout(timeout)
-                # The stream's deadline is not this push's: the shard bounds its waits by this one.
-                request.header.timeout_s = left
-                return await self._session(shard).push(request, left)
+        Raises:
+            _session.SessionUnsupported: the shard has no PushSession (send it as a unary Push).
+            PSError: as the push.
+        """
+        timeout = self.config.timeout
 
-            try:
-                return await self._call(shard, "PushSession", attempt)
-            except _session.SessionUnsupported:
-                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
-        return await self._call(shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard)))
+        async def attempt() -> Any:  # each attempt: the session of the shard's current replica
+            left = _retry.attempt_timeout(timeout)
+            # The stream's deadline is not this push's: the shard bounds its waits by this one.
+            request.header.timeout_s = left
+            return await self._session(shard).push(request, left)
+
+        return await self._call(shard, "PushSession", attempt)
+
+    async def _push_stream(
+        self,
+        shard: int,
+        header: ps_pb2.PushRequest,
+        tensors: list[tuple[str, np.ndarray]],
+        answers: _PushAnswers,
+    ) -> bool:
+        """A push too large for one message, as a PushStream in chunks; returns whether it was applied.
+
+        push_pull's values come back into ``answers``.
+        """
+
+        def messages() -> Iterable[codec.WireMessage]:
+            first = header
+            for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
+                yield codec.WireMessage(first, "grads", batch)
+                first = _EMPTY_PUSH  # the header fields travel in the first message only
+
+        applied = True
+
+        async def attempt() -> None:
+            nonlocal applied
+            applied = True  # a retried attempt starts over
+            answers.restart(shard)
+            async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
+                applied = applied and resp.applied
+                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
+                for c in resp.values:
+                    answers.add(shard, c)
+
+        await self._call(shard, "PushStream", attempt)
+        return applied
 
     # -- embedding tables -----------------------------------------------------
 
@@ -1123,7 +1156,7 @@ class AsyncPSClient:
                 return False
         pieces = table_pieces(name, num_rows, dim, dt, self.num_shards)
 
-        async def one(piece: rq.Piece) -> bool:
+        async def create_table_piece(piece: rq.Piece) -> bool:
             rows, _ = piece.stored_shape
             spec = ps_pb2.VariableSpec(
                 name=piece.stored_name,
@@ -1147,7 +1180,7 @@ class AsyncPSClient:
                 value = embedding.init_rows(name, ids, dim, dt, initializer)
             return await self._create_piece(piece.shard, spec, value)
 
-        created = await gather(one(p) for p in pieces)
+        created = await gather(create_table_piece(p) for p in pieces)
         self.registry.add(pieces)
         return all(created)
 
@@ -1228,7 +1261,7 @@ class AsyncPSClient:
         read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup")
         batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
 
-        async def one(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
+        async def lookup_on(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
             piece, where = work
             for start in range(0, where.size, batch_rows):
                 part = where[start : start + batch_rows]
@@ -1238,7 +1271,7 @@ class AsyncPSClient:
                 values = await self._lookup_call(shard, request)
                 read.fill(shard, part, values[0] if len(values) == 1 else None)
 
-        await _each(one, read.per_shard) if read.per_shard else None
+        await _each(lookup_on, read.per_shard) if read.per_shard else None
         return read.result()
 
     async def _lookup_call(self, shard: int, request: ps_pb2.LookupRequest) -> list[Any]:
@@ -1248,13 +1281,16 @@ class AsyncPSClient:
         Raises:
             PSError: as the Lookup call.
         """
-        if self._data_link(shard) is not None:
-            try:
+
+        async def send(wire: Wire) -> list[Any]:
+            if wire is Wire.DATA_PORT:
                 return await self._call(shard, "Lookup", lambda: self._lookup_data_port(shard, request))
-            except _bulk.Unusable:
-                pass  # logged; over gRPC
-        resp = await self._call(shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard)))
-        return list(resp.values)
+            resp = await self._call(
+                shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard))
+            )
+            return list(resp.values)
+
+        return await self._over_wire(Op.LOOKUP, shard, 0, send)
 
     async def _lookup_data_port(self, shard: int, request: ps_pb2.LookupRequest) -> list[codec.WireChunk]:
         """One attempt of a lookup over the shard's data port.
@@ -1340,10 +1376,10 @@ class AsyncPSClient:
         """
         request = ps_pb2.LeaveRequest(worker_id=self.worker_id)
 
-        async def one(shard: int) -> None:
+        async def leave_shard(shard: int) -> None:
             await self._call(shard, "Leave", lambda: self._stub(shard).Leave(request, **self._kw(shard)))
 
-        await gather(one(s) for s in range(self.num_shards))
+        await gather(leave_shard(s) for s in range(self.num_shards))
 
     async def status(self) -> list[ps_pb2.GetStatusResponse]:
         """Every shard's status (mode, step, counters, role), in shard order.
@@ -1353,12 +1389,12 @@ class AsyncPSClient:
         """
         request = ps_pb2.GetStatusRequest()
 
-        async def one(shard: int) -> ps_pb2.GetStatusResponse:
+        async def status_of(shard: int) -> ps_pb2.GetStatusResponse:
             return await self._call(
                 shard, "GetStatus", lambda: self._stub(shard).GetStatus(request, **self._kw(shard))
             )
 
-        return await gather(one(s) for s in range(self.num_shards))
+        return await gather(status_of(s) for s in range(self.num_shards))
 
     # -- optimizer hyper-parameters -------------------------------------------
 
@@ -1429,7 +1465,7 @@ class AsyncPSClient:
                 _check_optimizer_update(name, infos[0].spec.optimizer, params)
         variable_of = {p.stored_name: p.variable for ps in self.registry.pieces.values() for p in ps}
 
-        async def one(shard: int, stored: list[str]) -> list[str]:
+        async def update_on(shard: int, stored: list[str]) -> list[str]:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, params=params)
             resp = await self._call(
                 shard,
@@ -1438,7 +1474,7 @@ class AsyncPSClient:
             )
             return list(resp.names)
 
-        changed = [n for names_ in await _each(one, per_shard) for n in names_]
+        changed = [n for names_ in await _each(update_on, per_shard) for n in names_]
         return sorted({variable_of.get(n, n) for n in changed})
 
     async def replace_optimizer(self, optimizer: Optimizer, names: Iterable[str]) -> list[str]:
@@ -1491,7 +1527,7 @@ class AsyncPSClient:
             for piece in group:
                 per_shard.setdefault(piece.shard, []).append(piece.stored_name)
 
-        async def one(shard: int, stored: list[str]) -> None:
+        async def replace_on(shard: int, stored: list[str]) -> None:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, optimizer=spec, reset=True)
             await self._call(
                 shard,
@@ -1499,7 +1535,7 @@ class AsyncPSClient:
                 lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
             )
 
-        await _each(one, per_shard)
+        await _each(replace_on, per_shard)
         return sorted(pieces)
 
     # -- assign -------------------------------------------------------------
@@ -1535,7 +1571,7 @@ class AsyncPSClient:
         pieces = await self._known(list(values))
         per_shard = rq.split_by_shard(pieces, values, "value")
 
-        async def one(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
+        async def assign_on(shard: int, tensors: list[tuple[str, np.ndarray]]) -> None:
             def messages() -> Iterable[codec.WireMessage]:
                 for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_ASSIGN, "values", batch)
@@ -1546,8 +1582,8 @@ class AsyncPSClient:
 
         risky = {s: t for s, t in per_shard.items() if not all(_finite(a) for _, a in t)}
         for shard, tensors in risky.items():
-            await one(shard, tensors)
-        await _each(one, {s: t for s, t in per_shard.items() if s not in risky})
+            await assign_on(shard, tensors)
+        await _each(assign_on, {s: t for s, t in per_shard.items() if s not in risky})
 
     # -- checkpoints --------------------------------------------------------
 
@@ -1583,12 +1619,12 @@ class AsyncPSClient:
             return await consistent_save(self, self.config.timeout if timeout is None else timeout)
         request = ps_pb2.SaveCheckpointRequest()
 
-        async def one(shard: int) -> ps_pb2.SaveCheckpointResponse:
+        async def save_on(shard: int) -> ps_pb2.SaveCheckpointResponse:
             return await self._call(
                 shard, "SaveCheckpoint", lambda: self._stub(shard).SaveCheckpoint(request, **self._kw(shard))
             )
 
-        return await gather(one(s) for s in range(self.num_shards))
+        return await gather(save_on(s) for s in range(self.num_shards))
 
 
 def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mapping[str, float]) -> None:
@@ -1716,6 +1752,92 @@ def _describe_table(spec: ps_pb2.VariableSpec) -> str:
         f"{ps_pb2.Eviction.Name(d.eviction).removeprefix('EVICTION_').lower()}, "
         f"ttl_steps {d.ttl_steps or None}, ttl_seconds {d.ttl_seconds or None}, initializer {init}"
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _PushPlan:
+    """Where a push's gradients go (``AsyncPSClient._push_plan``)."""
+
+    known: dict[str, list[rq.Piece]]  # every variable pushed -> its pieces
+    pieces: dict[str, list[rq.Piece]]  # those pushed as arrays (not Rows) -> their pieces
+    returned_tables: list[str]  # the tables pushed as Rows whose updated rows push_pull returns
+    omit: dict[int, list[str]]  # per shard: the stored names of the tables whose rows are not returned
+    per_shard: dict[int, list[tuple[str, np.ndarray]]]  # the wire tensors for each shard
+
+
+class _PushAnswers:
+    """What a push's shards answer: push_pull's values (arrays straight into a ``Gather``, a table's
+    rows per shard) and the rows read with the push (``push_pull_lookup``).
+
+    Args:
+        pieces: the variables pushed as arrays, whose values push_pull returns.
+        reading: the wire name of each set of rows read with the push -> its read and positions.
+        take: ``ArrayPool.take`` for push_pull's arrays; None: a plain push (its values are dropped).
+    """
+
+    def __init__(
+        self,
+        pieces: dict[str, list[rq.Piece]],
+        reading: dict[str, tuple[_RowRead, np.ndarray]],
+        take: Callable[[int, np.dtype], np.ndarray] | None,
+    ) -> None:
+        self.into = rq.Gather(pieces, take) if take is not None else None
+        self._pieces = pieces
+        self._reading = reading
+        self._row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)
+        self._read_parts: set[str] = set()  # the wire names of the rows read so far
+
+    def add(self, shard: int, chunk: Any) -> None:
+        """One tensor of ``shard``'s answer: rows read, a table's updated rows, or a variable's value."""
+        if chunk.name in self._reading:
+            read, where = self._reading[chunk.name]
+            read.fill(shard, where, chunk)
+            self._read_parts.add(chunk.name)
+            return
+        if self.into is None:
+            return
+        if "\x00" in chunk.name:
+            self._row_parts.setdefault(shard, codec.Assembler()).add(chunk)
+        else:
+            self.into.add(chunk)
+
+    def restart(self, shard: int) -> None:
+        """Forgets what ``shard`` answered so far: a retried attempt starts over."""
+        if self.into is not None:
+            self.into.restart(p for group in self._pieces.values() for p in group if p.shard == shard)
+            self._row_parts.pop(shard, None)
+
+    def read(self, shard: int, asked: list[ps_pb2.TensorChunk], values: list[Any]) -> None:
+        """The answer of a Lookup for the rows of ``asked`` (a shard that got none of the push)."""
+        for ids, chunk in zip(asked, values, strict=False):  # in the order asked
+            name = embedding.lookup_name(ids.name)
+            read, where = self._reading[name]
+            read.fill(shard, where, chunk)
+            self._read_parts.add(name)
+
+    def check_read(self) -> None:
+        """Raises CodecError if rows to read were not returned."""
+        missing = set(self._reading) - self._read_parts
+        if missing:
+            raise codec.CodecError(f"rows of {sorted(missing)[0]!r} were not returned")
+
+    def values(self, grads: Tensors, plan: _PushPlan) -> dict[str, Any]:
+        """push_pull's values: name -> array, or ``Rows`` for a table (a string-keyed one's under its keys);
+        a plain push's: none.
+
+        Raises:
+            CodecError: a shard did not return a table's rows.
+        """
+        if self.into is None:  # a plain push
+            return {}
+        values: dict[str, Any] = dict(self.into.result())
+        values.update(_returned_rows(plan.returned_tables, plan.known, self._row_parts))
+        for name, rows in values.items():  # a string-keyed table's rows come back under their keys
+            if isinstance(rows, Rows) and plan.known[name][0].keys == "string":
+                keys = np.asarray(grads[name].ids).reshape(-1)
+                hashed, first = np.unique(embedding.hash_keys(keys), return_index=True)
+                values[name] = Rows(keys[first[np.searchsorted(hashed, rows.ids)]], rows.values)
+        return values
 
 
 class _RowRead:
