@@ -75,11 +75,8 @@ def _report_shards(request: pytest.FixtureRequest, clusters: Sequence[LocalClust
 
 @pytest.fixture(scope="session")
 def _shared_cluster() -> Iterator[LocalCluster]:
-    cluster = LocalCluster(num_shards=2).start()
-    try:
+    with LocalCluster(num_shards=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture

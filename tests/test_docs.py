@@ -108,11 +108,8 @@ print(json.dumps(failed))
 
 @pytest.fixture(scope="module")
 def docs_cluster() -> Iterator[LocalCluster]:
-    cluster = LocalCluster(num_shards=2).start()
-    try:
+    with LocalCluster(num_shards=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_docs_cluster_blocks_run_against_a_local_cluster(docs_cluster: LocalCluster) -> None:

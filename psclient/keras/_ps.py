@@ -869,14 +869,15 @@ class PSWorker:
     def _exchange(self, gmap: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.steps_done += 1
         self._left = False
+        # A remote table's rows do not come back (the layer's next lookup reads them): only those of a
+        # table the worker holds a copy of.
+        local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
         if self.mode == "sync":
             # Every shard takes part in every step (empty pushes to the others), so one step count
             # holds for all shards whatever variables a step updates.
             # One round trip per shard: the push waits at the step's barrier, and its answer carries
-            # the values after the step (a local table's pushed rows too; a remote table's next
-            # lookup reads its rows).
+            # the values after the step (a local table's pushed rows too).
             step = self.step
-            local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
             values = self.client.push_pull(gmap, step=step, every_shard=True, return_rows=local_tables)
             if values.applied:
                 self.step = step + 1
@@ -892,9 +893,7 @@ class PSWorker:
                     self.worker_index, step, self.step,
                 )  # fmt: skip
             return values
-        # Straight onto the client's loop: no helper thread blocks on the call. A remote table's rows
-        # do not come back (the layer's next lookup reads them): only those of a local copy's table.
-        local_tables = [n for n in gmap if n in self._tables and n not in self._remote]
+        # Straight onto the client's loop: no helper thread blocks on the call.
         fut = self._push_pull(gmap, local_tables)
         self.step += 1
         if not self.overlap:
