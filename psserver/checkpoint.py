@@ -163,7 +163,9 @@ class Checkpointer:
         self.num_shards = num_shards
         self.keep = max(1, keep)
         self._lock = asyncio.Lock()
-        self._saved_at: tuple[int, int] | None = None  # (store.changes, variables) at the last save
+        # (store.changes, variables) at the last save. A store that is still empty and unchanged has nothing
+        # to save: a fresh shard writes no empty checkpoint before its variables are created.
+        self._saved_at: tuple[int, int] | None = (0, 0)
         self._pending_marker: tuple[int, int] | None = None
         self.on_saved: Callable[[float], None] | None = None  # called with time.time() after each save
         self._next_id = 1 + max((f.id for f in list_files(self.directory)), default=0)

@@ -179,6 +179,7 @@ async def test_checkpoint_dirty_and_interval(tmp_path: Path) -> None:
             return registry.get_sample_value(name, {"shard": "0"})
 
         assert sample("psserver_checkpoint_interval_seconds") == 3600
+        assert sample("psserver_checkpoint_dirty") == 0  # empty and unchanged: nothing to save yet
         await shard.checkpointer.save()
         assert sample("psserver_checkpoint_dirty") == 0
         async with psclient.AsyncPSClient([shard.address], worker_id="w0", timeout=TIMEOUT_S) as c:
