@@ -62,7 +62,8 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
     n_vars = cfg["vars"]
     per_var = cfg["size_bytes"] // n_vars // 4
     grads = {f"v{i:02d}": np.zeros(per_var, np.float32) for i in range(n_vars)}
-    wire = {"data_port_min_bytes": 1 << 40} if cfg.get("wire") == "grpc" else {}
+    wire: dict[str, Any] = {"data_port_min_bytes": 1 << 40} if cfg.get("wire") == "grpc" else {}
+    wire["stagger_uploads"] = cfg.get("stagger", True)
     with psclient.PSClient(cfg["addresses"], worker_id=cfg["worker_id"], timeout=_IO_TIMEOUT_S, **wire) as c:
         for name, g in grads.items():
             c.create(name, g, optimizer=psclient.SGD(learning_rate=0.0))

@@ -10,7 +10,9 @@ workers at once for ``--seconds`` and reports
 where a push_pull round's bound is ``max(M / B, n M / (k B))``: M through a worker's link each way,
 or n M / k through a shard's link each way (full duplex, both directions at once). The ring
 (``psclient.collective.Ring``, one rank per worker host) is bounded by ``2 (n-1) / n x M / B`` per
-all-reduce. Peers in the same run: plain TCP sockets doing the same rounds, ``raw`` (send the whole
+all-reduce. ``ps`` uploads a push's parts to its shards one at a time (``stagger_uploads``, the
+client's default), ``ps-together`` all at once. Peers in the same run: plain TCP sockets doing the
+same rounds, ``raw`` (send the whole
 push, then read the whole answer) and ``raw-stream`` (the answer streamed back in 256 KiB chunks
 while the push arrives: what the link can carry). Beside each cell: the machine's CPU (busy % of all
 cores, from /proc/stat) and the busiest process of the cell (cores), to show the links were the limit.
@@ -43,7 +45,7 @@ from trainer.netns import Host, NetnsCluster
 
 ROLES = str(Path(__file__).with_name("_scaling_roles.py"))
 MIB = 1 << 20
-SYSTEMS = ("ps", "raw", "raw-stream")
+SYSTEMS = ("ps", "ps-together", "raw", "raw-stream")  # ps-together: uploads to the shards at once
 _RING_PORT = 7000  # inside a namespace this run made: nothing else can hold it
 _START_TIMEOUT_S = (
     120.0  # every worker of a cell connected and warmed up (8 workers import psclient on 2 cores)
@@ -160,7 +162,7 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
     shards = None
     try:
         sync = getattr(args, "mode", "async") == "sync"
-        if system == "ps":
+        if system in ("ps", "ps-together"):
             mode_args = ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(n)]
             shards = net.shards(shard_hosts[:k], mode_args if sync else ()).start()
             cell.servers = [p for p in shards.procs if p is not None]
@@ -172,6 +174,7 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
                     "sync": sync,
                     "wire": getattr(args, "wire", "data_port"),
                     "inflight": getattr(args, "inflight", 1),
+                    "stagger": system == "ps",
                 }
                 for i in range(n)
             ]
@@ -245,9 +248,10 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "CPU, during the ps cell: the machine's busy % (all its cores, other tenants included), the cores "
         "the cell's own processes used (shards and workers) and its busiest process's.",
         "",
-        "| workers n | shards k | ps | raw TCP (whole push, whole answer) | raw TCP streamed | "
-        "ps round ms | bound ms | machine CPU % | cell cores | busiest process, cores |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| workers n | shards k | ps | ps, uploads to every shard at once "
+        "| raw TCP (whole push, whole answer) | raw TCP streamed | ps round ms | bound ms | machine CPU % "
+        "| cell cores | busiest process, cores |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def ratio(system: str, n: int, k: int) -> str:
@@ -256,11 +260,12 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
 
     for n in args.workers:
         for k in args.shards:
-            ps = by.get(("ps", n, k)) or by.get(("raw", n, k)) or {}
+            ps = next((by[s, n, k] for s in SYSTEMS if (s, n, k) in by), {})
             if not ps:
                 continue
             lines.append(
-                f"| {n} | {k} | {ratio('ps', n, k)} | {ratio('raw', n, k)} | {ratio('raw-stream', n, k)} | "
+                f"| {n} | {k} | {ratio('ps', n, k)} | {ratio('ps-together', n, k)} | {ratio('raw', n, k)} "
+                f"| {ratio('raw-stream', n, k)} | "
                 f"{ps['round_s'] * 1e3:.0f} | {ps['bound_s'] * 1e3:.0f} | {ps['machine_cpu_pct']} | "
                 f"{ps['cell_cores']} | {ps['busiest_proc_cores']} |"
             )
@@ -329,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         "--ring", type=cm.ints, default=cm.ints("2,4,8"), help="ring ranks (default 2,4,8; '' skips)"
     )
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="among ps,raw,raw-stream (default all three)"
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="among ps,ps-together,raw,raw-stream (default all four; ps-together: "
+        "the client's uploads to every shard at once, stagger_uploads=False)",
     )
     parser.add_argument("--size-mib", type=int, default=8, help="model size M in MiB (default 8)")
     parser.add_argument(

@@ -173,6 +173,10 @@ class AsyncPSClient:
         self._links: dict[tuple[int, int], _bulk.DataLink] = {}  # (shard, replica) -> its data port
         self._data_tls: Any = None  # the TLS context of data connections (made on first use)
         self._seq = itertools.count(1)
+        # A push's large parts go up one shard at a time (``_bulk.Uplink``), starting at this worker's own
+        # shard (``_bulk.first_turn``): workers pushing at once upload to different shards at each turn.
+        self._uplink = _bulk.Uplink() if self.config.stagger_uploads else None
+        self._first_turn = _bulk.first_turn(self.config.worker_id)
         # Never 0 (0 is "no session": a client from before sessions).
         self.session = secrets.randbits(64) or 1
         # Sync mode: the step of the cluster's next periodic checkpoint, learnt from push answers and
@@ -811,7 +815,11 @@ class AsyncPSClient:
             answers.read(shard, chunks, await self._lookup_call(shard, request))
             return True
 
-        work: dict[int, Any] = dict(per_shard)
+        order = sorted(per_shard)
+        if len(order) > 1:  # the parts go up in turn (``_bulk.Uplink``): this push's first is the next shard
+            first = self._first_turn % len(order)
+            order = order[first:] + order[:first]
+        work: dict[int, Any] = {shard: per_shard[shard] for shard in order}
         calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
         for shard, chunks in lookup_ids.items():
             if shard not in per_shard:
@@ -923,6 +931,7 @@ class AsyncPSClient:
             bulk.payload_of(t for _, t in tensors),
             functools.partial(_receive, place, spare),
             timeout,
+            uplink=self._uplink,
         )
         for chunk in spare:
             answers.add(shard, chunk)

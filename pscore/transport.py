@@ -425,6 +425,7 @@ async def dial(
     tls: ssl.SSLContext | None = None,
     timeout: float = HANDSHAKE_S,
     connect_timeout: float | None = None,
+    notsent_lowat: int | None = None,
 ) -> Conn:
     """Connects to a ``DataPort`` and presents ``nonce``; returns the accepted connection.
 
@@ -439,6 +440,11 @@ async def dial(
         connect_timeout: bound of the TCP connection alone (default ``timeout``): a port that
             does not accept by then is unreachable. Once it accepted, the handshake has the rest
             of ``timeout`` (a port that accepted is reachable; its process may be busy).
+        notsent_lowat: at most this many bytes written and not yet sent wait in the kernel
+            (``TCP_NOTSENT_LOWAT``, where the system has it): ``sendall`` returns when the data is
+            on the wire but that much, not when it is queued (whole megabytes with the kernel's
+            autotuned buffers), so a sender can take turns between connections. The bytes in
+            flight (the congestion window) are not limited.
 
     Raises:
         OSError: no connection (refused, unreachable, TLS refused: ``ssl.SSLError``), or the
@@ -453,6 +459,8 @@ async def dial(
     conn: Conn = Conn(sock)
     try:
         tune_socket(sock)
+        if notsent_lowat is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
         connect_s = timeout if connect_timeout is None else min(connect_timeout, timeout)
         async with asyncio.timeout(max(connect_s, 0.001)):
             await loop.sock_connect(sock, (host, port))

@@ -1,0 +1,110 @@
+"""A client's large uploads take turns on its uplink (``psclient._bulk.Uplink``); small ones never wait."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from psclient import _bulk
+from pscore import transport
+
+BIG = _bulk.STAGGER_MIN_BYTES
+
+
+async def test_large_uploads_go_one_at_a_time_in_the_order_they_asked() -> None:
+    uplink = _bulk.Uplink()
+    events: list[str] = []
+
+    async def upload(name: str, hold_s: float) -> None:
+        async with uplink.turn(BIG):
+            events.append(f"{name} starts")
+            await asyncio.sleep(hold_s)
+            events.append(f"{name} ends")
+
+    await asyncio.gather(upload("a", 0.05), upload("b", 0.0), upload("c", 0.0))
+    assert events == ["a starts", "a ends", "b starts", "b ends", "c starts", "c ends"]
+
+
+async def test_small_uploads_do_not_wait_for_a_turn() -> None:
+    uplink = _bulk.Uplink()
+    big_done = asyncio.Event()
+    order: list[str] = []
+
+    async def big() -> None:
+        async with uplink.turn(BIG):
+            await asyncio.wait_for(big_done.wait(), 5)
+            order.append("big")
+
+    async def small() -> None:
+        async with uplink.turn(BIG - 1):
+            order.append("small")
+        big_done.set()
+
+    await asyncio.gather(big(), small())
+    assert order == ["small", "big"]
+
+
+async def test_a_turn_stuck_behind_an_upload_that_does_not_end_goes_out_beside_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_bulk, "STAGGER_WAIT_S", 0.05)
+    uplink = _bulk.Uplink()
+    stuck = asyncio.Event()
+    went: list[str] = []
+
+    async def stuck_upload() -> None:
+        async with uplink.turn(BIG):
+            await asyncio.wait_for(stuck.wait(), 5)
+
+    async def next_upload() -> None:
+        async with uplink.turn(BIG):
+            went.append("next")
+        stuck.set()
+
+    await asyncio.gather(stuck_upload(), next_upload())
+    assert went == ["next"]
+    async with uplink.turn(BIG):  # the turn that went out beside it released nothing it did not hold
+        pass
+
+
+async def test_an_upload_that_fails_gives_its_turn_back() -> None:
+    uplink = _bulk.Uplink()
+    with pytest.raises(OSError, match="broke"):
+        async with uplink.turn(BIG):
+            raise OSError("the connection broke")
+    async with asyncio.timeout(1):
+        async with uplink.turn(BIG):
+            pass
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="the system has no TCP_NOTSENT_LOWAT")
+async def test_data_connections_keep_little_unsent_data_in_the_kernel() -> None:
+    accepted: list[transport.Conn] = []
+    port = transport.DataPort(
+        "127.0.0.1", magic=b"TESTMAGC", on_connection=lambda conn, who: accepted.append(conn)
+    )
+    await port.start()
+    try:
+        conn = await transport.dial(
+            "127.0.0.1",
+            port.port,
+            magic=b"TESTMAGC",
+            nonce=port.issue_nonce(),
+            notsent_lowat=_bulk.NOTSENT_LOWAT,
+        )
+        try:
+            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == _bulk.NOTSENT_LOWAT
+        finally:
+            conn.close()
+    finally:
+        await port.close()
+        for c in accepted:
+            c.close()
+
+
+def test_workers_start_their_turns_at_their_own_shard() -> None:
+    assert [_bulk.first_turn(f"worker{i}") % 4 for i in range(4)] == [0, 1, 2, 3]  # psclient.keras's names
+    assert _bulk.first_turn("w7") == 7
+    assert _bulk.first_turn("evaluator") == _bulk.first_turn("evaluator")  # no number: a stable hash
