@@ -450,10 +450,60 @@ def _run(
     }
     if not report.ok:
         result["server_logs"] = {
-            a: side.log_tail(0, 40) for a, side in zip(shard.addresses, shard.sides, strict=True)
+            a: side.log_tail(0, 80) for a, side in zip(shard.addresses, shard.sides, strict=True)
         }
+        result["timeline"] = timeline(ops, report, nemesis)
         history.dump(ops, net.workdir / "history.jsonl")
     return result
+
+
+_TIMELINE_BEFORE_S = 20.0  # how far before the first anomaly's first op a failed run's timeline starts
+_TIMELINE_LAST_S = 20.0  # and, when only the final read shows it, that much more before the final read
+_TIMELINE_LINES = 80
+
+
+def timeline(ops: list[Op], report: checker.Report, nemesis: Nemesis) -> str:
+    """A failed run's pushes, pulls, role changes and faults around its anomalies, one per line, stamped with
+    the wall clock of the servers' log lines (ops carry ``time.monotonic()``), to lay beside those logs."""
+    to_wall = time.time() - time.monotonic()
+    shown = [op for a in report.anomalies for op in a.ops if op.invoke]
+    if not shown:
+        return ""
+    end = max(op.complete or op.invoke for op in shown)
+    # the ops that show the anomaly; the final read alone (lost, applied twice): the run's last seconds
+    earlier = [op.invoke for op in shown if op.process != checker.FINAL]
+    start = (min(earlier) if earlier else end - _TIMELINE_LAST_S) - _TIMELINE_BEFORE_S
+
+    def stamp(t: float) -> str:
+        return (
+            time.strftime("%H:%M:%S", time.localtime(t + to_wall)) + f".{int((t + to_wall) % 1 * 1000):03d}"
+        )
+
+    events: list[tuple[float, str]] = []
+    roles: dict[str, str] = {}
+    for op in sorted(ops, key=lambda o: o.invoke):
+        if not start <= op.invoke <= end:
+            continue
+        if op.f == "status":
+            if op.ok and roles.get(op.address) != op.role:
+                roles[op.address] = op.role
+                events.append((op.invoke, f"status {op.address}: {op.role}"))
+            continue
+        done = stamp(op.complete) if op.complete is not None else "never"
+        what = f"step {op.step} {op.writes}" if op.f == "push" else json.dumps(op.reads)
+        outcome = f"applied={op.applied}" if op.ok and op.f == "push" else op.outcome
+        if op.error:
+            outcome += f" {op.error_type}: {op.error[:100]}"
+        events.append((op.invoke, f"{op.process} {op.f} {what} -> {done} {outcome}"))
+    for f in nemesis.faults:
+        for t, edge in ((nemesis.t0 + f.start_s, "starts"), (nemesis.t0 + f.end_s, "heals")):
+            if start <= t <= end:
+                events.append((t, f"fault {f.kind} {f.target} {edge}"))
+    events.sort()
+    lines = [f"{stamp(t)} {text}" for t, text in events]
+    if len(lines) > _TIMELINE_LINES:
+        lines = lines[-_TIMELINE_LINES:]
+    return "\n".join(lines)
 
 
 def _recovery(ops: list[Op], clients: list[str], nemesis: Nemesis) -> dict[str, Any]:

@@ -43,7 +43,10 @@ def test_no_anomaly_under_the_nemesis(mode: str) -> None:
     faults = ", ".join(
         f"{f['kind']} {f['target']} ({f['end_s'] - f['start_s']:.1f} s)" for f in result["faults"]
     )
-    assert result["ok"], f"{mode}: {result['summary']}\nfaults: {faults}\nlogs: {result.get('server_logs')}"
+    assert result["ok"], (
+        f"{mode}: {result['summary']}\nfaults: {faults}\ntimeline:\n{result.get('timeline')}\n"
+        + "\n".join(f"log of {a}:\n{text}" for a, text in (result.get("server_logs") or {}).items())
+    )
     assert {f["kind"] for f in result["faults"]} == set(PLAN[mode]), faults
     stats = result["report"]["stats"]
     assert stats["pushes_ok"] > 0 and stats["pulls_ok"] > 0, result["summary"]

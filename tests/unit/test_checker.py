@@ -207,3 +207,35 @@ def test_a_push_answered_false_in_async_mode_was_applied() -> None:
     assert check([*ops, final(c0=3, c1=2)]).ok
     assert check([*ops, final(c0=2, c1=2)]).kinds() == {"lost": 1}
     assert check([*ops, final(c0=3, c1=2)]).stats["pushes_answered_false"] == 1
+
+
+def test_a_failed_runs_timeline_lays_the_ops_faults_and_role_changes_around_the_anomaly_in_order() -> None:
+    from types import SimpleNamespace
+
+    from psload.nemesis import Fault, timeline
+
+    ops = [
+        push("c0", 1.0, 1.1, "nem/c0", step=0),
+        push("c0", 2.0, 2.1, "nem/c0", step=1),
+        Op("monitor", "status", 2.5, 2.51, "ok", address=P, role="primary"),
+        Op("monitor", "status", 2.6, 2.61, "ok", address=P, role="primary"),  # no change: not shown
+        Op("monitor", "status", 3.5, 3.51, "ok", address=B, role="primary"),
+        pull(FINAL, 10.0, 10.1, c0=1),  # within the last 40 s of the final read: shown
+    ]
+    report = check(ops, mode="sync", addresses=(P, B))
+    assert not report.ok, report.summary()  # two acknowledged, the final read counts one
+    nemesis = SimpleNamespace(t0=0.0, faults=[Fault("kill", P, start_s=3.0, end_s=4.0)])
+    lines = timeline(ops, report, nemesis).splitlines()  # type: ignore[arg-type]
+    texts = [line.split(" ", 1)[1] for line in lines]
+    assert [t.split(" -> ")[0] for t in texts] == [
+        "c0 push step 0 ['nem/c0']",
+        "c0 push step 1 ['nem/c0']",
+        f"status {P}: primary",  # the second read of the same role is left out
+        f"fault kill {P} starts",
+        f"status {B}: primary",
+        f"fault kill {P} heals",
+        'final pull {"nem/c0": 1}',
+    ]
+    assert texts[0].endswith("applied=True")
+    stamps = [line.split(" ", 1)[0] for line in lines]  # wall-clock HH:MM:SS.mmm, as the servers' logs
+    assert stamps == sorted(stamps) and all(len(t) == 12 for t in stamps)
