@@ -57,8 +57,11 @@ EPOCHS = {"batchnorm_cnn.py": "6", "recommender.py": "3"}
 ENV = {"recommender.py": {"RATINGS": "20000"}}
 # The recommender (keras-io's RecommenderNet: a subclassed model built by its first batch, Embedding tables
 # with an L2 regularizer) reports its validation loss (binary cross-entropy; predicting the mean scores
-# ~0.673, the trained model ~0.63): a run may land this much above local.
-LOSS_MARGIN = 0.006
+# ~0.673, the trained model ~0.63): a run may land this much above local. At RATINGS=20000 and 3 epochs local
+# is deterministic (0.6381); nine async runs of two workers landed 0.0024-0.0066 above it (2026-11-28, the
+# code before and after that day's changes alike; 0.006 failed one full-suite run), while a run that loses
+# updates or the regularizer lands near the mean's 0.673.
+LOSS_MARGIN = 0.012
 # What one step may move at most: twice the rows it touches. Per worker-step, a batch of 64 touches at most
 # 64 rows of each of its four tables (two of 32 floats, two bias tables of 1), each row as an 8-byte id and
 # its values, out and back: 2 x 64 x (8 + 128 + 8 + 128 + 8 + 4 + 8 + 4) bytes. Sending the tables whole
