@@ -816,7 +816,7 @@ class AsyncPSClient:
             return True
 
         order = sorted(per_shard)
-        if len(order) > 1:  # the parts go up in turn (``_bulk.Uplink``): this push's first is the next shard
+        if len(order) > 1:  # the parts go up in turn (``_bulk.Uplink``), from this worker's own shard on
             first = self._first_turn % len(order)
             order = order[first:] + order[:first]
         work: dict[int, Any] = {shard: per_shard[shard] for shard in order}
