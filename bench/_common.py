@@ -261,3 +261,27 @@ def netns_missing(script: str) -> bool:
     if not ok:
         print(f"{script} needs network namespaces: {why}", file=sys.stderr)
     return not ok
+
+
+def add_congestion_arg(parser: Any) -> None:
+    """``--congestion``: the TCP congestion control of every host of a namespace cluster."""
+    from trainer.netns import DEFAULT_CONGESTION
+
+    parser.add_argument(
+        "--congestion",
+        default=DEFAULT_CONGESTION,
+        help=f"TCP congestion control inside every host (default {DEFAULT_CONGESTION}, Linux's default; "
+        "'machine': the machine's own, which namespaces inherit, e.g. bbr)",
+    )
+
+
+def congestion_of(args: Any) -> str | None:
+    """``--congestion``'s value for ``NetnsCluster(congestion=)`` (None: the machine's default)."""
+    return None if args.congestion == "machine" else args.congestion
+
+
+def congestion_text(args: Any) -> str:
+    """How a report names the hosts' congestion control."""
+    if args.congestion != "machine":
+        return f"TCP {args.congestion}"
+    return "TCP " + Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() + " (the machine's)"

@@ -97,7 +97,7 @@ def role_ring(cfg: dict[str, Any]) -> dict[str, float]:
     from psclient.collective import Ring
 
     x = np.zeros(cfg["size_bytes"] // 4, np.float32)
-    with Ring(cfg["addresses"], cfg["rank"], timeout=_IO_TIMEOUT_S) as ring:
+    with Ring(cfg["addresses"], cfg["rank"], timeout=_IO_TIMEOUT_S, **cfg.get("options", {})) as ring:
         t = time.perf_counter()
         ring.allreduce(x, out=x)  # warm-up
         one = time.perf_counter() - t

@@ -346,8 +346,9 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard in a network namespace of its own; the simulated workers (an `AsyncPSClient` and "
         f"worker id each) packed into up to {args.worker_hosts} `psload` worker processes, each in a "
-        f"namespace of its own; every link shaped to {args.rate_mbit:g} Mbit/s each way (htb). "
-        f"{args.seconds:g} s measured per case, push_pull, exact counters on. Machine: {note['cpus']} x "
+        f"namespace of its own; every link shaped to {args.rate_mbit:g} Mbit/s each way (htb), "
+        f"{cm.congestion_text(args)}. {args.seconds:g} s measured per case, push_pull, exact counters on. "
+        f"Machine: {note['cpus']} x "
         f"{note['cpu_model']}, load before {note['loadavg_1_5_15']}. CPU: the machine's busy % over the "
         "measured seconds (all cores, other tenants included), the case's own processes (shards and worker "
         "processes) in cores, and its busiest process's.",
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--conns-model", default="4x16KiB", help="psload model of conns (default 4x16KiB)")
     parser.add_argument("--rate-mbit", type=float, default=200, help="every link, each way (default 200)")
+    cm.add_congestion_arg(parser)
     parser.add_argument("--seconds", type=float, help="measured seconds per case (default 15; --quick: 5)")
     parser.add_argument("--timeout", type=float, default=60.0, help="psload's per-call deadline (default 60)")
     parser.add_argument(
@@ -537,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     command = cm.command_line("bench_many_workers.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
-    with NetnsCluster(rate_mbit=args.rate_mbit or None, workdir=args.workdir) as net:
+    with NetnsCluster(
+        rate_mbit=args.rate_mbit or None, workdir=args.workdir, congestion=cm.congestion_of(args)
+    ) as net:
         shard_hosts = [net.add_host(f"ps{i}") for i in range(args.shards)]
         worker_hosts = [net.add_host(f"w{i}") for i in range(args.worker_hosts)]
         net.add_host("driver")

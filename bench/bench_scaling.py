@@ -222,7 +222,11 @@ def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[s
     addresses = [f"{h.address}:{_RING_PORT}" for h in hosts]
     cell = Cell(net, args, f"ring-n{n}")
     try:
-        cell.start_workers(hosts, "ring", [{"addresses": addresses, "rank": r} for r in range(n)])
+        chunk = getattr(args, "ring_chunk_kib", None)
+        options = {"chunk_bytes": chunk << 10} if chunk else {}
+        cell.start_workers(
+            hosts, "ring", [{"addresses": addresses, "rank": r, "options": options} for r in range(n)]
+        )
         out = cell.run()
     finally:
         cell.close()
@@ -238,7 +242,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"Command: `{command}`",
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{args.rate_mbit:g} Mbit/s each way (htb); model M = {args.size_mib} MiB in 16 float32 variables; "
+        f"{args.rate_mbit:g} Mbit/s each way (htb), {cm.congestion_text(args)}; "
+        f"model M = {args.size_mib} MiB in 16 float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
         f"{args.inflight} push_pull round(s) in flight per ps worker. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
@@ -351,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         help="push_pull rounds each ps worker keeps in flight (default 1; 2: the next round's push goes out "
         "while the last one's values come back, as PSWorker(overlap=True) trains)",
     )
+    cm.add_congestion_arg(parser)
+    parser.add_argument(
+        "--ring-chunk-kib",
+        type=int,
+        help="the ring's frame size (RingConfig.chunk_bytes) in KiB (default: the ring's own default)",
+    )
     parser.add_argument(
         "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
     )
@@ -370,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
-    with NetnsCluster(num_hosts, rate_mbit=args.rate_mbit) as net:
+    with NetnsCluster(num_hosts, rate_mbit=args.rate_mbit, congestion=cm.congestion_of(args)) as net:
         for n in args.workers:
             for k in args.shards:
                 for system in systems:
@@ -383,7 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args, cells, note, command)
     print(text)
     results = cm.results_record(
-        command, note, cells, rate_mbit=args.rate_mbit, size_mib=args.size_mib, seconds=args.seconds
+        command,
+        note,
+        cells,
+        rate_mbit=args.rate_mbit,
+        size_mib=args.size_mib,
+        seconds=args.seconds,
+        congestion=cm.congestion_text(args),
+        ring_chunk_kib=args.ring_chunk_kib,
     )
     cm.write_results(args.out, text, results)
     if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):

@@ -56,6 +56,12 @@ _MAX_HOSTS = 250  # host addresses .1-.250 of the cluster's /24
 _NFT_TABLE = "psnetns"
 _HOST_IF = "eth0"  # the veth end inside a host
 _SUBNET_FMT = "10.77.{}.0/24"  # a private range; the third octet comes from the cluster's suffix
+# Linux's default TCP congestion control, and what a stock cluster node runs. A namespace inherits the
+# machine's default otherwise, which on some kernels is bbr: BBRv1 paces at its own estimate of the
+# rate and fills a shaped link to 0.88-0.91 in on-off traffic where cubic fills it to 0.92-0.95
+# (docs/benchmarks/scaling.md, "Congestion control").
+DEFAULT_CONGESTION = "cubic"
+_CC_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"
 
 
 class NetnsError(RuntimeError):
@@ -163,6 +169,8 @@ class NetnsCluster:
         num_hosts: hosts to make up front (named ``h0``, ``h1``, ...); more with ``add_host``.
         rate_mbit: every new host's link rate in Mbit/s, each direction (``None``: unshaped).
         burst_kib: the token bucket's burst in KiB (default: ``htb``'s own, from the rate).
+        congestion: every host's TCP congestion control (default ``"cubic"``, Linux's own default;
+            ``None``: whatever the machine's default is, which a namespace inherits).
         workdir: where logs and ready files go (default: a temporary directory, removed on close).
 
     Raises:
@@ -175,8 +183,11 @@ class NetnsCluster:
         *,
         rate_mbit: float | None = None,
         burst_kib: float | None = None,
+        congestion: str | None = DEFAULT_CONGESTION,
         workdir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if congestion is not None and not congestion.isidentifier():
+            raise ValueError(f"congestion must name a TCP congestion control ('cubic'), got {congestion!r}")
         self.suffix = secrets.token_hex(3)
         octet = int(hashlib.sha256(self.suffix.encode()).hexdigest(), 16) % 250 + 1
         self.subnet = _SUBNET_FMT.format(octet)
@@ -184,6 +195,7 @@ class NetnsCluster:
         self.bridge = f"psbr{self.suffix}"
         self.rate_mbit = rate_mbit
         self.burst_kib = burst_kib
+        self.congestion = congestion
         self.hosts: list[Host] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="psnetns-")
@@ -231,11 +243,32 @@ class NetnsCluster:
         _sh([*ns, "addr", "add", f"{host.address}/24", "dev", _HOST_IF])
         _sh([*ns, "link", "set", _HOST_IF, "up"])
         _sh([*ns, "link", "set", "lo", "up"])
+        if self.congestion is not None:
+            self._set_congestion(host, self.congestion)
         rate = rate_mbit if rate_mbit is not None else self.rate_mbit
         if rate is not None:
             self.shape(host, rate, self.burst_kib)
         log.debug("host %s: netns %s, %s", host.name, host.netns, host.address)
         return host
+
+    @staticmethod
+    def _set_congestion(host: Host, name: str) -> None:
+        """Sets the TCP congestion control of ``host``'s namespace (each namespace has its own)."""
+        try:
+            _sh([*host.launcher, "tee", _CC_SYSCTL], stdin=name)
+        except NetnsError as e:
+            available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+            raise NetnsError(
+                f"host {host.name}: TCP congestion control {name!r} not set (the kernel has {available}): {e}"
+            ) from e
+
+    def congestion_of(self, host: Host) -> str:
+        """The TCP congestion control new connections in ``host`` use.
+
+        Raises:
+            NetnsError: the namespace cannot be read.
+        """
+        return _sh([*host.launcher, "cat", _CC_SYSCTL]).strip()
 
     def host(self, name: str) -> Host:
         """The host called ``name``.

@@ -101,6 +101,41 @@ def test_netns_drop_share_rule_installs_and_clears(net: NetnsCluster) -> None:
         net.drop(host, 120)
 
 
+def _socket_congestion(net: NetnsCluster, host: Host) -> str:
+    code = (
+        "import socket; s = socket.socket(); "
+        "print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b'\\0').decode())"
+    )
+    proc = net.popen(host, [sys.executable, "-c", code], stdout=subprocess.PIPE)
+    out, _ = proc.communicate(timeout=CALL_TIMEOUT_S)
+    return out.decode().strip()
+
+
+def test_netns_hosts_use_the_congestion_control_asked_for(net: NetnsCluster) -> None:
+    host = net.hosts[0]
+    assert net.congestion == netns.DEFAULT_CONGESTION == "cubic"
+    assert net.congestion_of(host) == "cubic"
+    assert _socket_congestion(net, host) == "cubic"  # what a socket opened inside the host gets
+
+
+def test_netns_congestion_none_keeps_the_machines_default_and_bad_names_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    machine = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    with NetnsCluster(1, congestion=None) as net:
+        assert net.congestion_of(net.hosts[0]) == machine
+    with pytest.raises(ValueError, match="congestion"):
+        NetnsCluster(1, congestion="cubic; reboot")
+    suffix = netns.secrets.token_hex(3)
+    monkeypatch.setattr(netns.secrets, "token_hex", lambda _n: suffix)
+    with pytest.raises(netns.NetnsError, match=r"nosuchcc.*the kernel has"):
+        NetnsCluster(1, congestion="nosuchcc")
+    assert leftovers(suffix) == []  # the half-made host and the bridge were removed
+
+
 def test_netns_close_removes_processes_namespaces_and_links() -> None:
     ok, why = netns_available()
     if not ok:
