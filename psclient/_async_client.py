@@ -736,6 +736,7 @@ class AsyncPSClient:
         *,
         step: int = 0,
         return_rows: bool | Iterable[str] = True,
+        distinct: bool = False,
     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``push_pull``, and the rows of other ids read once the push is applied, in the same round trip.
 
@@ -751,6 +752,7 @@ class AsyncPSClient:
             grads, step, return_rows: as ``push_pull``.
             lookup: table -> ids, as ``lookup``'s (any shape). In ssp mode the rows are read
                 at ``step + 1`` (the step the push's caller reads for).
+            distinct: as ``lookup``'s, for every table of ``lookup``.
 
         Returns:
             ``(values, rows)``: ``values`` as ``push_pull``'s; ``rows[table]`` as
@@ -761,7 +763,7 @@ class AsyncPSClient:
                 (nothing is applied).
         """
         _, values, rows = await self._push(
-            grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup
+            grads, step=step, return_values=True, return_rows=return_rows, lookup=lookup, distinct=distinct
         )
         return values, rows
 
@@ -774,6 +776,7 @@ class AsyncPSClient:
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
         lookup: Mapping[str, Any] | None = None,
+        distinct: bool = False,
     ) -> tuple[bool, dict[str, Any], dict[str, np.ndarray]]:
         """``push``, ``push_pull`` and ``push_pull_lookup``: one push to every shard concerned, each part
         over its own wire; returns whether every shard applied it, push_pull's values and the rows read."""
@@ -781,7 +784,9 @@ class AsyncPSClient:
         if lookup:
             groups = await self._known(list(lookup))
             what = "lookup with a push"
-            reads = {n: _RowRead(n, groups[n], ids, self.num_shards, what) for n, ids in lookup.items()}
+            reads = {
+                n: _RowRead(n, groups[n], ids, self.num_shards, what, distinct) for n, ids in lookup.items()
+            }
         plan = await self._push_plan(grads, return_rows, every_shard)
         per_shard = plan.per_shard
         # Rows to read: with the push to their shard, or by a Lookup where nothing is pushed.
@@ -1239,7 +1244,7 @@ class AsyncPSClient:
         self.registry.add(pieces)
         return all(created)
 
-    async def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:
+    async def lookup(self, name: str, ids: Any, *, step: int = 0, distinct: bool = False) -> np.ndarray:
         """Reads rows of an embedding table: the result has shape ``ids.shape + (dim,)``.
 
         One request per shard that holds any of the ids, carrying only its
@@ -1256,6 +1261,9 @@ class AsyncPSClient:
                 for a fixed table, any 64-bit value for a dynamic one; str or bytes
                 keys for a string-keyed dynamic table.
             step: the worker's step (ssp mode waits as for ``pull``).
+            distinct: the ids are distinct already (as ``tf.unique`` leaves them), so the
+                client does not deduplicate them again; a repeated id is then read twice
+                (the result is the same).
 
         Returns:
             A new array of the table's dtype.
@@ -1267,7 +1275,7 @@ class AsyncPSClient:
                 of range (the message names the table and the first bad id).
             PSError: a shard failed.
         """
-        read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup")
+        read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup", distinct)
         batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
 
         async def lookup_on(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
@@ -1851,13 +1859,16 @@ class _PushAnswers:
 
 class _RowRead:
     """The rows of one table's ``ids`` being read (``lookup``, or a push's ``lookup``): the distinct ids,
-    which shard holds which, and the result being filled in.
+    which shard holds which, and the result being filled in. ``distinct``: the caller's ids are distinct
+    already (``tf.unique``'s), so they are not deduplicated again (a repeated id is then read twice).
 
     Raises (constructor): InvalidArgumentError: not a table, or bad ids (see ``_table_ids`` and
     ``_dynamic_ids``).
     """
 
-    def __init__(self, name: str, group: list[rq.Piece], ids: Any, num_shards: int, what: str) -> None:
+    def __init__(
+        self, name: str, group: list[rq.Piece], ids: Any, num_shards: int, what: str, distinct: bool = False
+    ) -> None:
         if not group[0].table:
             raise InvalidArgumentError(f"{what}: {name!r} is not an embedding table")
         self.name = name
@@ -1867,7 +1878,10 @@ class _RowRead:
         else:
             arr = _table_ids(name, ids, num_rows, what)
         self.shape = arr.shape
-        self.unique, self.inverse = np.unique(arr.reshape(-1), return_inverse=True)
+        self.unique = arr.reshape(-1)
+        self.inverse: np.ndarray | None = None
+        if not distinct:
+            self.unique, self.inverse = np.unique(self.unique, return_inverse=True)
         self.out = np.empty((self.unique.size, self.dim), dtype=group[0].dtype)
         self.row_bytes = self.dim * self.out.itemsize
         u = self.unique
@@ -1891,7 +1905,8 @@ class _RowRead:
 
     def result(self) -> np.ndarray:
         """The rows of the ids as asked: shape ``ids.shape + (dim,)`` (a new array)."""
-        return self.out[self.inverse].reshape((*self.shape, self.dim))
+        rows = self.out if self.inverse is None else self.out[self.inverse]
+        return rows.reshape((*self.shape, self.dim))
 
 
 def _dynamic_ids(name: str, ids: Any, keys: str, what: str) -> np.ndarray:

@@ -154,9 +154,9 @@ class PSClient:
         )  # fmt: skip
         return bool(self._run(coro))
 
-    def lookup(self, name: str, ids: Any, *, step: int = 0) -> np.ndarray:
+    def lookup(self, name: str, ids: Any, *, step: int = 0, distinct: bool = False) -> np.ndarray:
         """Reads rows of a table, shape ``ids.shape + (dim,)``; see ``AsyncPSClient.lookup``."""
-        return np.asarray(self._run(self._async.lookup(name, ids, step=step)))
+        return np.asarray(self._run(self._async.lookup(name, ids, step=step, distinct=distinct)))
 
     def export(self, name: str, *, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterates over every row of a table in batches, ``(ids, rows)``; see ``AsyncPSClient.export``.
@@ -205,10 +205,13 @@ class PSClient:
         *,
         step: int = 0,
         return_rows: bool | Iterable[str] = True,
+        distinct: bool = False,
     ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """``push_pull``, and the rows of other ids read once the push is applied, in the same round trip:
         ``(values, rows)``; see ``AsyncPSClient.push_pull_lookup``."""
-        coro = self._async.push_pull_lookup(grads, lookup, step=step, return_rows=return_rows)
+        coro = self._async.push_pull_lookup(
+            grads, lookup, step=step, return_rows=return_rows, distinct=distinct
+        )
         values, rows = self._run(coro)
         return values, rows
 
@@ -219,6 +222,7 @@ class PSClient:
         *,
         step: int = 0,
         return_rows: bool | Iterable[str] = True,
+        distinct: bool = False,
     ) -> concurrent.futures.Future[tuple[dict[str, Any], dict[str, np.ndarray]]]:
         """Starts a ``push_pull_lookup`` and returns at once; ``.result(timeout)`` gives ``(values, rows)``.
 
@@ -228,10 +232,12 @@ class PSClient:
             RuntimeError: the client is closed.
         """
         return self._loop.submit(
-            self._async.push_pull_lookup(grads, lookup, step=step, return_rows=return_rows)
+            self._async.push_pull_lookup(grads, lookup, step=step, return_rows=return_rows, distinct=distinct)
         )
 
-    def lookup_future(self, name: str, ids: Any, *, step: int = 0) -> concurrent.futures.Future[np.ndarray]:
+    def lookup_future(
+        self, name: str, ids: Any, *, step: int = 0, distinct: bool = False
+    ) -> concurrent.futures.Future[np.ndarray]:
         """Starts a ``lookup`` and returns at once; ``.result(timeout)`` gives the rows.
 
         For callers that read rows ahead of their use (``psclient.keras.prefetch_rows``).
@@ -240,7 +246,7 @@ class PSClient:
         Raises:
             RuntimeError: the client is closed.
         """
-        return self._loop.submit(self._async.lookup(name, ids, step=step))
+        return self._loop.submit(self._async.lookup(name, ids, step=step, distinct=distinct))
 
     @property
     def wait_timeout(self) -> float:

@@ -285,7 +285,8 @@ class Embedding(keras.layers.Layer):
             return np.zeros((0, self.output_dim), dtype)
         rows = self._prefetched.take(_key(ids), self.worker.client.wait_timeout)
         if rows is None:
-            rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step)
+            # ``ids`` are tf.unique's: the client need not deduplicate them again
+            rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step, distinct=True)
         return np.asarray(rows, dtype)
 
     def call(self, inputs: Any) -> Any:

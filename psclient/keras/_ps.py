@@ -917,8 +917,10 @@ class PSWorker:
         wants = [(name, layer, asked) for name, layer, asked in wants if asked is not None]
         if not wants:
             return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
-        lookup = {name: ids for name, _, (_, ids) in wants}
-        both = self.client.push_pull_lookup_future(gmap, lookup, step=self.step, return_rows=local_tables)
+        lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
+        both = self.client.push_pull_lookup_future(
+            gmap, lookup, step=self.step, return_rows=local_tables, distinct=True
+        )
         values: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
         parts = []  # (table, the future of its rows)
         for name, layer, (key, _) in wants:

@@ -34,6 +34,37 @@ def test_create_embedding_then_lookup_is_exact(client: psclient.PSClient, var_na
     np.testing.assert_array_equal(client.pull([var_name])[var_name], expected)  # a pull gives the whole table
 
 
+def test_lookup_of_distinct_ids_is_not_deduplicated_again_and_reads_the_same_rows(
+    client: psclient.PSClient, var_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``distinct=True`` (ids from ``tf.unique``, as psclient.keras.Embedding passes them): the client
+    skips its own np.unique, and the rows are the same; a repeated id is read twice, still right."""
+    client.create_embedding(var_name, 11, 3, initializer=("uniform", -1.0, 1.0))
+    expected = init_rows(var_name, np.arange(11), 3, np.float32, ("uniform", -1.0, 1.0))
+    calls = []
+    unique = np.unique
+
+    def counting_unique(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return unique(*args, **kwargs)
+
+    monkeypatch.setattr(np, "unique", counting_unique)
+    ids = np.array([10, 0, 3, 7], np.int64)  # distinct, not sorted: tf.unique's order
+    np.testing.assert_array_equal(client.lookup(var_name, ids, distinct=True), expected[ids])
+    assert calls == []
+    np.testing.assert_array_equal(client.lookup(var_name, ids), expected[ids])
+    assert len(calls) == 1  # the default deduplicates
+    twice = np.array([[3, 3], [10, 3]])
+    np.testing.assert_array_equal(client.lookup(var_name, twice, distinct=True), expected[twice])
+    np.testing.assert_array_equal(
+        client.lookup_future(var_name, ids, distinct=True).result(TIMEOUT_S), expected[ids]
+    )
+    _, rows = client.push_pull_lookup({}, {var_name: ids}, distinct=True)
+    np.testing.assert_array_equal(rows[var_name], expected[ids])
+    _, rows = client.push_pull_lookup_future({}, {var_name: twice}, distinct=True).result(TIMEOUT_S)
+    np.testing.assert_array_equal(rows[var_name], expected[twice])
+
+
 def test_create_embedding_is_idempotent_and_refuses_another_spec(
     client: psclient.PSClient, var_name: str
 ) -> None:
