@@ -275,6 +275,22 @@ def add_congestion_arg(parser: Any) -> None:
     )
 
 
+def add_sysctl_arg(parser: Any) -> None:
+    """``--sysctl KEY=VALUE`` (repeatable): a per-namespace setting of every host of a namespace cluster."""
+    parser.add_argument(
+        "--sysctl",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a net.* setting inside every host, e.g. net.ipv4.tcp_slow_start_after_idle=0 (repeatable)",
+    )
+
+
+def sysctls_of(args: Any) -> dict[str, str]:
+    """``--sysctl``'s settings for ``NetnsCluster(sysctls=)``."""
+    return dict(item.split("=", 1) for item in args.sysctl)
+
+
 def congestion_of(args: Any) -> str | None:
     """``--congestion``'s value for ``NetnsCluster(congestion=)`` (None: the machine's default)."""
     return None if args.congestion == "machine" else args.congestion
@@ -283,5 +299,8 @@ def congestion_of(args: Any) -> str | None:
 def congestion_text(args: Any) -> str:
     """How a report names the hosts' congestion control."""
     if args.congestion != "machine":
-        return f"TCP {args.congestion}"
-    return "TCP " + Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip() + " (the machine's)"
+        text = f"TCP {args.congestion}"
+    else:
+        machine = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        text = f"TCP {machine} (the machine's)"
+    return text + "".join(f", {item}" for item in getattr(args, "sysctl", []))

@@ -492,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conns-model", default="4x16KiB", help="psload model of conns (default 4x16KiB)")
     parser.add_argument("--rate-mbit", type=float, default=200, help="every link, each way (default 200)")
     cm.add_congestion_arg(parser)
+    cm.add_sysctl_arg(parser)
     parser.add_argument("--seconds", type=float, help="measured seconds per case (default 15; --quick: 5)")
     parser.add_argument("--timeout", type=float, default=60.0, help="psload's per-call deadline (default 60)")
     parser.add_argument(
@@ -540,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
     with NetnsCluster(
-        rate_mbit=args.rate_mbit or None, workdir=args.workdir, congestion=cm.congestion_of(args)
+        rate_mbit=args.rate_mbit or None,
+        workdir=args.workdir,
+        congestion=cm.congestion_of(args),
+        sysctls=cm.sysctls_of(args),
     ) as net:
         shard_hosts = [net.add_host(f"ps{i}") for i in range(args.shards)]
         worker_hosts = [net.add_host(f"w{i}") for i in range(args.worker_hosts)]

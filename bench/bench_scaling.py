@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "while the last one's values come back, as PSWorker(overlap=True) trains)",
     )
     cm.add_congestion_arg(parser)
+    cm.add_sysctl_arg(parser)
     parser.add_argument(
         "--ring-chunk-kib",
         type=int,
@@ -381,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
-    with NetnsCluster(num_hosts, rate_mbit=args.rate_mbit, congestion=cm.congestion_of(args)) as net:
+    with NetnsCluster(
+        num_hosts, rate_mbit=args.rate_mbit, congestion=cm.congestion_of(args), sysctls=cm.sysctls_of(args)
+    ) as net:
         for n in args.workers:
             for k in args.shards:
                 for system in systems:

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,6 +171,8 @@ class NetnsCluster:
         burst_kib: the token bucket's burst in KiB (default: ``htb``'s own, from the rate).
         congestion: every host's TCP congestion control (default ``"cubic"``, Linux's own default;
             ``None``: whatever the machine's default is, which a namespace inherits).
+        sysctls: more per-namespace settings for every host, ``{"net.ipv4.tcp_slow_start_after_idle":
+            "0"}`` (a new namespace starts from the kernel's defaults, not the machine's settings).
         workdir: where logs and ready files go (default: a temporary directory, removed on close).
 
     Raises:
@@ -184,10 +186,14 @@ class NetnsCluster:
         rate_mbit: float | None = None,
         burst_kib: float | None = None,
         congestion: str | None = DEFAULT_CONGESTION,
+        sysctls: Mapping[str, str] | None = None,
         workdir: str | os.PathLike[str] | None = None,
     ) -> None:
         if congestion is not None and not congestion.isidentifier():
             raise ValueError(f"congestion must name a TCP congestion control ('cubic'), got {congestion!r}")
+        for key in sysctls or {}:
+            if not key.startswith("net.") or not all(part.isidentifier() for part in key.split(".")):
+                raise ValueError(f"sysctls: {key!r} is not a per-namespace net.* setting")
         self.suffix = secrets.token_hex(3)
         octet = int(hashlib.sha256(self.suffix.encode()).hexdigest(), 16) % 250 + 1
         self.subnet = _SUBNET_FMT.format(octet)
@@ -196,6 +202,7 @@ class NetnsCluster:
         self.rate_mbit = rate_mbit
         self.burst_kib = burst_kib
         self.congestion = congestion
+        self.sysctls = dict(sysctls or {})
         self.hosts: list[Host] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="psnetns-")
@@ -245,6 +252,8 @@ class NetnsCluster:
         _sh([*ns, "link", "set", "lo", "up"])
         if self.congestion is not None:
             self._set_congestion(host, self.congestion)
+        for key, value in self.sysctls.items():
+            _sh([*host.launcher, "tee", "/proc/sys/" + key.replace(".", "/")], stdin=str(value))
         rate = rate_mbit if rate_mbit is not None else self.rate_mbit
         if rate is not None:
             self.shape(host, rate, self.burst_kib)

@@ -118,17 +118,24 @@ def test_netns_hosts_use_the_congestion_control_asked_for(net: NetnsCluster) -> 
     assert _socket_congestion(net, host) == "cubic"  # what a socket opened inside the host gets
 
 
-def test_netns_congestion_none_keeps_the_machines_default_and_bad_names_fail(
+def test_netns_congestion_none_keeps_the_machines_default_sysctls_apply_and_bad_names_fail(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ok, why = netns_available()
     if not ok:
         pytest.skip(why)
     machine = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    with NetnsCluster(1, congestion=None) as net:
+    idle = "net.ipv4.tcp_slow_start_after_idle"
+    with NetnsCluster(1, congestion=None, sysctls={idle: "0"}) as net:
         assert net.congestion_of(net.hosts[0]) == machine
+        read = net.popen(
+            net.hosts[0], ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle"], stdout=subprocess.PIPE
+        )
+        assert read.communicate(timeout=CALL_TIMEOUT_S)[0].decode().strip() == "0"  # the kernel's default: 1
     with pytest.raises(ValueError, match="congestion"):
         NetnsCluster(1, congestion="cubic; reboot")
+    with pytest.raises(ValueError, match="per-namespace"):
+        NetnsCluster(1, sysctls={"kernel.panic": "1"})
     suffix = netns.secrets.token_hex(3)
     monkeypatch.setattr(netns.secrets, "token_hex", lambda _n: suffix)
     with pytest.raises(netns.NetnsError, match=r"nosuchcc.*the kernel has"):
