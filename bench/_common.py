@@ -297,10 +297,17 @@ def congestion_of(args: Any) -> str | None:
 
 
 def congestion_text(args: Any) -> str:
-    """How a report names the hosts' congestion control."""
-    if args.congestion != "machine":
-        text = f"TCP {args.congestion}"
-    else:
-        machine = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-        text = f"TCP {machine} (the machine's)"
+    """How a report names the hosts' congestion control: what they ran (``args.congestion_ran``, set by
+    ``note_congestion``), and what was asked where that differs."""
+    ran = getattr(args, "congestion_ran", None) or args.congestion
+    text = f"TCP {ran}"
+    if args.congestion == "machine":
+        text += " (the machine's)"
+    elif ran != args.congestion:
+        text += f" (the machine's: the kernel refused {args.congestion} in a namespace)"
     return text + "".join(f", {item}" for item in getattr(args, "sysctl", []))
+
+
+def note_congestion(args: Any, net: Any, host: Any) -> None:
+    """Records what congestion control ``host`` of cluster ``net`` runs, for ``congestion_text``."""
+    args.congestion_ran = net.congestion_of(host)

@@ -549,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_hosts = [net.add_host(f"ps{i}") for i in range(args.shards)]
         worker_hosts = [net.add_host(f"w{i}") for i in range(args.worker_hosts)]
         net.add_host("driver")
+        cm.note_congestion(args, net, shard_hosts[0])
         plan = [("async", args.async_n, shard_hosts, args.model)] if "async" in cases else []
         plan += [("sync", n, shard_hosts, args.model) for n in args.sync_n] if "sync" in cases else []
         plan += [("conns", args.conns, shard_hosts[:1], args.conns_model)] if "conns" in cases else []

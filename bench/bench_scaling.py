@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     with NetnsCluster(
         num_hosts, rate_mbit=args.rate_mbit, congestion=cm.congestion_of(args), sysctls=cm.sysctls_of(args)
     ) as net:
+        cm.note_congestion(args, net, net.hosts[0])
         for n in args.workers:
             for k in args.shards:
                 for system in systems:

@@ -112,6 +112,9 @@ def _socket_congestion(net: NetnsCluster, host: Host) -> str:
 
 
 def test_netns_hosts_use_the_congestion_control_asked_for(net: NetnsCluster) -> None:
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    if "cubic" not in allowed:
+        pytest.skip(f"this kernel lets a namespace use only {allowed}")
     host = net.hosts[0]
     assert net.congestion == netns.DEFAULT_CONGESTION == "cubic"
     assert net.congestion_of(host) == "cubic"
@@ -119,7 +122,7 @@ def test_netns_hosts_use_the_congestion_control_asked_for(net: NetnsCluster) -> 
 
 
 def test_netns_congestion_none_keeps_the_machines_default_sysctls_apply_and_bad_names_fail(
-    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     ok, why = netns_available()
     if not ok:
@@ -136,11 +139,9 @@ def test_netns_congestion_none_keeps_the_machines_default_sysctls_apply_and_bad_
         NetnsCluster(1, congestion="cubic; reboot")
     with pytest.raises(ValueError, match="per-namespace"):
         NetnsCluster(1, sysctls={"kernel.panic": "1"})
-    suffix = netns.secrets.token_hex(3)
-    monkeypatch.setattr(netns.secrets, "token_hex", lambda _n: suffix)
-    with pytest.raises(netns.NetnsError, match=r"nosuchcc.*the kernel has"):
-        NetnsCluster(1, congestion="nosuchcc")
-    assert leftovers(suffix) == []  # the half-made host and the bridge were removed
+    with caplog.at_level("WARNING", logger="trainer.netns"), NetnsCluster(2, congestion="nosuchcc") as net:
+        assert [net.congestion_of(h) for h in net.hosts] == [machine, machine]  # refused: the machine's
+        assert net.congestion is None and caplog.text.count("'nosuchcc' refused") == 1  # said once
 
 
 def test_netns_close_removes_processes_namespaces_and_links() -> None:
