@@ -47,8 +47,9 @@ def free_addresses(n: int = 1) -> list[str]:
         low = 0
     chosen: list[int] = []
     pick = random.Random()  # not the global generator, which tests may seed
-    for _ in range(100 * n):  # bounded: ports that are in use are skipped
-        if len(chosen) == n or low - _LOWEST_PORT < 1000:
+    tries = 100 * n if low - _LOWEST_PORT >= 1000 else 0  # bounded: ports in use are skipped
+    for _ in range(tries):
+        if len(chosen) == n:
             break
         port = pick.randrange(_LOWEST_PORT, low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
