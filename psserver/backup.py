@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import io
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import BinaryIO
 
 import grpc
 import numpy as np
@@ -29,6 +29,7 @@ from psserver import checkpoint, ckptfile, lease, optimizers, tables
 from psserver.modes import Mode
 from psserver.replication import BACKUP_ADDRESS_KEY
 from psserver.store import Store, Variable
+from psserver.tier import spool
 
 log = logging.getLogger(__name__)
 
@@ -217,52 +218,62 @@ class Backup:
             self._acks.put_nowait(update_id)
 
     async def _follow(self, stream: grpc.aio.StreamStreamCall) -> None:
-        pieces: list[bytes] = []
+        tier = self.store.tier
+        received: BinaryIO | None = None
         update: tuple[ps_pb2.ReplicateResponse, codec.Assembler] | None = None
         self.loaded = False
-        async for message in stream:
-            self.last_heard = lease.clock()  # before any acknowledgement of it
-            self._heard += 1
-            if not self.loaded:
-                pieces.append(message.snapshot)
-                if message.snapshot_done:
-                    await self._load(b"".join(pieces))
-                    pieces = []
-                    if message.lease_s > 0:
-                        self.lease_s = message.lease_s
-                    self._ack(message.id)
-                continue
-            if update is None:  # the first message of an update carries its header
-                update = (message, codec.Assembler())
-            for chunk in message.tensors:
-                update[1].add(chunk)
-            if message.more:
-                continue
-            header, tensors = update
-            update = None
-            if header.heartbeat:
-                if header.confirmed and not self.caught_up:
-                    self.caught_up = True
-                    log.info("shard %d: confirmed by primary %s as its backup", self.shard, self.primary)
-                self._ack(header.id)
-            elif header.release:
-                self._released = True  # the stream ends next
-            elif header.create:  # a table piece with an initializer comes without rows: made here too
-                made = await self.store.make_rows(header.create)
-                self.store.create(list(header.create), tensors.result(), made)
-                self._ack(header.id)
-            elif header.optimizer_updates:
-                self._update_optimizers(header)
-            elif header.leave:
-                self.mode.replay_leave(header.leave)
-                self._ack(header.id)
-            elif header.assign:
-                self._apply(header, tensors.result(), assign=True)
-            else:
-                self._apply(header, tables.pair(tensors.result()))
+        try:
+            async for message in stream:
+                self.last_heard = lease.clock()  # before any acknowledgement of it
+                self._heard += 1
+                if not self.loaded:
+                    if received is None:
+                        received = spool(tier)  # the primary's snapshot, as it arrives
+                    await asyncio.to_thread(received.write, message.snapshot)
+                    if message.snapshot_done:
+                        received.seek(0)
+                        with received:
+                            await self._load(received, mapped=tier is not None)
+                        received = None
+                        if message.lease_s > 0:
+                            self.lease_s = message.lease_s
+                        self._ack(message.id)
+                    continue
+                if update is None:  # the first message of an update carries its header
+                    update = (message, codec.Assembler())
+                for chunk in message.tensors:
+                    update[1].add(chunk)
+                if message.more:
+                    continue
+                header, tensors = update
+                update = None
+                if header.heartbeat:
+                    if header.confirmed and not self.caught_up:
+                        self.caught_up = True
+                        log.info("shard %d: confirmed by primary %s as its backup", self.shard, self.primary)
+                    self._ack(header.id)
+                elif header.release:
+                    self._released = True  # the stream ends next
+                elif header.create:  # a table piece with an initializer comes without rows: made here too
+                    made = await self.store.make_rows(header.create)
+                    self.store.create(list(header.create), tensors.result(), made)
+                    self._ack(header.id)
+                elif header.optimizer_updates:
+                    self._update_optimizers(header)
+                elif header.leave:
+                    self.mode.replay_leave(header.leave)
+                    self._ack(header.id)
+                elif header.assign:
+                    self._apply(header, tensors.result(), assign=True)
+                else:
+                    self._apply(header, tables.pair(tensors.result()))
+        finally:
+            if received is not None:  # the stream ended in the middle of the snapshot
+                received.close()
 
-    async def _load(self, data: bytes) -> None:
-        snap = await asyncio.to_thread(ckptfile.load, io.BytesIO(data), f"snapshot from {self.primary}")
+    async def _load(self, received: BinaryIO, *, mapped: bool) -> None:
+        label = f"snapshot from {self.primary}"
+        snap = await asyncio.to_thread(ckptfile.load, received, label, mapped=mapped)
         if snap.shard != self.shard:
             raise RuntimeError(
                 f"primary {self.primary} is shard {snap.shard}; this backup is shard {self.shard}"

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from pscore.errors import InternalError
 from psserver import tables
 from psserver.ckptfile import (
     TMP_PREFIX,
@@ -43,6 +44,7 @@ from psserver.ckptfile import (
     reshard,
     write,
 )
+from psserver.dynamic import Export
 from psserver.modes import Mode
 from psserver.store import Store, Variable
 
@@ -99,7 +101,9 @@ async def take_snapshot(
             (spec, tables_now.get(i, value), version, it)
             for i, (spec, value, version, it) in enumerate(states)
         ]
-        exported = await asyncio.to_thread(_export_dynamic, dynamic_vars)
+        exports = await asyncio.to_thread(_begin_exports, dynamic_vars)
+    # A tiered table's cold rows are read after updates resume (its export pinned them as they were).
+    exported = await asyncio.to_thread(_finish_exports, exports)
     return Snapshot(
         shard=shard,
         num_shards=num_shards,
@@ -120,13 +124,41 @@ def _copy_in_place_values(states: list[tuple[Any, np.ndarray, int, int]]) -> dic
     return {i: value.copy() for i, (_, value, _, _) in enumerate(states) if value.flags.writeable}
 
 
-def _export_dynamic(variables: list[Variable]) -> list[StoredTensor]:
-    """Compact copies of dynamic table pieces (``DynamicRows.export``)."""
+def _begin_exports(variables: list[Variable]) -> list[tuple[Variable, int, int, Export]]:
+    """Begins the export of each dynamic table piece (``DynamicRows.begin_export``), with its version.
+
+    Raises:
+        CheckpointError: a disk tier's directory cannot hold the export's scratch files.
+    """
+    out: list[tuple[Variable, int, int, Export]] = []
+    try:
+        for v in variables:
+            assert v.dyn is not None
+            out.append((v, v.version, v.iterations, v.dyn.begin_export(v)))
+    except (OSError, InternalError) as err:
+        for *_, export in out:
+            export.close()
+        raise CheckpointError(f"cannot snapshot dynamic table piece {v.spec.name!r}: {err}") from err
+    return out
+
+
+def _finish_exports(exports: list[tuple[Variable, int, int, Export]]) -> list[StoredTensor]:
+    """Compact copies of dynamic table pieces (``DynamicRows.export``) from their begun exports.
+
+    Raises:
+        CheckpointError: a disk tier could not be read, or its directory cannot hold the scratch files.
+    """
     out = []
-    for v in variables:
-        assert v.dyn is not None
-        value, slots, meta = v.dyn.export(v)
-        out.append(StoredTensor(v.spec, value, v.version, slots, iterations=v.iterations, rows=meta))
+    try:
+        for v, version, iterations, export in exports:
+            try:
+                value, slots, meta = export()
+            except (OSError, InternalError) as err:
+                raise CheckpointError(f"cannot snapshot dynamic table piece {v.spec.name!r}: {err}") from err
+            out.append(StoredTensor(v.spec, value, version, slots, iterations=iterations, rows=meta))
+    finally:
+        for *_, export in exports:
+            export.close()
     return out
 
 
@@ -296,7 +328,9 @@ class Checkpointer:
                 "shard %d: re-placing the %d-shard checkpoint (ids %s) onto %d shards",
                 self.shard, n, [s.id for s in snaps], self.num_shards,
             )  # fmt: skip
-            return reshard(snaps, self.shard, self.num_shards)
+            # A tiered table's rows may exceed memory: they are re-cut into scratch files of the tier's.
+            alloc = self.store.tier.scratch if self.store.tier is not None else np.empty
+            return reshard(snaps, self.shard, self.num_shards, alloc)
         return None
 
     def _complete_cut_first(

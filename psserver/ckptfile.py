@@ -61,12 +61,15 @@ import dataclasses
 import json
 import logging
 import math
+import mmap
 import os
 import re
+import struct
 import tempfile
 import time
+import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -298,22 +301,31 @@ def read(path: str | os.PathLike[str]) -> Snapshot:
     """
     try:
         with open(path, "rb") as f:
-            return load(f, str(path))
+            return load(f, str(path), mapped=True)
     except OSError as err:
         raise CheckpointError(f"checkpoint {path} is corrupt: {err!r}") from err
 
 
-def load(f: BinaryIO, label: str) -> Snapshot:
+def load(f: BinaryIO, label: str, *, mapped: bool = False) -> Snapshot:
     """Reads and validates a checkpoint from the binary file ``f``; ``label`` names it in errors.
+
+    ``mapped`` (``f`` is a file on disk): the arrays of dynamic table pieces
+    are read-only memory maps of the file (read as used, through the page
+    cache), not copies in memory: a table larger than memory restores.
 
     Raises:
         CheckpointError: the data is truncated or inconsistent.
     """
     path = label
     try:
+        maps = {}
+        if mapped:
+            start = f.tell()
+            maps = _mapped_arrays(f)
+            f.seek(start)
         with np.load(f, allow_pickle=False) as z:
             manifest = _parse_manifest(z, path)
-            tensors = [_read_tensor(z, entry) for entry in manifest["variables"]]
+            tensors = [_read_tensor(z, entry, maps) for entry in manifest["variables"]]
         dedup = _read_dedup(manifest)
         snap = Snapshot(
             shard=int(manifest["shard"]),
@@ -336,12 +348,50 @@ def load(f: BinaryIO, label: str) -> Snapshot:
     return snap
 
 
-def _read_tensor(z: Any, entry: Mapping[str, Any]) -> StoredTensor:
+def _mapped_arrays(f: BinaryIO) -> dict[str, np.ndarray]:
+    """Read-only memory maps of the ``.npy`` members ``np.savez`` stored uncompressed in the file ``f``.
+
+    A member whose header this cannot read (another ``.npy`` version, Fortran
+    order, objects) is left out: it is read the usual way.
+    """
+    with zipfile.ZipFile(f) as zf:
+        infos = [i for i in zf.infolist() if i.compress_type == zipfile.ZIP_STORED]
+    infos = [i for i in infos if i.filename.endswith(".npy")]
+    if not infos:
+        return {}
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    out = {}
+    for info in infos:
+        local = buf[info.header_offset : info.header_offset + 30]
+        if len(local) < 30 or local[:4] != b"PK\x03\x04":
+            continue
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            continue
+        if fortran or dtype.hasobject:
+            continue
+        count = math.prod(shape)
+        if f.tell() + count * dtype.itemsize > len(buf):
+            continue  # truncated: the usual read reports it
+        out[info.filename.removesuffix(".npy")] = np.frombuffer(buf, dtype, count, f.tell()).reshape(shape)
+    return out
+
+
+def _read_tensor(z: Any, entry: Mapping[str, Any], maps: Mapping[str, np.ndarray]) -> StoredTensor:
     spec = json_format.ParseDict(entry["spec"], ps_pb2.VariableSpec())
     crcs = entry["crc32"]
+    # A dynamic table piece is copied into the table when loaded: its arrays may be memory maps. Other
+    # values become the variables' own arrays (some updated in place): read into memory.
+    mapped = maps if spec.HasField("dynamic") else {}
 
     def load(key: str) -> np.ndarray:
-        arr = z[key]
+        arr = mapped[key] if key in mapped else z[key]
         if _crc(arr) != int(crcs[key]):
             raise CheckpointError(f"variable {spec.name!r}: array {key} fails its CRC check")
         return arr
@@ -440,13 +490,38 @@ def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: i
     )
 
 
-def _reshard_dynamic(name: str, old: list[StoredTensor], shard: int, num_shards: int) -> StoredTensor:
+Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+"""Makes an array for resharded rows (``np.empty``, or a scratch file's: ``psserver.tier.scratch_array``)."""
+
+_CHUNK_ROWS = 1 << 16
+
+
+def _gather(parts: list[np.ndarray], picks: np.ndarray, alloc: Alloc) -> np.ndarray:
+    """``np.concatenate(parts)[picks]`` in an ``alloc`` array, a chunk at a time, never concatenating."""
+    ends = np.cumsum([len(a) for a in parts])
+    out = alloc((picks.size, *parts[0].shape[1:]), parts[0].dtype)
+    for start in range(0, picks.size, _CHUNK_ROWS):
+        sel = picks[start : start + _CHUNK_ROWS]
+        which = np.searchsorted(ends, sel, side="right")
+        chunk = out[start : start + sel.size]
+        for i in np.unique(which):
+            hit = which == i
+            chunk[hit] = parts[i][sel[hit] - (ends[i] - len(parts[i]))]
+    return out
+
+
+def _reshard_dynamic(
+    name: str, old: list[StoredTensor], shard: int, num_shards: int, alloc: Alloc = np.empty
+) -> StoredTensor:
     """Shard ``shard``'s piece of dynamic table ``name`` under ``num_shards``, from every old piece.
 
     Its rows are those of every old piece whose id the new shard rule gives it
     (``dynamic_row_shard``), with their slots and bookkeeping; more rows than
     its capacity are left for the load to evict. The push count and last sweep
     are the largest of the pieces', the sketches summed (``CountMinSketch.merged``).
+    The old pieces' arrays are read a chunk at a time (they may be memory maps
+    of the files) into ``alloc``'s arrays: in memory this holds only the new
+    piece's positions (8 bytes a row).
 
     Raises:
         CheckpointError: pieces missing, or disagreeing about the table.
@@ -466,19 +541,22 @@ def _reshard_dynamic(name: str, old: list[StoredTensor], shard: int, num_shards:
             f"dynamic table {name!r}: the checkpoint holds pieces {indices} of {count}, or they disagree"
         )
     rows = [t.rows or {} for t in old]
-    ids = np.concatenate([r["ids"] for r in rows])
-    mine = np.flatnonzero(dynamic_row_shard(ids, num_shards) == shard)
-    mine = mine[np.argsort(ids[mine], kind="stable")]
+    picked, offset = [], 0
+    for r in rows:
+        for start in range(0, r["ids"].size, _CHUNK_ROWS):
+            ids = np.asarray(r["ids"][start : start + _CHUNK_ROWS], np.int64)
+            picked.append(offset + start + np.flatnonzero(dynamic_row_shard(ids, num_shards) == shard))
+        offset += r["ids"].size
+    mine = np.concatenate(picked) if picked else np.zeros(0, np.int64)
+    mine = mine[np.argsort(_gather([r["ids"] for r in rows], mine, np.empty), kind="stable")]
     spec = ps_pb2.VariableSpec()
     spec.CopyFrom(old[0].spec)
     spec.name = table_piece_name(name, shard)
     spec.dynamic.index, spec.dynamic.count = shard, num_shards
     dim = int(first.dim)
     row_slots = [k for k, a in old[0].slots.items() if a.ndim == 2 and a.shape[1] == dim]
-    meta = {
-        part: np.concatenate([r[part] for r in rows])[mine]
-        for part in ("ids", "last_step", "hits", "last_time")
-    }
+    per_row = ("ids", "last_step", "hits", "last_time")
+    meta = {part: _gather([r[part] for r in rows], mine, alloc) for part in per_row}
     meta["clock"] = np.array(max(int(r["clock"]) for r in rows), np.int64)
     meta["last_sweep"] = np.max(np.stack([np.asarray(r["last_sweep"], np.float64) for r in rows]), axis=0)
     if all("sketch" in r for r in rows):
@@ -497,22 +575,23 @@ def _reshard_dynamic(name: str, old: list[StoredTensor], shard: int, num_shards:
         meta["sketch"], meta["sketch_added"] = sketch.table, np.array(sketch.added, np.int64)
     return StoredTensor(
         spec=spec,
-        value=np.concatenate([t.value for t in old])[mine],
+        value=_gather([t.value for t in old], mine, alloc),
         version=max(t.version for t in old),
         iterations=max(t.step for t in old),
         slots={
-            **{k: np.concatenate([t.slots[k] for t in old])[mine] for k in row_slots},
+            **{k: _gather([t.slots[k] for t in old], mine, alloc) for k in row_slots},
             **{k: a.copy() for k, a in old[0].slots.items() if k not in row_slots},
         },
         rows=meta,
     )
 
 
-def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
+def reshard(snapshots: list[Snapshot], shard: int, num_shards: int, alloc: Alloc = np.empty) -> Snapshot:
     """The part of a whole model (every old shard's snapshot) that shard ``shard`` of ``num_shards`` owns.
 
     Placement is ``pscore.placement.plan`` over all variables with the default
     partition size; partitions are re-cut from the reassembled full arrays.
+    A dynamic table's rows go into ``alloc``'s arrays (``_reshard_dynamic``).
 
     Raises:
         CheckpointError: the snapshots disagree (a variable with two specs, missing pieces).
@@ -540,7 +619,7 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int) -> Snapshot:
     placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES)
     tensors = [_reshard_table(name, old, shard, num_shards) for name, old in sorted(table_groups.items())]
     tensors += [
-        _reshard_dynamic(name, old, shard, num_shards) for name, old in sorted(dynamic_groups.items())
+        _reshard_dynamic(name, old, shard, num_shards, alloc) for name, old in sorted(dynamic_groups.items())
     ]
     for name, new_pieces in sorted(placement.items()):
         mine = [p for p in new_pieces if p.shard == shard]

@@ -57,16 +57,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
 from pscore.embedding import check_initializer, init_rows
-from pscore.errors import ResourceExhaustedError
+from pscore.errors import InternalError, ResourceExhaustedError
 from pscore.placement import dynamic_capacity, mix64
 from psproto.v1 import ps_pb2
 from psserver.tables import row_initializer
-from psserver.tier import DiskTier, TierConfig, record_dtype
+from psserver.tier import CHUNK_ROWS, DiskTier, TierConfig, record_dtype
 
 _INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
 _MIN_INDEX = 16
@@ -322,6 +323,29 @@ class Stats:
     expired: int = 0
     dropped_updates: int = 0
     initializer_reads: int = 0
+
+
+class Export:
+    """A piece's export begun at one instant (``DynamicRows.begin_export``): call it once for the arrays,
+    then ``close`` it (whether or not it was called)."""
+
+    def __init__(
+        self,
+        make: Callable[[], tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]],
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._make = make
+        self._release = release
+
+    def __call__(self) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(values, slots, bookkeeping arrays)`` as ``DynamicRows.export`` gives them."""
+        return self._make()
+
+    def close(self) -> None:
+        """Releases what the export pinned (the disk tier's read transaction)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
 
 
 class DynamicRows:
@@ -794,50 +818,109 @@ class DynamicRows:
     # -- checkpoints --------------------------------------------------------------
 
     def export(self, holder: Holder) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """Copies of the live rows, by ascending id: ``(values, slots, bookkeeping arrays)``.
+        """Copies of the live rows, by ascending id: ``(values, slots, bookkeeping arrays)``."""
+        finish = self.begin_export(holder)
+        try:
+            return finish()
+        finally:
+            finish.close()
 
-        With a disk tier, every cold row is read too (one pass over the tier in id
-        order): the copies hold the whole piece in memory, about twice its rows'
-        bytes at the peak, while the checkpoint is written.
+    def begin_export(self, holder: Holder) -> Export:
+        """Starts ``export`` at this instant; the ``Export`` returned makes the arrays, later.
+
+        Call this with the piece's updates held back; the export may run after
+        they resume, in another thread, and gives the rows as they are now.
+        Without a disk tier the copies are made here. With one, the rows in
+        memory are copied here (into a scratch file: their bytes are bounded by
+        the budget) and a read transaction pins the disk tier as it is; the
+        export merges the two in id order, reading the cold rows a chunk at a
+        time, into arrays in scratch files (``psserver.tier.scratch_array``).
+        So a save of a table past memory neither holds back pushes while its
+        cold rows are read nor grows the shard's memory with the table.
+
+        Raises:
+            OSError: the tier's directory cannot hold the scratch files.
         """
         rows = np.flatnonzero(self.live)
-        dim = self.config.dim
-        if self.tier is not None and len(self.tier):
-            hot = self._records(holder, rows)
-            cold = [(i[self.index.get(i) < 0], r[self.index.get(i) < 0]) for i, r in self.tier.items()]
-            parts = [(self.slot_ids[rows], hot), *cold]
-            ids = np.concatenate([p[0] for p in parts])
-            recs = np.concatenate([p[1] for p in parts])
-            order = np.argsort(ids, kind="stable")
-            ids, recs = ids[order], recs[order]
-            slots = {
-                k: (np.ascontiguousarray(recs[f"slot_{k}"]) if a.shape == (self.allocated, dim) else a.copy())
-                for k, a in holder.slots.items()
-            }
-            return np.ascontiguousarray(recs["value"]), slots, self._meta(ids, recs)
         rows = rows[np.argsort(self.slot_ids[rows], kind="stable")]
-        values = holder.state[0][rows]
-        slots = {
-            k: (a[rows] if a.shape == (self.allocated, dim) else a.copy()) for k, a in holder.slots.items()
-        }
-        return values, slots, self._meta(self.slot_ids[rows], self._records_meta(rows))
+        dim = self.config.dim
+        row_slots = [k for k, a in holder.slots.items() if a.shape == (self.allocated, dim)]
+        other_slots = {k: a.copy() for k, a in holder.slots.items() if k not in row_slots}
+        counters = self._counters()
+        if self.tier is None or not len(self.tier):
+            values = holder.state[0][rows]
+            slots = {k: holder.slots[k][rows] for k in row_slots}
+            meta = self._meta(self.slot_ids[rows], self._records_meta(rows))
+            return Export(lambda: (values, {**slots, **other_slots}, meta))
+        tier = self.tier
+        hot_ids = self.slot_ids[rows]
+        hot = tier.scratch((rows.size,), tier.record)
+        for start in range(0, rows.size, CHUNK_ROWS):
+            hot[start : start + CHUNK_ROWS] = self._records(holder, rows[start : start + CHUNK_ROWS])
+        n = rows.size + self.cold_len
+        txn = tier.reader()
+
+        def merge() -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+            values = tier.scratch((n, dim), self.dtype)
+            slots = {k: tier.scratch((n, dim), holder.slots[k].dtype) for k in row_slots}
+            meta = {k: tier.scratch((n,), tier.record[k]) for k in ("last_step", "hits", "last_time")}
+            ids_out = tier.scratch((n,), np.dtype(np.int64))
+            out = 0
+
+            def emit(ids: np.ndarray, recs: np.ndarray) -> None:
+                nonlocal out
+                if out + ids.size > n:
+                    raise InternalError(f"table {self.config.table!r}: more rows than {n} to export")
+                part = slice(out, out + ids.size)
+                ids_out[part] = ids
+                values[part] = recs["value"]
+                for k in row_slots:
+                    slots[k][part] = recs[f"slot_{k}"]
+                for k, a in meta.items():
+                    a[part] = recs[k]
+                out += ids.size
+
+            h = 0  # rows in memory merged so far
+            for ids, recs in tier.items(txn=txn):
+                at = np.minimum(np.searchsorted(hot_ids, ids), max(hot_ids.size - 1, 0))
+                cold = hot_ids[at] != ids if hot_ids.size else np.ones(ids.size, bool)
+                ids, recs = ids[cold], recs[cold]  # older copies of rows in memory: skipped
+                if not ids.size:
+                    continue
+                upto = int(np.searchsorted(hot_ids, ids[-1]))
+                if upto > h:
+                    ids = np.concatenate([hot_ids[h:upto], ids])
+                    order = np.argsort(ids, kind="stable")
+                    ids, recs = ids[order], np.concatenate([hot[h:upto], recs])[order]
+                    h = upto
+                emit(ids, recs)
+            for start in range(h, hot_ids.size, CHUNK_ROWS):
+                emit(hot_ids[start : start + CHUNK_ROWS], hot[start : start + CHUNK_ROWS])
+            if out != n:
+                raise InternalError(f"table {self.config.table!r}: {out} rows exported of the {n} counted")
+            return values, {**slots, **other_slots}, {"ids": ids_out, **meta, **counters}
+
+        return Export(merge, txn.abort)
 
     def _records_meta(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         return {"last_step": self.last_step[rows], "hits": self.hits[rows], "last_time": self.last_time[rows]}
 
     def _meta(self, ids: np.ndarray, per_row: Any) -> dict[str, np.ndarray]:
-        meta = {
+        return {
             "ids": ids,
             "last_step": np.ascontiguousarray(per_row["last_step"]),
             "hits": np.ascontiguousarray(per_row["hits"]),
             "last_time": np.ascontiguousarray(per_row["last_time"]),
-            "clock": np.array(self.clock, np.int64),
-            "last_sweep": np.array(self.last_sweep, np.float64),
+            **self._counters(),
         }
+
+    def _counters(self) -> dict[str, np.ndarray]:
+        """The piece's own bookkeeping arrays (not per row): push count, last sweep, sketch."""
+        out = {"clock": np.array(self.clock, np.int64), "last_sweep": np.array(self.last_sweep, np.float64)}
         if self.sketch is not None:
-            meta["sketch"] = self.sketch.table.copy()
-            meta["sketch_added"] = np.array(self.sketch.added, np.int64)
-        return meta
+            out["sketch"] = self.sketch.table.copy()
+            out["sketch_added"] = np.array(self.sketch.added, np.int64)
+        return out
 
     def load(
         self,
@@ -851,8 +934,10 @@ class DynamicRows:
 
         Rows beyond the shard's capacity (a restore into fewer shards) are
         evicted by the policy; with a disk tier, the rows beyond memory's share go
-        to disk (those the policy would evict first; one write transaction). A
-        sketch of another width is folded or tiled into this one's.
+        to disk (those the policy would evict first; one write transaction, built
+        a chunk at a time: the arrays may be a checkpoint's memory-mapped ones,
+        larger than memory). A sketch of another width is folded or tiled into
+        this one's.
 
         Raises:
             ValueError: arrays that do not match.
@@ -888,13 +973,19 @@ class DynamicRows:
             drop = _smallest(keep, keys, n - self.nfree)
             drop = drop[np.argsort(ids[drop], kind="stable")]
             if self.tier is not None:
-                out = np.empty(drop.size, self.tier.record)
-                out["last_step"], out["hits"], out["last_time"] = last_step[drop], hits[drop], last_time[drop]
-                out["value"] = values[drop]
-                for k, a in slots.items():
-                    if holder.slots[k].shape == (self.allocated, dim):
-                        out[f"slot_{k}"] = a[drop]
-                self.tier.write(ids[drop], out)
+                record = self.tier.record
+
+                def records_of(part: slice) -> np.ndarray:  # a chunk at a time: the rows may exceed memory
+                    sel = drop[part]
+                    out = np.empty(sel.size, record)
+                    out["last_step"], out["hits"] = last_step[sel], hits[sel]
+                    out["last_time"], out["value"] = last_time[sel], values[sel]
+                    for k, a in slots.items():
+                        if holder.slots[k].shape == (self.allocated, dim):
+                            out[f"slot_{k}"] = a[sel]
+                    return out
+
+                self.tier.write(ids[drop], records_of)
             else:
                 self.stats.evicted += drop.size
             mask = np.ones(n, bool)

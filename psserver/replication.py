@@ -61,6 +61,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import grpc
 import numpy as np
@@ -72,6 +73,7 @@ from psserver import checkpoint, ckptfile, lease, tables
 from psserver.ledger import PushKey
 from psserver.modes import Mode, StepUpdate
 from psserver.store import Store, Variable
+from psserver.tier import TierConfig, spool
 
 log = logging.getLogger(__name__)
 
@@ -296,16 +298,21 @@ class Primary:
         )
         acks = asyncio.create_task(self._read_acks(requests, link))
         try:
-            data = await asyncio.to_thread(_encode, snap)
-            for start in range(0, max(len(data), 1), SNAPSHOT_PIECE_BYTES):
-                piece = data[start : start + SNAPSHOT_PIECE_BYTES]
-                message = ps_pb2.ReplicateResponse(snapshot=piece)
-                if start + SNAPSHOT_PIECE_BYTES >= len(data):  # the last piece: acknowledged once loaded
-                    message.snapshot_done = True
-                    message.lease_s = self.lease_s
-                    message.id = link.snapshot_id = next(self._ids)
-                    link.sent[message.id] = lease.clock()  # before it goes: the lease counts from here
-                yield message
+            encoded = await asyncio.to_thread(_encode, snap, self.store.tier)
+            del snap  # the stream goes on for as long as the backup follows: keep no copy of the state
+            with encoded:
+                size = encoded.seek(0, io.SEEK_END)
+                encoded.seek(0)
+                for start in range(0, max(size, 1), SNAPSHOT_PIECE_BYTES):
+                    message = ps_pb2.ReplicateResponse(
+                        snapshot=await asyncio.to_thread(encoded.read, SNAPSHOT_PIECE_BYTES)
+                    )
+                    if start + SNAPSHOT_PIECE_BYTES >= size:  # the last piece: acknowledged once loaded
+                        message.snapshot_done = True
+                        message.lease_s = self.lease_s
+                        message.id = link.snapshot_id = next(self._ids)
+                        link.sent[message.id] = lease.clock()  # before it goes: the lease counts from here
+                    yield message
             while True:
                 out = await link.outbox.get()
                 if out is None:  # detached
@@ -645,7 +652,13 @@ class _Link:
     error: Exception | None = None  # why the backup's side of the stream failed
 
 
-def _encode(snap: ckptfile.Snapshot) -> bytes:
-    buf = io.BytesIO()
-    ckptfile.dump(snap, buf, ckpt_id=0)
-    return buf.getvalue()
+def _encode(snap: ckptfile.Snapshot, tier: TierConfig | None) -> BinaryIO:
+    """The snapshot in the checkpoint format: in memory, or with a disk tier in a removed file of its
+    directory (a tiered table's state may exceed memory)."""
+    out = spool(tier)
+    try:
+        ckptfile.dump(snap, out, ckpt_id=0)
+    except BaseException:
+        out.close()
+        raise
+    return out

@@ -29,6 +29,12 @@ The tier is a spill space, not a durable store: durability comes from
 checkpoints (which read every cold row) and backups (which have their own
 tier), so it is written without fsync and wiped when a piece is created.
 
+A table past memory is also saved and restored past memory: a snapshot pins
+the tier as it is (``reader``: one read transaction, LMDB's copy-on-write
+keeps what it sees while later pushes spill), and its arrays, like those a
+restore re-cuts, live in ``scratch_array`` files (the page cache's pages, not
+the shard's memory); a restore writes its cold rows ``chunk`` at a time.
+
 Not thread-safe for writes: write from the shard's event loop only. Reads
 (``get``, ``scan``, ``items``) may run in another thread meanwhile (a
 checkpoint snapshot's export), each in its own read transaction.
@@ -39,11 +45,16 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import hashlib
+import io
+import math
+import mmap
 import os
 import shutil
+import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 import lmdb
 import numpy as np
@@ -52,6 +63,7 @@ from pscore.errors import InternalError, ResourceExhaustedError
 
 _RESERVE_STEP = 64 << 20  # disk blocks allocated ahead of the tier's writes at least this much at a time
 _REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next push (``DiskTier.get``)
+CHUNK_ROWS = 1 << 16  # rows a restore's write or an export's read handles at once
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
@@ -138,6 +150,10 @@ class TierConfig:
             raise TierDirError(f"--table-dir {self.directory!r} cannot hold the disk tier: {err}") from None
         return fd
 
+    def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A zeroed array in a file of this process's directory (``scratch_array``)."""
+        return scratch_array(self.root, shape, dtype)
+
     def piece_dir(self, name: str) -> Path:
         """The directory of piece ``name``'s environment (a readable prefix and a hash: any name is safe)."""
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:48]
@@ -166,6 +182,41 @@ def parse_bytes(text: str) -> int:
     if not value >= 0:
         raise ValueError(f"{text!r} is not a size (e.g. 2GiB, 512MiB, 1000000)")
     return int(value * scale)
+
+
+def scratch_array(directory: Path, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zeroed array backed by a file in ``directory`` that is already removed.
+
+    Its pages are the page cache's (written back and dropped as the kernel
+    needs memory), not the process's own memory, and its disk space is freed
+    with the array (or the process). The file's blocks are allocated first, so
+    a full disk is an ``OSError`` here, never a SIGBUS when the array is written.
+
+    Raises:
+        OSError: the directory cannot hold it (full, not writable).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return np.zeros(shape, dtype)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".scratch-", dir=directory)
+    try:
+        os.unlink(name)
+        os.posix_fallocate(fd, 0, nbytes)
+        buf = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def spool(tier: TierConfig | None) -> BinaryIO:
+    """A file for a snapshot in the checkpoint format (a backup's catch-up): with a disk tier, a removed
+    file in its directory (a tiered table's state may exceed memory), else one in memory. The caller
+    closes it."""
+    if tier is None:
+        return io.BytesIO()
+    return tempfile.TemporaryFile(dir=tier.root)
 
 
 def _keys(ids: np.ndarray) -> list[bytes]:
@@ -304,8 +355,19 @@ class DiskTier:
             keep = ~np.isin(self._recent_ids, np.concatenate(changed))
             self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
 
-    def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
+    def write(
+        self,
+        ids: np.ndarray,
+        records: np.ndarray | Callable[[slice], np.ndarray],
+        delete: Iterable[np.ndarray] = (),
+    ) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
+
+        ``records``: the records of ``ids``, or a function giving those of
+        ``ids[s]`` for a slice ``s``, called ``CHUNK_ROWS`` ids at a time (a
+        restore of more rows than memory holds builds one chunk at a time). Ids
+        in ascending order into an empty tier are appended (full pages: half
+        the disk of random inserts).
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -315,7 +377,8 @@ class DiskTier:
         dels = [np.asarray(d, np.int64) for d in delete]
         if not ids.size and not any(d.size for d in dels):
             return
-        vals = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}").tolist()
+        records_of = records if callable(records) else records.__getitem__
+        append = not self._count and not dels and bool(np.all(ids[1:] > ids[:-1]))
         self._forget([ids, *dels])  # before the write: a failed one may have changed nothing, or not
         self._reserve(ids.size + sum(d.size for d in dels))
         try:
@@ -323,12 +386,14 @@ class DiskTier:
                 for d in dels:
                     for k in _keys(d):
                         txn.delete(k)
-                if ids.size:
-                    cur = txn.cursor()
-                    items = list(zip(_keys(ids), vals, strict=True))
-                    consumed, _ = cur.putmulti(items, overwrite=True)
-                    if consumed != ids.size:
-                        raise lmdb.Error(f"{consumed} of {ids.size} rows written")
+                cur = txn.cursor()
+                for start in range(0, ids.size, CHUNK_ROWS):
+                    part = slice(start, start + CHUNK_ROWS)
+                    rec = np.ascontiguousarray(records_of(part), self.record).view(f"V{self.record.itemsize}")
+                    items = list(zip(_keys(ids[part]), rec.tolist(), strict=True))
+                    consumed, _ = cur.putmulti(items, overwrite=True, append=append)
+                    if consumed != len(items):
+                        raise lmdb.Error(f"{consumed} of {len(items)} rows written")
         except (lmdb.MapFullError, lmdb.DiskError) as err:
             raise TierFullError(
                 f"table {self.table!r}: its disk tier is full ({type(err).__name__}: {err}; limit "
@@ -393,19 +458,45 @@ class DiskTier:
                 ok = cur.next()
         return _ids(out)
 
-    def items(self, chunk: int = 1 << 16) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """Every cold row in ascending id order, ``chunk`` at a time: ``(ids, records)``."""
-        with self.env.begin(buffers=False) as txn:
-            keys: list[bytes] = []
-            vals: list[bytes] = []
+    def reader(self) -> lmdb.Transaction:
+        """A read transaction: the tier as it is now, whatever is written after (``items(txn=...)``).
+
+        Usable from another thread; abort it when done (it keeps the pages it
+        sees from being reused, so the file grows while it is open).
+        """
+        try:
+            return self.env.begin(buffers=False)
+        except lmdb.Error as err:
+            raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
+
+    def items(
+        self, chunk: int = CHUNK_ROWS, txn: lmdb.Transaction | None = None
+    ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        """Every cold row in ascending id order, ``chunk`` at a time: ``(ids, records)``.
+
+        ``txn``: read in that transaction (``reader``), else in a new one.
+        """
+        if txn is None:
+            with self.env.begin(buffers=False) as own:
+                yield from self.items(chunk, own)
+            return
+        keys: list[bytes] = []
+        vals: list[bytes] = []
+        try:
             for k, v in txn.cursor():
                 keys.append(k)
                 vals.append(v)
                 if len(keys) == chunk:
                     yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
                     keys, vals = [], []
-            if keys:
-                yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+        except lmdb.Error as err:  # e.g. the piece was dropped (its environment closed) meanwhile
+            raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
+        if keys:
+            yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+
+    def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A zeroed array in a file beside this tier's environment (``scratch_array``)."""
+        return scratch_array(self.path, shape, dtype)
 
     def expired(self, before_step: int | None, before_time: float | None) -> np.ndarray:
         """Ids of cold rows last updated before push ``before_step`` or time ``before_time`` (a full scan)."""

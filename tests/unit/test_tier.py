@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import subprocess
 import sys
@@ -16,10 +17,10 @@ import pytest
 from pscore.errors import InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
-from psserver import tables
+from psserver import ckptfile, tables
 from psserver.dynamic import DynamicRows
 from psserver.store import Store, Variable
-from psserver.tier import TierConfig, TierDirError, TierFullError, parse_bytes
+from psserver.tier import CHUNK_ROWS, TierConfig, TierDirError, TierFullError, parse_bytes
 
 _SKETCH_BYTES = 4 * (1 << 20) * 2  # an unbounded table's admission sketch (min_count > 1)
 
@@ -167,12 +168,17 @@ def test_a_full_disk_is_a_typed_error_before_the_write_never_a_crash(small_disk:
         t = _Table(TierConfig(directory={str(small_disk)!r}, memory_bytes=64 << 10), dim=64)
         try:
             for step in range(1000):
-                before = t.export()[0], len(t.rows)
-                t.push(np.arange(step * 64, (step + 1) * 64), seed=step)
+                pushed = np.arange((step + 1) * 64)
+                before = t.rows.read(t.var, pushed), len(t.rows)
+                t.push(pushed[-64:], seed=step)
         except TierFullError as err:
             assert "No space left on device" in str(err), err
-            assert np.array_equal(t.export()[0], before[0]) and len(t.rows) == before[1]
+            assert np.array_equal(t.rows.read(t.var, pushed), before[0]) and len(t.rows) == before[1]
             t.push(np.arange(10), seed=1)
+            try:  # an export's scratch files cannot be allocated either: an error, not a SIGBUS
+                t.export()
+            except OSError as err:
+                assert err.errno == 28, err
             print("full after", step, "pushes")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
@@ -211,6 +217,101 @@ def test_an_export_restores_into_a_tiered_or_an_in_memory_piece_and_goes_on_alik
             t.push(ids, seed=i)
     _assert_same(a, restored[1])
     _assert_same(restored[0], restored[1])
+
+
+def test_an_export_begun_at_an_instant_gives_that_instants_rows_in_files_while_pushes_go_on(
+    tmp_path: Path,
+) -> None:
+    # A save pins the rows as they are (updates held back only while the rows in memory are copied), then
+    # reads the cold ones while pushes spill and fill again; its arrays live in files, not in the process.
+    pushes = _stream(90, 120, 4000, seed=9)
+    tiered = _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10), opt=Adam(0.01))
+    plain = _Table(None, opt=Adam(0.01))
+    for t in (tiered, plain):
+        for i, ids in enumerate(pushes[:50]):
+            t.push(ids, seed=i)
+    assert tiered.rows.tier is not None and tiered.rows.stale > 0
+    assert tiered.rows.cold_len > tiered.rows.hot_len
+    export = tiered.rows.begin_export(tiered.var)
+    spilled = tiered.rows.tier.stats.spilled
+    for i, ids in enumerate(pushes[50:], start=50):
+        tiered.push(ids, seed=i)
+    assert tiered.rows.tier.stats.spilled > spilled  # the tier changed under the pinned export
+    try:
+        values, slots, meta = export()
+    finally:
+        export.close()
+    want_values, want_slots, want_meta = plain.export()
+    np.testing.assert_array_equal(meta["ids"], want_meta["ids"])
+    np.testing.assert_array_equal(values, want_values)
+    assert slots.keys() == want_slots.keys()
+    for k in slots:
+        np.testing.assert_array_equal(slots[k], want_slots[k])
+    for k in ("last_step", "hits", "last_time", "clock", "last_sweep"):
+        np.testing.assert_array_equal(meta[k], want_meta[k])
+    for arr in (values, slots["momentum"], meta["ids"], meta["last_time"]):
+        assert _in_a_file(arr)  # a scratch file's pages, not the heap's
+    assert not [p for p in tiered.rows.tier.path.iterdir() if p.name.startswith(".scratch")]  # removed
+
+
+def test_a_restore_writes_the_cold_rows_in_chunks_into_full_pages(tmp_path: Path) -> None:
+    # More rows than one chunk of the restore's write, into a small budget: appended in id order.
+    n = CHUNK_ROWS + 5000
+    ids = np.arange(n, dtype=np.int64) * 3 - n
+    src = _Table(None, dim=8)
+    src.push(ids, seed=0)
+    values, slots, meta = src.export()
+    t = _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10), dim=8)
+    t.rows.load(t.var, t.var.optimizer, values, slots, meta)
+    assert t.rows.tier is not None and t.rows.cold_len == n - t.rows.hot_len and t.rows.hot_len > 0
+    _assert_same(t, src)
+    # Appended in id order, the records fill their pages (keys and headers besides): not half-full pages.
+    pages = int(t.rows.tier.env.info()["last_pgno"]) + 1
+    assert pages * 4096 < 1.5 * t.rows.cold_len * t.rows.tier.record.itemsize
+
+
+def _in_a_file(arr: np.ndarray) -> bool:
+    base = arr.base
+    while isinstance(base, np.ndarray | memoryview):
+        base = base.base if isinstance(base, np.ndarray) else base.obj
+    return isinstance(base, mmap.mmap)
+
+
+def test_a_checkpoint_of_a_tiered_piece_reads_back_mapped_and_reshards_into_scratch_files(
+    tmp_path: Path,
+) -> None:
+    t = _Table(TierConfig(directory=str(tmp_path / "a"), memory_bytes=64 << 10))
+    for i, ids in enumerate(_stream(40, 100, 3000, seed=3)):
+        t.push(ids, seed=i)
+    values, slots, meta = t.export()
+    stored = ckptfile.StoredTensor(
+        t.spec, values, t.var.version, slots, iterations=t.var.iterations, rows=meta
+    )
+    snap = ckptfile.Snapshot(shard=0, num_shards=1, mode="async", tensors=[stored], dedup={}, mode_state={})
+    path = ckptfile.write(snap, tmp_path / "ckpt", 1)
+    back = ckptfile.read(path).tensors[0]
+    assert back.rows is not None and _in_a_file(back.value) and _in_a_file(back.rows["ids"])
+    assert not back.value.flags.writeable  # the file's pages, read as used
+    np.testing.assert_array_equal(back.value, values)
+    np.testing.assert_array_equal(back.slots["accumulator"], slots["accumulator"])
+    np.testing.assert_array_equal(back.rows["last_time"], meta["last_time"])
+    # Re-cut for 2 shards into a tier's scratch files: every row exactly once, with its slots.
+    scratch = TierConfig(directory=str(tmp_path / "b"), memory_bytes=64 << 10).scratch
+    pieces = [ckptfile.reshard([ckptfile.read(path)], i, 2, scratch).tensors[0] for i in range(2)]
+    assert all(p.rows is not None and _in_a_file(p.value) for p in pieces)
+    got = np.concatenate([p.rows["ids"] for p in pieces if p.rows is not None])
+    order = np.argsort(got)
+    np.testing.assert_array_equal(got[order], meta["ids"])
+    np.testing.assert_array_equal(np.concatenate([p.value for p in pieces])[order], values)
+    np.testing.assert_array_equal(
+        np.concatenate([p.slots["accumulator"] for p in pieces])[order], slots["accumulator"]
+    )
+    # A flipped byte of a mapped array fails its CRC check, as one read into memory does.
+    data = bytearray(path.read_bytes())
+    data[bytes(data).index(values.tobytes()[:64]) + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckptfile.CheckpointError, match="CRC"):
+        ckptfile.read(path)
 
 
 def test_scan_pages_through_rows_in_memory_and_on_disk_in_id_order(tmp_path: Path) -> None:
