@@ -43,6 +43,7 @@ from psserver.tier import parse_bytes
 from trainer.cluster import LocalCluster
 
 _MIB = 2**20
+_WAIT_S = 3600.0  # a restore or a final checkpoint of tens of millions of rows takes minutes
 
 
 def _memory(pid: int) -> dict[str, int]:
@@ -95,10 +96,10 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
         server_args += ["--table-memory", args.table_memory, "--table-dir", str(workdir / name / "tier")]
     cell: dict[str, Any] = {"variant": name}
     probe = np.random.default_rng(1).integers(0, args.rows, 2000)
-    with LocalCluster(1, server_args) as cluster:
+    with LocalCluster(1, server_args, start_timeout=_WAIT_S, stop_timeout=_WAIT_S) as cluster:
         proc = cluster.procs[0]
         assert proc is not None
-        with psclient.PSClient(cluster.addresses, "w0", timeout=600) as c:
+        with psclient.PSClient(cluster.addresses, "w0", timeout=_WAIT_S) as c:
             c.create_embedding(
                 "emb", None, args.dim, optimizer=psclient.Adagrad(0.1), initializer=("uniform", -1, 1)
             )
@@ -127,15 +128,17 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
             cell["push_median_ms_during_save"] = round(1e3 * statistics.median(took), 2) if took else None
             cell["after_save_mib"] = _memory(proc.pid)
             before = c.lookup("emb", probe)
-        cluster.stop()
+        t0 = time.perf_counter()
+        cluster.stop()  # SIGTERM: a final checkpoint, then exit
+        cell["stop_s"] = round(time.perf_counter() - t0, 2)
     files = sorted(ckpt.glob("*.npz"))
     cell["checkpoint_mib"] = round(files[-1].stat().st_size / _MIB, 1) if files else None
     t0 = time.perf_counter()
-    with LocalCluster(1, server_args) as cluster:
+    with LocalCluster(1, server_args, start_timeout=_WAIT_S, stop_timeout=_WAIT_S) as cluster:
         proc = cluster.procs[0]
         assert proc is not None
         peak = _Peak(proc.pid)
-        with psclient.PSClient(cluster.addresses, "w1", timeout=600) as c:
+        with psclient.PSClient(cluster.addresses, "w1", timeout=_WAIT_S) as c:
             c.list_variables()
             cell["restore_s"] = round(time.perf_counter() - t0, 2)
             cell["restore_peak_rss_anon_mib"] = peak.stop()
@@ -162,14 +165,16 @@ def _markdown(
         "saved while another client pushes 256 ids at a time; the shard restarted from it. `tiered`: "
         f"`--table-memory {args.table_memory}` ({budget:.0f} MiB). Machine: {note}",
         "",
-        "| variant | fill s | save s | restore s | checkpoint MiB | RssAnon MiB: after fill / save peak / "
+        "| variant | fill s | save s | stop s (a final save) | restore s | checkpoint MiB | "
+        "RssAnon MiB: after fill / save peak / "
         "after save / restore peak / after restore | pushes during save: count, median ms, max ms | "
         "restored rows equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         lines.append(
-            f"| {c['variant']} | {c['fill_s']} | {c['save_s']} | {c['restore_s']} | {c['checkpoint_mib']} | "
+            f"| {c['variant']} | {c['fill_s']} | {c['save_s']} | {c['stop_s']} | {c['restore_s']} | "
+            f"{c['checkpoint_mib']} | "
             f"{c['after_fill_mib']['RssAnon']} / {c['save_peak_rss_anon_mib']} / "
             f"{c['after_save_mib']['RssAnon']} / "
             f"{c['restore_peak_rss_anon_mib']} / {c['after_restore_mib']['RssAnon']} | "

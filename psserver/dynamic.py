@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -83,6 +83,7 @@ _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
 # and its tier flag (on_disk: 1).
 _ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
 _MIN_HOT_ROWS = 64
+_RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
 
@@ -830,45 +831,62 @@ class DynamicRows:
 
         Call this with the piece's updates held back; the export may run after
         they resume, in another thread, and gives the rows as they are now.
-        Without a disk tier the copies are made here. With one, the rows in
-        memory are copied here (into a scratch file: their bytes are bounded by
-        the budget) and a read transaction pins the disk tier as it is; the
-        export merges the two in id order, reading the cold rows a chunk at a
-        time, into arrays in scratch files (``psserver.tier.scratch_array``).
-        So a save of a table past memory neither holds back pushes while its
-        cold rows are read nor grows the shard's memory with the table.
+        Without a disk tier the copies are made here. With one, the arrays of
+        the rows in memory are copied here as they lie (at memory speed, into
+        scratch files: their bytes are bounded by the budget) and a read
+        transaction pins the disk tier as it is; the export orders the first by
+        id and merges them with the cold rows, read a chunk at a time, into
+        arrays in scratch files (``psserver.tier.scratch_array``). So a save of a
+        table past memory holds pushes back only for a copy of the budget, and
+        does not grow the shard's memory with the table.
 
         Raises:
             OSError: the tier's directory cannot hold the scratch files.
         """
-        rows = np.flatnonzero(self.live)
-        rows = rows[np.argsort(self.slot_ids[rows], kind="stable")]
         dim = self.config.dim
         row_slots = [k for k, a in holder.slots.items() if a.shape == (self.allocated, dim)]
         other_slots = {k: a.copy() for k, a in holder.slots.items() if k not in row_slots}
         counters = self._counters()
         if self.tier is None or not len(self.tier):
+            rows = np.flatnonzero(self.live)
+            rows = rows[np.argsort(self.slot_ids[rows], kind="stable")]
             values = holder.state[0][rows]
             slots = {k: holder.slots[k][rows] for k in row_slots}
             meta = self._meta(self.slot_ids[rows], self._records_meta(rows))
             return Export(lambda: (values, {**slots, **other_slots}, meta))
         tier = self.tier
-        hot_ids = self.slot_ids[rows]
-        hot = tier.scratch((rows.size,), tier.record)
-        for start in range(0, rows.size, CHUNK_ROWS):
-            hot[start : start + CHUNK_ROWS] = self._records(holder, rows[start : start + CHUNK_ROWS])
-        n = rows.size + self.cold_len
+        # Updates are held back only while the rows in memory are copied as they lie (memory speed, into
+        # scratch files); ordering them by id and merging them with the cold rows come after.
+        frozen = {
+            name: _scratch_copy(tier, getattr(self, name)) for name in ("live", "slot_ids", *_RECORD_META)
+        }
+        frozen["value"] = _scratch_copy(tier, holder.state[0])
+        for k in row_slots:
+            frozen[f"slot_{k}"] = _scratch_copy(tier, holder.slots[k])
+        n = self.hot_len + self.cold_len
         txn = tier.reader()
 
         def merge() -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
+            hot_rows = np.flatnonzero(frozen["live"])
+            hot_rows = hot_rows[np.argsort(frozen["slot_ids"][hot_rows], kind="stable")]
+            hot_ids = frozen["slot_ids"][hot_rows]
             values = tier.scratch((n, dim), self.dtype)
             slots = {k: tier.scratch((n, dim), holder.slots[k].dtype) for k in row_slots}
-            meta = {k: tier.scratch((n,), tier.record[k]) for k in ("last_step", "hits", "last_time")}
+            meta = {k: tier.scratch((n,), tier.record[k]) for k in _RECORD_META}
             ids_out = tier.scratch((n,), np.dtype(np.int64))
             out = 0
 
-            def emit(ids: np.ndarray, recs: np.ndarray) -> None:
+            def emit(hot_lo: int, hot_hi: int, ids: np.ndarray, recs: np.ndarray) -> None:
+                """Writes hot rows ``[hot_lo, hot_hi)`` (by id) and cold rows ``ids``, merged in id order."""
                 nonlocal out
+                if hot_hi > hot_lo:
+                    sel = hot_rows[hot_lo:hot_hi]
+                    hot = np.empty(sel.size, tier.record)
+                    for name in tier.record.names:
+                        hot[name] = frozen[name][sel]
+                    ids = np.concatenate([hot_ids[hot_lo:hot_hi], ids])
+                    order = np.argsort(ids, kind="stable")
+                    ids, recs = ids[order], np.concatenate([hot, recs])[order]
                 if out + ids.size > n:
                     raise InternalError(f"table {self.config.table!r}: more rows than {n} to export")
                 part = slice(out, out + ids.size)
@@ -880,22 +898,23 @@ class DynamicRows:
                     a[part] = recs[k]
                 out += ids.size
 
-            h = 0  # rows in memory merged so far
+            h = 0  # rows in memory written so far
             for ids, recs in tier.items(txn=txn):
                 at = np.minimum(np.searchsorted(hot_ids, ids), max(hot_ids.size - 1, 0))
                 cold = hot_ids[at] != ids if hot_ids.size else np.ones(ids.size, bool)
                 ids, recs = ids[cold], recs[cold]  # older copies of rows in memory: skipped
                 if not ids.size:
                     continue
-                upto = int(np.searchsorted(hot_ids, ids[-1]))
-                if upto > h:
-                    ids = np.concatenate([hot_ids[h:upto], ids])
-                    order = np.argsort(ids, kind="stable")
-                    ids, recs = ids[order], np.concatenate([hot[h:upto], recs])[order]
-                    h = upto
-                emit(ids, recs)
-            for start in range(h, hot_ids.size, CHUNK_ROWS):
-                emit(hot_ids[start : start + CHUNK_ROWS], hot[start : start + CHUNK_ROWS])
+                upto, c = int(np.searchsorted(hot_ids, ids[-1])), 0  # the rows in memory below these
+                while h < upto:  # at most a chunk of them at a time, with the cold rows below their last
+                    hi = min(upto, h + CHUNK_ROWS)
+                    cut = int(np.searchsorted(ids, hot_ids[hi - 1])) if hi < upto else ids.size
+                    emit(h, hi, ids[c:cut], recs[c:cut])
+                    h, c = hi, cut
+                if c < ids.size:
+                    emit(h, h, ids[c:], recs[c:])
+            for lo in range(h, hot_ids.size, CHUNK_ROWS):
+                emit(lo, min(hot_ids.size, lo + CHUNK_ROWS), ids_out[:0], np.zeros(0, tier.record))
             if out != n:
                 raise InternalError(f"table {self.config.table!r}: {out} rows exported of the {n} counted")
             return values, {**slots, **other_slots}, {"ids": ids_out, **meta, **counters}
@@ -935,9 +954,9 @@ class DynamicRows:
         Rows beyond the shard's capacity (a restore into fewer shards) are
         evicted by the policy; with a disk tier, the rows beyond memory's share go
         to disk (those the policy would evict first; one write transaction, built
-        a chunk at a time: the arrays may be a checkpoint's memory-mapped ones,
-        larger than memory). A sketch of another width is folded or tiled into
-        this one's.
+        a chunk at a time, and the choice made a chunk at a time: the arrays may be
+        a checkpoint's memory-mapped ones, larger than memory). A sketch of another
+        width is folded or tiled into this one's.
 
         Raises:
             ValueError: arrays that do not match.
@@ -970,27 +989,30 @@ class DynamicRows:
         keep = np.arange(n)
         if n > self.nfree:  # more rows than memory holds: keep those the policy would keep longest
             keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
-            drop = _smallest(keep, keys, n - self.nfree)
-            drop = drop[np.argsort(ids[drop], kind="stable")]
-            if self.tier is not None:
+            if self.tier is None:
+                drop = _smallest(keep, keys, n - self.nfree)
+                self.stats.evicted += drop.size
+                mask = np.ones(n, bool)
+                mask[drop] = False
+                keep = keep[mask]
+            else:  # the others go to disk, a chunk at a time: the arrays may be larger than memory
+                keep = _largest(n, keys, self.nfree)
+                hot = np.zeros(n, bool)
+                hot[keep] = True
                 record = self.tier.record
 
-                def records_of(part: slice) -> np.ndarray:  # a chunk at a time: the rows may exceed memory
-                    sel = drop[part]
-                    out = np.empty(sel.size, record)
-                    out["last_step"], out["hits"] = last_step[sel], hits[sel]
-                    out["last_time"], out["value"] = last_time[sel], values[sel]
-                    for k, a in slots.items():
-                        if holder.slots[k].shape == (self.allocated, dim):
-                            out[f"slot_{k}"] = a[sel]
-                    return out
+                def cold_chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                    for start in range(0, n, CHUNK_ROWS):
+                        sel = start + np.flatnonzero(~hot[start : start + CHUNK_ROWS])
+                        out = np.empty(sel.size, record)
+                        out["last_step"], out["hits"] = last_step[sel], hits[sel]
+                        out["last_time"], out["value"] = last_time[sel], values[sel]
+                        for k, a in slots.items():
+                            if holder.slots[k].shape == (self.allocated, dim):
+                                out[f"slot_{k}"] = a[sel]
+                        yield ids[sel], out
 
-                self.tier.write(ids[drop], records_of)
-            else:
-                self.stats.evicted += drop.size
-            mask = np.ones(n, bool)
-            mask[drop] = False
-            keep = keep[mask]
+                self.tier.write_chunks(n - keep.size, cold_chunks())
         rows = self._take(keep.size)
         self.index.insert(ids[keep], rows)
         self.slot_ids[rows] = ids[keep]
@@ -998,13 +1020,44 @@ class DynamicRows:
         self.hits[rows] = hits[keep]
         self.last_time[rows] = last_time[keep]
         self.live[rows] = True
-        holder.state[0][rows] = values[keep]
         for k, a in slots.items():
             target = holder.slots[k]
-            if target.shape == (self.allocated, dim):
-                target[rows] = a[keep]
-            else:
+            if target.shape != (self.allocated, dim):
                 holder.slots[k] = np.array(a, dtype=target.dtype).reshape(target.shape)
+        row_slots = [
+            (holder.slots[k], a) for k, a in slots.items() if holder.slots[k].shape == (self.allocated, dim)
+        ]
+        # A chunk at a time: a copy of every kept row at once would be a second budget's worth of memory,
+        # which the shard's malloc settings then keep (``pscore.memory.tune_malloc``).
+        for start in range(0, keep.size, CHUNK_ROWS):
+            part, at = rows[start : start + CHUNK_ROWS], keep[start : start + CHUNK_ROWS]
+            holder.state[0][part] = values[at]
+            for target, a in row_slots:
+                target[part] = a[at]
+
+
+def _scratch_copy(tier: DiskTier, arr: np.ndarray) -> np.ndarray:
+    """A copy of ``arr`` in a scratch file of ``tier``'s (``DiskTier.scratch``)."""
+    out = tier.scratch(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
+def _largest(total: int, keys: list[np.ndarray], n: int) -> np.ndarray:
+    """Positions (ascending) of the ``n`` of ``0..total-1`` largest by ``keys``: those ``_smallest`` leaves.
+
+    A tournament over chunks of at least ``n`` positions: it holds about
+    ``2 x max(n, 2**20)`` positions at once, not ``total`` (the keys may be memory
+    maps of a checkpoint with more rows than memory holds).
+    """
+    best = np.zeros(0, np.int64)
+    step = max(n, 1 << 20)
+    for start in range(0, total, step):
+        cand = np.concatenate([best, np.arange(start, min(total, start + step))])  # ascending
+        if cand.size > n:
+            cand = cand[~np.isin(cand, _smallest(cand, keys, cand.size - n), assume_unique=True)]
+        best = cand
+    return best
 
 
 def _smallest(candidates: np.ndarray, keys: list[np.ndarray], n: int) -> np.ndarray:

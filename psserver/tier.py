@@ -52,7 +52,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -355,19 +355,8 @@ class DiskTier:
             keep = ~np.isin(self._recent_ids, np.concatenate(changed))
             self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
 
-    def write(
-        self,
-        ids: np.ndarray,
-        records: np.ndarray | Callable[[slice], np.ndarray],
-        delete: Iterable[np.ndarray] = (),
-    ) -> None:
+    def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
-
-        ``records``: the records of ``ids``, or a function giving those of
-        ``ids[s]`` for a slice ``s``, called ``CHUNK_ROWS`` ids at a time (a
-        restore of more rows than memory holds builds one chunk at a time). Ids
-        in ascending order into an empty tier are appended (full pages: half
-        the disk of random inserts).
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -375,22 +364,48 @@ class DiskTier:
         """
         ids = np.asarray(ids, np.int64)
         dels = [np.asarray(d, np.int64) for d in delete]
-        if not ids.size and not any(d.size for d in dels):
-            return
-        records_of = records if callable(records) else records.__getitem__
-        append = not self._count and not dels and bool(np.all(ids[1:] > ids[:-1]))
-        self._forget([ids, *dels])  # before the write: a failed one may have changed nothing, or not
-        self._reserve(ids.size + sum(d.size for d in dels))
+        if ids.size or any(d.size for d in dels):
+            self._transaction(ids.size, [(ids, records)] if ids.size else [], dels)
+
+    def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Puts ``count`` rows given as ``(ids, records)`` chunks: one transaction, built a chunk at a time
+        (a restore of more rows than memory holds). Into an empty tier, ids in ascending order are
+        appended: full pages, about half the disk of random inserts.
+
+        Raises:
+            TierFullError: the disk or the size limit is full; nothing was written.
+            InternalError: another LMDB failure; nothing was written.
+        """
+        if count:
+            self._transaction(count, chunks, [], append=not self._count)
+
+    def _transaction(
+        self,
+        count: int,
+        chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+        dels: list[np.ndarray],
+        append: bool = False,
+    ) -> None:
+        """One write transaction: the deletes, then the chunks' puts (``count`` rows in all)."""
+        self._forget(dels)  # before the write: a failed one may have changed nothing, or not
+        self._reserve(count + sum(d.size for d in dels))
+        last: int | None = None
         try:
             with self.env.begin(write=True) as txn:
                 for d in dels:
                     for k in _keys(d):
                         txn.delete(k)
                 cur = txn.cursor()
-                for start in range(0, ids.size, CHUNK_ROWS):
-                    part = slice(start, start + CHUNK_ROWS)
-                    rec = np.ascontiguousarray(records_of(part), self.record).view(f"V{self.record.itemsize}")
-                    items = list(zip(_keys(ids[part]), rec.tolist(), strict=True))
+                for ids, records in chunks:
+                    ids = np.asarray(ids, np.int64)
+                    if not ids.size:
+                        continue
+                    self._forget([ids])
+                    # Appended while every chunk so far ascends from the last: a put out of order would fail.
+                    append = append and bool(np.all(ids[1:] > ids[:-1])) and (last is None or ids[0] > last)
+                    last = int(ids[-1])
+                    rec = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}")
+                    items = list(zip(_keys(ids), rec.tolist(), strict=True))
                     consumed, _ = cur.putmulti(items, overwrite=True, append=append)
                     if consumed != len(items):
                         raise lmdb.Error(f"{consumed} of {len(items)} rows written")
@@ -406,7 +421,7 @@ class DiskTier:
                 "nothing was applied"
             ) from None
         self._count = int(self.env.stat()["entries"])
-        self.stats.spilled += int(ids.size)
+        self.stats.spilled += count
 
     def _reserve(self, ops: int) -> None:
         """Allocates disk blocks for a transaction of ``ops`` puts and deletes, before it runs.
@@ -470,12 +485,14 @@ class DiskTier:
             raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
 
     def items(
-        self, chunk: int = CHUNK_ROWS, txn: lmdb.Transaction | None = None
+        self, chunk: int | None = None, txn: lmdb.Transaction | None = None
     ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """Every cold row in ascending id order, ``chunk`` at a time: ``(ids, records)``.
+        """Every cold row in ascending id order, ``chunk`` (default ``CHUNK_ROWS``) at a time:
+        ``(ids, records)``.
 
         ``txn``: read in that transaction (``reader``), else in a new one.
         """
+        chunk = chunk or CHUNK_ROWS
         if txn is None:
             with self.env.begin(buffers=False) as own:
                 yield from self.items(chunk, own)
@@ -495,8 +512,9 @@ class DiskTier:
             yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
 
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A zeroed array in a file beside this tier's environment (``scratch_array``)."""
-        return scratch_array(self.path, shape, dtype)
+        """A zeroed array in a file of the directory that holds this tier's environment (``scratch_array``;
+        not the environment's own, which goes with the piece)."""
+        return scratch_array(self.path.parent, shape, dtype)
 
     def expired(self, before_step: int | None, before_time: float | None) -> np.ndarray:
         """Ids of cold rows last updated before push ``before_step`` or time ``before_time`` (a full scan)."""

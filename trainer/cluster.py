@@ -90,6 +90,9 @@ class LocalCluster:
         hosts: the address each shard binds, per shard index (default: 127.0.0.1 for all).
         launchers: a command prefix per shard index, e.g. ``["ip", "netns", "exec", NAME]`` to start
             the shard inside a network namespace (``trainer.netns``); default none.
+        start_timeout: seconds a shard may take to serve (its restore from a checkpoint included).
+        stop_timeout: seconds a shard may take to exit after SIGTERM (its final checkpoint included)
+            before it is killed.
     """
 
     def __init__(
@@ -102,8 +105,12 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         hosts: Sequence[str] | None = None,
         launchers: Sequence[Sequence[str]] | None = None,
+        start_timeout: float = _START_TIMEOUT_S,
+        stop_timeout: float = _STOP_TIMEOUT_S,
     ) -> None:
         self.num_shards = num_shards
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
         self.hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * num_shards
         self.launchers = [list(p) for p in launchers] if launchers is not None else [[]] * num_shards
         if len(self.hosts) != num_shards or len(self.launchers) != num_shards:
@@ -135,8 +142,10 @@ class LocalCluster:
             *self.server_args, *self.shard_args.get(shard, ()),
         ]  # fmt: skip
 
-    def start_shard(self, shard: int, port: int = 0, timeout: float = _START_TIMEOUT_S) -> str:
+    def start_shard(self, shard: int, port: int = 0, timeout: float | None = None) -> str:
         """Starts (or restarts) one shard and waits for its ready file; returns ``HOST:PORT``.
+
+        ``timeout``: seconds to wait (default ``start_timeout``).
 
         Raises:
             ClusterError: the shard exited or did not become ready in time.
@@ -149,6 +158,7 @@ class LocalCluster:
         proc = subprocess.Popen(self.command(shard, port), stdout=logf, stderr=subprocess.STDOUT, env=env)
         logf.close()
         self.procs[shard] = proc
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if ready.exists():
@@ -176,10 +186,12 @@ class LocalCluster:
         proc = self.procs[shard]
         if proc is not None and proc.poll() is None:
             proc.kill()
-            proc.wait(timeout=_STOP_TIMEOUT_S)
+            proc.wait(timeout=self.stop_timeout)
 
-    def stop_shard(self, shard: int, timeout: float = _STOP_TIMEOUT_S) -> int | None:
-        """SIGTERMs one shard and waits; SIGKILL after ``timeout``. Returns its exit code."""
+    def stop_shard(self, shard: int, timeout: float | None = None) -> int | None:
+        """SIGTERMs one shard and waits; SIGKILL after ``timeout`` (default ``stop_timeout``). Returns its
+        exit code."""
+        timeout = self.stop_timeout if timeout is None else timeout
         proc = self.procs[shard]
         if proc is None:
             return None

@@ -369,3 +369,18 @@ def test_scan_of_a_fixed_piece_starts_after_any_id() -> None:
     ]:
         ids, rows, done = tables.scan_fixed(spec, value, after, n)
         assert ids.tolist() == want and rows[:, 0].tolist() == want and done == last
+
+
+def test_the_rows_a_restore_keeps_in_memory_are_chosen_in_chunks_as_one_selection_would() -> None:
+    # A tiered restore picks the rows the policy keeps longest a chunk of positions at a time (the
+    # bookkeeping may be a checkpoint's memory map, larger than memory): the same rows as one selection.
+    rng = np.random.default_rng(3)
+    total, n = 2_300_000, 300_000  # three chunks of 2**20 positions
+    ids = rng.permutation(total).astype(np.int64) * 3 - total
+    last_step = rng.integers(0, 50, total)  # many ties, broken by the next key
+    hits = rng.integers(0, 4, total)
+    for keys in ([last_step, ids], [hits, last_step, ids]):
+        dropped = dynamic._smallest(np.arange(total), keys, total - n)
+        want = np.setdiff1d(np.arange(total), dropped)
+        np.testing.assert_array_equal(dynamic._largest(total, keys, n), want)
+    assert dynamic._largest(10, [ids[:10]], 20).size == 10  # fewer rows than the room: all of them

@@ -17,7 +17,8 @@ import pytest
 from pscore.errors import InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
-from psserver import ckptfile, tables
+from psserver import ckptfile, dynamic, tables
+from psserver import tier as tier_module
 from psserver.dynamic import DynamicRows
 from psserver.store import Store, Variable
 from psserver.tier import CHUNK_ROWS, TierConfig, TierDirError, TierFullError, parse_bytes
@@ -219,11 +220,16 @@ def test_an_export_restores_into_a_tiered_or_an_in_memory_piece_and_goes_on_alik
     _assert_same(restored[0], restored[1])
 
 
+@pytest.mark.parametrize("chunk", [None, 7], ids=["chunks-of-64k", "chunks-of-7"])
 def test_an_export_begun_at_an_instant_gives_that_instants_rows_in_files_while_pushes_go_on(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int | None
 ) -> None:
     # A save pins the rows as they are (updates held back only while the rows in memory are copied), then
     # reads the cold ones while pushes spill and fill again; its arrays live in files, not in the process.
+    # With chunks of 7 rows, the merge interleaves many chunks of rows in memory and on disk.
+    if chunk:
+        monkeypatch.setattr(dynamic, "CHUNK_ROWS", chunk)
+        monkeypatch.setattr(tier_module, "CHUNK_ROWS", chunk)
     pushes = _stream(90, 120, 4000, seed=9)
     tiered = _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10), opt=Adam(0.01))
     plain = _Table(None, opt=Adam(0.01))
@@ -251,7 +257,7 @@ def test_an_export_begun_at_an_instant_gives_that_instants_rows_in_files_while_p
         np.testing.assert_array_equal(meta[k], want_meta[k])
     for arr in (values, slots["momentum"], meta["ids"], meta["last_time"]):
         assert _in_a_file(arr)  # a scratch file's pages, not the heap's
-    assert not [p for p in tiered.rows.tier.path.iterdir() if p.name.startswith(".scratch")]  # removed
+    assert not [p for p in tiered.rows.tier.path.parent.iterdir() if p.name.startswith(".scratch")]  # removed
 
 
 def test_a_restore_writes_the_cold_rows_in_chunks_into_full_pages(tmp_path: Path) -> None:
