@@ -20,6 +20,8 @@ save held updates back), and the shard is restarted from the file. Variants:
 Usage:
     python bench/bench_tier_checkpoint.py --out bench/results/tier_checkpoint       # 2M rows, 32 MiB budget
     python bench/bench_tier_checkpoint.py --rows 200000 --variants tiered           # a quick look
+    python bench/bench_tier_checkpoint.py --rows 25000000 --table-memory 1GiB --batch 50000 \
+        --variants tiered --out bench/results/tier_checkpoint_25m                   # 6 GiB: ~15 minutes
 """
 
 from __future__ import annotations
