@@ -78,6 +78,9 @@ async def take_snapshot(
     Raises:
         TimeoutError: updates in progress did not finish (``UpdateGate.quiesced``).
     """
+    # A tiered table's copy of its rows in memory goes into scratch pages written before updates are held.
+    tiered = [v for v in store.variables() if v.dyn is not None and v.dyn.tier is not None]
+    staged = await asyncio.to_thread(_stage_exports, tiered)
     async with store.gate.quiesced() as held:
         variables = [v for v in store.variables() if v.dyn is None]
         dynamic_vars = [v for v in store.variables() if v.dyn is not None]
@@ -101,7 +104,7 @@ async def take_snapshot(
             (spec, tables_now.get(i, value), version, it)
             for i, (spec, value, version, it) in enumerate(states)
         ]
-        exports = await asyncio.to_thread(_begin_exports, dynamic_vars)
+        exports = await asyncio.to_thread(_begin_exports, dynamic_vars, staged)
     # A tiered table's cold rows are read after updates resume (its export pinned them as they were).
     exported = await asyncio.to_thread(_finish_exports, exports)
     return Snapshot(
@@ -124,7 +127,25 @@ def _copy_in_place_values(states: list[tuple[Any, np.ndarray, int, int]]) -> dic
     return {i: value.copy() for i, (_, value, _, _) in enumerate(states) if value.flags.writeable}
 
 
-def _begin_exports(variables: list[Variable]) -> list[tuple[Variable, int, int, Export]]:
+def _stage_exports(variables: list[Variable]) -> dict[str, dict[str, np.ndarray]]:
+    """``DynamicRows.stage_export`` of each tiered piece, by name.
+
+    Raises:
+        CheckpointError: a disk tier's directory cannot hold the scratch files.
+    """
+    out = {}
+    for v in variables:
+        assert v.dyn is not None
+        try:
+            out[v.spec.name] = v.dyn.stage_export(v)
+        except OSError as err:
+            raise CheckpointError(f"cannot snapshot dynamic table piece {v.spec.name!r}: {err}") from err
+    return out
+
+
+def _begin_exports(
+    variables: list[Variable], staged: Mapping[str, dict[str, np.ndarray]]
+) -> list[tuple[Variable, int, int, Export]]:
     """Begins the export of each dynamic table piece (``DynamicRows.begin_export``), with its version.
 
     Raises:
@@ -134,7 +155,7 @@ def _begin_exports(variables: list[Variable]) -> list[tuple[Variable, int, int, 
     try:
         for v in variables:
             assert v.dyn is not None
-            out.append((v, v.version, v.iterations, v.dyn.begin_export(v)))
+            out.append((v, v.version, v.iterations, v.dyn.begin_export(v, staged.get(v.spec.name))))
     except (OSError, InternalError) as err:
         for *_, export in out:
             export.close()

@@ -826,7 +826,34 @@ class DynamicRows:
         finally:
             finish.close()
 
-    def begin_export(self, holder: Holder) -> Export:
+    def _hot_arrays(self, holder: Holder) -> dict[str, np.ndarray]:
+        """The arrays of the rows in memory that an export of a tiered piece copies, by record field."""
+        dim = self.config.dim
+        out = {name: getattr(self, name) for name in ("live", "slot_ids", *_RECORD_META)}
+        out["value"] = holder.state[0]
+        for k, a in holder.slots.items():
+            if a.shape == (self.allocated, dim):
+                out[f"slot_{k}"] = a
+        return out
+
+    def stage_export(self, holder: Holder) -> dict[str, np.ndarray]:
+        """Scratch arrays for ``begin_export``'s copy of the rows in memory, their pages already written.
+
+        Call it before updates are held back: then they wait only for a copy at
+        memory speed, not for the page faults of fresh pages. Empty without a tier.
+
+        Raises:
+            OSError: the tier's directory cannot hold the scratch files.
+        """
+        if self.tier is None:
+            return {}
+        staged = {}
+        for name, arr in self._hot_arrays(holder).items():
+            staged[name] = self.tier.scratch(arr.shape, arr.dtype)
+            staged[name][...] = 0  # the pages are faulted in now
+        return staged
+
+    def begin_export(self, holder: Holder, staged: dict[str, np.ndarray] | None = None) -> Export:
         """Starts ``export`` at this instant; the ``Export`` returned makes the arrays, later.
 
         Call this with the piece's updates held back; the export may run after
@@ -837,8 +864,9 @@ class DynamicRows:
         transaction pins the disk tier as it is; the export orders the first by
         id and merges them with the cold rows, read a chunk at a time, into
         arrays in scratch files (``psserver.tier.scratch_array``). So a save of a
-        table past memory holds pushes back only for a copy of the budget, and
-        does not grow the shard's memory with the table.
+        table past memory holds pushes back only for a copy of the budget (into
+        ``staged``, ``stage_export``'s arrays, when given), and does not grow the
+        shard's memory with the table.
 
         Raises:
             OSError: the tier's directory cannot hold the scratch files.
@@ -857,12 +885,14 @@ class DynamicRows:
         tier = self.tier
         # Updates are held back only while the rows in memory are copied as they lie (memory speed, into
         # scratch files); ordering them by id and merging them with the cold rows come after.
-        frozen = {
-            name: _scratch_copy(tier, getattr(self, name)) for name in ("live", "slot_ids", *_RECORD_META)
-        }
-        frozen["value"] = _scratch_copy(tier, holder.state[0])
-        for k in row_slots:
-            frozen[f"slot_{k}"] = _scratch_copy(tier, holder.slots[k])
+        staged = staged or {}
+        frozen = {}
+        for name, arr in self._hot_arrays(holder).items():
+            out = staged.get(name)
+            if out is None or out.shape != arr.shape or out.dtype != arr.dtype:
+                out = tier.scratch(arr.shape, arr.dtype)
+            out[...] = arr
+            frozen[name] = out
         n = self.hot_len + self.cold_len
         txn = tier.reader()
 
@@ -1034,13 +1064,6 @@ class DynamicRows:
             holder.state[0][part] = values[at]
             for target, a in row_slots:
                 target[part] = a[at]
-
-
-def _scratch_copy(tier: DiskTier, arr: np.ndarray) -> np.ndarray:
-    """A copy of ``arr`` in a scratch file of ``tier``'s (``DiskTier.scratch``)."""
-    out = tier.scratch(arr.shape, arr.dtype)
-    out[...] = arr
-    return out
 
 
 def _largest(total: int, keys: list[np.ndarray], n: int) -> np.ndarray:

@@ -238,7 +238,8 @@ def test_an_export_begun_at_an_instant_gives_that_instants_rows_in_files_while_p
             t.push(ids, seed=i)
     assert tiered.rows.tier is not None and tiered.rows.stale > 0
     assert tiered.rows.cold_len > tiered.rows.hot_len
-    export = tiered.rows.begin_export(tiered.var)
+    # With chunks of 7 also into staged arrays (``stage_export``: pages written before updates are held).
+    export = tiered.rows.begin_export(tiered.var, tiered.rows.stage_export(tiered.var) if chunk else None)
     spilled = tiered.rows.tier.stats.spilled
     for i, ids in enumerate(pushes[50:], start=50):
         tiered.push(ids, seed=i)
