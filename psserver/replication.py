@@ -290,9 +290,13 @@ class Primary:
         def attach() -> None:  # at the snapshot's instant: every later update is forwarded
             self._link = link
 
-        snap = await checkpoint.take_snapshot(
-            self.store, self.mode, self.shard, self.num_shards, while_quiesced=attach
-        )
+        try:
+            snap = await checkpoint.take_snapshot(
+                self.store, self.mode, self.shard, self.num_shards, while_quiesced=attach
+            )
+        except BaseException:  # a tiered table's cold rows are read after the attach: that can fail
+            self._detach(link, "its snapshot failed")
+            raise
         log.info(
             "shard %d: backup %s attached; sending %.1f MiB of state", self.shard, peer, snap.nbytes / 2**20
         )
