@@ -82,6 +82,7 @@ from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, t
 from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers
 from psserver.ledger import SessionState
+from psserver.tier import CHUNK_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -493,15 +494,13 @@ def _reshard_table(name: str, old: list[StoredTensor], shard: int, num_shards: i
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 """Makes an array for resharded rows (``np.empty``, or a scratch file's: ``psserver.tier.scratch_array``)."""
 
-_CHUNK_ROWS = 1 << 16
-
 
 def _gather(parts: list[np.ndarray], picks: np.ndarray, alloc: Alloc) -> np.ndarray:
     """``np.concatenate(parts)[picks]`` in an ``alloc`` array, a chunk at a time, never concatenating."""
     ends = np.cumsum([len(a) for a in parts])
     out = alloc((picks.size, *parts[0].shape[1:]), parts[0].dtype)
-    for start in range(0, picks.size, _CHUNK_ROWS):
-        sel = picks[start : start + _CHUNK_ROWS]
+    for start in range(0, picks.size, CHUNK_ROWS):
+        sel = picks[start : start + CHUNK_ROWS]
         which = np.searchsorted(ends, sel, side="right")
         chunk = out[start : start + sel.size]
         for i in np.unique(which):
@@ -543,8 +542,8 @@ def _reshard_dynamic(
     rows = [t.rows or {} for t in old]
     picked, offset = [], 0
     for r in rows:
-        for start in range(0, r["ids"].size, _CHUNK_ROWS):
-            ids = np.asarray(r["ids"][start : start + _CHUNK_ROWS], np.int64)
+        for start in range(0, r["ids"].size, CHUNK_ROWS):
+            ids = np.asarray(r["ids"][start : start + CHUNK_ROWS], np.int64)
             picked.append(offset + start + np.flatnonzero(dynamic_row_shard(ids, num_shards) == shard))
         offset += r["ids"].size
     mine = np.concatenate(picked) if picked else np.zeros(0, np.int64)

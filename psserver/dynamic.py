@@ -763,15 +763,7 @@ class DynamicRows:
     def _records(self, holder: Holder, rows: np.ndarray) -> np.ndarray:
         """The disk tier's records of rows in memory."""
         assert self.tier is not None
-        out = np.empty(rows.size, self.tier.record)
-        out["last_step"] = self.last_step[rows]
-        out["hits"] = self.hits[rows]
-        out["last_time"] = self.last_time[rows]
-        out["value"] = holder.state[0][rows]
-        for k, a in holder.slots.items():
-            if a.shape == (self.allocated, self.config.dim):
-                out[f"slot_{k}"] = a[rows]
-        return out
+        return _gather_records(self.tier.record, self._hot_arrays(holder), rows)
 
     def _evict(self, n: int, protect: np.ndarray) -> None:
         """Evicts ``n`` rows (fewer if fewer are not protected) by the table's policy."""
@@ -910,10 +902,7 @@ class DynamicRows:
                 """Writes hot rows ``[hot_lo, hot_hi)`` (by id) and cold rows ``ids``, merged in id order."""
                 nonlocal out
                 if hot_hi > hot_lo:
-                    sel = hot_rows[hot_lo:hot_hi]
-                    hot = np.empty(sel.size, tier.record)
-                    for name in tier.record.names:
-                        hot[name] = frozen[name][sel]
+                    hot = _gather_records(tier.record, frozen, hot_rows[hot_lo:hot_hi])
                     ids = np.concatenate([hot_ids[hot_lo:hot_hi], ids])
                     order = np.argsort(ids, kind="stable")
                     ids, recs = ids[order], np.concatenate([hot, recs])[order]
@@ -952,7 +941,7 @@ class DynamicRows:
         return Export(merge, txn.abort)
 
     def _records_meta(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        return {"last_step": self.last_step[rows], "hits": self.hits[rows], "last_time": self.last_time[rows]}
+        return {name: getattr(self, name)[rows] for name in _RECORD_META}
 
     def _meta(self, ids: np.ndarray, per_row: Any) -> dict[str, np.ndarray]:
         return {
@@ -1016,33 +1005,29 @@ class DynamicRows:
         last_time = np.asarray(meta["last_time"], np.float64)
         if not self.config.capacity and n > self.allocated:
             self._grow(holder, optimizer, n)
-        keep = np.arange(n)
-        if n > self.nfree:  # more rows than memory holds: keep those the policy would keep longest
-            keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
-            if self.tier is None:
-                drop = _smallest(keep, keys, n - self.nfree)
-                self.stats.evicted += drop.size
-                mask = np.ones(n, bool)
-                mask[drop] = False
-                keep = keep[mask]
-            else:  # the others go to disk, a chunk at a time: the arrays may be larger than memory
-                keep = _largest(n, keys, self.nfree)
-                hot = np.zeros(n, bool)
-                hot[keep] = True
-                record = self.tier.record
+        keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
+        if n <= self.nfree:
+            keep = np.arange(n)
+        elif self.tier is None:  # more rows than memory holds: keep those the policy would keep longest
+            drop = _smallest(np.arange(n), keys, n - self.nfree)
+            self.stats.evicted += drop.size
+            mask = np.ones(n, bool)
+            mask[drop] = False
+            keep = np.flatnonzero(mask)
+        else:  # the others go to disk, a chunk at a time: the arrays may be larger than memory
+            keep = _largest(n, keys, self.nfree)
+            hot = np.zeros(n, bool)
+            hot[keep] = True
+            fields = {"last_step": last_step, "hits": hits, "last_time": last_time, "value": values}
+            fields.update({f"slot_{k}": a for k, a in slots.items()})
+            record = self.tier.record
 
-                def cold_chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
-                    for start in range(0, n, CHUNK_ROWS):
-                        sel = start + np.flatnonzero(~hot[start : start + CHUNK_ROWS])
-                        out = np.empty(sel.size, record)
-                        out["last_step"], out["hits"] = last_step[sel], hits[sel]
-                        out["last_time"], out["value"] = last_time[sel], values[sel]
-                        for k, a in slots.items():
-                            if holder.slots[k].shape == (self.allocated, dim):
-                                out[f"slot_{k}"] = a[sel]
-                        yield ids[sel], out
+            def cold_chunks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+                for start in range(0, n, CHUNK_ROWS):
+                    sel = start + np.flatnonzero(~hot[start : start + CHUNK_ROWS])
+                    yield ids[sel], _gather_records(record, fields, sel)
 
-                self.tier.write_chunks(n - keep.size, cold_chunks())
+            self.tier.write_chunks(n - keep.size, cold_chunks())
         rows = self._take(keep.size)
         self.index.insert(ids[keep], rows)
         self.slot_ids[rows] = ids[keep]
@@ -1064,6 +1049,14 @@ class DynamicRows:
             holder.state[0][part] = values[at]
             for target, a in row_slots:
                 target[part] = a[at]
+
+
+def _gather_records(record: np.dtype, fields: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
+    """The disk tier's records (dtype ``record``) of ``rows``, each field from the array of its name."""
+    out = np.empty(rows.size, record)
+    for name in record.names or ():
+        out[name] = fields[name][rows]
+    return out
 
 
 def _largest(total: int, keys: list[np.ndarray], n: int) -> np.ndarray:
