@@ -3,28 +3,25 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
 import math
 import secrets
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 import numpy as np
 
-from psclient import _bulk, _reach, _retry, _session, _wire
+from psclient import _bulk, _link
 from psclient import _requests as rq
 from psclient._requests import PushedValues
-from psclient._wire import Op, Wire
+from psclient._wire import Op
 from psclient.config import ClientConfig
-from pscore import bulk, codec, embedding, rpc, transport
+from pscore import codec, embedding
 from pscore.embedding import Rows
-from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError, error_class, from_rpc_error
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError
 from pscore.optimizers import SGD, Optimizer, optimizer_from_proto
 from pscore.placement import dynamic_pieces, dynamic_row_shard, global_row, plan, table_pieces
 from psproto.v1 import ps_pb2
@@ -51,57 +48,6 @@ async def gather(coros: Iterable[Awaitable[T]]) -> list[T]:
 
 async def _as_coro(aw: Awaitable[T]) -> T:
     return await aw
-
-
-# Channels to a replicated shard (PRIMARY|BACKUP): an HTTP/2 ping every second, calls in flight or not;
-# unanswered for 2 s (gRPC's core answers pings, not the shard's busy event loop), the link is silent and
-# the channel's calls fail (UNAVAILABLE) and fail over. A shard with one address has nowhere to fail over
-# to: its channel keeps gRPC's slower keepalive (30 s / 10 s), and its calls wait for it (wait_for_ready)
-# until their deadline.
-KEEPALIVE_TIME_S = 1.0
-KEEPALIVE_TIMEOUT_S = 2.0
-_SINGLE_KEEPALIVE_TIME_S = 30.0
-_SINGLE_KEEPALIVE_TIMEOUT_S = 10.0
-
-
-def _failure(err: grpc.RpcError) -> str:
-    """One failed attempt in a few words: ``no answer (...)`` for a deadline, else the status and details."""
-    code = err.code()
-    details = (err.details() or "").split("\n")[0][:200]
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"no answer ({details})"
-    return f"{code.name}: {details}"
-
-
-def _channel_options(config: ClientConfig, *, replicated: bool) -> list[tuple[str, Any]]:
-    ping, wait = (
-        (KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S)
-        if replicated
-        else (_SINGLE_KEEPALIVE_TIME_S, _SINGLE_KEEPALIVE_TIMEOUT_S)
-    )
-    return [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        # A silent link (a partition: no reset, no answer) fails the channel's calls within
-        # KEEPALIVE_TIME_S + KEEPALIVE_TIMEOUT_S, so they fail over to the other replica instead of
-        # waiting for their deadline (the shards allow pings this often).
-        ("grpc.keepalive_time_ms", int(ping * 1000)),
-        ("grpc.keepalive_timeout_ms", int(wait * 1000)),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.enable_retries", 0),  # psclient retries itself (_retry), with one deadline for all attempts
-        # Reconnect to a restarted shard quickly (gRPC's default backoff grows to 120 s).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2_000),
-    ]
-
-
-def _read(path: str | None) -> bytes | None:
-    if path is None:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
 
 
 class AsyncPSClient:
@@ -161,28 +107,22 @@ class AsyncPSClient:
         )
         self.registry = rq.Registry()
         self._pool = rq.ArrayPool()  # pulled arrays, recycled once the caller drops them
-        # Per shard, its replicas' addresses (``PRIMARY|BACKUP``), channels and stubs, and the one in use.
-        self._replicas = [a.split("|") for a in self.config.addresses]
-        self._current = [0] * len(self._replicas)
-        self._channels: list[list[grpc.aio.Channel]] = []
-        self._stubs: list[list[rpc.Stub]] = []
-        self._closing: set[asyncio.Future[None]] = set()
-        self._sessions: dict[int, _session.PushSession] = {}  # small pushes, per shard
-        self._watches: dict[tuple[int, int], _reach.Watch] = {}  # (shard, replica) -> its reachability
-        self._last_failure: dict[tuple[int, int], str] = {}  # (shard, replica) -> its last failed attempt
-        self._links: dict[tuple[int, int], _bulk.DataLink] = {}  # (shard, replica) -> its data port
-        self._data_tls: Any = None  # the TLS context of data connections (made on first use)
         self._seq = itertools.count(1)
         # A push's large parts go up one shard at a time (``_bulk.Uplink``), starting at this worker's own
         # shard (``_bulk.first_turn``): workers pushing at once upload to different shards at each turn.
-        self._uplink = _bulk.Uplink() if self.config.stagger_uploads else None
+        uplink = _bulk.Uplink() if self.config.stagger_uploads else None
         self._first_turn = _bulk.first_turn(self.config.worker_id)
+        credentials = _link.Credentials(self.config)
+        # Per shard: its replicas' channels and data connections, retries, failover and the wires.
+        self._shards = [
+            _link.ShardLink(shard, self.config, credentials, uplink)
+            for shard in range(self.config.num_shards)
+        ]
         # Never 0 (0 is "no session": a client from before sessions).
         self.session = secrets.randbits(64) or 1
         # Sync mode: the step of the cluster's next periodic checkpoint, learnt from push answers and
         # passed on in every push, so that every shard learns it in time (see psserver.cut.StepCuts).
         self._checkpoint_step = 0
-        self._closed = False
 
     # -- plumbing -----------------------------------------------------------
 
@@ -194,211 +134,9 @@ class AsyncPSClient:
     def num_shards(self) -> int:
         return self.config.num_shards
 
-    def _stub(self, shard: int) -> rpc.Stub:
-        """The stub of ``shard``'s current replica (the primary, as far as this client knows)."""
-        if self._closed:
-            raise RuntimeError("the client is closed")
-        if not self._stubs:
-            cfg = self.config
-            creds = None
-            if cfg.tls_ca or cfg.tls_cert:
-                creds = grpc.ssl_channel_credentials(
-                    root_certificates=_read(cfg.tls_ca),
-                    private_key=_read(cfg.tls_key),
-                    certificate_chain=_read(cfg.tls_cert),
-                )
-            self._channels = []
-            for r in self._replicas:
-                options = _channel_options(cfg, replicated=len(r) > 1)
-                self._channels.append(
-                    [
-                        grpc.aio.insecure_channel(a, options=options)
-                        if creds is None
-                        else grpc.aio.secure_channel(a, creds, options=options)
-                        for a in r
-                    ]
-                )
-            self._stubs = [[rpc.Stub(ch) for ch in r] for r in self._channels]
-        return self._stubs[shard][self._current[shard]]
-
-    def _failover(self, shard: int, err: grpc.RpcError) -> None:
-        """After a retryable error: the next attempt goes to the shard's next replica (``PRIMARY|BACKUP``)."""
-        replicas = self._replicas[shard]
-        if len(replicas) == 1:
-            return
-        self._last_failure[(shard, self._current[shard])] = _failure(err)
-        old = replicas[self._current[shard]]
-        self._current[shard] = (self._current[shard] + 1) % len(replicas)
-        session = self._sessions.pop(shard, None)
-        if session is not None:  # its stream is bound to the old replica
-            closing = asyncio.ensure_future(session.close())
-            self._closing.add(closing)
-            closing.add_done_callback(self._closing.discard)
-        log.info(
-            "shard %d: %s answered %s; trying %s", shard, old, err.code().name, replicas[self._current[shard]]
-        )
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self.config.auth_token
-        return (("authorization", f"Bearer {token}"),) if token else ()
-
-    async def _call(
-        self, shard: int, method: str, fn: Callable[[], Awaitable[T]], *, timeout: float | None = None
-    ) -> T:
-        """Runs one RPC to ``shard``, converting gRPC errors to PSError.
-
-        ``fn`` starts a fresh RPC each time it is called: UNAVAILABLE (shard
-        down or restarting, connection broken) is retried with backoff until
-        ``timeout`` (default ``config.timeout``) has passed (see ``psclient._retry``).
-        """
-        address = self.config.addresses[shard]
-        watch = self._watch(shard)
-        watch.enter()  # a shard that does not answer is reported within seconds (see psclient._reach)
-        started = time.monotonic()
-        try:
-            return await _retry.call_with_retry(
-                fn,
-                timeout=self.config.timeout if timeout is None else timeout,
-                policy=self.config.retry,
-                what=f"{method} on {address}",
-                on_retry=functools.partial(self._failover, shard),
-            )
-        except grpc.RpcError as err:
-            replicas = self._replica_story(shard, err, time.monotonic() - started)
-            if err.code() in _UNREACHABLE_CODES:
-                waited = time.monotonic() - started
-                why = await self._watch(shard).describe(waited)
-                if why is None and _no_answer(err):
-                    state = self._channel_state(shard)
-                    why = _SILENT_SHARD.format(address=address, waited=waited, state=state)
-                unknown = _OUTCOME_UNKNOWN if method in _PUSH_METHODS and _no_answer(err) else None
-                if why is not None or replicas or unknown:  # say what happened, not just "Deadline Exceeded"
-                    said = "; ".join(p for p in (why, err.details(), replicas, unknown) if p)
-                    raise error_class(err.code())(said, method=method, address=address) from err
-            raise from_rpc_error(err, method=method, address=address) from err
-        finally:
-            watch.leave()
-
-    def _replica_story(self, shard: int, err: grpc.RpcError, waited: float) -> str:
-        """For a replicated shard, which replica went silent or refused and what the other last said
-        (a standby backup names its primary), or "" for a shard with one address."""
-        replicas = self._replicas[shard]
-        if len(replicas) == 1:
-            return ""
-        current = self._current[shard]
-        self._last_failure[(shard, current)] = _failure(err)
-        asked = replicas[current]
-        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            story = f"shard {shard}: {asked}, the replica asked last, gave no answer in {waited:.1f} s"
-        else:
-            story = f"shard {shard}: {asked}, the replica asked last, answered {err.code().name}"
-        for r, address in enumerate(replicas):
-            if r != current:
-                last = self._last_failure.get((shard, r))
-                story += f"; {address}: " + (f"its last failure: {last}" if last else "not tried yet")
-        return story
-
-    def _watch(self, shard: int) -> _reach.Watch:
-        """The reachability watch of ``shard``'s current replica."""
-        key = (shard, self._current[shard])
-        watch = self._watches.get(key)
-        if watch is None:
-            address = self._replicas[shard][key[1]]
-            watch = self._watches[key] = _reach.Watch(address, functools.partial(self._connected, *key))
-        return watch
-
-    def _connected(self, shard: int, replica: int) -> bool:
-        if not self._channels:
-            return False
-        state = self._channels[shard][replica].get_state(try_to_connect=False)
-        return state == grpc.ChannelConnectivity.READY
-
-    def _channel_state(self, shard: int) -> str:
-        """The state of the gRPC channel to ``shard``'s current replica (``READY``, ``CONNECTING``...)."""
-        if not self._channels:
-            return "closed"
-        return self._channels[shard][self._current[shard]].get_state(try_to_connect=False).name
-
-    def _kw(self, shard: int) -> dict[str, Any]:
-        return {
-            "timeout": _retry.attempt_timeout(self.config.timeout),
-            "metadata": self._metadata(),
-            # One address: wait while it restarts. Replicas: fail fast, so the call fails over.
-            "wait_for_ready": len(self._replicas[shard]) == 1,
-        }
-
-    def _data_link(self, shard: int) -> _bulk.DataLink | None:
-        """The data port of ``shard``'s current replica; None: use gRPC (turned off, or the data port
-        could not be reached lately). Which requests take it: ``_wire``."""
-        cfg = self.config
-        if not cfg.data_port:
-            return None
-        self._stub(shard)  # the channels exist
-        replica = self._current[shard]
-        link = self._links.get((shard, replica))
-        if link is None:
-            if self._data_tls is None and (cfg.tls_ca or cfg.tls_cert):
-                self._data_tls = transport.client_context(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-            stub = self._stubs[shard][replica]
-
-            def data_port(timeout: float) -> Any:
-                return stub.DataPort(
-                    _DATA_PORT_REQUEST,
-                    timeout=timeout,
-                    metadata=self._metadata(),
-                    wait_for_ready=len(self._replicas[shard]) == 1,
-                )
-
-            link = self._links[(shard, replica)] = _bulk.DataLink(
-                self._replicas[shard][replica], data_port, self._data_tls
-            )
-        return link if link.usable else None
-
-    def _wire(self, op: Op, shard: int, nbytes: int, *, after: Wire | None = None) -> Wire:
-        """The wire of an ``op`` request of ``nbytes`` to ``shard``'s current replica (the rule:
-        ``psclient._wire.choose``); ``after``: the wire that refused it."""
-
-        def available(wire: Wire) -> bool:
-            if wire is Wire.DATA_PORT:
-                return self._data_link(shard) is not None
-            return self._session(shard).supported
-
-        return _wire.choose(op, nbytes, self.config, available, after=after)
-
-    async def _over_wire(self, op: Op, shard: int, nbytes: int, send: Callable[[Wire], Awaitable[T]]) -> T:
-        """``send(wire)``: one ``op`` request to ``shard`` over the wire ``_wire`` picks, or over the next
-        one if that wire refuses it (a data port that cannot be used, a shard without PushSession).
-
-        Retries and failover are ``send``'s, within one wire (``_call``).
-        """
-        wire = self._wire(op, shard, nbytes)
-        while True:
-            try:
-                return await send(wire)
-            except _bulk.Unusable:
-                if wire is not Wire.DATA_PORT:
-                    raise
-                # logged by the link; the next wire
-            except _session.SessionUnsupported:
-                if wire is not Wire.SESSION:
-                    raise
-                log.info("shard %s has no PushSession; using unary Push", self.config.addresses[shard])
-            wire = self._wire(op, shard, nbytes, after=wire)
-
     async def close(self) -> None:
-        """Closes the channels. Idempotent."""
-        self._closed = True
-        sessions, self._sessions = self._sessions, {}
-        for session in sessions.values():
-            await session.close()
-        links, self._links = self._links, {}
-        for link in links.values():
-            link.close()
-        channels, self._channels, self._stubs = self._channels, [], []
-        await gather(ch.close() for r in channels for ch in r)
-        for closing in list(self._closing):
-            with contextlib.suppress(Exception):
-                await closing
+        """Closes the channels and data connections. Idempotent."""
+        await gather(link.close() for link in self._shards)
 
     async def __aenter__(self) -> AsyncPSClient:
         return self
@@ -417,9 +155,7 @@ class AsyncPSClient:
         request = ps_pb2.ListVariablesRequest(names=list(names))
 
         async def list_on(shard: int) -> tuple[int, ps_pb2.ListVariablesResponse]:
-            resp = await self._call(
-                shard, "ListVariables", lambda: self._stub(shard).ListVariables(request, **self._kw(shard))
-            )
+            resp = await self._shards[shard].unary("ListVariables", request)
             return shard, resp
 
         found: dict[str, list[ps_pb2.VariableInfo]] = {}
@@ -505,11 +241,7 @@ class AsyncPSClient:
                 for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_CREATE, "values", batch)
 
-            resp = await self._call(
-                shard,
-                "CreateVariables",
-                lambda: self._stub(shard).CreateVariables(_aiter(messages()), **self._kw(shard)),
-            )
+            resp = await self._shards[shard].unary_stream("CreateVariables", messages)
             return list(resp.created)
 
         shards = sorted(per_shard)
@@ -605,55 +337,14 @@ class AsyncPSClient:
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes, ema=ema,
             )  # fmt: skip
-
-            async def stream() -> None:
-                into.restart(wanted)  # a retried attempt starts over
-                async for resp in self._stub(shard).PullStream(request, **self._kw(shard)):
-                    for c in resp.values:
-                        into.add(c)
-                    into.add_versions(rq.versions_of(resp.values, resp.versions))
-
-            async def send(wire: Wire) -> None:
-                if wire is Wire.DATA_PORT:
-                    await self._call(
-                        shard, "Pull", lambda: self._pull_data_port(shard, request, wanted, into)
-                    )
-                elif wire is Wire.UNARY:
-                    resp = await self._call(
-                        shard, "Pull", lambda: self._stub(shard).Pull(request, **self._kw(shard))
-                    )
-                    for c in resp.values:
-                        into.add(c)
-                    into.add_versions(rq.versions_of(resp.values, resp.versions))
-                else:
-                    await self._call(shard, "PullStream", stream)
-
-            await self._over_wire(Op.PULL, shard, sum(p.nbytes for p in wanted), send)
+            sink = _link.Sink(into.add, into.place, functools.partial(into.restart, wanted))
+            answer = await self._shards[shard].request(
+                Op.PULL, request, (), sink, nbytes=sum(p.nbytes for p in wanted)
+            )
+            into.add_versions(answer.versions)
 
         await _each(pull_from, per_shard)
         return into.result(), into.versions
-
-    async def _pull_data_port(
-        self, shard: int, request: ps_pb2.PullRequest, wanted: list[rq.Piece], into: rq.Gather
-    ) -> None:
-        """One attempt of a pull over the shard's data port: values straight into ``into``'s arrays.
-
-        Raises:
-            _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
-        """
-        link = self._data_link(shard)
-        if link is None:
-            raise _bulk.Unusable
-        into.restart(wanted)  # a retried attempt starts over
-        timeout = _retry.attempt_timeout(self.config.timeout)
-        request.timeout_s = timeout
-        spare: list[codec.WireChunk] = []
-        reply = await link.request(
-            bulk.Frame(bulk.PULL, request), (), functools.partial(_receive, into.place, spare), timeout
-        )
-        for chunk in spare:
-            into.add(chunk)
-        into.add_versions(rq.versions_of(reply.head.values, reply.head.versions))
 
     # -- push ---------------------------------------------------------------
 
@@ -882,128 +573,18 @@ class AsyncPSClient:
         tensors: list[tuple[str, np.ndarray]],
         answers: _PushAnswers,
     ) -> bool:
-        """One shard's part of a push, over the wire ``_wire`` picks; returns whether it was applied."""
+        """One shard's part of a push; returns whether it was applied.
 
-        async def send(wire: Wire) -> bool:
-            if wire is Wire.DATA_PORT:
-                return await self._call(
-                    shard, "Push", lambda: self._push_data_port(shard, header, tensors, answers)
-                )
-            if wire is Wire.STREAM:
-                return await self._push_stream(shard, header, tensors, answers)
-            request = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
-            if wire is Wire.SESSION:
-                resp = await self._push_session(shard, request)
-            else:
-                resp = await self._call(
-                    shard, "Push", lambda: self._stub(shard).Push(request, **self._kw(shard))
-                )
-            self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-            for c in resp.values:
-                answers.add(shard, c)
-            return resp.applied
-
-        return await self._over_wire(Op.PUSH, shard, rq.payload_bytes(tensors), send)
-
-    async def _push_data_port(
-        self,
-        shard: int,
-        header: ps_pb2.PushRequest,
-        tensors: list[tuple[str, np.ndarray]],
-        answers: _PushAnswers,
-    ) -> bool:
-        """One attempt of a push over the shard's data port; returns whether it was applied.
-
-        The gradients go straight from their arrays to the socket; push_pull's values come
-        straight into the arrays of ``answers.into`` (embedding rows through ``answers.add``).
-
-        Raises:
-            _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
+        push_pull's values come straight into the arrays of ``answers.into`` (over the data port;
+        embedding rows, and values over gRPC, through ``answers.add``).
         """
-        link = self._data_link(shard)
-        if link is None:
-            raise _bulk.Unusable
-        answers.restart(shard)  # a retried attempt starts over
-        timeout = _retry.attempt_timeout(self.config.timeout)
-        head = ps_pb2.PushRequest()
-        head.CopyFrom(header)
-        head.timeout_s = timeout
-        head.grads.extend(bulk.describe(n, t) for n, t in tensors)
-        spare: list[codec.WireChunk] = []
         place = answers.into.place if answers.into is not None else None
-        reply = await link.request(
-            bulk.Frame(bulk.PUSH, head),
-            bulk.payload_of(t for _, t in tensors),
-            functools.partial(_receive, place, spare),
-            timeout,
-            uplink=self._uplink,
+        sink = _link.Sink(
+            functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
         )
-        for chunk in spare:
-            answers.add(shard, chunk)
-        self._checkpoint_step = max(self._checkpoint_step, reply.head.checkpoint_step)
-        return bool(reply.head.applied)
-
-    def _session(self, shard: int) -> _session.PushSession:
-        session = self._sessions.get(shard)
-        if session is None:
-            session = self._sessions[shard] = _session.PushSession(
-                lambda: self._stub(shard).PushSession(
-                    timeout=_session.STREAM_DEADLINE_S,
-                    metadata=self._metadata(),
-                    wait_for_ready=len(self._replicas[shard]) == 1,  # replicas: fail fast, fail over
-                )
-            )
-        return session
-
-    async def _push_session(self, shard: int, request: codec.WireMessage) -> Any:
-        """One whole push in one message over the shard's PushSession stream; returns its response.
-
-        Raises:
-            _session.SessionUnsupported: the shard has no PushSession (send it as a unary Push).
-            PSError: as the push.
-        """
-        timeout = self.config.timeout
-
-        async def attempt() -> Any:  # each attempt: the session of the shard's current replica
-            left = _retry.attempt_timeout(timeout)
-            # The stream's deadline is not this push's: the shard bounds its waits by this one.
-            request.header.timeout_s = left
-            return await self._session(shard).push(request, left)
-
-        return await self._call(shard, "PushSession", attempt)
-
-    async def _push_stream(
-        self,
-        shard: int,
-        header: ps_pb2.PushRequest,
-        tensors: list[tuple[str, np.ndarray]],
-        answers: _PushAnswers,
-    ) -> bool:
-        """A push too large for one message, as a PushStream in chunks; returns whether it was applied.
-
-        push_pull's values come back into ``answers``.
-        """
-
-        def messages() -> Iterable[codec.WireMessage]:
-            first = header
-            for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
-                yield codec.WireMessage(first, "grads", batch)
-                first = _EMPTY_PUSH  # the header fields travel in the first message only
-
-        applied = True
-
-        async def attempt() -> None:
-            nonlocal applied
-            applied = True  # a retried attempt starts over
-            answers.restart(shard)
-            async for resp in self._stub(shard).PushStream(_aiter(messages()), **self._kw(shard)):
-                applied = applied and resp.applied
-                self._checkpoint_step = max(self._checkpoint_step, resp.checkpoint_step)
-                for c in resp.values:
-                    answers.add(shard, c)
-
-        await self._call(shard, "PushStream", attempt)
-        return applied
+        answer = await self._shards[shard].request(Op.PUSH, header, tensors, sink)
+        self._checkpoint_step = max(self._checkpoint_step, answer.checkpoint_step)
+        return answer.applied
 
     # -- embedding tables -----------------------------------------------------
 
@@ -1207,11 +788,7 @@ class AsyncPSClient:
                 for batch in codec.wire_batches([(spec.name, value)], self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_CREATE, "values", batch)
 
-        resp = await self._call(
-            shard,
-            "CreateVariables",
-            lambda: self._stub(shard).CreateVariables(_aiter(messages()), **self._kw(shard)),
-        )
+        resp = await self._shards[shard].unary_stream("CreateVariables", messages)
         return bool(resp.created[0])
 
     async def _create_dynamic(
@@ -1292,36 +869,13 @@ class AsyncPSClient:
         return read.result()
 
     async def _lookup_call(self, shard: int, request: ps_pb2.LookupRequest) -> list[Any]:
-        """One Lookup on a shard: over its data port when it has one (cheaper than a unary gRPC call
-        at any size), else gRPC. Returns the answer's tensors, in the order asked.
+        """One Lookup on a shard; returns the answer's tensors, in the order asked.
 
         Raises:
             PSError: as the Lookup call.
         """
-
-        async def send(wire: Wire) -> list[Any]:
-            if wire is Wire.DATA_PORT:
-                return await self._call(shard, "Lookup", lambda: self._lookup_data_port(shard, request))
-            resp = await self._call(
-                shard, "Lookup", lambda: self._stub(shard).Lookup(request, **self._kw(shard))
-            )
-            return list(resp.values)
-
-        return await self._over_wire(Op.LOOKUP, shard, 0, send)
-
-    async def _lookup_data_port(self, shard: int, request: ps_pb2.LookupRequest) -> list[codec.WireChunk]:
-        """One attempt of a lookup over the shard's data port.
-
-        Raises:
-            _bulk.Unusable: the data port cannot be used (the link said why); SessionError, grpc.RpcError.
-        """
-        link = self._data_link(shard)
-        if link is None:
-            raise _bulk.Unusable
-        rows: list[codec.WireChunk] = []
-        timeout = _retry.attempt_timeout(self.config.timeout)
-        into = functools.partial(_receive, None, rows)
-        await link.request(bulk.Frame(bulk.LOOKUP, request), (), into, timeout)
+        rows: list[Any] = []
+        await self._shards[shard].request(Op.LOOKUP, request, (), _link.Sink(rows.append, restart=rows.clear))
         return rows
 
     async def export(
@@ -1365,9 +919,7 @@ class AsyncPSClient:
             while True:
                 request = ps_pb2.ScanRowsRequest(name=piece.stored_name, max_rows=max_rows, after=after)
                 shard = piece.shard
-                resp = await self._call(
-                    shard, "ScanRows", lambda r=request, s=shard: self._stub(s).ScanRows(r, **self._kw(s))
-                )
+                resp = await self._shards[shard].unary("ScanRows", request)
                 got = {c.name: codec.decode(c) for c in resp.values}
                 ids = got.get(embedding.ids_name(piece.stored_name))
                 rows = got.get(embedding.values_name(piece.stored_name))
@@ -1394,7 +946,7 @@ class AsyncPSClient:
         request = ps_pb2.LeaveRequest(worker_id=self.worker_id)
 
         async def leave_shard(shard: int) -> None:
-            await self._call(shard, "Leave", lambda: self._stub(shard).Leave(request, **self._kw(shard)))
+            await self._shards[shard].unary("Leave", request)
 
         await gather(leave_shard(s) for s in range(self.num_shards))
 
@@ -1407,9 +959,7 @@ class AsyncPSClient:
         request = ps_pb2.GetStatusRequest()
 
         async def status_of(shard: int) -> ps_pb2.GetStatusResponse:
-            return await self._call(
-                shard, "GetStatus", lambda: self._stub(shard).GetStatus(request, **self._kw(shard))
-            )
+            return await self._shards[shard].unary("GetStatus", request)
 
         return await gather(status_of(s) for s in range(self.num_shards))
 
@@ -1484,11 +1034,7 @@ class AsyncPSClient:
 
         async def update_on(shard: int, stored: list[str]) -> list[str]:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, params=params)
-            resp = await self._call(
-                shard,
-                "UpdateOptimizer",
-                lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
-            )
+            resp = await self._shards[shard].unary("UpdateOptimizer", request)
             return list(resp.names)
 
         changed = [n for names_ in await _each(update_on, per_shard) for n in names_]
@@ -1546,11 +1092,7 @@ class AsyncPSClient:
 
         async def replace_on(shard: int, stored: list[str]) -> None:
             request = ps_pb2.UpdateOptimizerRequest(names=stored, optimizer=spec, reset=True)
-            await self._call(
-                shard,
-                "UpdateOptimizer",
-                lambda: self._stub(shard).UpdateOptimizer(request, **self._kw(shard)),
-            )
+            await self._shards[shard].unary("UpdateOptimizer", request)
 
         await _each(replace_on, per_shard)
         return sorted(pieces)
@@ -1593,9 +1135,7 @@ class AsyncPSClient:
                 for batch in codec.wire_batches(tensors, self.config.chunk_bytes):
                     yield codec.WireMessage(_EMPTY_ASSIGN, "values", batch)
 
-            await self._call(
-                shard, "Assign", lambda: self._stub(shard).Assign(_aiter(messages()), **self._kw(shard))
-            )
+            await self._shards[shard].unary_stream("Assign", messages)
 
         risky = {s: t for s, t in per_shard.items() if not all(_finite(a) for _, a in t)}
         for shard, tensors in risky.items():
@@ -1637,9 +1177,7 @@ class AsyncPSClient:
         request = ps_pb2.SaveCheckpointRequest()
 
         async def save_on(shard: int) -> ps_pb2.SaveCheckpointResponse:
-            return await self._call(
-                shard, "SaveCheckpoint", lambda: self._stub(shard).SaveCheckpoint(request, **self._kw(shard))
-            )
+            return await self._shards[shard].unary("SaveCheckpoint", request)
 
         return await gather(save_on(s) for s in range(self.num_shards))
 
@@ -2029,56 +1567,10 @@ def _returned_rows(
     return out
 
 
-def _receive(
-    place: Callable[[Any], memoryview | None] | None,
-    spare: list[codec.WireChunk],
-    frame: bulk.Frame,
-    nbytes: int,
-) -> list[memoryview]:
-    """Where an answer's tensors are received: ``place(chunk)``'s view in the result, else a buffer of
-    their own (appended to ``spare`` as chunks for ``Gather.add``: rows of a table, or no ``place``).
-
-    Raises:
-        CodecError: a tensor that was not asked for, or a malformed description.
-    """
-    views = []
-    for chunk, size in zip(frame.tensors(), bulk.tensor_sizes(frame.tensors()), strict=True):
-        view = place(chunk) if place is not None and "\x00" not in chunk.name else None
-        if view is None:
-            view = memoryview(bytearray(size))
-            spare.append(codec.WireChunk(chunk.name, chunk.dtype, tuple(chunk.shape), 0, view))
-        views.append(view)
-    return views
-
-
 _INLINE_INIT_BYTES = 4 << 20  # a table piece's initial values above this are computed in a thread
 _INT32_IDS_MAX_ROWS = 2**31  # a fixed table's ids travel as int32 up to this many rows
-_UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
-_PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
-_SILENT_SHARD = (
-    "shard {address} accepts connections but sent no answer in {waited:.0f} s (gRPC channel {state}; its "
-    "log says why: a shard whose event loop is blocked logs where; `kill -USR1` on its process writes every "
-    "thread's stack there)"
-)
-
-
-def _no_answer(err: grpc.RpcError) -> bool:
-    """The client gave up waiting (its deadline), as opposed to a shard that answered with an error."""
-    details = err.details() or ""  # gRPC's: "Deadline Exceeded", "Stream removed (Deadline Exceeded)"
-    return err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (
-        "Deadline Exceeded" in details or details.startswith("no answer")
-    )
-
-
-# A push that failed for want of an answer may have reached the shard: say so, and what holds.
-_OUTCOME_UNKNOWN = (
-    "the push may or may not have been applied (never twice: the shard's push ledger applies each push at "
-    "most once); pull to see the values"
-)
-_EMPTY_PUSH = ps_pb2.PushRequest()
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 _EMPTY_CREATE = ps_pb2.CreateVariablesRequest()
-_DATA_PORT_REQUEST = ps_pb2.ShardDataPortRequest()
 
 
 def _finite(arr: np.ndarray) -> bool:
@@ -2092,11 +1584,6 @@ async def _each(fn: Callable[[int, Any], Awaitable[T]], per_shard: Mapping[int, 
         ((shard, work),) = per_shard.items()
         return [await fn(shard, work)]
     return await gather(fn(s, w) for s, w in per_shard.items())
-
-
-async def _aiter(items: Iterable[T]) -> Any:
-    for item in items:
-        yield item
 
 
 __all__ = ["AsyncPSClient", "PSError", "gather"]

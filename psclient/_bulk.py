@@ -5,7 +5,7 @@ costs a ``DataPort`` call (over the shard's authenticated gRPC channel: port and
 one-time nonce), a TCP connection to that port on the shard's host (TLS with
 the client's TLS settings) and the nonce handshake.
 
-A failed request raises a ``SessionError`` with the status the gRPC call would
+A failed request raises a ``RequestError`` with the status the gRPC call would
 have had, so the client's retries (UNAVAILABLE: pushes are idempotent), fail
 over and error types apply unchanged. ``Unusable`` means "use gRPC for this
 request": the shard serves no data port (``psserver --no-data-port``, or an
@@ -30,9 +30,8 @@ from typing import Final
 
 import grpc
 
-from psclient._session import SessionError
 from pscore import bulk, transport
-from pscore.errors import PSError, error_reason, status_from_number
+from pscore.errors import ERROR_REASON_KEY, PSError, error_reason, status_from_number
 from pscore.transport import Buffer, Into
 from psproto.v1 import ps_pb2
 
@@ -107,6 +106,27 @@ class Unusable(Exception):
     """The shard's data port cannot be used for this request: send it over gRPC (already logged)."""
 
 
+class RequestError(grpc.RpcError):
+    """A data-port request's failure, with the status a gRPC call would have had (reads like an aio
+    ``RpcError``, so that retries, failover and error types apply unchanged)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+        self._reason = reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The reason, as a unary call's ``ps-error-reason`` trailing metadata."""
+        return ((ERROR_REASON_KEY, self._reason),) if self._reason else ()
+
+
 class DataLink:
     """The data connections to one shard replica.
 
@@ -164,7 +184,7 @@ class DataLink:
                 self._fall_back(f"it serves no data port ({err.details()})", permanent=True)
                 raise Unusable from None
             # The shard is down, or refuses the token: as any call to it, named.
-            raise SessionError(err.code(), f"DataPort call: {err.details()}", error_reason(err)) from None
+            raise RequestError(err.code(), f"DataPort call: {err.details()}", error_reason(err)) from None
         try:
             conn = await transport.dial(
                 self._host,
@@ -178,7 +198,7 @@ class DataLink:
             )
         except transport.HandshakeTimeout as err:
             if timeout <= transport.HANDSHAKE_S:  # the caller's deadline ran out, not the port's bound
-                raise SessionError(
+                raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"the data port of {self.address}: {err}"
                 ) from None
             self._fall_back(
@@ -207,7 +227,7 @@ class DataLink:
 
         Raises:
             Unusable: use gRPC for this request.
-            SessionError: the request failed: the shard's answer, a broken connection
+            RequestError: the request failed: the shard's answer, a broken connection
                 (UNAVAILABLE) or no answer within ``timeout`` (DEADLINE_EXCEEDED).
             grpc.RpcError: the DataPort call failed.
             Exception: what ``into`` raised.
@@ -227,18 +247,18 @@ class DataLink:
                     reply, _ = await conn.recv(into)
             except TimeoutError:
                 conn.reset()
-                raise SessionError(
+                raise RequestError(
                     grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data port within {timeout:.3g} s"
                 ) from None
             except bulk.Closed:
                 if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
                     continue
-                raise SessionError(
+                raise RequestError(
                     grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
                 ) from None
             except PSError as err:
                 conn.reset()
-                raise SessionError(err.code, err.details) from None
+                raise RequestError(err.code, err.details) from None
             except BaseException:
                 conn.reset()
                 raise
@@ -248,7 +268,7 @@ class DataLink:
                 conn.reset()
             if reply.kind == bulk.ERROR:
                 code = status_from_number(reply.head.code)
-                raise SessionError(code, reply.head.message, reply.head.reason)
+                raise RequestError(code, reply.head.message, reply.head.reason)
             return reply
 
     def close(self) -> None:

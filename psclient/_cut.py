@@ -24,7 +24,7 @@ import contextlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pscore.errors import ConsistentCutError, DeadlineExceededError, PSError
 from psproto.v1 import ps_pb2
@@ -124,13 +124,13 @@ async def consistent_save(client: AsyncPSClient, timeout: float) -> list[ps_pb2.
 async def _call(client: AsyncPSClient, shard: int, method: str, request: object, timeout: float) -> object:
     """One RPC of the cut, retried (and failed over) on UNAVAILABLE within ``timeout``."""
 
-    def attempt() -> object:
-        stub = client._stub(shard)
-        kw = client._kw(shard)
-        kw["wait_for_ready"] = False  # a shard that is down fails the save now, not at the deadline
-        return getattr(stub, method)(request, **kw)
+    link = client._shards[shard]
 
-    return await client._call(shard, method, attempt, timeout=timeout)  # type: ignore[arg-type]
+    def attempt() -> Any:
+        # wait_for_ready=False: a shard that is down fails the save now, not at the deadline
+        return getattr(link.stub(), method)(request, **link.kw(wait_for_ready=False))
+
+    return await link.call(method, attempt, timeout=timeout)
 
 
 async def _abort(client: AsyncPSClient, cut_id: str) -> None:

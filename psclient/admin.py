@@ -109,9 +109,10 @@ def _tensor(info: ps_pb2.VariableInfo) -> StoredTensor:
 
 async def _one(client: AsyncPSClient, index: int, timeout: float, variables: bool) -> ShardStatus:
     address = client.config.addresses[index]
-    stub = client._stub(index)
-    channel = client._channels[index][client._current[index]]
-    kw: dict[str, Any] = {"timeout": timeout, "metadata": client._metadata()}
+    link = client._shards[index]
+    stub = link.stub()
+    channel = link.channel()
+    kw: dict[str, Any] = {"timeout": timeout, "metadata": link.metadata()}
     try:
         health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=SERVICE_NAME), **kw

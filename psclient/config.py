@@ -16,7 +16,7 @@ DEFAULT_TIMEOUT_S = 30.0  # per call; a first pull may wait for a shard that is 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message
 DEFAULT_UNARY_MAX_BYTES = 4 << 20  # payloads up to this go in one unary call (the fast path)
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # matches psserver's default --max-message-mib
-# Per shard: smaller pulls and pushes stay on gRPC (PushSession). 0: every one goes over the data port,
+# Per shard: smaller pulls and pushes stay on gRPC (unary calls). 0: every one goes over the data port,
 # which costs less CPU than gRPC at every size (a 1 KiB push: ~0.2 ms on each side against ~0.45 ms).
 DEFAULT_DATA_PORT_MIN_BYTES = 0
 

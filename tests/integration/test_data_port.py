@@ -37,7 +37,7 @@ GRPC = {"data_port": False, "partition_bytes": 64 << 10}
 
 def _used_data_port(client: psclient.AsyncPSClient) -> bool:
     """Whether the client has open data connections (private: they are not part of the API)."""
-    return any(link._idle for link in client._links.values())
+    return any(data._idle for link in client._shards for data in link.data_links.values())
 
 
 # -- speaking the protocol by hand ----------------------------------------------------
@@ -153,7 +153,9 @@ async def test_pull_push_and_push_pull_equal_the_grpc_path_bit_for_bit(
         for c, tag in ((tcp, "tcp"), (rpc, "grpc")):
             names = [f"{var_name}{tag}/{k}" for k in ("d", "i", "t")]
             values[tag] = await c.pull_with_versions(names)
-        assert _used_data_port(tcp) and not rpc._links  # data_port=False: not even tried
+        assert _used_data_port(tcp) and not any(
+            link.data_links for link in rpc._shards
+        )  # data_port=False: not even tried
     for k in ("d", "i", "t"):
         np.testing.assert_array_equal(
             values["tcp"][0][f"{var_name}tcp/{k}"], values["grpc"][0][f"{var_name}grpc/{k}"]
@@ -271,7 +273,7 @@ async def test_lookups_over_the_data_port_equal_the_lookup_call(cluster: LocalCl
         got, want = await tcp.lookup(table, ids), await rpc.lookup(table, ids)
         assert got.shape == (2, 3, 8)
         np.testing.assert_array_equal(got, want)
-        assert _used_data_port(tcp) and not rpc._links
+        assert _used_data_port(tcp) and not any(link.data_links for link in rpc._shards)
         # A lookup with a push, where a shard holds rows to read and none of the gradients.
         _, rows = await tcp.push_pull_lookup(
             {table: psclient.Rows(np.array([3]), np.ones((1, 8), np.float32))}, {table: [0, 3]}

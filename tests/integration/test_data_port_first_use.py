@@ -74,7 +74,7 @@ async def _workers(cluster: LocalCluster, tls: dict[str, str]) -> list[psclient.
             TABLE, None, 2, key_type="string", optimizer=psclient.SGD(1.0), initializer="zeros"
         )
         await w.create(DENSE, np.zeros(8, np.float32), optimizer=psclient.SGD(1.0))
-    assert not any(w._links for w in workers)
+    assert not any(link.data_links for w in workers for link in w._shards)
     return workers
 
 
@@ -101,7 +101,7 @@ async def _check(workers: list[psclient.AsyncPSClient], num_shards: int) -> None
     np.testing.assert_array_equal(values[DENSE], -3.0)  # the mean of 2 and 4
     np.testing.assert_array_equal(rows, -np.array([[1, 1], [3, 3], [2, 2], [0, 0]], np.float32))
     for w in workers:
-        links = {shard: w._links.get((shard, 0)) for shard in range(num_shards)}
+        links = {shard: w._shards[shard].data_links.get(0) for shard in range(num_shards)}
         assert all(link is not None and link.usable and link._idle for link in links.values()), (
             w.worker_id,
             links,
@@ -156,7 +156,7 @@ async def test_a_shard_that_stalls_during_the_first_handshake_keeps_its_data_por
         return negotiated
 
     for w in workers:
-        link = w._data_link(1)
+        link = w._shards[1].data_link()
         assert link is not None
         link._data_port = stall_after(link._data_port)
     try:
@@ -183,7 +183,7 @@ async def test_a_worker_connects_while_the_other_ones_push_waits_at_the_barrier(
             first = asyncio.ensure_future(workers[0].push(_grads(0), step=0))
             await asyncio.sleep(0.5)  # w0 connects and sends its pushes (2 x 80 bytes) to both barriers
             assert not first.done()  # held: the step needs w1
-            assert not workers[1]._links
+            assert not any(link.data_links for link in workers[1]._shards)
             assert await workers[1].push(_grads(1), step=0)
             assert await first
         await _check(workers, 2)

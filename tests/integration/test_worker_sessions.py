@@ -50,20 +50,20 @@ def _assert_conflict(result: object) -> None:
     assert isinstance(errors.from_rpc_error(result), psclient.WorkerIdConflictError)
 
 
-@pytest.mark.parametrize("path", ["session", "unary", "stream"])
+# Each wire a push can take: the data port (the default), a unary Push, a PushStream.
+WIRES = {"data_port": {}, "unary": {"data_port": False}, "stream": {"data_port": False, "unary_max_bytes": 0}}
+
+
+@pytest.mark.parametrize("path", list(WIRES))
 async def test_two_clients_with_one_worker_id_one_is_refused_and_no_push_is_dropped(
     cluster: LocalCluster, var_name: str, path: str
 ) -> None:
-    options = {"unary_max_bytes": 0} if path == "stream" else {}  # stream: every push is a PushStream
+    options = WIRES[path]
     async with (
         psclient.AsyncPSClient(cluster.addresses, worker_id=var_name, timeout=TIMEOUT_S, **options) as a,
         psclient.AsyncPSClient(cluster.addresses, worker_id=var_name, timeout=TIMEOUT_S, **options) as b,
     ):
         await a.create(var_name, np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
-        if path == "unary":
-            for c in (a, b):
-                for shard in range(c.num_shards):
-                    c._session(shard).supported = False
         acknowledged = {"a": 0, "b": 0}
         refused: dict[str, psclient.WorkerIdConflictError] = {}
 
