@@ -38,7 +38,7 @@ import logging
 import ssl
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
 import grpc
 import numpy as np
@@ -168,10 +168,10 @@ class DataPortServer:
         self._links.add(link)
         try:
             while link.open and not self.stopping:
-                buffers: list[np.ndarray] = []
+                received: list[Any] = []  # a push's buffer and its tensors' sizes
                 self._idle.add(task)
                 try:
-                    frame, _ = await link.recv(functools.partial(self._receive_into, buffers=buffers))
+                    frame, _ = await link.recv(functools.partial(self._receive_into, received=received))
                 except bulk.Closed:
                     return
                 except PSError as err:  # garbage, or a broken connection: drop it, serve the others
@@ -182,12 +182,12 @@ class DataPortServer:
                 self._busy.add(task)
                 self._quiet.clear()
                 try:
-                    await self._answer(link, frame, buffers[0] if buffers else None)
+                    await self._answer(link, frame, *received)
                 finally:
                     self._busy.discard(task)
                     if not self._busy:
                         self._quiet.set()
-                    del buffers
+                    del received
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
@@ -195,35 +195,41 @@ class DataPortServer:
             link.reset()
             self._links.discard(link)
 
-    def _receive_into(self, frame: bulk.Frame, nbytes: int, buffers: list[np.ndarray]) -> list[memoryview]:
-        """Where a request's payload goes: a push's gradients into a pooled buffer. Raises: CodecError."""
+    def _receive_into(self, frame: bulk.Frame, nbytes: int, received: list[Any]) -> list[memoryview]:
+        """Where a request's payload goes: a push's gradients into a pooled buffer (appended to ``received``
+        with the tensors' sizes). Raises: CodecError."""
         if frame.kind not in bulk.REQUESTS:
             raise codec.CodecError(f"a request cannot be a frame of kind {frame.kind}")
-        if sum(bulk.tensor_sizes(frame.tensors())) != nbytes:
+        sizes = bulk.tensor_sizes(frame.tensors())
+        if sum(sizes) != nbytes:
             raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
-        if not nbytes:
-            return []
-        buf = self.pool.take(nbytes)
-        buffers.append(buf)
-        return [memoryview(buf)[:nbytes]]
+        buf = self.pool.take(nbytes) if nbytes else None
+        received += (buf, sizes)
+        return [memoryview(buf)[:nbytes]] if buf is not None else []
 
-    async def _answer(self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None) -> None:
+    async def _answer(
+        self,
+        link: bulk.BulkConnection,
+        frame: bulk.Frame,
+        buf: np.ndarray | None = None,
+        sizes: list[int] | tuple[()] = (),
+    ) -> None:
         started = time.perf_counter()
         head = frame.head
         kind, rpc = frame.kind, bulk.REQUESTS[frame.kind]
         reply: bulk.Frame
         payload: list[memoryview] = []
         code = grpc.StatusCode.OK
-        request = head
         response = None
         try:
             if self.stopping:
                 raise UnavailableError("the shard is shutting down; retry on its restart")
             if kind == bulk.PUSH:
-                request = _push_request(head, buf)
                 if self._metrics is not None:
-                    self._metrics.push_received(head, sum(c.data.nbytes for c in request.grads))
-                response = await self._service.push_one(request, deadline_of(None, head.timeout_s))
+                    self._metrics.push_received(head, sum(sizes))
+                response = await self._service.push_one(
+                    _push_request(head, buf, sizes), deadline_of(None, head.timeout_s)
+                )
                 answer = response.header if isinstance(response, codec.WireMessage) else response
                 chunks = response.chunks if isinstance(response, codec.WireMessage) else []
                 answer.values.extend(_described(chunks))
@@ -263,9 +269,9 @@ class DataPortServer:
             if self._metrics is not None:
                 seconds = time.perf_counter() - started
                 if kind == bulk.PUSH:
-                    self._metrics.push_done(request, response, code, seconds, rpc)
+                    self._metrics.push_done(head, response, code, seconds, rpc)
                 elif kind == bulk.PULL:
-                    self._metrics.pull_done(request, code, seconds, rpc)
+                    self._metrics.pull_done(head, code, seconds, rpc)
                 else:  # as the Lookup call is counted
                     self._metrics.rpc_done(rpc, seconds, code)
         sent = sum(len(p) for p in payload)
@@ -278,9 +284,9 @@ class DataPortServer:
             self._metrics.pull_bytes.inc(sent)
 
 
-def _push_request(head: ps_pb2.PushRequest, buf: np.ndarray | None) -> codec.WireMessage:
-    """The push as ``Push`` gets it: the head's fields, each gradient a read-only view of the buffer."""
-    sizes = bulk.tensor_sizes(head.grads)
+def _push_request(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int]) -> codec.WireMessage:
+    """The push as ``Push`` gets it: the head's fields, each gradient (of ``sizes`` bytes) a read-only
+    view of the buffer."""
     view = memoryview(buf).toreadonly() if buf is not None else memoryview(b"")
     chunks, start = [], 0
     for chunk, size in zip(head.grads, sizes, strict=True):

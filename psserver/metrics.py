@@ -99,6 +99,8 @@ class ShardMetrics:
             return Counter(name, doc, ("shard", *labels), registry=reg)
 
         self._pushes = counter("psserver_pushes", "Push RPCs completed, by outcome", ("outcome",))
+        self._pushes_by_outcome: dict[str, Any] = {}  # the labelled children in use (see ``pushed``)
+        self._latency_by_rpc: dict[str, Any] = {}
         for outcome in ("applied", "duplicate", "stale"):  # present (at 0) before the first push
             self._pushes.labels(outcome=outcome, **label)
         self.pulls = counter("psserver_pulls", "Pull RPCs completed").labels(**label)
@@ -182,12 +184,20 @@ class ShardMetrics:
     # -- recording ----------------------------------------------------------
 
     def pushed(self, outcome: str) -> None:
-        self._pushes.labels(shard=str(self.shard), outcome=outcome).inc()
+        child = self._pushes_by_outcome.get(outcome)
+        if child is None:  # labels() looks the child up under a lock: once per outcome, not per push
+            child = self._pushes_by_outcome[outcome] = self._pushes.labels(
+                shard=str(self.shard), outcome=outcome
+            )
+        child.inc()
         if outcome == "stale":
             self.dropped_stale.inc()
 
     def rpc_done(self, rpc: str, seconds: float, code: grpc.StatusCode) -> None:
-        self._latency.labels(shard=str(self.shard), rpc=rpc).observe(seconds)
+        child = self._latency_by_rpc.get(rpc)
+        if child is None:
+            child = self._latency_by_rpc[rpc] = self._latency.labels(shard=str(self.shard), rpc=rpc)
+        child.observe(seconds)
         if code != grpc.StatusCode.OK:
             self._errors.labels(shard=str(self.shard), rpc=rpc, code=code.name).inc()
 

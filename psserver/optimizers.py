@@ -45,6 +45,7 @@ silently.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import ClassVar, Final
 
 import numpy as np
@@ -77,6 +78,12 @@ BLOCK_ELEMENTS: Final[int] = 1 << 16
 
 _F32: Final[np.dtype] = np.dtype(np.float32)
 _F16: Final[np.dtype] = np.dtype(np.float16)
+
+
+@functools.cache
+def _floating(dtype: np.dtype) -> bool:
+    """``np.issubdtype(dtype, np.floating)``, remembered per dtype (it runs on every push)."""
+    return bool(np.issubdtype(dtype, np.floating))
 
 
 class ServerOptimizer(abc.ABC):
@@ -393,9 +400,9 @@ class ServerOptimizer(abc.ABC):
     def _check(
         self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], iteration: int
     ) -> None:
-        if not np.issubdtype(value.dtype, np.floating):
+        if not _floating(value.dtype):
             raise TypeError(f"{self.name}: variables of dtype {value.dtype.name} are not trainable")
-        if not np.issubdtype(grad.dtype, np.floating):
+        if not _floating(grad.dtype):
             raise TypeError(f"{self.name}: gradient dtype {grad.dtype.name} is not floating point")
         if grad.shape != value.shape:
             raise ValueError(f"{self.name}: gradient shape {grad.shape} != variable shape {value.shape}")
@@ -407,7 +414,7 @@ class ServerOptimizer(abc.ABC):
                 raise ValueError(f"{self.name}: slot {slot!r} is missing (have {sorted(slots)})")
             if arr.shape != shape:
                 raise ValueError(f"{self.name}: slot {slot!r} has shape {arr.shape}, expected {shape}")
-            if not np.issubdtype(arr.dtype, np.floating):
+            if not _floating(arr.dtype):
                 raise ValueError(f"{self.name}: slot {slot!r} has non-float dtype {arr.dtype.name}")
             if not arr.flags.writeable:
                 raise ValueError(f"{self.name}: slot {slot!r} is read-only")

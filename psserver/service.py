@@ -368,7 +368,8 @@ class ShardService:
         grads = codec.Assembler()
         for chunk in request.grads:
             grads.add(chunk)
-        response, snapshot = await self.push(request, grads.result(), deadline)
+        header = request.header if isinstance(request, codec.WireMessage) else request  # fields read directly
+        response, snapshot = await self.push(header, grads.result(), deadline)
         if snapshot is None:
             return response
         response.versions.extend(version for _, _, version in snapshot)
