@@ -107,8 +107,8 @@ class Unusable(Exception):
 
 
 class RequestError(grpc.RpcError):
-    """A data-port request's failure, with the status a gRPC call would have had (reads like an aio
-    ``RpcError``, so that retries, failover and error types apply unchanged)."""
+    """A request's failure over the data port or a PushSession stream, with the status a gRPC call would
+    have had (reads like an aio ``RpcError``, so that retries, failover and error types apply unchanged)."""
 
     def __init__(self, code: grpc.StatusCode, details: str, reason: str = "") -> None:
         super().__init__(details)

@@ -11,7 +11,8 @@ a reachability watch (``psclient._reach``), and which replica is in use.
   replica that went quiet, a push whose outcome is unknown).
 - ``request`` sends a pull, a push (or push_pull) or a lookup over the wire
   ``psclient._wire.choose`` picks, and speaks that wire: one frame each way on
-  the data port, one message each way (unary), or a stream of chunks. The
+  the data port, one message each way on the shard's PushSession stream (small
+  pushes over gRPC) or in a unary call, or a stream of chunks. The
   answer's tensors go to a ``Sink`` as they arrive, whatever the wire; a wire
   that turns out unusable hands the request to the next one.
 
@@ -31,7 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from psclient import _bulk, _reach, _retry, _wire
+from psclient import _bulk, _reach, _retry, _session, _wire
 from psclient import _requests as rq
 from psclient._wire import Op, Wire
 from psclient.config import ClientConfig
@@ -59,13 +60,14 @@ _METHODS: dict[tuple[Op, Wire], str] = {
     (Op.PULL, Wire.UNARY): "Pull",
     (Op.PULL, Wire.STREAM): "PullStream",
     (Op.PUSH, Wire.DATA_PORT): "Push",
+    (Op.PUSH, Wire.SESSION): "PushSession",
     (Op.PUSH, Wire.UNARY): "Push",
     (Op.PUSH, Wire.STREAM): "PushStream",
     (Op.LOOKUP, Wire.DATA_PORT): "Lookup",
     (Op.LOOKUP, Wire.UNARY): "Lookup",
 }
 _FRAMES = {Op.PULL: bulk.PULL, Op.PUSH: bulk.PUSH, Op.LOOKUP: bulk.LOOKUP}
-_PUSH_METHODS = frozenset({"Push", "PushStream"})
+_PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _SILENT_SHARD = (
     "shard {address} accepts connections but sent no answer in {waited:.0f} s (gRPC channel {state}; its "
@@ -176,6 +178,8 @@ class ShardLink:
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[rpc.Stub] = []
         self._data: dict[int, _bulk.DataLink] = {}  # replica -> its data port
+        self._session: _session.PushSession | None = None  # small pushes over gRPC, to the replica in use
+        self._closing: set[asyncio.Future[None]] = set()  # sessions of replicas failed over from
         self._watches: dict[int, _reach.Watch] = {}  # replica -> its reachability
         self._last_failure: dict[int, str] = {}  # replica -> its last failed attempt
         self._closed = False
@@ -268,6 +272,11 @@ class ShardLink:
         self._last_failure[self.current] = _failure(err)
         old = self.replicas[self.current]
         self.current = (self.current + 1) % len(self.replicas)
+        session, self._session = self._session, None
+        if session is not None:  # its stream is bound to the old replica
+            closing = asyncio.ensure_future(session.close())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
         log.info(
             "shard %d: %s answered %s; trying %s",
             self.shard,
@@ -360,7 +369,24 @@ class ShardLink:
     def wire(self, op: Op, nbytes: int, *, after: Wire | None = None) -> Wire:
         """The wire of an ``op`` request of ``nbytes`` (``psclient._wire.choose``); ``after``: the wire
         that refused it."""
-        return _wire.choose(op, nbytes, self._config, lambda _: self.data_link() is not None, after=after)
+
+        def available(wire: Wire) -> bool:
+            if wire is Wire.DATA_PORT:
+                return self.data_link() is not None
+            return self.session().supported
+
+        return _wire.choose(op, nbytes, self._config, available, after=after)
+
+    def session(self) -> _session.PushSession:
+        """The PushSession stream to the replica in use (opened on its first push)."""
+        if self._session is None:
+            wait = len(self.replicas) == 1  # replicas: fail fast, fail over
+            self._session = _session.PushSession(
+                lambda: self.stub().PushSession(
+                    timeout=_session.STREAM_DEADLINE_S, metadata=self.metadata(), wait_for_ready=wait
+                )
+            )
+        return self._session
 
     async def request(
         self,
@@ -395,6 +421,10 @@ class ShardLink:
                 if wire is not Wire.DATA_PORT:
                     raise
                 # logged by the data link; the next wire
+            except _session.SessionUnsupported:
+                if wire is not Wire.SESSION:
+                    raise
+                log.info("shard %s has no PushSession; using unary Push", self.address)
             wire = self.wire(op, size, after=wire)
 
     async def _attempt(
@@ -407,12 +437,18 @@ class ShardLink:
             answer.read(op, await self._over_data_port(op, header, tensors, sink))
             return answer
         stub = self.stub()
-        if wire is Wire.UNARY:
+        if wire in (Wire.UNARY, Wire.SESSION):
             message = header
             if tensors:
                 chunks = [codec.WireChunk.of(n, t) for n, t in tensors]
                 message = codec.WireMessage(header, "grads", chunks)
-            responses: Any = _once(await getattr(stub, _METHODS[op, wire])(message, **self.kw()))
+            if wire is Wire.SESSION:
+                # The stream's deadline is not this push's: the shard bounds its waits by this one.
+                left = header.timeout_s = _retry.attempt_timeout(self._config.timeout)
+                response = await self.session().push(message, left)
+            else:
+                response = await getattr(stub, _METHODS[op, wire])(message, **self.kw())
+            responses: Any = _once(response)
         elif op is Op.PULL:
             responses = stub.PullStream(header, **self.kw())
         else:
@@ -458,13 +494,16 @@ class ShardLink:
         return reply.head
 
     async def close(self) -> None:
-        """Closes the data connections and the channels (idempotent)."""
+        """Closes the push session, the data connections and the channels (idempotent)."""
         self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
         links, self._data = self._data, {}
         for link in links.values():
             link.close()
         channels, self._channels, self._stubs = self._channels, [], []
-        await asyncio.gather(*(ch.close() for ch in channels), return_exceptions=True)
+        await asyncio.gather(*(ch.close() for ch in channels), *self._closing, return_exceptions=True)
 
 
 def _discard(chunk: Any) -> None:

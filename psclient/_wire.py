@@ -1,4 +1,4 @@
-"""Which wire a pull, push or lookup to one shard takes: its data port, a unary call or a stream.
+"""Which wire a pull, push or lookup to one shard takes: its data port, PushSession, a unary call or a stream.
 
 The rule, for one request to one shard of ``nbytes`` (the values pulled or the
 gradients pushed, per shard; a lookup's size does not matter):
@@ -8,12 +8,13 @@ gradients pushed, per shard; a lookup's size does not matter):
    the data port is usable now (not found unreachable lately, not refused).
 2. Otherwise a pull or push of more than ``config.unary_max_bytes``: a stream
    (PullStream / PushStream, in chunks of ``config.chunk_bytes``).
-3. Otherwise a unary call (Pull, Push, Lookup; a lookup is split into requests
-   of at most ``config.unary_max_bytes`` of rows by its caller, so it never
-   needs a stream).
+3. Otherwise a push: the shard's PushSession stream, unless the shard has none
+   (an older psserver); then, and for pulls and lookups: a unary call (a lookup
+   is split into requests of at most ``config.unary_max_bytes`` of rows by its
+   caller, so it never needs a stream).
 
-A data port that refuses a request once it was chosen (it cannot be reached,
-the shard serves none) hands it to the next wire down the list:
+A wire that refuses a request once it was chosen (the data port cannot be
+reached, the shard has no PushSession) hands it to the next wire down the list:
 ``choose(..., after=refused)``. Retries and failover happen within one wire.
 """
 
@@ -37,6 +38,7 @@ class Wire(enum.Enum):
     """How one request travels, in order of preference."""
 
     DATA_PORT = "data port"  # psclient._bulk.DataLink: one frame each way on a raw-TCP connection
+    SESSION = "PushSession"  # psclient._session.PushSession: one message on the shard's open stream
     UNARY = "unary"  # one gRPC call, one message each way (Pull, Push, Lookup)
     STREAM = "stream"  # one streaming gRPC call, in chunks (PullStream, PushStream)
 
@@ -60,17 +62,17 @@ def choose(
 
     >>> cfg = ClientConfig(addresses=("h:1",), data_port_min_bytes=1024)
     >>> choose(Op.PUSH, 100, cfg), choose(Op.PUSH, 4096, cfg), choose(Op.LOOKUP, 0, cfg)
-    (<Wire.UNARY: 'unary'>, <Wire.DATA_PORT: 'data port'>, <Wire.DATA_PORT: 'data port'>)
+    (<Wire.SESSION: 'PushSession'>, <Wire.DATA_PORT: 'data port'>, <Wire.DATA_PORT: 'data port'>)
     >>> choose(Op.PUSH, 4096, cfg, after=Wire.DATA_PORT)
-    <Wire.UNARY: 'unary'>
+    <Wire.SESSION: 'PushSession'>
 
     Args:
         op: pull, push or lookup.
         nbytes: the request's tensor bytes for this shard (a lookup's are not looked at).
         config: ``data_port``, ``data_port_min_bytes`` and ``unary_max_bytes`` are read.
-        available: whether the shard can take ``Wire.DATA_PORT`` now (its data port was not found
-            unreachable lately). Asked only when the rule would pick it, so that it may set up what
-            it checks on first use.
+        available: whether the shard can take ``Wire.DATA_PORT`` / ``Wire.SESSION`` now (its data
+            port was not found unreachable lately; it has PushSession). Asked only about a wire the
+            rule would pick, in order, so that it may set up what it checks on first use.
         after: the wire that refused this request: only wires after it in ``Wire`` are picked.
     """
 
@@ -82,4 +84,6 @@ def choose(
         return Wire.DATA_PORT
     if op is not Op.LOOKUP and nbytes > config.unary_max_bytes:
         return Wire.STREAM
+    if op is Op.PUSH and may(Wire.SESSION):
+        return Wire.SESSION
     return Wire.UNARY

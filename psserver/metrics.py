@@ -35,7 +35,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -649,6 +649,9 @@ class _MetricsInterceptor(HandlerWrappingInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
 
+        if rpc == "PushSession" and handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(_metered_session(m, handler.stream_stream), **kw)
+
         inner_su, inner_ss = handler.stream_unary, handler.stream_stream
 
         async def _requests(iterator: AsyncIterator[Any], seen: list[Any]) -> AsyncIterator[Any]:
@@ -705,6 +708,32 @@ class _MetricsInterceptor(HandlerWrappingInterceptor):
                 on_done(seen[0] if seen else None, first, code, started)
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, **kw)
+
+
+def _metered_session(m: ShardMetrics, inner: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+    """PushSession: each request message is one push and each response its outcome, counted like a Push."""
+
+    async def stream_stream(
+        iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        arrived: collections.deque[tuple[Any, float]] = collections.deque()
+
+        async def requests() -> AsyncIterator[Any]:
+            async for req in iterator:
+                m.push_received(req, _chunk_bytes(req.grads))
+                arrived.append((req, time.perf_counter()))
+                yield req
+
+        async for resp in inner(requests(), context):
+            req, started = arrived.popleft() if arrived else (None, time.perf_counter())
+            code = status_from_number(resp.code)
+            # A push, whichever RPC carried it.
+            m.push_done(req, resp, code, time.perf_counter() - started, "Push")
+            if code == grpc.StatusCode.OK and req is not None and req.return_values:
+                m.pull_bytes.inc(_chunk_bytes(resp.values))
+            yield resp
+
+    return stream_stream
 
 
 def _code_of(context: grpc.aio.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:

@@ -142,8 +142,8 @@ class Shard:
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops taking new work, finishes in-flight calls (up to ``grace_s``), runs shutdown hooks.
 
-        Long-lived streams that are idle (a backup's ``Replicate``, health
-        ``Watch``) end at once with UNAVAILABLE
+        Long-lived streams that are idle (clients' ``PushSession``, a backup's
+        ``Replicate``, health ``Watch``) end at once with UNAVAILABLE
         (``ParameterServerServicer.drain``, ``HealthServicer``), so an idle shard
         stops in about a second whatever the grace.
         """

@@ -51,8 +51,9 @@ def deadline_of(context: Any | None, timeout_s: float = 0.0) -> float | None:
 
     ``context`` is anything with gRPC's ``time_remaining()`` (a servicer
     context), or None where the call has no deadline of its own (the data port).
-    The data port has no deadline of its own: each request carries the time its
-    caller still waits (``PushRequest.timeout_s``, ``PullRequest.timeout_s``).
+    A PushSession stream has one long deadline for all its pushes, and the data
+    port none: each push carries the time its caller still waits
+    (``PushRequest.timeout_s``).
     """
     now = time.monotonic()
     left = context.time_remaining() if context is not None else None
@@ -160,7 +161,7 @@ class ShardService:
         self.backup = backup  # set when this process started as a backup (--backup-of)
         self.cuts = CutHolds(store, mode, checkpointer, shard=shard, num_shards=num_shards)
         self.step_cuts: StepCuts | None = None  # sync mode with a checkpoint dir: periodic checkpoints
-        self.stopping = False  # begin_drain() ran: barriers give up
+        self.stopping = False  # begin_drain() ran: sessions end, barriers give up
         self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
         self._quiet = asyncio.Event()  # set while _updating == 0
         self._quiet.set()
@@ -363,7 +364,7 @@ class ShardService:
     async def push_one(
         self, request: ps_pb2.PushRequest | codec.WireMessage, deadline: float | None
     ) -> ps_pb2.PushResponse | codec.WireMessage:
-        """One whole push in one message (Push, or the data port): ``push``, with
+        """One whole push in one message (Push, a message of PushSession, the data port): ``push``, with
         the values it returns (if any) as the response's ``values``. Raises: PSError, CodecError."""
         grads = codec.Assembler()
         for chunk in request.grads:

@@ -10,6 +10,7 @@ anything else propagates and gRPC reports UNKNOWN (and logs it).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -23,6 +24,7 @@ from pscore.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     PSError,
+    status_number,
 )
 from psproto.v1 import ps_pb2
 from psserver.replication import BACKUP_ADDRESS_KEY
@@ -98,16 +100,21 @@ class ParameterServerServicer:
     def __init__(self, service: ShardService) -> None:
         self.service = service
         self.data_port: DataPortServer | None = None  # the raw-TCP data port (psserver.dataport), if served
+        self._idle_sessions: set[asyncio.Task[Any]] = set()  # PushSession handlers waiting for a push
 
     async def drain(self, grace_s: float) -> None:
         """Shutdown (SIGTERM), once the server takes no new calls: ends what would hold it open.
 
-        Sync barriers and ssp waits give up with UNAVAILABLE, and once no
-        update is in flight (at most ``grace_s`` seconds) the backup's
-        ``Replicate`` stream ends, so that every update acknowledged to a client
-        is on the backup too. Clients retry (or fail over) as for any UNAVAILABLE.
+        Idle ``PushSession`` streams end at once with UNAVAILABLE (a busy one
+        after the push it is applying), sync barriers and ssp waits give up
+        with UNAVAILABLE, and once no update is in flight (at most ``grace_s``
+        seconds) the backup's ``Replicate`` stream ends, so that every update
+        acknowledged to a client is on the backup too. Clients retry (or fail
+        over) as for any UNAVAILABLE.
         """
         self.service.begin_drain()
+        for task in list(self._idle_sessions):
+            task.cancel()
         await self.service.finish_drain(grace_s)
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: PSError | codec.CodecError) -> None:
@@ -176,6 +183,39 @@ class ParameterServerServicer:
         self, request: ps_pb2.ScanRowsRequest, context: grpc.aio.ServicerContext
     ) -> ps_pb2.ScanRowsResponse:
         return self.service.scan_rows(request)
+
+    async def PushSession(
+        self, request_iterator: AsyncIterator[ps_pb2.PushRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ps_pb2.PushResponse | codec.WireMessage]:
+        # One push per message, answered in order; a failed push is reported in
+        # its response (code, message) and the stream goes on. On shutdown the
+        # stream ends with UNAVAILABLE as soon as it is idle (``drain``).
+        service = self.service
+        task = asyncio.current_task()
+        assert task is not None
+        requests = aiter(request_iterator)
+        while not service.stopping:
+            self._idle_sessions.add(task)
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not service.stopping:  # the call itself was cancelled
+                    raise
+                task.uncancel()  # drain() ended the wait for a push that may never come
+                break
+            finally:
+                self._idle_sessions.discard(task)
+            try:
+                response = await service.push_one(request, deadline_of(context, request.timeout_s))
+            except (PSError, codec.CodecError) as err:
+                code, message, reason = service.failure(err)
+                response = ps_pb2.PushResponse(code=status_number(code), message=message, reason=reason)
+            yield response
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"shard {service.shard} is shutting down; retry on its restart"
+        )
 
     @_translated_stream
     async def PushStream(

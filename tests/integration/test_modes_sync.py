@@ -112,7 +112,8 @@ async def test_barrier_timeout_names_missing_workers_and_step(make_cluster) -> N
 async def test_a_caller_deadline_below_the_barrier_timeout_names_the_missing_worker(make_cluster) -> None:
     """N = M = 3, two workers push, w2 is alive but never pushes; the clients' deadline (5 s) comes
     before the barrier timeout (60 s): each worker is told the step and who is missing, not just
-    that its own deadline passed (a push carries it: a data connection has none)."""
+    that its own deadline passed (a push carries it: a data connection has none, and a PushSession
+    stream's is long)."""
     cluster = make_cluster(num_shards=1, server_args=_sync_args(3, 3, timeout_s=60.0))
     clients = [psclient.AsyncPSClient(cluster.addresses, worker_id=f"w{i}", timeout=5.0) for i in range(3)]
     w0, w1, w2 = clients

@@ -123,8 +123,8 @@ def test_ps_process_shard_starts_from_tf_config_without_shard_flag(tmp_path: Pat
 def test_ps_process_sigterm_ends_idle_links_and_checkpoints_well_within_grace(
     make_cluster: Callable[..., LocalCluster], tmp_path: Path, wire: dict[str, bool]
 ) -> None:
-    # A client that pushed keeps its data connection (or, over gRPC, its channel) open; the shard must not
-    # wait out the grace for it.
+    # A client that pushed keeps its data connection (or, over gRPC, its PushSession stream) open; the
+    # shard must not wait out the grace for it.
     import numpy as np
 
     import psclient

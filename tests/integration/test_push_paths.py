@@ -1,4 +1,4 @@
-"""Integration: every gRPC way to push (Push, PushStream) hands the shard's one push routine
+"""Integration: every gRPC way to push (Push, PushSession, PushStream) hands the shard's one push routine
 (``ShardService.push``) the same request header, every ``PushRequest`` field included.
 
 The header is filled from ``PushRequest``'s descriptor, so a field added to the
@@ -18,6 +18,7 @@ from _support import CALL_TIMEOUT_S
 from google.protobuf.descriptor import FieldDescriptor
 
 from pscore import codec
+from pscore.errors import status_number
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ServerConfig
 from psserver.server import Shard, start
@@ -109,6 +110,7 @@ async def test_push_paths_hand_the_push_routine_every_header_field(
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as unary:
             await stub.Push(request, timeout=CALL_TIMEOUT_S)
+        (session,) = [r async for r in stub.PushSession(iter([request]), timeout=CALL_TIMEOUT_S)]
         # The header rides on the first message with half the gradient, the rest on a second one.
         first = ps_pb2.PushRequest()
         first.CopyFrom(header)
@@ -117,11 +119,12 @@ async def test_push_paths_hand_the_push_routine_every_header_field(
         with pytest.raises(grpc.aio.AioRpcError) as streamed:
             [r async for r in stub.PushStream(iter(messages), timeout=CALL_TIMEOUT_S)]
 
-    assert len(seen) == 2
-    for path, got in zip(["Push", "PushStream"], seen, strict=True):
+    assert len(seen) == 3
+    for path, got in zip(["Push", "PushSession", "PushStream"], seen, strict=True):
         missing = set_fields - {f.name for f, _ in got.ListFields()}
         assert not missing, f"{path} dropped {sorted(missing)}"
         assert got == header, f"{path} changed the header:\n{got}\nsent:\n{header}"
     # The lookup names a piece the shard does not hold: every path fails the same way, nothing applied.
     assert unary.value.code() == streamed.value.code() == grpc.StatusCode.NOT_FOUND
+    assert session.code == status_number(grpc.StatusCode.NOT_FOUND)
     assert shard.store.pushes == 0

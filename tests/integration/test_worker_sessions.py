@@ -50,8 +50,14 @@ def _assert_conflict(result: object) -> None:
     assert isinstance(errors.from_rpc_error(result), psclient.WorkerIdConflictError)
 
 
-# Each wire a push can take: the data port (the default), a unary Push, a PushStream.
-WIRES = {"data_port": {}, "unary": {"data_port": False}, "stream": {"data_port": False, "unary_max_bytes": 0}}
+# Each wire a push can take: the data port (the default), PushSession, a unary Push (a shard without
+# PushSession), a PushStream.
+WIRES = {
+    "data_port": {},
+    "session": {"data_port": False},
+    "unary": {"data_port": False},
+    "stream": {"data_port": False, "unary_max_bytes": 0},
+}
 
 
 @pytest.mark.parametrize("path", list(WIRES))
@@ -64,6 +70,10 @@ async def test_two_clients_with_one_worker_id_one_is_refused_and_no_push_is_drop
         psclient.AsyncPSClient(cluster.addresses, worker_id=var_name, timeout=TIMEOUT_S, **options) as b,
     ):
         await a.create(var_name, np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+        if path == "unary":
+            for c in (a, b):
+                for link in c._shards:
+                    link.session().supported = False
         acknowledged = {"a": 0, "b": 0}
         refused: dict[str, psclient.WorkerIdConflictError] = {}
 

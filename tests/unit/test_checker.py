@@ -123,14 +123,14 @@ def test_errors_name_a_replica() -> None:
     assert report.kinds() == {"nameless_error": 1}
     assert check([*valid_async(), nameless]).ok  # no addresses: not checked
     pair = push("c0", 20.0, 21.0, "nem/c0", ok=False)
-    pair.error = f"no answer to the push within 10 s (Push on {P}|{B})"
+    pair.error = f"no answer to the push within 10 s (PushSession on {P}|{B})"
     report = check([*valid_async(), pair], addresses=[P, B])
     assert report.kinds() == {"pair_only_error": 1}, report.summary()
     report = check([*valid_async(), pair], addresses=[P, B], replica_named=False)
     assert report.ok and report.stats["errors_naming_only_the_pair"] == 1, report.summary()
     assert any("name the pair" in n for n in report.notes)
     named = push("c0", 20.0, 21.0, "nem/c0", ok=False)
-    named.error = f"shard 0: {P}, the replica asked last, gave no answer in 3.0 s (Push on {P}|{B})"
+    named.error = f"shard 0: {P}, the replica asked last, gave no answer in 3.0 s (PushSession on {P}|{B})"
     assert check([*valid_async(), named], addresses=[P, B]).ok
     assert check(valid_async(), addresses=[P, B]).stats["errors_naming_only_the_pair"] == 0
 

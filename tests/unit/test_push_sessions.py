@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import psclient
-from psclient import _bulk, _retry
+from psclient import _bulk, _retry, _session
 from pscore import codec, errors
 from pscore.errors import WorkerIdConflictError
 from pscore.optimizers import SGD
@@ -195,3 +195,34 @@ def test_client_maps_the_conflict_reason_to_worker_id_conflict_error_and_never_r
 def test_client_sessions_are_random_and_nonzero() -> None:
     clients = [psclient.AsyncPSClient(["127.0.0.1:1"], worker_id="w") for _ in range(4)]
     assert len({c.session for c in clients}) == 4 and all(0 < c.session < 2**64 for c in clients)
+
+
+async def test_a_push_written_after_the_shard_refused_the_stream_falls_back_to_unary() -> None:
+    """The shard answered UNIMPLEMENTED (an older psserver) before the reader saw it: the push written
+    to the ended stream must still say "unsupported", so the client sends a unary Push instead."""
+
+    class _Refused:
+        def __aiter__(self) -> _Refused:
+            return self
+
+        async def __anext__(self) -> None:
+            await asyncio.Event().wait()  # the reader has not seen the end yet
+
+        async def write(self, request: object) -> None:
+            raise asyncio.InvalidStateError("the stream has ended")
+
+        async def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNIMPLEMENTED
+
+        async def details(self) -> str:
+            return "Method not implemented!"
+
+        def cancel(self) -> None:
+            pass
+
+    session = _session.PushSession(_Refused)
+    async with asyncio.timeout(10):
+        with pytest.raises(_session.SessionUnsupported):
+            await session.push(ps_pb2.PushRequest(worker_id="w", seq=1), 5.0)
+        await session.close()
+    assert not session.supported
