@@ -128,6 +128,9 @@ def family_of(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
 
 
+READ_AHEAD_BYTES = 64 << 10  # a plain connection's read-ahead buffer (see ``Conn.recv_exactly``)
+
+
 class Conn:
     """A plain data connection: the (non-blocking) socket, read and written at once when it can be, and
     through the event loop's ``sock_*`` calls when it has to wait.
@@ -139,6 +142,8 @@ class Conn:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self._ahead: memoryview | None = None  # bytes read past what was asked (made on first use)
+        self._lo = self._hi = 0  # ``_ahead[_lo:_hi]`` is read and not yet taken
 
     async def handshake(self) -> None:
         """Nothing to negotiate on a plain connection."""
@@ -154,15 +159,34 @@ class Conn:
             await asyncio.get_running_loop().sock_sendall(self.sock, view[sent:])
 
     async def recv_exactly(self, view: memoryview) -> None:
-        """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError."""
+        """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError.
+
+        A read for fewer than ``READ_AHEAD_BYTES / 2`` bytes asks the socket for up to
+        ``READ_AHEAD_BYTES``: a small frame's prefix, head and payload then come in one system
+        call, and the next reads take them from memory. A larger read goes straight into ``view``.
+        """
         got, n = 0, len(view)
+        if self._hi > self._lo:
+            got = min(n, self._hi - self._lo)
+            view[:got] = self._ahead[self._lo : self._lo + got]  # type: ignore[index]
+            self._lo += got
         while got < n:
+            need = n - got
+            ahead = need < READ_AHEAD_BYTES // 2
+            if ahead and self._ahead is None:
+                self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
+            target = self._ahead if ahead else view[got:]
             try:
-                k = self.sock.recv_into(view[got:])
+                k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
-                k = await asyncio.get_running_loop().sock_recv_into(self.sock, view[got:])
+                k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
+            if ahead:
+                take = min(k, need)
+                view[got : got + take] = self._ahead[:take]  # type: ignore[index]
+                self._lo, self._hi = take, k
+                k = take
             got += k
 
     def close(self) -> None:
