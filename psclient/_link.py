@@ -83,10 +83,6 @@ _DATA_PORT_REQUEST = ps_pb2.ShardDataPortRequest()
 _EMPTY_PUSH = ps_pb2.PushRequest()
 
 
-def _nothing() -> None:
-    pass
-
-
 @dataclass(frozen=True)
 class Sink:
     """Where the tensors of a request's answer go, over any wire.
@@ -100,7 +96,7 @@ class Sink:
 
     add: Callable[[Any], None]
     place: Callable[[ps_pb2.TensorChunk], memoryview | None] | None = None
-    restart: Callable[[], None] = _nothing
+    restart: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -411,7 +407,7 @@ class ShardLink:
             PSError: the request failed (retries and failover are done).
         """
         size = sum(t.nbytes for _, t in tensors) if nbytes is None else nbytes
-        into = sink or Sink(_discard)
+        into = sink or Sink(lambda chunk: None)
         wire = self.wire(op, size)
         while True:
             attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
@@ -437,27 +433,25 @@ class ShardLink:
             answer.read(op, await self._over_data_port(op, header, tensors, sink))
             return answer
         stub = self.stub()
-        if wire in (Wire.UNARY, Wire.SESSION):
-            message = header
-            if tensors:
-                chunks = [codec.WireChunk.of(n, t) for n, t in tensors]
-                message = codec.WireMessage(header, "grads", chunks)
-            if wire is Wire.SESSION:
-                # The stream's deadline is not this push's: the shard bounds its waits by this one.
-                left = header.timeout_s = _retry.attempt_timeout(self._config.timeout)
-                response = await self.session().push(message, left)
+        if wire is Wire.STREAM:
+            if op is Op.PULL:
+                responses = stub.PullStream(header, **self.kw())
             else:
-                response = await getattr(stub, _METHODS[op, wire])(message, **self.kw())
-            responses: Any = _once(response)
-        elif op is Op.PULL:
-            responses = stub.PullStream(header, **self.kw())
+                messages = _push_messages(header, tensors, self._config.chunk_bytes)
+                responses = stub.PushStream(stream_of(messages), **self.kw())
+            async for response in responses:  # each message's tensors as it comes
+                _take(op, response, sink, answer)
+            return answer
+        message = header
+        if tensors:
+            message = codec.WireMessage(header, "grads", [codec.WireChunk.of(n, t) for n, t in tensors])
+        if wire is Wire.SESSION:
+            # The stream's deadline is not this push's: the shard bounds its waits by this one.
+            left = header.timeout_s = _retry.attempt_timeout(self._config.timeout)
+            response = await self.session().push(message, left)
         else:
-            messages = _push_messages(header, tensors, self._config.chunk_bytes)
-            responses = stub.PushStream(stream_of(messages), **self.kw())
-        async for response in responses:  # a stream's messages are taken in as they come
-            for chunk in response.values:
-                sink.add(chunk)
-            answer.read(op, response)
+            response = await getattr(stub, _METHODS[op, wire])(message, **self.kw())
+        _take(op, response, sink, answer)
         return answer
 
     async def _over_data_port(
@@ -506,8 +500,11 @@ class ShardLink:
         await asyncio.gather(*(ch.close() for ch in channels), *self._closing, return_exceptions=True)
 
 
-def _discard(chunk: Any) -> None:
-    pass
+def _take(op: Op, response: Any, sink: Sink, answer: Answer) -> None:
+    """One gRPC answer message: its tensors to ``sink``, the rest to ``answer``."""
+    for chunk in response.values:
+        sink.add(chunk)
+    answer.read(op, response)
 
 
 def _push_messages(
@@ -518,10 +515,6 @@ def _push_messages(
     for batch in codec.wire_batches(list(tensors), chunk_bytes):
         yield codec.WireMessage(first, "grads", batch)
         first = _EMPTY_PUSH
-
-
-async def _once(item: T) -> AsyncIterator[T]:
-    yield item
 
 
 async def stream_of(items: Iterable[T]) -> AsyncIterator[T]:

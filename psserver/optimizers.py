@@ -150,7 +150,7 @@ class ServerOptimizer(abc.ABC):
         The moving average (``use_ema``) starts as a copy of ``value``. A variable
         whose dtype is not floating point is not trainable and gets no slots.
         """
-        if not np.issubdtype(value.dtype, np.floating):
+        if not _floating(value.dtype):
             return {}
         return {
             slot: (
