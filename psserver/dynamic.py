@@ -80,7 +80,7 @@ _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs 
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
 # the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
-# and its tier flag (on_disk: 1).
+# and its tier flag (on_disk: 1); with a TTL, its older copy's stamps (disk_stamps: 8 B per TTL kind).
 _ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
 _MIN_HOT_ROWS = 64
 _RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
@@ -382,6 +382,9 @@ class DynamicRows:
         # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
         self.on_disk = np.zeros(rows, bool)
         self.stale = 0
+        # With an expiry index (a TTL): the stamps of each older copy (``DiskTier.stamps``), whose index
+        # entries its next spill replaces without reading it first.
+        self.disk_stamps: np.ndarray | None = None
         self.free = np.arange(rows - 1, -1, -1, dtype=np.int64)  # a stack: the top is free[nfree - 1]
         self.nfree = rows
         self.sketch = CountMinSketch(config.sketch_width) if config.min_count > 1 else None
@@ -431,7 +434,7 @@ class DynamicRows:
         row = np.zeros((1, dim), dtype)
         slots = optimizer.init_slots(row)
         per_row = row.nbytes + sum(a.nbytes for a in slots.values() if a.shape == (1, dim))
-        per_row += _ROW_BOOKKEEPING_BYTES
+        per_row += _ROW_BOOKKEEPING_BYTES + 8 * (bool(config.ttl_steps) + bool(config.ttl_seconds))
         sketch = len(_SKETCH_SEEDS) * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
         rows = (memory_bytes - sketch) // per_row
         if rows < _MIN_HOT_ROWS:
@@ -451,7 +454,11 @@ class DynamicRows:
         dim = self.config.dim
         row_slots = {k: a.dtype for k, a in holder.slots.items() if a.shape == (self.allocated, dim)}
         record = record_dtype(dim, self.dtype, row_slots)
-        self.tier = DiskTier(tier.piece_dir(name), record, tier.disk_bytes, self.config.table)
+        c = self.config
+        expiry = [kind for kind, ttl in (("last_step", c.ttl_steps), ("last_time", c.ttl_seconds)) if ttl]
+        self.tier = DiskTier(tier.piece_dir(name), record, tier.disk_bytes, c.table, expiry)
+        if self.tier.stamps is not None:
+            self.disk_stamps = np.zeros(self.allocated, self.tier.stamps)
 
     def close(self) -> None:
         """Closes and removes the disk tier (the piece is dropped)."""
@@ -463,6 +470,7 @@ class DynamicRows:
     def nbytes(self) -> int:
         """Bytes of bookkeeping (index, per-row counters, sketch), besides the rows and slots."""
         meta = self.index.nbytes + self.slot_ids.nbytes * 4 + self.live.nbytes + self.free.nbytes
+        meta += self.disk_stamps.nbytes if self.disk_stamps is not None else 0
         return meta + (self.sketch.nbytes if self.sketch is not None else 0)
 
     def proto_stats(self, holder: Holder | None = None) -> ps_pb2.DynamicStats:
@@ -709,14 +717,20 @@ class DynamicRows:
             )
         clock = self.clock + 1
         expired_hot = expired_cold = ids[:0]
+        outdated = hot[:0]  # rows in memory whose older copy on disk has expired: the copy goes
         sweep = self._sweep_due(clock, now)
         if sweep:
             expired_hot = self._expired(clock, now, protect=hot)
             cold_old = tier.expired(
                 clock - c.ttl_steps if c.ttl_steps else None, now - c.ttl_seconds if c.ttl_seconds else None
             )
-            cold_old = cold_old[self.index.get(cold_old) < 0]  # older copies: rows in memory decide
-            expired_cold = np.setdiff1d(cold_old, fill_ids)  # rows of this push are kept (protected)
+            at = self.index.get(cold_old)
+            # Older copies: rows in memory decide. The copy is deleted (the next sweep need not find it
+            # again), unless its row expires now (``gone`` below) or is spilled over it (a victim below).
+            outdated = np.setdiff1d(at[at >= 0], expired_hot, assume_unique=True)
+            cold_old = cold_old[at < 0]
+            # Rows of this push are kept (protected).
+            expired_cold = np.setdiff1d(cold_old, fill_ids, assume_unique=True)
         need = fill_ids.size + admitted
         room = self.nfree + expired_hot.size + (self.hot_rows - self.allocated)
         victims = ids[:0]
@@ -733,10 +747,22 @@ class DynamicRows:
                 )
             victims = self.victims(candidates, need - room + self.hot_rows // _EVICT_SLACK)
         gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
-        tier.write(self.slot_ids[victims], self._records(holder, victims), delete=(expired_cold, gone))
+        outdated = np.setdiff1d(outdated, victims, assume_unique=True)
+        older = None
+        if self.disk_stamps is not None:
+            at = np.flatnonzero(self.on_disk[victims])
+            older = (at, self.disk_stamps[victims[at]])
+        tier.write(
+            self.slot_ids[victims],
+            self._records(holder, victims),
+            delete=(expired_cold, gone, self.slot_ids[outdated]),
+            older=older,
+        )
         # Nothing below fails.
         if sweep:
             self.last_sweep = (clock, now)
+            self.on_disk[outdated] = False
+            self.stale -= outdated.size
             if expired_hot.size:
                 self._release(expired_hot)
             self.stats.expired += expired_hot.size + expired_cold.size
@@ -757,6 +783,9 @@ class DynamicRows:
                 if a.shape == (self.allocated, c.dim):
                     a[rows] = records[f"slot_{k}"]
             self.on_disk[rows] = True
+            if self.disk_stamps is not None:
+                for k in self.disk_stamps.dtype.names or ():
+                    self.disk_stamps[k][rows] = records[k]
             self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
 
@@ -795,8 +824,10 @@ class DynamicRows:
                 slots[k][:old] = a
             else:
                 slots[k] = a
-        for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk"):
+        for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk", "disk_stamps"):
             arr = getattr(self, name)
+            if arr is None:
+                continue
             grown = np.zeros(rows, arr.dtype)
             grown[:old] = arr
             setattr(self, name, grown)

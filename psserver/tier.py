@@ -25,6 +25,12 @@ map; every write transaction first has the disk allocate the blocks it can
 reach (``posix_fallocate``), so a full disk is a ``TierFullError`` before the
 transaction, never a SIGBUS while writing the map.
 
+A piece whose table has a TTL keeps an expiry index beside its records: one
+LMDB database per TTL kind (``ttl_steps``, ``ttl_seconds``) whose keys are a
+record's ``last_step`` (or ``last_time``), order-preserving, then its id, written
+in the same transaction as the record. A sweep (``expired``) reads the index
+from its start up to the cut: its cost is the rows it finds, not the tier's size.
+
 The tier is a spill space, not a durable store: durability comes from
 checkpoints (which read every cold row) and backups (which have their own
 tier), so it is written without fsync and wiped when a piece is created.
@@ -67,6 +73,9 @@ CHUNK_ROWS = 1 << 16  # rows a restore's write or an export's read handles at on
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
+# The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
+EXPIRY_KINDS = ("last_step", "last_time")
+_ROWS_DB = b"rows"
 
 
 class TierFullError(ResourceExhaustedError):
@@ -230,6 +239,23 @@ def _ids(keys: list[bytes]) -> np.ndarray:
     return (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
 
 
+def _ordered(stamps: np.ndarray) -> np.ndarray:
+    """Stamps (int64 steps or float64 times) as uint64 whose unsigned order is the stamps' order."""
+    if stamps.dtype.kind == "f":
+        bits = (np.asarray(stamps, np.float64) + 0.0).view(np.uint64)  # + 0.0: -0.0 is 0.0
+        return np.where(bits & _SIGN, ~bits, bits | _SIGN)
+    return np.ascontiguousarray(stamps, np.int64).view(np.uint64) ^ _SIGN
+
+
+def _stamp_keys(stamps: np.ndarray, ids: np.ndarray) -> list[bytes]:
+    """An expiry index's keys: 8 bytes of the stamp (``_ordered``, big-endian), then the id's 8."""
+    keys = np.empty(ids.size, [("stamp", ">u8"), ("id", ">u8")])
+    keys["stamp"] = _ordered(stamps)
+    keys["id"] = np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN
+    out: list[bytes] = keys.view("V16").tolist()
+    return out
+
+
 @dataclasses.dataclass(slots=True)
 class TierStats:
     """Counters of one piece's tier since the shard started (metrics, ``psctl status``)."""
@@ -251,12 +277,16 @@ class DiskTier:
         record: the numpy structured dtype of one row's record (``record_dtype``).
         disk_bytes: the environment's size limit.
         table: the table's name (for messages).
+        expiry: the record fields (``EXPIRY_KINDS``) to keep an expiry index by: ``last_step`` for a
+            table with ``ttl_steps``, ``last_time`` with ``ttl_seconds``.
 
     Raises:
         TierDirError: the environment cannot be created there.
     """
 
-    def __init__(self, path: Path, record: np.dtype, disk_bytes: int, table: str) -> None:
+    def __init__(
+        self, path: Path, record: np.dtype, disk_bytes: int, table: str, expiry: Iterable[str] = ()
+    ) -> None:
         self.path = path
         self.record = record
         self.table = table
@@ -279,7 +309,10 @@ class DiskTier:
                 # map, sparse: writes go only to blocks ``_reserve`` allocated first, so a full disk is a
                 # TierFullError before a transaction, never a SIGBUS in one.
                 writemap=True,
+                max_dbs=1 + len(EXPIRY_KINDS),
             )
+            self._rows = self.env.open_db(_ROWS_DB)
+            self._expiry = {kind: self.env.open_db(kind.encode()) for kind in EXPIRY_KINDS if kind in expiry}
             self._fd = os.open(path / "data.mdb", os.O_RDWR)
         except (OSError, lmdb.Error) as err:
             raise TierDirError(
@@ -332,7 +365,7 @@ class DiskTier:
         vals: list[bytes | None] = []
         if ask.size:
             with self.env.begin(buffers=False) as txn:
-                vals = [txn.get(k) for k in _keys(ids[ask])]
+                vals = [txn.get(k, db=self._rows) for k in _keys(ids[ask])]
             self.stats.reads += 1
         got = np.array([v is not None for v in vals], bool)
         found[known] = True
@@ -355,17 +388,31 @@ class DiskTier:
             keep = ~np.isin(self._recent_ids, np.concatenate(changed))
             self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
 
-    def write(self, ids: np.ndarray, records: np.ndarray, delete: Iterable[np.ndarray] = ()) -> None:
+    @property
+    def stamps(self) -> np.dtype | None:
+        """The structured dtype of a record's expiry stamps (the fields its indexes order by), or None."""
+        return np.dtype([(k, self.record[k]) for k in self._expiry]) if self._expiry else None
+
+    def write(
+        self,
+        ids: np.ndarray,
+        records: np.ndarray,
+        delete: Iterable[np.ndarray] = (),
+        older: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
+
+        ``older``: with an expiry index, which of ``ids`` have an older copy on disk (their positions in
+        ``ids``) and that copy's stamps (``stamps``), whose index entries go; the others have none.
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
-            InternalError: another LMDB failure; nothing was written.
+            InternalError: another LMDB failure, or ``older`` is not what the disk holds; nothing was written.
         """
         ids = np.asarray(ids, np.int64)
         dels = [np.asarray(d, np.int64) for d in delete]
         if ids.size or any(d.size for d in dels):
-            self._transaction(ids.size, [(ids, records)] if ids.size else [], dels)
+            self._transaction(ids.size, [(ids, records, older)] if ids.size else [], dels)
 
     def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """Puts ``count`` rows given as ``(ids, records)`` chunks: one transaction, built a chunk at a time
@@ -377,38 +424,60 @@ class DiskTier:
             InternalError: another LMDB failure; nothing was written.
         """
         if count:
-            self._transaction(count, chunks, [], append=not self._count)
+            self._transaction(count, ((i, r, None) for i, r in chunks), [], fresh=not self._count)
 
     def _transaction(
         self,
         count: int,
-        chunks: Iterable[tuple[np.ndarray, np.ndarray]],
+        chunks: Iterable[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]],
         dels: list[np.ndarray],
-        append: bool = False,
+        fresh: bool = False,
     ) -> None:
-        """One write transaction: the deletes, then the chunks' puts (``count`` rows in all)."""
+        """One write transaction: the deletes, then the chunks' puts (``count`` rows in all), each with its
+        expiry index entries. A chunk: ``(ids, records, older)`` (``write``). ``fresh``: the tier is empty
+        (no older copies; ascending ids are appended)."""
         self._forget(dels)  # before the write: a failed one may have changed nothing, or not
-        self._reserve(count + sum(d.size for d in dels))
+        self._reserve((count + sum(d.size for d in dels)) * (1 + 2 * len(self._expiry)))
         last: int | None = None
+        append = fresh
         try:
             with self.env.begin(write=True) as txn:
                 for d in dels:
-                    for k in _keys(d):
-                        txn.delete(k)
-                cur = txn.cursor()
-                for ids, records in chunks:
+                    keys = _keys(d)
+                    if self._expiry:
+                        olds = [txn.pop(k, db=self._rows) for k in keys]
+                        had = np.array([v is not None for v in olds], bool)
+                        if had.any():
+                            gone = np.frombuffer(b"".join(v for v in olds if v is not None), self.record)
+                            self._unindex(txn, d[had], gone)
+                    else:
+                        for k in keys:
+                            txn.delete(k, db=self._rows)
+                cur = txn.cursor(db=self._rows)
+                for ids, records, older in chunks:
                     ids = np.asarray(ids, np.int64)
                     if not ids.size:
                         continue
                     self._forget([ids])
+                    keys = _keys(ids)
+                    if self._expiry and older is not None:  # the older copies' index entries go
+                        at, stamps = older
+                        self._unindex(txn, ids[at], stamps)
                     # Appended while every chunk so far ascends from the last: a put out of order would fail.
                     append = append and bool(np.all(ids[1:] > ids[:-1])) and (last is None or ids[0] > last)
                     last = int(ids[-1])
-                    rec = np.ascontiguousarray(records, self.record).view(f"V{self.record.itemsize}")
-                    items = list(zip(_keys(ids), rec.tolist(), strict=True))
+                    records = np.ascontiguousarray(records, self.record)
+                    rec = records.view(f"V{self.record.itemsize}")
+                    items = list(zip(keys, rec.tolist(), strict=True))
                     consumed, _ = cur.putmulti(items, overwrite=True, append=append)
                     if consumed != len(items):
                         raise lmdb.Error(f"{consumed} of {len(items)} rows written")
+                    for kind, db in self._expiry.items():
+                        entries = [(k, b"") for k in _stamp_keys(records[kind], ids)]
+                        consumed, _ = txn.cursor(db=db).putmulti(entries)
+                        if consumed != len(entries):
+                            raise lmdb.Error(f"{consumed} of {len(entries)} expiry index entries written")
+                entries = int(txn.stat(self._rows)["entries"])
         except (lmdb.MapFullError, lmdb.DiskError) as err:
             raise TierFullError(
                 f"table {self.table!r}: its disk tier is full ({type(err).__name__}: {err}; limit "
@@ -420,8 +489,15 @@ class DiskTier:
                 f"table {self.table!r}: disk tier write failed ({type(err).__name__}: {err}); "
                 "nothing was applied"
             ) from None
-        self._count = int(self.env.stat()["entries"])
+        self._count = entries
         self.stats.spilled += count
+
+    def _unindex(self, txn: lmdb.Transaction, ids: np.ndarray, stamps: np.ndarray) -> None:
+        """Deletes the expiry index entries of ``ids``' records, whose stamps (or records) are ``stamps``."""
+        for kind, db in self._expiry.items():
+            for k in sorted(_stamp_keys(stamps[kind], ids)):  # in key order: each page is written once
+                if not txn.delete(k, db=db):
+                    raise lmdb.Error(f"an expiry index entry ({kind}) is missing")
 
     def _reserve(self, ops: int) -> None:
         """Allocates disk blocks for a transaction of ``ops`` puts and deletes, before it runs.
@@ -461,7 +537,7 @@ class DiskTier:
         if n <= 0 or not self._count:
             return np.zeros(0, np.int64)
         with self.env.begin() as txn:
-            cur = txn.cursor()
+            cur = txn.cursor(db=self._rows)
             if after is None:
                 ok = cur.first()
             else:
@@ -500,7 +576,7 @@ class DiskTier:
         keys: list[bytes] = []
         vals: list[bytes] = []
         try:
-            for k, v in txn.cursor():
+            for k, v in txn.cursor(db=self._rows):
                 keys.append(k)
                 vals.append(v)
                 if len(keys) == chunk:
@@ -517,16 +593,45 @@ class DiskTier:
         return scratch_array(self.path.parent, shape, dtype)
 
     def expired(self, before_step: int | None, before_time: float | None) -> np.ndarray:
-        """Ids of cold rows last updated before push ``before_step`` or time ``before_time`` (a full scan)."""
-        out = []
-        for ids, rec in self.items():
-            old = np.zeros(ids.size, bool)
-            if before_step is not None:
-                old |= rec["last_step"] < before_step
-            if before_time is not None:
-                old |= rec["last_time"] < before_time
-            out.append(ids[old])
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+        """Ids of the rows on disk last updated before push ``before_step`` or time ``before_time`` (sorted).
+
+        Reads the expiry indexes from their start up to the cuts: as many entries as it finds.
+
+        Raises:
+            InternalError: a cut without its index (the piece was made without that TTL).
+        """
+        found: list[bytes] = []  # index keys: the stamp's 8 bytes, then the id's
+        kinds = 0
+        with self.env.begin() as txn:
+            for kind, cut in (("last_step", before_step), ("last_time", before_time)):
+                if cut is None:
+                    continue
+                if kind not in self._expiry:
+                    raise InternalError(f"table {self.table!r}: its disk tier has no expiry index by {kind}")
+                stamp = np.array([cut], np.float64 if kind == "last_time" else np.int64)
+                end = _stamp_keys(stamp, np.array([np.iinfo(np.int64).min]))[0]  # the cut's first key
+                kinds += 1
+                for key in txn.cursor(db=self._expiry[kind]).iternext(keys=True, values=False):
+                    if key >= end:
+                        break
+                    found.append(key)
+        keys = np.frombuffer(b"".join(found), ">u8").reshape(-1, 2)[:, 1]
+        ids = np.sort((keys.astype(np.uint64) ^ _SIGN).view(np.int64))
+        return np.unique(ids) if kinds > 1 else ids
+
+    def check(self) -> None:
+        """Asserts that each expiry index holds exactly one entry per record, from its stamp (for tests).
+
+        Raises:
+            AssertionError: it does not.
+        """
+        ids, records = zip(*self.items(), strict=True) if self._count else ((), ())
+        all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        all_records = np.concatenate(records) if records else np.zeros(0, self.record)
+        with self.env.begin() as txn:
+            for kind, db in self._expiry.items():
+                have = [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]
+                assert have == sorted(_stamp_keys(all_records[kind], all_ids)), f"expiry index {kind}"
 
 
 def record_dtype(dim: int, dtype: np.dtype, slots: dict[str, np.dtype]) -> np.dtype:

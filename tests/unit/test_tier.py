@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pscore.errors import InvalidArgumentError, ResourceExhaustedError
+from pscore.errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
 from psserver import ckptfile, dynamic, tables
@@ -101,8 +101,9 @@ def _assert_same(a: _Table, b: _Table) -> None:
     [
         (Adagrad(0.1), {}),
         (Adam(0.01), {"eviction": ps_pb2.EVICTION_LFU, "ttl_steps": 40, "min_count": 2}),
+        (Adagrad(0.1), {"ttl_steps": 56, "ttl_seconds": 30.5}),
     ],
-    ids=["adagrad-lru", "adam-lfu-ttl-admission"],
+    ids=["adagrad-lru", "adam-lfu-ttl-admission", "adagrad-lru-ttl-steps-and-seconds"],
 )
 def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
     tmp_path: Path, opt: Optimizer, kw: dict[str, Any]
@@ -116,6 +117,8 @@ def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
                 t.rows.read(t.var, ids)
             t.push(ids, seed=step)
         assert tiered.rows.hot_len <= tiered.rows.hot_rows
+        if step % 10 == 0 and tiered.rows.tier is not None:
+            tiered.rows.tier.check()  # the expiry indexes hold one entry per record, from its stamps
     st = tiered.rows.tier.stats if tiered.rows.tier is not None else None
     assert st is not None and st.spilled > 500 and st.filled > 100  # both directions were exercised
     assert tiered.rows.stale > 0  # filled rows whose older copy is still on disk (skipped by reads)
@@ -123,6 +126,45 @@ def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
     if kw.get("ttl_steps"):
         assert plain.rows.stats.expired > 0 and tiered.rows.stats.expired == plain.rows.stats.expired
     _assert_same(tiered, plain)
+
+
+def _records(tier: tier_module.DiskTier, steps: np.ndarray, times: np.ndarray) -> np.ndarray:
+    records = np.zeros(steps.size, tier.record)
+    records["last_step"], records["last_time"] = steps, times
+    return records
+
+
+def test_expired_reads_the_expiry_indexes_up_to_the_cut_exactly(tmp_path: Path) -> None:
+    record = tier_module.record_dtype(4, np.dtype(np.float32), {})
+    tier = tier_module.DiskTier(tmp_path / "t", record, 1 << 30, "t", expiry=("last_step", "last_time"))
+    rng = np.random.default_rng(5)
+    ids = np.unique(rng.integers(-(1 << 62), 1 << 62, 3000))
+    steps = rng.integers(-5, 400, ids.size)  # negative stamps order below zero
+    times = rng.choice([-1e9, -2.5, -0.0, 0.0, 1e-300, 7.25, 1.7e9, 1.7e9 + 0.5], ids.size)
+    tier.write(ids, _records(tier, steps, times))
+    # Rewritten rows: their older entries go, the new stamps count.
+    again = np.arange(0, ids.size, 3)
+    older = _records(tier, steps[again], times[again])[["last_step", "last_time"]]
+    steps[again] += 100
+    times[again] = 1.8e9
+    tier.write(ids[again], _records(tier, steps[again], times[again]), older=(np.arange(again.size), older))
+    tier.check()
+    for cut in (-6, -5, 0, 99, 100, 250, 1000):
+        np.testing.assert_array_equal(tier.expired(cut, None), ids[steps < cut])
+    for cut in (-1e9, -2.5, 0.0, 7.25, 1.7e9 + 0.5, 1.8e9, 1.9e9):
+        np.testing.assert_array_equal(tier.expired(None, cut), ids[times < cut])
+    np.testing.assert_array_equal(tier.expired(200, 7.25), ids[(steps < 200) | (times < 7.25)])
+    # Deleted rows leave both indexes.
+    gone = ids[steps < 100]
+    tier.write(ids[:0], _records(tier, steps[:0], times[:0]), delete=[gone])
+    tier.check()
+    keep = steps >= 100
+    np.testing.assert_array_equal(tier.expired(300, 1.9e9), ids[keep & ((steps < 300) | (times < 1.9e9))])
+    no_index = tier_module.DiskTier(tmp_path / "u", record, 1 << 30, "u")
+    with pytest.raises(InternalError, match="no expiry index"):
+        no_index.expired(1, None)
+    tier.close()
+    no_index.close()
 
 
 def test_a_full_disk_tier_refuses_the_push_and_leaves_the_table_unchanged(tmp_path: Path) -> None:
