@@ -24,9 +24,10 @@ Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to 
 primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
 only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
 and the backup takes over once that lease has expired (see the docs, "Replication and leases").
-Disk tier: with --table-memory and --table-dir, each dynamic table without a capacity keeps its hot
-rows (values, optimizer slots, bookkeeping) in memory under the budget and spills the others to an LMDB
-environment under --table-dir (rebuilt from checkpoints, wiped at start); see the docs, "Disk tier".
+Disk tier: with --table-memory and --table-dir, the dynamic tables without a capacity keep their hot
+rows (values, optimizer slots, bookkeeping) in memory under one budget for the shard, shared as they
+grow (each may hold an equal share), and spill the others to an LMDB environment under --table-dir
+(rebuilt from checkpoints, wiped at start); see the docs, "Disk tier".
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags, an address that cannot be bound or a --table-dir
 that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
@@ -134,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--table-memory",
         type=_size,
         metavar="BYTES",
-        help="disk tier: the in-memory budget of each dynamic table's hot rows on this shard (values, "
-        "optimizer slots, bookkeeping), e.g. 2GiB; colder rows spill to --table-dir (tables with a "
-        "capacity stay in memory)",
+        help="disk tier: the in-memory budget of this shard's dynamic tables' hot rows, all tables "
+        "together (values, optimizer slots, bookkeeping), e.g. 2GiB; colder rows spill to --table-dir "
+        "(tables with a capacity stay in memory)",
     )
     p.add_argument(
         "--table-dir",

@@ -36,11 +36,13 @@ pushes hold the same rows. An applied push, in order:
    optimizer's row rule updates every kept row (``write``).
 
 With a disk tier (``psserver.tier``; a shard started with ``--table-memory``,
-for tables without a capacity) the rows live in two places: at most
-``hot_rows`` in memory (the budget's share), the others on disk, each row in
-exactly one. Where a row lives changes nothing of the above: a push first
-fills its cold rows back into memory (one batched read), spilling rows it does
-not touch by the eviction policy to make room, and deleting the rows an expiry
+for tables without a capacity) the rows live in two places: at most ``limit``
+in memory (the piece's claim on the shard's budget, ``TierBudget``, which grows
+while the budget has room), the others on disk, each row in exactly one.
+Where a row lives changes nothing of the above: a push first fills its cold
+rows back into memory (one batched read), claiming more of the budget or
+spilling rows it does not touch by the eviction policy to make room, and
+deleting the rows an expiry
 sweep removes from both tiers (one write transaction, before anything else
 changes: ``_tier_in``); then steps 1-5 run as for an unbounded table in
 memory. So a tiered piece holds bit-for-bit the rows, slots and counters an
@@ -67,7 +69,15 @@ from pscore.errors import InternalError, ResourceExhaustedError
 from pscore.placement import dynamic_capacity, mix64
 from psproto.v1 import ps_pb2
 from psserver.tables import row_initializer
-from psserver.tier import CHUNK_ROWS, DiskTier, TierConfig, record_dtype
+from psserver.tier import (
+    CHUNK_ROWS,
+    DiskTier,
+    TierBudget,
+    TierConfig,
+    anonymous_array,
+    record_dtype,
+    release_rows,
+)
 
 _INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
 _MIN_INDEX = 16
@@ -366,27 +376,35 @@ class DynamicRows:
     def __init__(self, config: Config, dtype: np.dtype, hot_rows: int = 0) -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
-        # With a disk tier (``attach_tier``): the most rows held in memory; 0: no limit but the capacity.
+        # With a disk tier (``attach_tier``): the most rows memory could hold (the shard's whole budget);
+        # 0: no limit but the capacity.
         self.hot_rows = hot_rows
         self.tier: DiskTier | None = None
-        # A tiered piece allocates its whole share at once: zeroed arrays take memory only as rows are
-        # written, and no growth ever holds an old and a new copy at the same time.
+        self.budget: TierBudget | None = None
+        self.row_bytes = 0  # with a tier: the budget's bytes per row in memory
+        self.claimed = 0  # with a tier: bytes claimed on the budget (sketch, ``limit`` rows)
+        # A tiered piece maps arrays for the whole budget at once (``anonymous_array``: pages take memory
+        # only as rows are written, so its claim bounds it), so no growth ever holds two copies at once.
         rows = config.capacity or hot_rows or _INITIAL_ROWS
-        self.index = HashIndex(rows)
-        self.slot_ids = np.zeros(rows, np.int64)
-        self.last_step = np.zeros(rows, np.int64)
-        self.hits = np.zeros(rows, np.int64)
-        self.last_time = np.zeros(rows, np.float64)
-        self.live = np.zeros(rows, bool)
+        zeros = anonymous_array if hot_rows else np.zeros
+        self.index = HashIndex(0 if hot_rows else rows)  # tiered: grows with the rows it holds
+        self.slot_ids = zeros(rows, np.int64)
+        self.last_step = zeros(rows, np.int64)
+        self.hits = zeros(rows, np.int64)
+        self.last_time = zeros(rows, np.float64)
+        self.live = zeros(rows, bool)
         # Disk tier: the row in memory also has an older copy on disk (filled rows keep theirs: deleting
         # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
-        self.on_disk = np.zeros(rows, bool)
+        self.on_disk = zeros(rows, bool)
         self.stale = 0
         # With an expiry index (a TTL): the stamps of each older copy (``DiskTier.stamps``), whose index
         # entries its next spill replaces without reading it first.
         self.disk_stamps: np.ndarray | None = None
-        self.free = np.arange(rows - 1, -1, -1, dtype=np.int64)  # a stack: the top is free[nfree - 1]
-        self.nfree = rows
+        # Rows below ``limit`` are in use or free: a tiered piece's claim; the allocated rows otherwise.
+        self.limit = 0 if hot_rows else rows
+        self.free = zeros(rows, np.int64)  # a stack of free rows: the top is free[nfree - 1]
+        self.free[: self.limit] = np.arange(self.limit - 1, -1, -1, dtype=np.int64)
+        self.nfree = self.limit
         self.sketch = CountMinSketch(config.sketch_width) if config.min_count > 1 else None
         self.clock = 0  # pushes applied to this piece
         self.last_sweep = (0, 0.0)  # (clock, time) of the last expiry sweep
@@ -400,9 +418,10 @@ class DynamicRows:
 
     def _storage(self, optimizer: Any, rows: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         dim = self.config.dim
+        zeros = anonymous_array if self.hot_rows else np.zeros
         small = optimizer.init_slots(np.zeros((1, dim), self.dtype))
-        slots = {k: (np.zeros((rows, dim), a.dtype) if a.shape == (1, dim) else a) for k, a in small.items()}
-        return np.zeros((rows, dim), self.dtype), slots
+        slots = {k: (zeros((rows, dim), a.dtype) if a.shape == (1, dim) else a) for k, a in small.items()}
+        return zeros((rows, dim), self.dtype), slots
 
     @property
     def allocated(self) -> int:
@@ -411,7 +430,7 @@ class DynamicRows:
     @property
     def hot_len(self) -> int:
         """Rows held in memory."""
-        return self.allocated - self.nfree
+        return self.limit - self.nfree
 
     def __len__(self) -> int:
         """Rows of the piece: in memory and, with a disk tier, on disk."""
@@ -423,6 +442,18 @@ class DynamicRows:
         return len(self.tier) - self.stale if self.tier is not None else 0
 
     @staticmethod
+    def memory_cost(config: Config, dtype: np.dtype, optimizer: Any) -> tuple[int, int]:
+        """``(bytes per row, bytes besides)`` a tiered piece holds in memory: a row's value, row slots and
+        bookkeeping; the admission sketch."""
+        dim = config.dim
+        row = np.zeros((1, dim), dtype)
+        slots = optimizer.init_slots(row)
+        per_row = row.nbytes + sum(a.nbytes for a in slots.values() if a.shape == (1, dim))
+        per_row += _ROW_BOOKKEEPING_BYTES + 8 * (bool(config.ttl_steps) + bool(config.ttl_seconds))
+        sketch = len(_SKETCH_SEEDS) * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
+        return per_row, sketch
+
+    @staticmethod
     def hot_rows_for(config: Config, dtype: np.dtype, optimizer: Any, memory_bytes: int) -> int:
         """How many rows fit an in-memory budget of ``memory_bytes`` (values, row slots, bookkeeping,
         the admission sketch).
@@ -430,12 +461,7 @@ class DynamicRows:
         Raises:
             ValueError: the budget does not hold ``_MIN_HOT_ROWS`` rows (the message gives the bytes per row).
         """
-        dim = config.dim
-        row = np.zeros((1, dim), dtype)
-        slots = optimizer.init_slots(row)
-        per_row = row.nbytes + sum(a.nbytes for a in slots.values() if a.shape == (1, dim))
-        per_row += _ROW_BOOKKEEPING_BYTES + 8 * (bool(config.ttl_steps) + bool(config.ttl_seconds))
-        sketch = len(_SKETCH_SEEDS) * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
+        per_row, sketch = DynamicRows.memory_cost(config, dtype, optimizer)
         rows = (memory_bytes - sketch) // per_row
         if rows < _MIN_HOT_ROWS:
             raise ValueError(
@@ -445,12 +471,28 @@ class DynamicRows:
             )
         return int(rows)
 
-    def attach_tier(self, tier: TierConfig, name: str, holder: Holder) -> None:
-        """Gives this (new, empty) piece its disk tier, an LMDB environment named after piece ``name``.
+    def attach_tier(
+        self, tier: TierConfig, name: str, holder: Holder, budget: TierBudget, optimizer: Any
+    ) -> None:
+        """Gives this (new, empty) piece its disk tier, an LMDB environment named after piece ``name``, and
+        its first claim on the shard's ``budget``: its sketch and ``_MIN_HOT_ROWS`` rows (overdrawn if
+        the budget is spent: the pieces over an equal share give it back at the next update).
 
         Raises:
+            ValueError: an equal share of the budget, this piece counted, is less than that (the message
+                says what the table needs).
             TierDirError: the environment cannot be created.
         """
+        self.row_bytes, sketch = self.memory_cost(self.config, self.dtype, optimizer)
+        floor = sketch + _MIN_HOT_ROWS * self.row_bytes
+        share = budget.total // (budget.pieces + 1)
+        if share < floor:
+            raise ValueError(
+                f"--table-memory {budget.total} bytes shared by {budget.pieces + 1} tables gives each "
+                f"{share}, and table {self.config.table!r} needs {floor} to start ({_MIN_HOT_ROWS} rows of "
+                f"{self.row_bytes} bytes with slots and bookkeeping, plus {sketch} bytes of sketch); raise "
+                "--table-memory"
+            )
         dim = self.config.dim
         row_slots = {k: a.dtype for k, a in holder.slots.items() if a.shape == (self.allocated, dim)}
         record = record_dtype(dim, self.dtype, row_slots)
@@ -458,13 +500,76 @@ class DynamicRows:
         expiry = [kind for kind, ttl in (("last_step", c.ttl_steps), ("last_time", c.ttl_seconds)) if ttl]
         self.tier = DiskTier(tier.piece_dir(name), record, tier.disk_bytes, c.table, expiry)
         if self.tier.stamps is not None:
-            self.disk_stamps = np.zeros(self.allocated, self.tier.stamps)
+            self.disk_stamps = anonymous_array((self.allocated,), self.tier.stamps)
+        self.budget = budget
+        self.claimed = budget.claim(sketch, overdraw=True)
+        budget.pieces += 1
+        self._claim(_MIN_HOT_ROWS, up_to_fair=True)
 
     def close(self) -> None:
-        """Closes and removes the disk tier (the piece is dropped)."""
+        """Closes and removes the disk tier and gives back its claim (the piece is dropped)."""
         if self.tier is not None:
             self.tier.close()
             self.tier = None
+        if self.budget is not None:
+            self.budget.release(self.claimed)
+            self.budget.pieces -= 1
+            self.budget, self.claimed = None, 0
+
+    def _claim(self, rows: int, up_to_fair: bool = False) -> int:
+        """Claims up to ``rows`` more rows of the budget (as many as it has left, at most the mapped rows;
+        ``up_to_fair``: beyond what it has left, up to an equal share: ``TierBudget.overdraw``); they
+        become free rows. Returns how many it got."""
+        b, size = self.budget, self.row_bytes
+        assert b is not None
+        rows = min(rows, self.allocated - self.limit)
+        got = b.claim(rows * size, size) // size
+        if up_to_fair and got < rows:
+            fair = (b.fair() - self.claimed) // size - got
+            got += b.claim(min(rows - got, fair) * size, size, overdraw=True) // size
+        if got:
+            self.claimed += got * self.row_bytes
+            self.free[self.nfree : self.nfree + got] = np.arange(self.limit + got - 1, self.limit - 1, -1)
+            self.nfree += got
+            self.limit += got
+        return got
+
+    def shrink(self, holder: Holder, rows: int) -> int:
+        """Gives ``rows`` rows of the piece's claim back to the budget (keeping ``_MIN_HOT_ROWS``): the rows
+        in memory above the new limit are spilled (one write transaction) and their pages given back.
+        Returns the rows given. Call it with the piece's updates held back (its lock).
+
+        Raises:
+            TierFullError: the disk tier cannot take the spilled rows (nothing changed).
+        """
+        assert self.budget is not None and self.tier is not None
+        new = max(_MIN_HOT_ROWS, self.limit - rows)
+        if new >= self.limit:
+            return 0
+        tail = new + np.flatnonzero(self.live[new : self.limit])
+        self.tier.write(self.slot_ids[tail], self._records(holder, tail), older=self._older(tail))
+        # Nothing below fails.
+        self._release(tail)
+        free = self.free[: self.nfree]
+        free = free[free < new]
+        self.free[: free.size] = free
+        self.nfree = free.size
+        per_row = [self.slot_ids, self.last_step, self.hits, self.last_time, self.live, self.on_disk]
+        per_row += [self.free, self.disk_stamps, holder.state[0], *holder.slots.values()]
+        for arr in per_row:
+            if arr is not None and arr.shape[:1] == (self.allocated,):
+                release_rows(arr, new)
+        given = self.limit - new
+        self.limit = new
+        self.claimed -= given * self.row_bytes
+        self.budget.release(given * self.row_bytes)
+        return given
+
+    def memory_bytes(self, holder: Holder) -> int:
+        """Bytes the piece holds in memory: its rows, slots and bookkeeping (a tiered piece: its claim)."""
+        if self.budget is not None:
+            return self.claimed
+        return int(holder.state[0].nbytes + sum(a.nbytes for a in holder.slots.values()) + self.nbytes)
 
     @property
     def nbytes(self) -> int:
@@ -473,8 +578,8 @@ class DynamicRows:
         meta += self.disk_stamps.nbytes if self.disk_stamps is not None else 0
         return meta + (self.sketch.nbytes if self.sketch is not None else 0)
 
-    def proto_stats(self, holder: Holder | None = None) -> ps_pb2.DynamicStats:
-        """The piece's counters; with a disk tier, its tiers' too (``holder``: for the bytes in memory)."""
+    def proto_stats(self) -> ps_pb2.DynamicStats:
+        """The piece's counters; with a disk tier, its tiers' too."""
         s = self.stats
         out = ps_pb2.DynamicStats(
             rows=len(self),
@@ -488,16 +593,14 @@ class DynamicRows:
         tier = self.tier
         if tier is not None:
             t = tier.stats
-            memory = self.nbytes
-            if holder is not None:
-                memory += holder.state[0].nbytes + sum(a.nbytes for a in holder.slots.values())
+            memory = self.claimed
             out.MergeFrom(
                 ps_pb2.DynamicStats(
                     rows_in_memory=self.hot_len,
                     rows_on_disk=self.cold_len,
                     memory_bytes=memory,
                     disk_bytes=tier.disk_used,
-                    memory_rows_max=self.hot_rows,
+                    memory_rows_max=self.limit,
                     spilled=t.spilled,
                     filled=t.filled,
                     memory_hits=t.hot_hits,
@@ -661,13 +764,13 @@ class DynamicRows:
 
     def _expired(self, clock: int, now: float, protect: np.ndarray) -> np.ndarray:
         """The rows in memory a sweep at push ``clock`` and time ``now`` removes (not ``protect``)."""
-        c = self.config
-        old = np.zeros(self.allocated, bool)
+        c, n = self.config, self.limit
+        old = np.zeros(n, bool)
         if c.ttl_steps:
-            old |= self.last_step < clock - c.ttl_steps
+            old |= self.last_step[:n] < clock - c.ttl_steps
         if c.ttl_seconds:
-            old |= self.last_time < now - c.ttl_seconds
-        old &= self.live
+            old |= self.last_time[:n] < now - c.ttl_seconds
+        old &= self.live[:n]
         old[protect] = False
         return np.flatnonzero(old)
 
@@ -732,31 +835,29 @@ class DynamicRows:
             # Rows of this push are kept (protected).
             expired_cold = np.setdiff1d(cold_old, fill_ids, assume_unique=True)
         need = fill_ids.size + admitted
-        room = self.nfree + expired_hot.size + (self.hot_rows - self.allocated)
+        room = self.nfree + expired_hot.size
+        if need > room:  # more of the shard's budget (where rows live changes nothing)
+            room += self._claim(need - room + self.limit // _EVICT_SLACK, up_to_fair=True)
         victims = ids[:0]
         if need > room:
-            candidates = np.ones(self.allocated, bool)
+            candidates = np.ones(self.limit, bool)
             candidates[hot] = False
             candidates[expired_hot] = False
-            candidates = np.flatnonzero(candidates & self.live)
+            candidates = np.flatnonzero(candidates & self.live[: self.limit])
             if candidates.size < need - room:
                 raise ResourceExhaustedError(
                     f"table {c.table!r}: a push of {ids.size} ids needs {hot.size + need} rows in memory; "
-                    f"this shard's in-memory tier holds {self.hot_rows} (raise --table-memory, or push fewer "
-                    "ids at once); nothing was applied"
+                    f"this shard's in-memory tier holds {self.limit} of them (raise --table-memory, or push "
+                    "fewer ids at once); nothing was applied"
                 )
-            victims = self.victims(candidates, need - room + self.hot_rows // _EVICT_SLACK)
+            victims = self.victims(candidates, need - room + self.limit // _EVICT_SLACK)
         gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
         outdated = np.setdiff1d(outdated, victims, assume_unique=True)
-        older = None
-        if self.disk_stamps is not None:
-            at = np.flatnonzero(self.on_disk[victims])
-            older = (at, self.disk_stamps[victims[at]])
         tier.write(
             self.slot_ids[victims],
             self._records(holder, victims),
             delete=(expired_cold, gone, self.slot_ids[outdated]),
-            older=older,
+            older=self._older(victims),
         )
         # Nothing below fails.
         if sweep:
@@ -768,8 +869,7 @@ class DynamicRows:
             self.stats.expired += expired_hot.size + expired_cold.size
         if victims.size:
             self._release(victims)
-        if need > self.nfree:
-            self._grow(holder, optimizer, self.hot_len + need)
+        assert need <= self.nfree, "the claim and the spill made room for every row of the push"
         if fill_ids.size:
             rows = self._take(fill_ids.size)
             self.index.insert(fill_ids, rows)
@@ -788,6 +888,13 @@ class DynamicRows:
                     self.disk_stamps[k][rows] = records[k]
             self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
+
+    def _older(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """``DiskTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""
+        if self.disk_stamps is None:
+            return None
+        at = np.flatnonzero(self.on_disk[rows])
+        return at, self.disk_stamps[rows[at]]
 
     def _records(self, holder: Holder, rows: np.ndarray) -> np.ndarray:
         """The disk tier's records of rows in memory."""
@@ -812,11 +919,10 @@ class DynamicRows:
         return _smallest(candidates, [*keys, self.slot_ids], n)
 
     def _grow(self, holder: Holder, optimizer: Any, rows_needed: int) -> None:
-        """Unbounded tables: more rows (at least doubling), keeping every row, slot and counter."""
+        """Unbounded tables in memory: more rows (at least doubling), keeping every row, slot and counter."""
+        assert self.tier is None, "a tiered piece claims rows of its mapped arrays (``_claim``)"
         old = self.allocated
         rows = max(2 * old, _pow2(rows_needed))
-        if self.hot_rows:
-            rows = max(old, min(rows, self.hot_rows))
         values, slots = self._storage(optimizer, rows)
         values[:old] = holder.state[0]
         for k, a in holder.slots.items():
@@ -836,6 +942,7 @@ class DynamicRows:
         free[rows - old : rows - old + self.nfree] = self.free[: self.nfree]
         self.free = free
         self.nfree += rows - old
+        self.limit = rows
         holder.state = (values, holder.state[1])
         holder.slots = slots
 
@@ -850,13 +957,14 @@ class DynamicRows:
             finish.close()
 
     def _hot_arrays(self, holder: Holder) -> dict[str, np.ndarray]:
-        """The arrays of the rows in memory that an export of a tiered piece copies, by record field."""
-        dim = self.config.dim
-        out = {name: getattr(self, name) for name in ("live", "slot_ids", *_RECORD_META)}
-        out["value"] = holder.state[0]
+        """The arrays of the rows in memory (up to ``limit``) that an export of a tiered piece copies, by
+        record field."""
+        dim, n = self.config.dim, self.limit
+        out = {name: getattr(self, name)[:n] for name in ("live", "slot_ids", *_RECORD_META)}
+        out["value"] = holder.state[0][:n]
         for k, a in holder.slots.items():
             if a.shape == (self.allocated, dim):
-                out[f"slot_{k}"] = a
+                out[f"slot_{k}"] = a[:n]
         return out
 
     def stage_export(self, holder: Holder) -> dict[str, np.ndarray]:
@@ -1034,7 +1142,9 @@ class DynamicRows:
         last_step = np.asarray(meta["last_step"], np.int64)
         hits = np.asarray(meta["hits"], np.int64)
         last_time = np.asarray(meta["last_time"], np.float64)
-        if not self.config.capacity and n > self.allocated:
+        if self.budget is not None and n > self.nfree:  # up to an equal share of the budget for now
+            self._claim(min(n - self.nfree, (self.budget.fair() - self.claimed) // self.row_bytes))
+        elif self.tier is None and not self.config.capacity and n > self.allocated:
             self._grow(holder, optimizer, n)
         keys = [hits, last_step, ids] if self.config.lfu else [last_step, ids]
         if n <= self.nfree:

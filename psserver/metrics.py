@@ -495,8 +495,9 @@ def _dynamic_families(shard: str, variables: list[Any]) -> Iterator[Any]:
 
 
 def piece_memory_bytes(var: Any) -> int:
-    """Bytes a dynamic table piece holds in memory: rows, optimizer slots and bookkeeping."""
-    return int(var.value.nbytes + sum(a.nbytes for a in var.slots.values()) + var.dyn.nbytes)
+    """Bytes a dynamic table piece holds in memory: rows, optimizer slots and bookkeeping (a tiered piece:
+    its claim on the shard's budget)."""
+    return int(var.dyn.memory_bytes(var))
 
 
 def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
@@ -520,7 +521,8 @@ def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
     )
     budget = GaugeMetricFamily(
         "psserver_table_tier_memory_budget_rows",
-        "Rows of a dynamic table the in-memory tier holds at most (--table-memory)",
+        "Rows of a dynamic table the in-memory tier holds at most now (its claim on --table-memory, "
+        "which grows while the shard's budget has room)",
         labels=["shard", "table"],
     )
     lookups = CounterMetricFamily(
@@ -550,7 +552,7 @@ def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
         rows.add_metric([shard, table, "disk"], len(tier))
         size.add_metric([shard, table, "memory"], piece_memory_bytes(var))
         size.add_metric([shard, table, "disk"], tier.disk_used)
-        budget.add_metric([shard, table], dyn.hot_rows)
+        budget.add_metric([shard, table], dyn.limit)
         lookups.add_metric([shard, table, "memory"], tier.stats.hot_hits)
         lookups.add_metric([shard, table, "disk"], tier.stats.cold_hits)
         spilled.add_metric([shard, table], tier.stats.spilled)

@@ -242,7 +242,7 @@ class ShardService:
                 spec=v.spec,
                 version=v.version,
                 iterations=v.iterations,
-                dynamic=v.dyn.proto_stats(v) if v.dyn is not None else None,
+                dynamic=v.dyn.proto_stats() if v.dyn is not None else None,
             )
             for v in self.store.variables()
             if not wanted

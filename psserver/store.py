@@ -48,7 +48,7 @@ from psproto.v1 import ps_pb2
 from psserver import dynamic, optimizers, tables
 from psserver.gate import UpdateGate
 from psserver.ledger import PushKey, PushLedger
-from psserver.tier import TierConfig, TierDirError
+from psserver.tier import TierBudget, TierConfig, TierDirError, TierFullError
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class Store:
         # The disk tier (``psserver.tier``): dynamic tables without a capacity keep their hot rows in
         # memory under its budget and the others on disk; None: every row in memory.
         self.tier = tier
+        self.tier_budget = TierBudget(tier.memory_bytes) if tier is not None else None
         self.ledger = PushLedger()  # the pushes applied here (retries are applied once)
         self.allow_non_finite = allow_non_finite
         self.inline_apply_bytes = inline_apply_bytes
@@ -310,7 +311,7 @@ class Store:
         name = spec.name
         dtype, shape = _parse(spec)
         if spec.HasField("dynamic"):
-            return _build_dynamic(spec, dtype, value, self.tier)
+            return _build_dynamic(spec, dtype, value, self.tier, self.tier_budget)
         if value is None and not made:
             raise InvalidArgumentError(f"variable {name!r}: no initial value was sent")
         if spec.HasField("partition"):
@@ -464,7 +465,32 @@ class Store:
                 async with var.lock:
                     versions.append(await self._run_offloaded(self._update(var, grad, now)))
             self.pushes += 1
-            return versions
+        for var in self._over_share():  # a tiered piece overdrew the budget: the others give it back
+            async with var.lock:
+                self._give_back(var)
+        return versions
+
+    def _over_share(self) -> list[Variable]:
+        """While the disk tier's budget is overdrawn (``TierBudget.owed``): the tiered pieces holding more
+        than an equal share, most first."""
+        budget = self.tier_budget
+        if budget is None or not budget.owed:
+            return []
+        over = [v for v in self._vars.values() if v.dyn is not None and v.dyn.claimed > budget.fair()]
+        return sorted(over, key=lambda v: -v.dyn.claimed if v.dyn is not None else 0)
+
+    def _give_back(self, var: Variable) -> None:
+        """Shrinks an over-share piece by what the budget owes (down to its equal share). The caller holds
+        its lock, or runs every update inline (a backup)."""
+        budget, dyn = self.tier_budget, var.dyn
+        assert budget is not None and dyn is not None
+        owed = min(budget.owed, dyn.claimed - budget.fair())
+        if owed <= 0:
+            return
+        try:
+            dyn.shrink(var, -(-owed // dyn.row_bytes))
+        except TierFullError as err:  # the budget stays overdrawn until a later update tries again
+            log.warning("%s: cannot give memory back to the other tables: %s", var.name, err)
 
     def _update(self, var: Variable, grad: tables.Grad, now: float) -> Generator[_Work, np.ndarray, int]:
         """The update of one variable by one validated gradient: the primary's push and its backup's replay.
@@ -544,6 +570,8 @@ class Store:
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
         version = _run_inline(self._update(var, grad, time.time() if now is None else now))
         self.changes += 1
+        for over in self._over_share():
+            self._give_back(over)
         return version
 
     # -- assign (Assign) -------------------------------------------------------
@@ -821,7 +849,11 @@ def _check_table(
 
 
 def _build_dynamic(
-    spec: ps_pb2.VariableSpec, dtype: np.dtype, value: np.ndarray | None, tier: TierConfig | None = None
+    spec: ps_pb2.VariableSpec,
+    dtype: np.dtype,
+    value: np.ndarray | None,
+    tier: TierConfig | None = None,
+    budget: TierBudget | None = None,
 ) -> Variable:
     """A new, empty dynamic table piece, with its disk tier when ``tier`` is set and it has no capacity.
 
@@ -870,11 +902,13 @@ def _build_dynamic(
         regularizer=regularizer,
     )
     if hot_rows:
-        assert tier is not None
+        assert tier is not None and budget is not None
         try:
-            rows.attach_tier(tier, spec.name, var)
-        except TierDirError as err:
-            raise ResourceExhaustedError(f"{what}: {err}") from None
+            rows.attach_tier(tier, spec.name, var, budget, optimizer)
+        except ValueError as err:  # the budget has too little left (TierDirError is one too)
+            if isinstance(err, TierDirError):
+                raise ResourceExhaustedError(f"{what}: {err}") from None
+            raise InvalidArgumentError(f"{what}: {err}") from None
     return var
 
 

@@ -1,9 +1,10 @@
 """The disk tier of a dynamic table piece: its cold rows in a local LMDB environment.
 
-A shard started with ``--table-memory BYTES`` keeps each dynamic table
-piece's hot rows (values, optimizer slots, bookkeeping) in memory under that
-budget (``psserver.dynamic``: ``TierConfig.hot_rows``) and its cold rows
-here, one LMDB environment per piece under ``--table-dir``. LMDB was picked by
+A shard started with ``--table-memory BYTES`` keeps the hot rows (values,
+optimizer slots, bookkeeping) of its dynamic table pieces in memory under that
+budget, all pieces together (``TierBudget``: each piece claims a share as it
+grows; ``psserver.dynamic``), and their cold rows here, one LMDB environment
+per piece under ``--table-dir``. LMDB was picked by
 measurement against RocksDB (``bench/results/kv_tier.md``): 5-9x faster
 batched random reads (a fill is on a push's critical path), single-writer
 transactions that commit all or nothing, and no background compaction threads
@@ -96,7 +97,7 @@ class TierConfig:
 
     Attributes:
         directory: where the pieces' LMDB environments live (one subdirectory each).
-        memory_bytes: the in-memory budget of each dynamic table piece's hot rows.
+        memory_bytes: the in-memory budget of the shard's tiered pieces' hot rows, all together.
         disk_bytes: the most bytes one piece's environment may hold on disk.
         owner: names the process's own subdirectory (``shard0``, ``shard0-backup``): the shards and
             backups of one machine may share a directory.
@@ -167,6 +168,80 @@ class TierConfig:
         """The directory of piece ``name``'s environment (a readable prefix and a hash: any name is safe)."""
         safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)[:48]
         return self.root / f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
+
+
+class TierBudget:
+    """A shard's in-memory budget for the hot rows of all its tiered pieces (``--table-memory``).
+
+    A piece claims bytes as it grows (``claim``): first its floor at creation,
+    then more whenever a push needs room, for as long as the budget has any
+    left. Once it is spent, a piece under an equal share (``fair``) may still
+    claim up to that share (``overdraw``), and the pieces over it give the
+    difference back at once, spilling rows (``psserver.store``: the store's
+    reclaim after the update); the others spill their own colder rows. A
+    restore gives each piece up to an equal share. Claims return when a piece is
+    dropped. Where a row lives changes nothing a client sees, so the split among
+    pieces is a matter of speed only.
+
+    Args:
+        total: the budget in bytes.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.claimed = 0
+        self.pieces = 0  # pieces holding a claim
+
+    @property
+    def free(self) -> int:
+        """Bytes not claimed by any piece."""
+        return self.total - self.claimed
+
+    @property
+    def owed(self) -> int:
+        """Bytes claimed beyond the budget (``overdraw``), which pieces over an equal share give back."""
+        return max(0, self.claimed - self.total)
+
+    def claim(self, nbytes: int, unit: int = 1, overdraw: bool = False) -> int:
+        """Claims up to ``nbytes`` in whole ``unit``s (a row's bytes), as many as are free (``overdraw``: all
+        of them, free or not); returns the bytes claimed."""
+        got = max(0, nbytes if overdraw else min(nbytes, self.free)) // unit * unit
+        self.claimed += got
+        return got
+
+    def release(self, nbytes: int) -> None:
+        """Gives back bytes a piece claimed."""
+        self.claimed -= nbytes
+
+    def fair(self) -> int:
+        """An equal share of the budget among the pieces holding a claim."""
+        return self.total // max(1, self.pieces)
+
+
+def anonymous_array(shape: int | tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A zeroed array in a private anonymous mapping of its own: its pages take memory only once written,
+    go back to the system with the array (not to malloc's heap, which ``pscore.memory.tune_malloc`` keeps),
+    and its rows can be given back early (``release_rows``)."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else shape
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return np.zeros(shape, dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(buf, dtype).reshape(shape)
+
+
+def release_rows(arr: np.ndarray, start: int) -> None:
+    """Gives the memory of rows ``start:`` of an ``anonymous_array`` back to the system (the whole pages
+    past row ``start``); they read as zeros after. Does nothing to another array."""
+    owner: object = arr
+    while not isinstance(owner, mmap.mmap):
+        owner = owner.obj if isinstance(owner, memoryview) else getattr(owner, "base", None)
+        if owner is None:
+            return
+    lo = -(-start * arr.strides[0] // mmap.PAGESIZE) * mmap.PAGESIZE
+    if lo < len(owner):
+        owner.madvise(mmap.MADV_DONTNEED, lo, len(owner) - lo)
 
 
 def parse_bytes(text: str) -> int:

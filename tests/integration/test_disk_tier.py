@@ -122,3 +122,40 @@ def test_a_backup_with_its_own_tier_holds_the_same_rows_after_kill_9(tmp_path: P
             np.testing.assert_array_equal(c.lookup("emb", _IDS), before)  # the promoted backups' rows
             after: dict[str, Any] = table_stats(c, "emb")
             assert after["rows"] == stats["rows"] and after["rows_on_disk"] > 0
+
+
+def _rss_anon_mib(pid: int) -> float:
+    """A process's own memory (RssAnon: what --table-memory bounds; LMDB's mapped pages are RssFile)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no RssAnon for process {pid}")
+
+
+def test_the_tables_of_a_shard_share_one_budget(tmp_path: Path) -> None:
+    """Four tables that would each take 70 MiB in memory, on a shard with ``--table-memory 32MiB``: their
+    claims add up to the budget, and the shard's own memory grows by about one budget, not four."""
+    names, dim, budget_mib = ["a", "b", "c", "d"], 32, 32
+    with (
+        LocalCluster(1, _tier(tmp_path / "tier", f"{budget_mib}MiB")) as cluster,
+        psclient.PSClient(cluster.addresses, "w0", timeout=TIMEOUT_S) as c,
+    ):
+        proc = cluster.procs[0]
+        assert proc is not None
+        c.list_variables()
+        start = _rss_anon_mib(proc.pid)
+        for name in names:
+            c.create_embedding(
+                name, None, dim, optimizer=psclient.Adagrad(0.1), initializer=("uniform", -1, 1)
+            )
+        zeros = np.zeros((5000, dim), np.float32)
+        for first in range(0, 200_000, 5000):
+            ids = np.arange(first, first + 5000, dtype=np.int64)
+            c.push({n: psclient.Rows(ids, zeros) for n in names})
+        grown = _rss_anon_mib(proc.pid) - start
+        stats = [table_stats(c, n) for n in names]
+        assert all(s["rows"] == 200_000 and s["rows_on_disk"] > 150_000 for s in stats)
+        assert sum(s["memory_bytes"] for s in stats) <= budget_mib << 20
+        # The budget, and the pushes' buffers that malloc keeps (pscore.memory.tune_malloc: 16-20 MiB
+        # here); not four budgets (141 MiB with a budget per table).
+        assert grown < 2 * budget_mib, f"the shard's own memory grew by {grown:.0f} MiB"

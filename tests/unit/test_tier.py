@@ -400,6 +400,72 @@ def test_tier_directory_errors_are_clear(tmp_path: Path) -> None:
         TierConfig(directory=str(tmp_path), memory_bytes=100)
 
 
+def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(tmp_path: Path) -> None:
+    """Two tables in one store claim the shard's one budget as they grow: together within it, each
+    bit-for-bit its twin in memory. The first, alone, claims nearly all of it; when the second grows, the
+    first gives back down to an equal share. A third table starts on an overdraft the others give back at
+    the next push; a table whose equal share would not hold its first rows is refused."""
+    budget = 160 << 10
+    store = Store(tier=TierConfig(directory=str(tmp_path), memory_bytes=budget))
+    twins = Store()
+    specs = [_spec(16, Adagrad(0.1)), _spec(8, Adam(0.01), ttl_steps=30)]
+    specs[1].name, specs[1].dynamic.table = "u/rows_0", "u"
+    store.create(specs, {})
+    twins.create(specs, {})
+    rows = [store.get(sp.name).dyn for sp in specs]
+    assert all(r is not None and r.limit > 0 for r in rows)
+    now = 1000.0
+    for step, ids in enumerate(_stream(160, 100, 3000, seed=4)):
+        # The first table grows alone for a while, then both push: it claims the larger share.
+        names = [specs[0].name] if step < 40 else [sp.name for sp in specs]
+        for s in (store, twins):
+            grads = {}
+            for name in names:
+                dim = s.get(name).shape[1]
+                grads[name] = tables.RowGrad(
+                    ids, np.random.default_rng(step).standard_normal((ids.size, dim), np.float32)
+                )
+            asyncio.run(s.apply(s.validate_grads(grads), now))
+        now += 1.0
+        claimed = sum(r.claimed for r in rows if r is not None)
+        assert claimed <= budget and store.tier_budget is not None and store.tier_budget.claimed == claimed
+        assert all(r is not None and r.hot_len <= r.limit for r in rows)
+        if step == 39:
+            alone = rows[0].claimed if rows[0] is not None else 0
+            assert alone > budget * 3 // 4
+    a, b = rows
+    assert a is not None and b is not None and a.tier is not None and b.tier is not None
+    assert len(a.tier) > 0 and len(b.tier) > 0  # both spilled: the budget holds neither table whole
+    fair = budget // 2
+    assert store.tier_budget.free < a.row_bytes  # the budget is spent
+    assert fair - a.row_bytes < a.claimed <= fair + a.row_bytes < alone  # it gave back to an equal share
+    assert fair - 2 * b.row_bytes < b.claimed
+    for sp in specs:
+        mine, twin = store.get(sp.name), twins.get(sp.name)
+        assert mine.dyn is not None and twin.dyn is not None
+        va, sa, ma = mine.dyn.export(mine)
+        vb, sb, mb = twin.dyn.export(twin)
+        np.testing.assert_array_equal(ma["ids"], mb["ids"])
+        np.testing.assert_array_equal(va, vb)
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k])
+    late = _spec(16, Adagrad(0.1))
+    late.name, late.dynamic.table = "v/rows_0", "v"
+    store.create([late], {})
+    assert store.tier_budget.owed > 0 and store.tier_budget.pieces == 3
+    ids = np.arange(10)
+    grads = {late.name: tables.RowGrad(ids, np.ones((ids.size, 16), np.float32))}
+    asyncio.run(store.apply(store.validate_grads(grads), now))
+    assert store.tier_budget.owed == 0 and store.tier_budget.claimed <= budget
+    wide = _spec(128, Adagrad(0.1))
+    wide.name, wide.dynamic.table = "w/rows_0", "w"
+    with pytest.raises(InvalidArgumentError, match="shared by 4 tables gives each"):
+        store.create([wide], {})
+    assert "w/rows_0" not in store and store.tier_budget.pieces == 3
+    store.clear()  # the pieces are dropped: their claims come back
+    assert store.tier_budget.claimed == 0 and store.tier_budget.pieces == 0
+
+
 def test_a_budget_too_small_for_the_table_is_refused_at_creation(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="--table-memory"):
         _Table(TierConfig(directory=str(tmp_path), memory_bytes=64 << 10), dim=1024)
