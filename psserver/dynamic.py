@@ -893,8 +893,8 @@ class DynamicRows:
         """``DiskTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""
         if self.disk_stamps is None:
             return None
-        at = np.flatnonzero(self.on_disk[rows])
-        return at, self.disk_stamps[rows[at]]
+        rows = rows[self.on_disk[rows]]
+        return self.slot_ids[rows], self.disk_stamps[rows]
 
     def _records(self, holder: Holder, rows: np.ndarray) -> np.ndarray:
         """The disk tier's records of rows in memory."""

@@ -477,17 +477,18 @@ class DiskTier:
     ) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
 
-        ``older``: with an expiry index, which of ``ids`` have an older copy on disk (their positions in
-        ``ids``) and that copy's stamps (``stamps``), whose index entries go; the others have none.
+        ``older``: with an expiry index, the ids among ``ids`` that have an older copy on disk and that
+        copy's stamps (``stamps``), whose index entries go; the others have none.
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
             InternalError: another LMDB failure, or ``older`` is not what the disk holds; nothing was written.
         """
         ids = np.asarray(ids, np.int64)
+        order = np.argsort(ids)  # in key order: a page of the tree is written once, and the next is near
         dels = [np.asarray(d, np.int64) for d in delete]
         if ids.size or any(d.size for d in dels):
-            self._transaction(ids.size, [(ids, records, older)] if ids.size else [], dels)
+            self._transaction(ids.size, [(ids[order], records[order], older)] if ids.size else [], dels)
 
     def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """Puts ``count`` rows given as ``(ids, records)`` chunks: one transaction, built a chunk at a time
@@ -536,8 +537,7 @@ class DiskTier:
                     self._forget([ids])
                     keys = _keys(ids)
                     if self._expiry and older is not None:  # the older copies' index entries go
-                        at, stamps = older
-                        self._unindex(txn, ids[at], stamps)
+                        self._unindex(txn, *older)
                     # Appended while every chunk so far ascends from the last: a put out of order would fail.
                     append = append and bool(np.all(ids[1:] > ids[:-1])) and (last is None or ids[0] > last)
                     last = int(ids[-1])
