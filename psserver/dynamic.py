@@ -791,13 +791,15 @@ class DynamicRows:
         memory, and there is room in memory for the ids the push admits.
 
         One batched read finds the push's cold rows; if memory has too little room
-        for them and the admitted new ids, rows not in the push are spilled (by the
-        table's eviction policy, ``hot_rows // 64`` extra at once); a due expiry
+        for them and the admitted new ids, the piece claims more of the shard's
+        budget (``_claim``), and if that is not enough, rows not in the push are
+        spilled (by the table's eviction policy, ``limit // 64`` extra at once); a due expiry
         sweep runs here, over both tiers. Then one write transaction puts the spilled
         rows on disk (over their older copies) and deletes the expired ones there;
         filled rows keep their disk copy (``on_disk``) until they are spilled again
         or expire. It is the only step that can fail, and it runs before anything
-        changes: a push that fails here leaves the piece as it was.
+        changes: a push that fails here leaves the piece's rows as they were (it may
+        keep a larger claim on the budget: where rows live changes nothing).
 
         Raises:
             TierFullError: the disk tier cannot take the spilled rows (nothing changed).

@@ -477,7 +477,7 @@ class Store:
         if budget is None or not budget.owed:
             return []
         over = [v for v in self._vars.values() if v.dyn is not None and v.dyn.claimed > budget.fair()]
-        return sorted(over, key=lambda v: -v.dyn.claimed if v.dyn is not None else 0)
+        return sorted(over, key=lambda v: -(v.dyn.claimed if v.dyn is not None else 0))
 
     def _give_back(self, var: Variable) -> None:
         """Shrinks an over-share piece by what the budget owes (down to its equal share). The caller holds
@@ -905,9 +905,9 @@ def _build_dynamic(
         assert tier is not None and budget is not None
         try:
             rows.attach_tier(tier, spec.name, var, budget, optimizer)
-        except ValueError as err:  # the budget has too little left (TierDirError is one too)
-            if isinstance(err, TierDirError):
-                raise ResourceExhaustedError(f"{what}: {err}") from None
+        except TierDirError as err:
+            raise ResourceExhaustedError(f"{what}: {err}") from None
+        except ValueError as err:  # an equal share of the budget is too small for the table
             raise InvalidArgumentError(f"{what}: {err}") from None
     return var
 

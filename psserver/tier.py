@@ -57,6 +57,7 @@ import math
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -77,6 +78,7 @@ _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
 _ROWS_DB = b"rows"
+_MAP_NORESERVE = 0x4000  # Linux's mmap flag (the mmap module names it from Python 3.13 on)
 
 
 class TierFullError(ResourceExhaustedError):
@@ -227,7 +229,10 @@ def anonymous_array(shape: int | tuple[int, ...], dtype: np.dtype) -> np.ndarray
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
         return np.zeros(shape, dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # MAP_NORESERVE: the kernel does not count the whole mapping against memory up front (the pieces of a
+    # shard map one budget each), only the pages written, as the budget does.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (_MAP_NORESERVE if sys.platform == "linux" else 0)
+    buf = mmap.mmap(-1, nbytes, flags=flags)
     return np.frombuffer(buf, dtype).reshape(shape)
 
 
