@@ -402,11 +402,15 @@ def test_tier_directory_errors_are_clear(tmp_path: Path) -> None:
         TierConfig(directory=str(tmp_path), memory_bytes=100)
 
 
-def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["primary", "backup"])
+def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(
+    tmp_path: Path, inline: bool
+) -> None:
     """Two tables in one store claim the shard's one budget as they grow: together within it, each
     bit-for-bit its twin in memory. The first, alone, claims nearly all of it; when the second grows, the
     first gives back down to an equal share. A third table starts on an overdraft the others give back at
-    the next push; a table whose equal share would not hold its first rows is refused."""
+    the next push; a table whose equal share would not hold its first rows is refused. ``backup``: the
+    store applies each update inline (``apply_one``), as a backup replays its primary's."""
     budget = 160 << 10
     store = Store(tier=TierConfig(directory=str(tmp_path), memory_bytes=budget))
     twins = Store()
@@ -427,7 +431,11 @@ def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(
                 grads[name] = tables.RowGrad(
                     ids, np.random.default_rng(step).standard_normal((ids.size, dim), np.float32)
                 )
-            asyncio.run(s.apply(s.validate_grads(grads), now))
+            if inline and s is store:
+                for var, grad in s.validate_grads(grads):
+                    s.apply_one(var, grad, now)
+            else:
+                asyncio.run(s.apply(s.validate_grads(grads), now))
         now += 1.0
         claimed = sum(r.claimed for r in rows if r is not None)
         assert claimed <= budget and store.tier_budget is not None and store.tier_budget.claimed == claimed
