@@ -11,6 +11,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -234,6 +235,26 @@ def write_results(out: str | None, text: str, results: dict[str, Any]) -> None:
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.md").write_text(text)
     Path(f"{out}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+def run_variants(
+    script: str,
+    argv: Sequence[str] | None,
+    args: Any,
+    prefix: str,
+    run_variant: Callable[[str, Any, Path], dict[str, Any]],
+    markdown: Callable[[Any, dict[str, Any], list[dict[str, Any]], str], str],
+) -> None:
+    """Runs ``run_variant(name, args, workdir)`` for each of ``args.variants`` (comma-separated) in a
+    temporary directory under ``args.dir``, prints ``markdown(args, note, cells, command)`` and writes
+    the results (``--out``: ``args.out``)."""
+    note = machine_note()
+    command = command_line(script, argv)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix=prefix) as tmp:
+        cells = [run_variant(v, args, Path(tmp)) for v in args.variants.split(",") if v]
+    text = markdown(args, note, cells, command)
+    print(text)
+    write_results(args.out, text, results_record(command, note, cells, args=vars(args)))
 
 
 def top_processes(limit: int = 8) -> list[str]:

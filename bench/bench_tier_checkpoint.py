@@ -31,14 +31,13 @@ import contextlib
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import command_line, machine_note, results_record, write_results
+from _common import run_variants
 
 import psclient
 from psserver.tier import parse_bytes
@@ -204,14 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
-    args = ap.parse_args(argv)
-    note = machine_note()
-    command = command_line("bench_tier_checkpoint.py", argv)
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-tier-ckpt-") as tmp:
-        cells = [run_variant(v, args, Path(tmp)) for v in args.variants.split(",") if v]
-    text = _markdown(args, note, cells, command)
-    print(text)
-    write_results(args.out, text, results_record(command, note, cells, args=vars(args)))
+    run_variants(
+        "bench_tier_checkpoint.py", argv, ap.parse_args(argv), "bench-tier-ckpt-", run_variant, _markdown
+    )
 
 
 if __name__ == "__main__":

@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import command_line, machine_note, percentile, results_record, write_results
+from _common import percentile, run_variants
 
 import psclient
 from trainer.cluster import LocalCluster
@@ -147,14 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--dir", default=None, help="where the tier goes (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
-    args = ap.parse_args(argv)
-    note = machine_note()
-    command = command_line("bench_tier_sweep.py", argv)
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-tier-sweep-") as tmp:
-        cells = [run_variant(v, args, Path(tmp)) for v in args.variants.split(",") if v]
-    text = _markdown(args, note, cells, command)
-    print(text)
-    write_results(args.out, text, results_record(command, note, cells, args=vars(args)))
+    run_variants(
+        "bench_tier_sweep.py", argv, ap.parse_args(argv), "bench-tier-sweep-", run_variant, _markdown
+    )
 
 
 if __name__ == "__main__":
