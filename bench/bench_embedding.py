@@ -556,7 +556,7 @@ def _markdown_dynamic(args: argparse.Namespace, results: list[dict[str, Any]], c
 def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], command: str) -> str:
     mib = 2**20
     budget = _parse_size(args.table_memory)
-    base = next(r for r in results if r["variant"] == "psk-dynamic")
+    base = next((r for r in results if r["variant"] == "psk-dynamic"), None)  # None: tiered alone
     prefilled = "prefilled (every id pushed a zero gradient first), " if args.prefill else ""
     lines = [
         "# Disk tier: a dynamic table in memory vs on shards with --table-memory",
@@ -582,8 +582,9 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
         hit = f"{100 * t.get('memory_hits', 0) / looked:.1f}%" if tiered and looked else "-"
         kinds = ("shard_peak_rss_mib", "shard_anon_rss_mib_max", "shard_file_rss_mib_end")
         rss = " / ".join(", ".join(map(str, r[k])) for k in kinds)
+        ratio = f"{r['steps_per_s'] / base['steps_per_s']:.2f}" if base else "-"
         lines.append(
-            f"| {r['variant']} | {r['steps_per_s']:.2f} | {r['steps_per_s'] / base['steps_per_s']:.2f} | "
+            f"| {r['variant']} | {r['steps_per_s']:.2f} | {ratio} | "
             f"{rss}"
             f" | {t.get('rows', '-')} | "
             f"{t.get('rows_in_memory') if tiered else t.get('rows', '-')} | {t.get('rows_on_disk', 0)} | "
@@ -720,7 +721,8 @@ def main() -> None:
         "--table-memory",
         metavar="BYTES",
         help="disk tier: run psk-dynamic (in memory) and psk-tiered (shards with --table-memory BYTES) "
-        "on --rows power-law ids",
+        "on --rows power-law ids (--variants psk-tiered: that one only, for a table past the machine's "
+        "memory)",
     )
     ap.add_argument(
         "--prefill",
@@ -742,8 +744,9 @@ def main() -> None:
         tf_coordinator_main(args)
         return
     results = []
-    if args.table_memory:
-        args.variants, args.id_space, args.capacity = "psk-dynamic,psk-tiered", args.rows, 0
+    if args.table_memory:  # both, unless one of them is asked for (a table too big to hold in memory)
+        asked = args.variants if args.variants in ("psk-dynamic", "psk-tiered") else "psk-dynamic,psk-tiered"
+        args.variants, args.id_space, args.capacity = asked, args.rows, 0
     variants = args.variants.split(",")
     dynamic = [v in DYNAMIC_VARIANTS for v in variants]
     if any(dynamic) != all(dynamic):
