@@ -407,7 +407,7 @@ class ShardLink:
             PSError: the request failed (retries and failover are done).
         """
         size = sum(t.nbytes for _, t in tensors) if nbytes is None else nbytes
-        into = sink or Sink(lambda chunk: None)
+        into = sink or _DISCARD
         wire = self.wire(op, size)
         while True:
             attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
@@ -498,6 +498,9 @@ class ShardLink:
             link.close()
         channels, self._channels, self._stubs = self._channels, [], []
         await asyncio.gather(*(ch.close() for ch in channels), *self._closing, return_exceptions=True)
+
+
+_DISCARD = Sink(lambda chunk: None)  # a request whose answer carries no tensors the caller keeps
 
 
 def _take(op: Op, response: Any, sink: Sink, answer: Answer) -> None:

@@ -382,7 +382,7 @@ class DynamicRows:
         self.tier: DiskTier | None = None
         self.budget: TierBudget | None = None
         self.row_bytes = 0  # with a tier: the budget's bytes per row in memory
-        self.claimed = 0  # with a tier: bytes claimed on the budget (sketch, ``limit`` rows)
+        self.sketch_bytes = 0  # with a tier: the admission sketch's bytes, claimed on the budget
         # A tiered piece maps arrays for the whole budget at once (``anonymous_array``: pages take memory
         # only as rows are written, so its claim bounds it), so no growth ever holds two copies at once.
         rows = config.capacity or hot_rows or _INITIAL_ROWS
@@ -502,7 +502,7 @@ class DynamicRows:
         if self.tier.stamps is not None:
             self.disk_stamps = anonymous_array((self.allocated,), self.tier.stamps)
         self.budget = budget
-        self.claimed = budget.claim(sketch, overdraw=True)
+        self.sketch_bytes = budget.claim(sketch, overdraw=True)
         budget.pieces += 1
         self._claim(_MIN_HOT_ROWS, up_to_fair=True)
 
@@ -514,7 +514,12 @@ class DynamicRows:
         if self.budget is not None:
             self.budget.release(self.claimed)
             self.budget.pieces -= 1
-            self.budget, self.claimed = None, 0
+            self.budget = None
+
+    @property
+    def claimed(self) -> int:
+        """Bytes this piece holds of the shard's budget: its sketch and ``limit`` rows (0 untiered)."""
+        return self.sketch_bytes + self.limit * self.row_bytes if self.budget is not None else 0
 
     def _claim(self, rows: int, up_to_fair: bool = False) -> int:
         """Claims up to ``rows`` more rows of the budget (as many as it has left, at most the mapped rows;
@@ -528,7 +533,6 @@ class DynamicRows:
             fair = (b.fair() - self.claimed) // size - got
             got += b.claim(min(rows - got, fair) * size, size, overdraw=True) // size
         if got:
-            self.claimed += got * self.row_bytes
             self.free[self.nfree : self.nfree + got] = np.arange(self.limit + got - 1, self.limit - 1, -1)
             self.nfree += got
             self.limit += got
@@ -546,7 +550,7 @@ class DynamicRows:
         new = max(_MIN_HOT_ROWS, self.limit - rows)
         if new >= self.limit:
             return 0
-        tail = new + np.flatnonzero(self.live[new : self.limit])
+        tail = self._by_id(new + np.flatnonzero(self.live[new : self.limit]))
         self.tier.write(self.slot_ids[tail], self._records(holder, tail), older=self._older(tail))
         # Nothing below fails.
         self._release(tail)
@@ -561,7 +565,6 @@ class DynamicRows:
                 release_rows(arr, new)
         given = self.limit - new
         self.limit = new
-        self.claimed -= given * self.row_bytes
         self.budget.release(given * self.row_bytes)
         return given
 
@@ -852,9 +855,10 @@ class DynamicRows:
                     f"this shard's in-memory tier holds {self.limit} of them (raise --table-memory, or push "
                     "fewer ids at once); nothing was applied"
                 )
-            victims = self.victims(candidates, need - room + self.limit // _EVICT_SLACK)
+            victims = self._by_id(self.victims(candidates, need - room + self.limit // _EVICT_SLACK))
         gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
-        outdated = np.setdiff1d(outdated, victims, assume_unique=True)
+        if outdated.size and victims.size:
+            outdated = np.setdiff1d(outdated, victims, assume_unique=True)
         tier.write(
             self.slot_ids[victims],
             self._records(holder, victims),
@@ -890,6 +894,10 @@ class DynamicRows:
                     self.disk_stamps[k][rows] = records[k]
             self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
+
+    def _by_id(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` in the order of their ids: a spill's records are then gathered in the disk's key order."""
+        return rows[np.argsort(self.slot_ids[rows])]
 
     def _older(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``DiskTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""

@@ -309,29 +309,33 @@ def spool(tier: TierConfig | None) -> BinaryIO:
 
 
 def _keys(ids: np.ndarray) -> list[bytes]:
-    keys: list[bytes] = (np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN).astype(">u8").view("V8").tolist()
+    keys: list[bytes] = _ordered(ids).astype(">u8").view("V8").tolist()
     return keys
 
 
 def _ids(keys: list[bytes]) -> np.ndarray:
-    if not keys:
-        return np.zeros(0, np.int64)
-    return (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64) ^ _SIGN).view(np.int64)
+    return _from_ordered(np.frombuffer(b"".join(keys), ">u8"))
 
 
-def _ordered(stamps: np.ndarray) -> np.ndarray:
-    """Stamps (int64 steps or float64 times) as uint64 whose unsigned order is the stamps' order."""
-    if stamps.dtype.kind == "f":
-        bits = (np.asarray(stamps, np.float64) + 0.0).view(np.uint64)  # + 0.0: -0.0 is 0.0
+def _from_ordered(keys: np.ndarray) -> np.ndarray:
+    """Ids from their keys' 8 bytes (``_ordered`` of the ids, big-endian)."""
+    return (keys.astype(np.uint64) ^ _SIGN).view(np.int64)
+
+
+def _ordered(values: np.ndarray) -> np.ndarray:
+    """Ids, or stamps (int64 steps, float64 times), as uint64 whose unsigned order is their order."""
+    values = np.asarray(values)
+    if values.dtype.kind == "f":
+        bits = (values.astype(np.float64) + 0.0).view(np.uint64)  # + 0.0: -0.0 is 0.0
         return np.where(bits & _SIGN, ~bits, bits | _SIGN)
-    return np.ascontiguousarray(stamps, np.int64).view(np.uint64) ^ _SIGN
+    return np.ascontiguousarray(values, np.int64).view(np.uint64) ^ _SIGN
 
 
 def _stamp_keys(stamps: np.ndarray, ids: np.ndarray) -> list[bytes]:
     """An expiry index's keys: 8 bytes of the stamp (``_ordered``, big-endian), then the id's 8."""
     keys = np.empty(ids.size, [("stamp", ">u8"), ("id", ">u8")])
     keys["stamp"] = _ordered(stamps)
-    keys["id"] = np.asarray(ids, np.int64).view(np.uint64) ^ _SIGN
+    keys["id"] = _ordered(ids)
     out: list[bytes] = keys.view("V16").tolist()
     return out
 
@@ -490,10 +494,12 @@ class DiskTier:
             InternalError: another LMDB failure, or ``older`` is not what the disk holds; nothing was written.
         """
         ids = np.asarray(ids, np.int64)
-        order = np.argsort(ids)  # in key order: a page of the tree is written once, and the next is near
+        if np.any(ids[1:] < ids[:-1]):  # in key order: a page of the tree is written once, the next is near
+            order = np.argsort(ids)
+            ids, records = ids[order], records[order]
         dels = [np.asarray(d, np.int64) for d in delete]
         if ids.size or any(d.size for d in dels):
-            self._transaction(ids.size, [(ids[order], records[order], older)] if ids.size else [], dels)
+            self._transaction(ids.size, [(ids, records, older)] if ids.size else [], dels)
 
     def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """Puts ``count`` rows given as ``(ids, records)`` chunks: one transaction, built a chunk at a time
@@ -695,8 +701,7 @@ class DiskTier:
                     if key >= end:
                         break
                     found.append(key)
-        keys = np.frombuffer(b"".join(found), ">u8").reshape(-1, 2)[:, 1]
-        ids = np.sort((keys.astype(np.uint64) ^ _SIGN).view(np.int64))
+        ids = np.sort(_from_ordered(np.frombuffer(b"".join(found), ">u8").reshape(-1, 2)[:, 1]))
         return np.unique(ids) if kinds > 1 else ids
 
     def check(self) -> None:
