@@ -71,10 +71,12 @@ from psproto.v1 import ps_pb2
 from psserver.tables import row_initializer
 from psserver.tier import (
     CHUNK_ROWS,
+    NO_CUT,
     DiskTier,
     TierBudget,
     TierConfig,
     anonymous_array,
+    higher_cut,
     record_dtype,
     release_rows,
 )
@@ -88,6 +90,7 @@ _SKETCH_UNBOUNDED_WIDTH = 1 << 20
 MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
 _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
+_EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
 # the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
 # and its tier flag (on_disk: 1); with a TTL, its older copy's stamps (disk_stamps: 8 B per TTL kind).
@@ -438,7 +441,8 @@ class DynamicRows:
 
     @property
     def cold_len(self) -> int:
-        """Rows only on disk (not counting the older copies of rows in memory)."""
+        """Rows only on disk (not counting the older copies of rows in memory). Expired rows count until
+        a push deletes them (``DiskTier.cut``)."""
         return len(self.tier) - self.stale if self.tier is not None else 0
 
     @staticmethod
@@ -797,12 +801,17 @@ class DynamicRows:
         for them and the admitted new ids, the piece claims more of the shard's
         budget (``_claim``), and if that is not enough, rows not in the push are
         spilled (by the table's eviction policy, ``limit // 64`` extra at once); a due expiry
-        sweep runs here, over both tiers. Then one write transaction puts the spilled
-        rows on disk (over their older copies) and deletes the expired ones there;
-        filled rows keep their disk copy (``on_disk``) until they are spilled again
-        or expire. It is the only step that can fail, and it runs before anything
-        changes: a push that fails here leaves the piece's rows as they were (it may
-        keep a larger claim on the budget: where rows live changes nothing).
+        sweep runs here, over both tiers: the expired rows in memory go, and the disk
+        tier's cut rises (``DiskTier.cut``: reads skip the records before it at once).
+        Then one write transaction puts the spilled rows on disk (over their older
+        copies) and deletes expired records there: those this push's read found, and
+        a batch of at most ``_EXPIRE_BATCH`` from the expiry indexes while any may be
+        left (``DiskTier.expiring``), so no push's share of a sweep grows with the
+        rows that expire. Filled rows keep their disk copy (``on_disk``) until they
+        are spilled again or expire. It is the only step that can fail, and it runs
+        before anything changes: a push that fails here leaves the piece's rows (and
+        the tier's cut) as they were (it may keep a larger claim on the budget: where
+        rows live changes nothing).
 
         Raises:
             TierFullError: the disk tier cannot take the spilled rows (nothing changed).
@@ -813,7 +822,7 @@ class DynamicRows:
         found = self.index.get(ids)
         hot = found[found >= 0]
         cold_pos = np.flatnonzero(found < 0)
-        on_disk, records = tier.get(ids[cold_pos])
+        on_disk, records, dead = tier.lookup(ids[cold_pos])  # dead: expired records, deleted below
         fill_ids = ids[cold_pos[on_disk]]
         new_ids = ids[cold_pos[~on_disk]]
         tier.stats.hot_hits += hot.size
@@ -827,18 +836,23 @@ class DynamicRows:
         expired_hot = expired_cold = ids[:0]
         outdated = hot[:0]  # rows in memory whose older copy on disk has expired: the copy goes
         sweep = self._sweep_due(clock, now)
+        cut, expiring = tier.cut, tier.expiring
+        cold_old = dead
         if sweep:
             expired_hot = self._expired(clock, now, protect=hot)
-            cold_old = tier.expired(
-                clock - c.ttl_steps if c.ttl_steps else None, now - c.ttl_seconds if c.ttl_seconds else None
-            )
+            steps = clock - c.ttl_steps if c.ttl_steps else None
+            cut = higher_cut(cut, (steps, now - c.ttl_seconds if c.ttl_seconds else None))
+        if sweep or expiring:  # a batch of the expired records on disk
+            batch = tier.expired(*cut, limit=_EXPIRE_BATCH)
+            expiring = batch.size >= _EXPIRE_BATCH  # the indexes may hold more before the cut
+            cold_old = np.union1d(batch, dead)
+        if cold_old.size:
             at = self.index.get(cold_old)
-            # Older copies: rows in memory decide. The copy is deleted (the next sweep need not find it
+            # Older copies: rows in memory decide. The copy is deleted (a later batch need not find it
             # again), unless its row expires now (``gone`` below) or is spilled over it (a victim below).
             outdated = np.setdiff1d(at[at >= 0], expired_hot, assume_unique=True)
-            cold_old = cold_old[at < 0]
-            # Rows of this push are kept (protected).
-            expired_cold = np.setdiff1d(cold_old, fill_ids, assume_unique=True)
+            # Rows this push fills are kept (protected): read before the cut rose, they are in memory now.
+            expired_cold = np.setdiff1d(cold_old[at < 0], fill_ids, assume_unique=True)
         need = fill_ids.size + admitted
         room = self.nfree + expired_hot.size
         if need > room:  # more of the shard's budget (where rows live changes nothing)
@@ -866,13 +880,14 @@ class DynamicRows:
             older=self._older(victims),
         )
         # Nothing below fails.
+        tier.cut, tier.expiring = cut, expiring
+        self.on_disk[outdated] = False
+        self.stale -= outdated.size
         if sweep:
             self.last_sweep = (clock, now)
-            self.on_disk[outdated] = False
-            self.stale -= outdated.size
             if expired_hot.size:
                 self._release(expired_hot)
-            self.stats.expired += expired_hot.size + expired_cold.size
+        self.stats.expired += expired_hot.size + expired_cold.size
         if victims.size:
             self._release(victims)
         assert need <= self.nfree, "the claim and the spill made room for every row of the push"
@@ -1034,8 +1049,8 @@ class DynamicRows:
                 out = tier.scratch(arr.shape, arr.dtype)
             out[...] = arr
             frozen[name] = out
-        n = self.hot_len + self.cold_len
-        txn = tier.reader()
+        n = self.hot_len + self.cold_len  # expired records not yet deleted included: at most n rows
+        txn, expiry_cut = tier.reader(), tier.cut
 
         def merge() -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray]]:
             hot_rows = np.flatnonzero(frozen["live"])
@@ -1067,7 +1082,7 @@ class DynamicRows:
                 out += ids.size
 
             h = 0  # rows in memory written so far
-            for ids, recs in tier.items(txn=txn):
+            for ids, recs in tier.items(txn=txn, cut=expiry_cut):
                 at = np.minimum(np.searchsorted(hot_ids, ids), max(hot_ids.size - 1, 0))
                 cold = hot_ids[at] != ids if hot_ids.size else np.ones(ids.size, bool)
                 ids, recs = ids[cold], recs[cold]  # older copies of rows in memory: skipped
@@ -1083,8 +1098,12 @@ class DynamicRows:
                     emit(h, h, ids[c:], recs[c:])
             for lo in range(h, hot_ids.size, CHUNK_ROWS):
                 emit(lo, min(hot_ids.size, lo + CHUNK_ROWS), ids_out[:0], np.zeros(0, tier.record))
-            if out != n:
+            if out != n and (out > n or expiry_cut == NO_CUT):
                 raise InternalError(f"table {self.config.table!r}: {out} rows exported of the {n} counted")
+            if out < n:  # expired records were skipped
+                values, ids_out = values[:out], ids_out[:out]
+                slots = {k: a[:out] for k, a in slots.items()}
+                meta = {k: a[:out] for k, a in meta.items()}
             return values, {**slots, **other_slots}, {"ids": ids_out, **meta, **counters}
 
         return Export(merge, txn.abort)

@@ -29,8 +29,13 @@ transaction, never a SIGBUS while writing the map.
 A piece whose table has a TTL keeps an expiry index beside its records: one
 LMDB database per TTL kind (``ttl_steps``, ``ttl_seconds``) whose keys are a
 record's ``last_step`` (or ``last_time``), order-preserving, then its id, written
-in the same transaction as the record. A sweep (``expired``) reads the index
-from its start up to the cut: its cost is the rows it finds, not the tier's size.
+in the same transaction as the record. A sweep raises the tier's cut
+(``cut``): from then on every read skips the records last updated before it
+(``get``, ``scan``, ``items``), and each push deletes a bounded batch of them
+(``expired`` reads the index from its start up to the cut, ``limit`` entries
+at most), so a sweep's cost is bounded however many rows expire at once, and
+never depends on the tier's size. Until the batches have deleted them, expired
+records still count in ``len`` (and in a table's row count).
 
 The tier is a spill space, not a durable store: durability comes from
 checkpoints (which read every cold row) and backups (which have their own
@@ -60,7 +65,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -74,6 +79,8 @@ _REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next
 CHUNK_ROWS = 1 << 16  # rows a restore's write or an export's read handles at once
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
+Cut = tuple[int | None, float | None]  # records last updated before push ``[0]`` or time ``[1]`` are expired
+NO_CUT: Cut = (None, None)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
@@ -308,6 +315,14 @@ def spool(tier: TierConfig | None) -> BinaryIO:
     return tempfile.TemporaryFile(dir=tier.root)
 
 
+def higher_cut(a: Cut, b: Cut) -> Cut:
+    """The later of two cuts, kind by kind (``None``: no cut of that kind)."""
+    return (
+        a[0] if b[0] is None else b[0] if a[0] is None else max(a[0], b[0]),
+        a[1] if b[1] is None else b[1] if a[1] is None else max(a[1], b[1]),
+    )
+
+
 def _keys(ids: np.ndarray) -> list[bytes]:
     keys: list[bytes] = _ordered(ids).astype(">u8").view("V8").tolist()
     return keys
@@ -409,9 +424,24 @@ class DiskTier:
         # fills from them instead of reading again. A write drops the ids it changes.
         self._recent_ids = np.zeros(0, np.int64)
         self._recent = np.zeros(0, record)
+        # Expiry (module docs): records before the cut are expired, skipped by reads; ``expiring``: some
+        # of them may still be on disk, for the next pushes to delete (``DynamicRows._tier_in``).
+        self.cut: Cut = NO_CUT
+        self.expiring = False
 
     def __len__(self) -> int:
+        """Records on disk: cold rows, older copies of rows in memory, and expired records not yet deleted."""
         return self._count
+
+    def live(self, records: np.ndarray, cut: Cut | None = None) -> np.ndarray:
+        """Which ``records`` are not expired at ``cut`` (default: the tier's)."""
+        step, when = self.cut if cut is None else cut
+        keep = np.ones(records.size, bool)
+        if step is not None:
+            keep &= records["last_step"] >= step
+        if when is not None:
+            keep &= records["last_time"] >= when
+        return keep
 
     @property
     def disk_used(self) -> int:
@@ -434,8 +464,25 @@ class DiskTier:
         Ids the last remembering read found are answered from its records (still
         what the disk holds: writes drop the ids they change). ``remember``: keep
         this read's records for the next (a lookup's, for the push that follows).
+        Expired records (before ``cut``) are not found.
         """
+        found, records, _ = self.lookup(ids, remember)
+        return found, records
+
+    def lookup(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``get``, and the ids whose records it found expired (a push deletes them)."""
         ids = np.asarray(ids, np.int64)
+        found, records = self._read(ids, remember)
+        if self.cut == NO_CUT or not records.size:
+            return found, records, ids[:0]
+        live = self.live(records)
+        if live.all():
+            return found, records, ids[:0]
+        at = np.flatnonzero(found)[~live]
+        found[at] = False
+        return found, records[live], ids[at]
+
+    def _read(self, ids: np.ndarray, remember: bool) -> tuple[np.ndarray, np.ndarray]:
         found = np.zeros(ids.size, bool)
         if not ids.size or not self._count:
             return found, np.zeros(0, self.record)
@@ -618,10 +665,12 @@ class DiskTier:
         self._reserved = end
 
     def scan(self, after: int | None, n: int) -> np.ndarray:
-        """The first ``n`` ids of cold rows that are ``> after``, ascending."""
+        """The first ``n`` ids of records that are ``> after`` (cold rows and older copies, not expired
+        ones), ascending."""
         out: list[bytes] = []
         if n <= 0 or not self._count:
             return np.zeros(0, np.int64)
+        cut = self.cut
         with self.env.begin() as txn:
             cur = txn.cursor(db=self._rows)
             if after is None:
@@ -631,7 +680,8 @@ class DiskTier:
                     return np.zeros(0, np.int64)
                 ok = cur.set_range(_keys(np.array([after + 1]))[0])
             while ok and len(out) < n:
-                out.append(bytes(cur.key()))
+                if cut == NO_CUT or self.live(np.frombuffer(cur.value(), self.record), cut)[0]:
+                    out.append(bytes(cur.key()))
                 ok = cur.next()
         return _ids(out)
 
@@ -647,41 +697,58 @@ class DiskTier:
             raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
 
     def items(
-        self, chunk: int | None = None, txn: lmdb.Transaction | None = None
-    ) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """Every cold row in ascending id order, ``chunk`` (default ``CHUNK_ROWS``) at a time:
-        ``(ids, records)``.
+        self, chunk: int | None = None, txn: lmdb.Transaction | None = None, cut: Cut | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every record in ascending id order but the expired ones, ``chunk`` (default ``CHUNK_ROWS``) at
+        a time: ``(ids, records)``.
 
-        ``txn``: read in that transaction (``reader``), else in a new one.
+        ``txn``: read in that transaction (``reader``), else in a new one. ``cut``: the records before it
+        are expired (default: the tier's cut now; ``NO_CUT``: every record).
         """
-        chunk = chunk or CHUNK_ROWS
+        return self._items(chunk or CHUNK_ROWS, txn, self.cut if cut is None else cut)
+
+    def _items(
+        self, chunk: int, txn: lmdb.Transaction | None, cut: Cut
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if txn is None:
             with self.env.begin(buffers=False) as own:
-                yield from self.items(chunk, own)
+                yield from self._items(chunk, own, cut)
             return
         keys: list[bytes] = []
         vals: list[bytes] = []
+
+        def batch() -> tuple[np.ndarray, np.ndarray]:
+            ids, records = _ids(keys), np.frombuffer(b"".join(vals), self.record)
+            if cut == NO_CUT:
+                return ids, records
+            live = self.live(records, cut)
+            return ids[live], records[live]
+
         try:
             for k, v in txn.cursor(db=self._rows):
                 keys.append(k)
                 vals.append(v)
                 if len(keys) == chunk:
-                    yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+                    yield batch()
                     keys, vals = [], []
         except lmdb.Error as err:  # e.g. the piece was dropped (its environment closed) meanwhile
             raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
         if keys:
-            yield _ids(keys), np.frombuffer(b"".join(vals), self.record)
+            yield batch()
 
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A zeroed array in a file of the directory that holds this tier's environment (``scratch_array``;
         not the environment's own, which goes with the piece)."""
         return scratch_array(self.path.parent, shape, dtype)
 
-    def expired(self, before_step: int | None, before_time: float | None) -> np.ndarray:
-        """Ids of the rows on disk last updated before push ``before_step`` or time ``before_time`` (sorted).
+    def expired(
+        self, before_step: int | None, before_time: float | None, limit: int | None = None
+    ) -> np.ndarray:
+        """Ids of the records on disk last updated before push ``before_step`` or time ``before_time``
+        (sorted, distinct).
 
-        Reads the expiry indexes from their start up to the cuts: as many entries as it finds.
+        Reads the expiry indexes from their start up to the cuts: as many entries as it finds, at most
+        ``limit`` from each (then fewer than ``limit`` ids means there are no more).
 
         Raises:
             InternalError: a cut without its index (the piece was made without that TTL).
@@ -697,8 +764,9 @@ class DiskTier:
                 stamp = np.array([cut], np.float64 if kind == "last_time" else np.int64)
                 end = _stamp_keys(stamp, np.array([np.iinfo(np.int64).min]))[0]  # the cut's first key
                 kinds += 1
-                for key in txn.cursor(db=self._expiry[kind]).iternext(keys=True, values=False):
-                    if key >= end:
+                keys = txn.cursor(db=self._expiry[kind]).iternext(keys=True, values=False)
+                for taken, key in enumerate(keys):
+                    if key >= end or taken == limit:
                         break
                     found.append(key)
         ids = np.sort(_from_ordered(np.frombuffer(b"".join(found), ">u8").reshape(-1, 2)[:, 1]))
@@ -710,7 +778,7 @@ class DiskTier:
         Raises:
             AssertionError: it does not.
         """
-        ids, records = zip(*self.items(), strict=True) if self._count else ((), ())
+        ids, records = zip(*self.items(cut=NO_CUT), strict=True) if self._count else ((), ())
         all_ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
         all_records = np.concatenate(records) if records else np.zeros(0, self.record)
         with self.env.begin() as txn:
