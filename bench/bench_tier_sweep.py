@@ -123,8 +123,11 @@ def _markdown(
         )
     lines += [
         "",
-        "A push that sweeps holds the shard's event loop for its whole sweep: every client of the "
-        "shard waits.",
+        "A push holds the shard's event loop for its whole time, its share of a sweep included: every "
+        "client of the shard waits. A sweep expires the rows in memory at once and raises the disk "
+        "tier's cut (reads skip the records before it); then each push deletes at most a batch of the "
+        "expired records (`_EXPIRE_BATCH` in `psserver.dynamic`), so the longest push is the figure "
+        "to read in the expiring row, and its median counts the pushes that deleted a batch.",
         "",
     ]
     return "\n".join(lines)
