@@ -10,18 +10,24 @@ One place for these, so that a slow CI machine is handled by changing one number
 - ``free_addresses(n)``: loopback ``HOST:PORT`` s nobody listens on (for rings and
   for "nothing listens there" checks).
 - ``wait_until(predicate, what)``: a bounded poll that fails naming what it waited for.
+- ``small_disk(path, size)``: a tmpfs of that size mounted there, a disk that fills (root only).
 
 Imported as ``from _support import ...`` (pytest puts ``tests/`` on the path).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from trainer.cluster import reserve_ports
 
@@ -90,3 +96,17 @@ def table_stats(client: Any, name: str) -> dict[str, int]:
         for field, value in info.dynamic.ListFields():
             out[field.name] = out.get(field.name, 0) + int(value)
     return out
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str = "4m") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (made if missing) while the block runs: a disk that fills.
+    Skips the test where it cannot be mounted (not root, no mount); unmounted on exit."""
+    path.mkdir(parents=True, exist_ok=True)
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True, timeout=10).returncode:
+        pytest.skip(f"needs root and mount (a {size} tmpfs)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=10)

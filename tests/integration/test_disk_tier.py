@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _support import CALL_TIMEOUT_S as TIMEOUT_S
-from _support import table_stats
+from _support import small_disk, table_stats, wait_until
 
 import psclient
 from psclient import ctl
@@ -122,6 +124,54 @@ def test_a_backup_with_its_own_tier_holds_the_same_rows_after_kill_9(tmp_path: P
             np.testing.assert_array_equal(c.lookup("emb", _IDS), before)  # the promoted backups' rows
             after: dict[str, Any] = table_stats(c, "emb")
             assert after["rows"] == stats["rows"] and after["rows_on_disk"] > 0
+
+
+def test_a_backup_whose_snapshot_fails_after_its_attach_is_detached_and_can_attach_later(
+    tmp_path: Path,
+) -> None:
+    """The primary attaches a backup at its snapshot's instant, then reads its tiered table's cold rows into
+    scratch files: with its disk full, that fails after the attach. The primary detaches the backup (it
+    forwards nothing to it, serves on alone), the backup tries again, and attaches once there is room:
+    it then holds the primary's rows, as its promotion after a kill -9 shows."""
+    from psclient import admin
+
+    def peer(address: str) -> str:
+        return asyncio.run(admin.cluster_status([address], variables=False))[0].peer
+
+    with (
+        small_disk(tmp_path / "small", "8m") as disk,
+        LocalCluster(1, _tier(disk / "tier")) as primary,
+        psclient.PSClient(primary.addresses, "w0", timeout=TIMEOUT_S) as c,
+    ):
+        _create(c)
+        _train(c, range(25))
+        stats = table_stats(c, "emb")
+        assert stats["rows_on_disk"] > 2 * stats["rows_in_memory"]
+        # Room for the snapshot's copy of the rows in memory (scratch pages, before the attach),
+        # not for its merge of all the rows (after it).
+        filler = disk / "filler"
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        filler.write_bytes(b"\0" * max(0, free - (192 << 10)))
+        backup_args = _tier(tmp_path / "backup-tier")
+        with LocalCluster(1, backup_args, shard_args={0: ["--backup-of", primary.addresses[0]]}) as b:
+            wait_until(
+                lambda: "detached (its snapshot failed)" in primary.log_path(0).read_text(),
+                "the primary to detach the backup whose snapshot failed",
+            )
+            assert peer(primary.addresses[0]) == ""
+            # Alone, it serves on: nothing is forwarded, nothing waits for the backup (the rows of the last
+            # push are in memory: pushing them again needs no disk).
+            np.testing.assert_array_equal(c.lookup("emb", _IDS), c.lookup("emb", _IDS))
+            _train(c, range(24, 25))
+            filler.unlink()
+            wait_until(lambda: peer(primary.addresses[0]) == b.addresses[0], "the backup to attach")
+            _train(c, range(30, 35))
+            before = c.lookup("emb", _IDS)
+            primary.kill_shard(0)
+            with psclient.PSClient(
+                [f"{primary.addresses[0]}|{b.addresses[0]}"], "w1", timeout=TIMEOUT_S
+            ) as promoted:
+                np.testing.assert_array_equal(promoted.lookup("emb", _IDS), before)
 
 
 def _rss_anon_mib(pid: int) -> float:

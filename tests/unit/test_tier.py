@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support import small_disk as mounted_tmpfs
 
 from pscore.errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import Adagrad, Adam, Optimizer
@@ -257,13 +258,8 @@ def test_a_full_disk_tier_refuses_the_push_and_leaves_the_table_unchanged(tmp_pa
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Any:
     """A 4 MiB tmpfs: a disk that fills (needs root and mount: skipped elsewhere)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    cmd = ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)]
-    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True, timeout=10).returncode:
-        pytest.skip("needs root and mount (a 4 MiB tmpfs)")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], capture_output=True, timeout=10)
+    with mounted_tmpfs(tmp_path / "small", "4m") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_is_a_typed_error_before_the_write_never_a_crash(small_disk: Path) -> None:
@@ -272,7 +268,7 @@ def test_a_full_disk_is_a_typed_error_before_the_write_never_a_crash(small_disk:
     script = textwrap.dedent(f"""
         import sys
         import numpy as np
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(Path(__file__).parent.parent)!r}]
         from test_tier import _Table
         from psserver.tier import TierConfig, TierFullError
         t = _Table(TierConfig(directory={str(small_disk)!r}, memory_bytes=64 << 10), dim=64)
