@@ -362,6 +362,17 @@ class Export:
             self._release = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Grown:
+    """A piece's larger storage (``DynamicRows.grown``), for ``DynamicRows.adopt``."""
+
+    old: int  # rows allocated when it was made
+    values: np.ndarray
+    slots: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray]  # the per-row bookkeeping arrays, by attribute name
+    free: np.ndarray
+
+
 class DynamicRows:
     """The hash table and bookkeeping of one dynamic table piece (see the module docs).
 
@@ -943,11 +954,37 @@ class DynamicRows:
         keys = [self.hits, self.last_step] if self.config.lfu else [self.last_step]
         return _smallest(candidates, [*keys, self.slot_ids], n)
 
-    def _grow(self, holder: Holder, optimizer: Any, rows_needed: int) -> None:
-        """Unbounded tables in memory: more rows (at least doubling), keeping every row, slot and counter."""
+    def growth(self, ids: np.ndarray, now: float) -> int:
+        """The rows an unbounded table in memory grows to before a push of distinct ``ids`` at ``now``, so
+        that the push finds room (0: it has room, or the table does not grow).
+
+        The push's new ids that step 2 admits, less the rows a due sweep frees, against the free rows:
+        what ``prepare`` would grow by. Growing first lets the copy (``grown``) run in another thread
+        (``Store._update``), before the push changes anything.
+        """
+        if self.config.capacity or self.tier is not None or ids.size <= self.nfree:
+            return 0
+        found = self.index.get(ids)
+        new = ids[found < 0]
+        admitted = new.size
+        if admitted and self.sketch is not None:  # what step 2 admits (``add`` returns estimate + 1)
+            estimate = self.sketch.estimate(new).astype(np.int64)
+            admitted = int(np.count_nonzero(estimate + 1 >= self.config.min_count))
+        room = self.nfree
+        if admitted > room and self._sweep_due(self.clock + 1, now):
+            room += self._expired(self.clock + 1, now, protect=found[found >= 0]).size
+        if admitted <= room:
+            return 0
+        return max(2 * self.allocated, _pow2(self.hot_len + admitted))
+
+    def grown(self, holder: Holder, optimizer: Any, rows: int) -> Grown:
+        """Storage of ``rows`` rows holding every row, slot and counter of the piece, for ``adopt``.
+
+        Reads the piece and changes nothing: it may run in another thread while nothing updates the
+        piece (lookups read the old storage meanwhile).
+        """
         assert self.tier is None, "a tiered piece claims rows of its mapped arrays (``_claim``)"
         old = self.allocated
-        rows = max(2 * old, _pow2(rows_needed))
         values, slots = self._storage(optimizer, rows)
         values[:old] = holder.state[0]
         for k, a in holder.slots.items():
@@ -955,21 +992,32 @@ class DynamicRows:
                 slots[k][:old] = a
             else:
                 slots[k] = a
+        arrays = {}
         for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk", "disk_stamps"):
             arr = getattr(self, name)
-            if arr is None:
-                continue
-            grown = np.zeros(rows, arr.dtype)
-            grown[:old] = arr
-            setattr(self, name, grown)
+            if arr is not None:
+                arrays[name] = np.zeros(rows, arr.dtype)
+                arrays[name][:old] = arr
         free = np.empty(rows, np.int64)
         free[: rows - old] = np.arange(rows - 1, old - 1, -1)
         free[rows - old : rows - old + self.nfree] = self.free[: self.nfree]
-        self.free = free
-        self.nfree += rows - old
+        return Grown(old, values, slots, arrays, free)
+
+    def adopt(self, holder: Holder, grown: Grown) -> None:
+        """Takes the larger storage ``grown`` made (nothing may have changed the piece since)."""
+        assert grown.old == self.allocated, "the piece changed while its larger storage was made"
+        for name, arr in grown.arrays.items():
+            setattr(self, name, arr)
+        rows = grown.values.shape[0]
+        self.free = grown.free
+        self.nfree += rows - grown.old
         self.limit = rows
-        holder.state = (values, holder.state[1])
-        holder.slots = slots
+        holder.state = (grown.values, holder.state[1])
+        holder.slots = grown.slots
+
+    def _grow(self, holder: Holder, optimizer: Any, rows_needed: int) -> None:
+        """Unbounded tables in memory: more rows (at least doubling), keeping every row, slot and counter."""
+        self.adopt(holder, self.grown(holder, optimizer, max(2 * self.allocated, _pow2(rows_needed))))
 
     # -- checkpoints --------------------------------------------------------------
 

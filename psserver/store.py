@@ -53,7 +53,7 @@ from psserver.tier import TierBudget, TierConfig, TierDirError, TierFullError
 log = logging.getLogger(__name__)
 
 # A heavy step of one variable's update (``Store._update``): the bytes it works on, and the computation.
-_Work = tuple[int, Callable[[], np.ndarray]]
+_Work = tuple[int, Callable[[], Any]]  # a computation on that many bytes; its result is sent back
 
 
 @dataclass(slots=True)
@@ -118,7 +118,7 @@ def _freeze(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _run_inline(update: Generator[_Work, np.ndarray, int]) -> int:
+def _run_inline(update: Generator[_Work, Any, int]) -> int:
     """Runs an ``Store._update`` on the event loop, with no await (a backup replaying)."""
     with contextlib.closing(update):
         result: Any = None
@@ -492,11 +492,12 @@ class Store:
         except TierFullError as err:  # the budget stays overdrawn until a later update tries again
             log.warning("%s: cannot give memory back to the other tables: %s", var.name, err)
 
-    def _update(self, var: Variable, grad: tables.Grad, now: float) -> Generator[_Work, np.ndarray, int]:
+    def _update(self, var: Variable, grad: tables.Grad, now: float) -> Generator[_Work, Any, int]:
         """The update of one variable by one validated gradient: the primary's push and its backup's replay.
 
         The caller holds ``var.lock``. Each heavy computation (the optimizer's
-        rule, the copy of a frozen table piece) is yielded with the bytes it
+        rule, the copy of a frozen table piece, the growth of an unbounded
+        dynamic table: a copy of all its rows) is yielded with the bytes it
         works on, and its result sent back: the primary runs the large ones in a
         worker thread (``_run_offloaded``), a backup runs them all on the event
         loop (``_run_inline``); the values are the same either way. Returns the
@@ -511,6 +512,10 @@ class Store:
             return version + 1
         reg = var.regularizer
         if var.dyn is not None:
+            to = var.dyn.growth(grad.ids, now)
+            if to:  # an unbounded table grows (a copy of all its rows) before the push changes anything
+                grown = yield var.value.nbytes, functools.partial(var.dyn.grown, var, var.optimizer, to)
+                var.dyn.adopt(var, grown)
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
             work = functools.partial(
@@ -530,7 +535,7 @@ class Store:
             value = yield value.nbytes, value.copy
         return self._write_rows(var, value, rows, new)
 
-    async def _run_offloaded(self, update: Generator[_Work, np.ndarray, int]) -> int:
+    async def _run_offloaded(self, update: Generator[_Work, Any, int]) -> int:
         """Runs an ``_update``, its computations on more than ``inline_apply_bytes`` in a worker thread."""
         with contextlib.closing(update):
             result: Any = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -105,8 +106,8 @@ def _spec(name: str = "t", dim: int = 2, opt: Optimizer | None = None, **kw: Any
 class _Table:
     """A dynamic table piece in a real store (one shard), pushed to like the servicer does."""
 
-    def __init__(self, **kw: Any) -> None:
-        self.store = Store()
+    def __init__(self, store: Store | None = None, **kw: Any) -> None:
+        self.store = store if store is not None else Store()
         self.spec = _spec(**kw)
         self.store.create([self.spec], {})
         self.var: Variable = self.store.get(self.spec.name)
@@ -265,6 +266,49 @@ def test_an_unbounded_table_grows_and_keeps_every_row() -> None:
     assert len(t.rows) == 5000 and t.rows.allocated >= 5000
     # the first 10 rows: one 0.5 push, then one zero-gradient push (Adagrad: no change)
     np.testing.assert_array_equal(t.read(ids[:10]), before)
+
+
+def test_an_unbounded_table_grows_in_a_worker_thread_before_the_push_changes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Growing copies every row: the copy runs off the event loop (as the optimizer's large updates do),
+    before the push changes anything, and the push then finds room. Ids that admission drops, and rows
+    a due sweep frees, are not grown for."""
+    threads: list[bool] = []
+    grown = dynamic.DynamicRows.grown
+
+    def spy(self: dynamic.DynamicRows, *args: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return grown(self, *args)
+
+    def never(*args: Any) -> None:
+        raise AssertionError("the push grew the table itself, on the event loop")
+
+    monkeypatch.setattr(dynamic.DynamicRows, "grown", spy)
+    monkeypatch.setattr(dynamic.DynamicRows, "_grow", never)
+    t = _Table(Store(inline_apply_bytes=0), dim=4, opt=Adagrad(0.1))  # offload every computation
+    twin = _Table(dim=4, opt=Adagrad(0.1), capacity=1 << 16)  # room for every row from the start
+    ids = np.arange(20_000, dtype=np.int64) * 7
+    for start in range(0, ids.size, 1500):
+        for table in (t, twin):
+            table.push(ids[start : start + 1500], 0.01 * (start % 7 - 3))
+    assert len(threads) >= 4 and not any(threads)  # every growth ran in a worker thread
+    assert len(t.rows) == len(twin.rows) == ids.size
+    np.testing.assert_array_equal(t.read(ids), twin.read(ids))
+
+    admitting = _Table(dim=4, min_count=2)
+    admitting.push(np.arange(100), 1.0)
+    admitting.push(np.arange(100), 1.0)  # admitted at their second push
+    free, allocated = admitting.rows.nfree, admitting.rows.allocated
+    admitting.push(np.arange(1000, 1000 + 4 * free), 1.0)  # first sightings: none admitted
+    assert admitting.rows.allocated == allocated and len(admitting.rows) == 100
+    expiring = _Table(dim=4, ttl_steps=8)
+    expiring.push(np.arange(expiring.rows.nfree), 1.0)  # full
+    allocated = expiring.rows.allocated
+    for _ in range(8):
+        expiring.push(np.arange(2), 1.0)
+    expiring.push(np.arange(10_000, 10_500), 1.0)  # the sweep this push runs frees the room it needs
+    assert expiring.rows.allocated == allocated and len(expiring.rows) == 502
 
 
 def _replay(t: _Table, pushes: list[np.ndarray]) -> None:
