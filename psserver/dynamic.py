@@ -371,6 +371,7 @@ class Grown:
     slots: dict[str, np.ndarray]
     arrays: dict[str, np.ndarray]  # the per-row bookkeeping arrays, by attribute name
     free: np.ndarray
+    index: HashIndex
 
 
 class DynamicRows:
@@ -430,9 +431,11 @@ class DynamicRows:
         """Zeroed row storage and slots for the allocated rows (pages stay untouched until written)."""
         return self._storage(optimizer, self.allocated)
 
-    def _storage(self, optimizer: Any, rows: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _storage(
+        self, optimizer: Any, rows: int, zeros: Callable[..., np.ndarray] | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         dim = self.config.dim
-        zeros = anonymous_array if self.hot_rows else np.zeros
+        zeros = zeros or (anonymous_array if self.hot_rows else np.zeros)
         small = optimizer.init_slots(np.zeros((1, dim), self.dtype))
         slots = {k: (zeros((rows, dim), a.dtype) if a.shape == (1, dim) else a) for k, a in small.items()}
         return zeros((rows, dim), self.dtype), slots
@@ -985,23 +988,27 @@ class DynamicRows:
         """
         assert self.tier is None, "a tiered piece claims rows of its mapped arrays (``_claim``)"
         old = self.allocated
-        values, slots = self._storage(optimizer, rows)
-        values[:old] = holder.state[0]
-        for k, a in holder.slots.items():
-            if a.shape == (old, self.config.dim):
-                slots[k][:old] = a
-            else:
-                slots[k] = a
+        # np.empty, then two assignments: numpy lets go of the GIL for those (not for np.zeros's memset of
+        # reused heap memory), so the event loop runs on while another thread grows the piece.
+        values, slots = self._storage(optimizer, rows, np.empty)
+        for new, now in [(values, holder.state[0]), *((slots[k], a) for k, a in holder.slots.items())]:
+            if now.shape == (old, self.config.dim):
+                new[:old] = now
+                new[old:] = 0
+        slots.update({k: a for k, a in holder.slots.items() if a.shape != (old, self.config.dim)})
         arrays = {}
         for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk", "disk_stamps"):
             arr = getattr(self, name)
             if arr is not None:
-                arrays[name] = np.zeros(rows, arr.dtype)
+                arrays[name] = np.empty(rows, arr.dtype)
                 arrays[name][:old] = arr
+                arrays[name][old:] = 0
         free = np.empty(rows, np.int64)
         free[: rows - old] = np.arange(rows - 1, old - 1, -1)
         free[rows - old : rows - old + self.nfree] = self.free[: self.nfree]
-        return Grown(old, values, slots, arrays, free)
+        index = HashIndex(rows)  # sized for the new rows, as a new piece's: no rebuild on the way to them
+        index.insert(*self.index.items())
+        return Grown(old, values, slots, arrays, free, index)
 
     def adopt(self, holder: Holder, grown: Grown) -> None:
         """Takes the larger storage ``grown`` made (nothing may have changed the piece since)."""
@@ -1009,6 +1016,7 @@ class DynamicRows:
         for name, arr in grown.arrays.items():
             setattr(self, name, arr)
         rows = grown.values.shape[0]
+        self.index = grown.index
         self.free = grown.free
         self.nfree += rows - grown.old
         self.limit = rows
