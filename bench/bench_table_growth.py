@@ -1,7 +1,8 @@
-"""An unbounded dynamic table growing in memory: how long its shard stops answering the other clients.
+"""A dynamic table's housekeeping in memory (growth, evictions): how long its shard stops answering.
 
 A dynamic table without a ``capacity`` doubles its storage when full, copying
-every row and slot (``psserver.dynamic``). One shard (a real ``psserver``
+every row and slot (``psserver.dynamic``); a full one evicts, and its id index
+is rebuilt when the evicted ids' tombstones fill it. One shard (a real ``psserver``
 process) holds the table, ``--rows`` ids x ``--dim`` (float32, Adagrad), filled
 by one client's pushes of ``--batch`` new ids, while a second client pulls a
 small variable of the same shard every ``--ping-ms`` and records how long each
@@ -10,7 +11,10 @@ each on a fresh shard:
 
 - ``grows``: the table starts small and doubles as it fills;
 - ``preallocated``: the peer: a ``capacity`` of ``--rows`` from the start, so it
-  never grows (the same pushes, the same rows).
+  never grows (the same pushes, the same rows);
+- ``evicting``: a ``capacity`` of a quarter of the rows: once full, every push evicts
+  rows (LRU), whose ids leave tombstones in the table's id index until it is
+  rebuilt.
 
 Reported per variant: the fill's seconds, the pushes' median and longest time,
 the pulls' median, p99 and longest time, and how many pulls took over 100 ms
@@ -55,7 +59,7 @@ def _pinger(address: str, every_s: float, stop: threading.Event, out: list[float
 def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """One variant on a fresh shard: the fill, timed, with the pinger running; its figures."""
     cell: dict[str, Any] = {"variant": name}
-    capacity = {"capacity": args.rows} if name == "preallocated" else {}
+    capacity = {"capacity": args.rows // (4 if name == "evicting" else 1)} if name != "grows" else {}
     pulls: list[float] = []
     stop = threading.Event()
     with (
@@ -103,14 +107,15 @@ def _markdown(
     args: argparse.Namespace, note: dict[str, Any], cells: list[dict[str, Any]], command: str
 ) -> str:
     lines = [
-        "# An unbounded dynamic table growing in memory: the shard's other clients",
+        "# A dynamic table's housekeeping in memory (growth, evictions): the shard's other clients",
         "",
         f"Command: `{command}`",
         "",
         f"One shard, one dynamic table of {args.rows:,} ids x {args.dim} (float32, Adagrad) filled by pushes "
         f"of {args.batch:,} new ids, while another client pulls a 16-float variable of the shard every "
         f"{args.ping_ms} ms. `grows`: no capacity (the table doubles when full, copying its rows); "
-        f"`preallocated`: `capacity={args.rows:,}` (never grows). Machine: {note}",
+        f"`preallocated`: `capacity={args.rows:,}` (never grows); `evicting`: `capacity={args.rows // 4:,}` "
+        f"(once full, each push evicts). Machine: {note}",
         "",
         "| variant | fill s | pushes | push median ms | push max ms | pulls | pull median ms | pull p99 ms | "
         "pull max ms | pulls over 100 ms | rows |",
@@ -139,7 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=50_000, help="ids per push (default 50,000)")
     ap.add_argument("--ping-ms", type=float, default=2.0, help="pause between the pinger's pulls (default 2)")
     ap.add_argument(
-        "--variants", default="grows,preallocated", help="comma-separated: grows, preallocated (default both)"
+        "--variants",
+        default="grows,preallocated,evicting",
+        help="comma-separated: grows, preallocated, evicting (default all)",
     )
     ap.add_argument("--dir", default=None, help="where the shards' logs go (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")

@@ -200,11 +200,25 @@ class HashIndex:
         full = self.state == _FULL
         return self.keys[full], self.vals[full]
 
-    def _rebuild(self, live_after: int) -> None:
+    def needs_rebuild(self, more: int) -> bool:
+        """Whether inserting ``more`` ids would rebuild the table first (``insert``)."""
+        return (self.live + self.tombs + more) * 4 > self.keys.size * 3
+
+    def rebuilt(self, live_after: int) -> HashIndex:
+        """A new table of this one's entries without its tombstones, sized for ``live_after`` live entries
+        (the same size while half of it holds them). Reads this one and changes nothing: another thread
+        may run it while nothing updates this one."""
         keys, vals = self.items()
-        size = self.keys.size  # the same size (dropping tombstones) while half of it holds everything
-        self._alloc(size if 2 * live_after <= size else max(_MIN_INDEX, _pow2(2 * live_after)))
-        self.insert(keys, vals)
+        size = self.keys.size
+        out = HashIndex()
+        out._alloc(size if 2 * live_after <= size else max(_MIN_INDEX, _pow2(2 * live_after)))
+        out.insert(keys, vals)
+        return out
+
+    def _rebuild(self, live_after: int) -> None:
+        new = self.rebuilt(live_after)
+        self.keys, self.vals, self.state, self.mask = new.keys, new.vals, new.state, new.mask
+        self.live, self.tombs = new.live, new.tombs
 
 
 class CountMinSketch:
@@ -979,6 +993,16 @@ class DynamicRows:
         if admitted <= room:
             return 0
         return max(2 * self.allocated, _pow2(self.hot_len + admitted))
+
+    def reindex_due(self, pushed: int) -> bool:
+        """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself (its new rows
+        and, with a disk tier, those it fills and spills to make room for them): ``reindexed`` first."""
+        return self.index.needs_rebuild(2 * pushed + self.limit // _EVICT_SLACK)
+
+    def reindexed(self, pushed: int) -> HashIndex:
+        """The id index rebuilt (tombstones dropped, grown if need be) for a push of ``pushed`` ids. Reads
+        the piece and changes nothing, like ``grown``."""
+        return self.index.rebuilt(min(self.index.live + pushed, self.limit))  # never more rows than that
 
     def grown(self, holder: Holder, optimizer: Any, rows: int) -> Grown:
         """Storage of ``rows`` rows holding every row, slot and counter of the piece, for ``adopt``.

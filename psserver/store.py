@@ -497,7 +497,8 @@ class Store:
 
         The caller holds ``var.lock``. Each heavy computation (the optimizer's
         rule, the copy of a frozen table piece, the growth of an unbounded
-        dynamic table: a copy of all its rows) is yielded with the bytes it
+        dynamic table or the rebuild of a table's id index: a copy of all its
+        rows or ids) is yielded with the bytes it
         works on, and its result sent back: the primary runs the large ones in a
         worker thread (``_run_offloaded``), a backup runs them all on the event
         loop (``_run_inline``); the values are the same either way. Returns the
@@ -516,6 +517,9 @@ class Store:
             if to:  # an unbounded table grows (a copy of all its rows) before the push changes anything
                 grown = yield var.value.nbytes, functools.partial(var.dyn.grown, var, var.optimizer, to)
                 var.dyn.adopt(var, grown)
+            elif var.dyn.reindex_due(grad.ids.size):  # its id index drops its tombstones (evicted rows)
+                pushed = grad.ids.size
+                var.dyn.index = yield var.dyn.index.nbytes, functools.partial(var.dyn.reindexed, pushed)
             rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
             values = grad.values[keep]
             work = functools.partial(

@@ -311,6 +311,38 @@ def test_an_unbounded_table_grows_in_a_worker_thread_before_the_push_changes_it(
     assert expiring.rows.allocated == allocated and len(expiring.rows) == 502
 
 
+def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Evicted rows leave tombstones in the id index; when they fill it, the index is rebuilt before the
+    push changes anything, off the event loop (a copy of every id), never in place during the push."""
+    t = _Table(Store(inline_apply_bytes=0), capacity=4096, dim=4, opt=Adagrad(0.1))
+    twin = _Table(capacity=4096, dim=4, opt=Adagrad(0.1))  # its rebuilds run inline: the same rows
+    threads: list[bool] = []
+    rebuilt = dynamic.HashIndex.rebuilt
+
+    def spy(self: dynamic.HashIndex, live_after: int) -> dynamic.HashIndex:
+        if self is t.rows.index:
+            threads.append(threading.current_thread() is threading.main_thread())
+        return rebuilt(self, live_after)
+
+    def never(*args: Any) -> None:
+        raise AssertionError("a push rebuilt the id index in place, on the event loop")
+
+    monkeypatch.setattr(dynamic.HashIndex, "rebuilt", spy)
+    monkeypatch.setattr(dynamic.HashIndex, "_rebuild", never)
+    size = t.rows.index.keys.size
+    rng = np.random.default_rng(4)
+    for _ in range(80):
+        ids = np.unique(rng.integers(0, 1 << 40, 700))  # mostly new ids: evictions
+        for table in (t, twin):
+            table.push(ids, 0.1)
+    assert len(threads) >= 2 and not any(threads)
+    assert t.rows.index.keys.size == size  # the same size: a full table's index stays bounded
+    assert t.held() == twin.held()
+    np.testing.assert_array_equal(t.read(t.held()), twin.read(twin.held()))
+
+
 def _replay(t: _Table, pushes: list[np.ndarray]) -> None:
     for i, ids in enumerate(pushes):
         t.push(ids, 0.01 * (i % 5 - 2))
