@@ -237,6 +237,18 @@ def write_results(out: str | None, text: str, results: dict[str, Any]) -> None:
     Path(f"{out}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
+def add_table_options(ap: Any, *, rows: int, batch: int, variants: str, dir_help: str, dim: int = 32) -> None:
+    """The options of the benches of one dynamic table on fresh shards (``run_variants`` reads
+    ``--variants``, ``--dir`` and ``--out``): its ids, row width, ids per fill push, the variants to run
+    (``variants``: the default, comma-separated), where the files go, and the results' path."""
+    ap.add_argument("--rows", type=int, default=rows, help=f"ids in the table (default {rows:,})")
+    ap.add_argument("--dim", type=int, default=dim, help=f"row width (default {dim})")
+    ap.add_argument("--batch", type=int, default=batch, help=f"ids per fill push (default {batch:,})")
+    ap.add_argument("--variants", default=variants, help=f"comma-separated among {variants} (default all)")
+    ap.add_argument("--dir", default=None, help=f"{dir_help} (default: a temporary directory)")
+    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+
+
 def run_variants(
     script: str,
     argv: Sequence[str] | None,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import percentile, run_variants
+from _common import add_table_options, percentile, run_variants
 
 import psclient
 from trainer.cluster import LocalCluster
@@ -139,17 +139,10 @@ def _markdown(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=5_000_000, help="ids in the table (default 5,000,000)")
-    ap.add_argument("--dim", type=int, default=32, help="row width (default 32)")
-    ap.add_argument("--batch", type=int, default=50_000, help="ids per push (default 50,000)")
-    ap.add_argument("--ping-ms", type=float, default=2.0, help="pause between the pinger's pulls (default 2)")
-    ap.add_argument(
-        "--variants",
-        default="grows,preallocated,evicting",
-        help="comma-separated: grows, preallocated, evicting (default all)",
+    add_table_options(
+        ap, rows=5_000_000, batch=50_000, variants="grows,preallocated,evicting", dir_help="where logs go"
     )
-    ap.add_argument("--dir", default=None, help="where the shards' logs go (default: a temporary directory)")
-    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--ping-ms", type=float, default=2.0, help="pause between the pinger's pulls (default 2)")
     run_variants(
         "bench_table_growth.py", argv, ap.parse_args(argv), "bench-table-growth-", run_variant, _markdown
     )

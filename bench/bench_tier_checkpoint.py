@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import run_variants
+from _common import add_table_options, run_variants
 
 import psclient
 from psserver.tier import parse_bytes
@@ -194,15 +194,10 @@ def _markdown(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=2_000_000, help="ids in the table (default 2,000,000)")
-    ap.add_argument("--dim", type=int, default=32, help="row width (default 32)")
-    ap.add_argument("--batch", type=int, default=20_000, help="ids per fill push (default 20,000)")
-    ap.add_argument("--table-memory", default="32MiB", help="the tiered shard's budget (default 32MiB)")
-    ap.add_argument(
-        "--variants", default="memory,tiered", help="comma-separated: memory, tiered (default both)"
+    add_table_options(
+        ap, rows=2_000_000, batch=20_000, variants="memory,tiered", dir_help="where the files go"
     )
-    ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
-    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
+    ap.add_argument("--table-memory", default="32MiB", help="the tiered shard's budget (default 32MiB)")
     run_variants(
         "bench_tier_checkpoint.py", argv, ap.parse_args(argv), "bench-tier-ckpt-", run_variant, _markdown
     )

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import percentile, run_variants
+from _common import add_table_options, percentile, run_variants
 
 import psclient
 from trainer.cluster import LocalCluster
@@ -135,20 +135,13 @@ def _markdown(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, default=1_000_000, help="ids in the table (default 1,000,000)")
-    ap.add_argument("--dim", type=int, default=32, help="row width (default 32)")
-    ap.add_argument("--batch", type=int, default=20_000, help="ids per fill push (default 20,000)")
+    add_table_options(
+        ap, rows=1_000_000, batch=20_000, variants="none,steps,expiring", dir_help="where the tier goes"
+    )
     ap.add_argument("--ids", type=int, default=2048, help="ids drawn per timed push (default 2048)")
     ap.add_argument("--pushes", type=int, default=400, help="timed pushes per variant (default 400)")
     ap.add_argument("--sweep-every", type=int, default=60, help="pushes between sweeps (default 60)")
     ap.add_argument("--table-memory", default="16MiB", help="the shard's budget (default 16MiB)")
-    ap.add_argument(
-        "--variants",
-        default="none,steps,expiring",
-        help="comma-separated: none, steps, expiring (default all)",
-    )
-    ap.add_argument("--dir", default=None, help="where the tier goes (default: a temporary directory)")
-    ap.add_argument("--out", default=None, help="write OUT.md and OUT.json")
     run_variants(
         "bench_tier_sweep.py", argv, ap.parse_args(argv), "bench-tier-sweep-", run_variant, _markdown
     )
