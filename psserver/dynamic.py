@@ -995,9 +995,11 @@ class DynamicRows:
         return max(2 * self.allocated, _pow2(self.hot_len + admitted))
 
     def reindex_due(self, pushed: int) -> bool:
-        """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself (its new rows
-        and, with a disk tier, those it fills and spills to make room for them): ``reindexed`` first."""
-        return self.index.needs_rebuild(2 * pushed + self.limit // _EVICT_SLACK)
+        """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself: ``reindexed``
+        first. The push inserts at most that many ids (new rows, and with a disk tier the rows it fills);
+        the rows it evicts, expires or spills turn live entries into tombstones, which leaves the count
+        the index rebuilds by (``HashIndex.needs_rebuild``) as it was."""
+        return self.index.needs_rebuild(pushed)
 
     def reindexed(self, pushed: int) -> HashIndex:
         """The id index rebuilt (tombstones dropped, grown if need be) for a push of ``pushed`` ids. Reads
