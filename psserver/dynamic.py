@@ -719,13 +719,20 @@ class DynamicRows:
     # -- a push -----------------------------------------------------------------
 
     def prepare(
-        self, holder: Holder, ids: np.ndarray, now: float, optimizer: Any
+        self,
+        holder: Holder,
+        ids: np.ndarray,
+        now: float,
+        optimizer: Any,
+        victims: tuple[int, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-5 of a push of distinct ``ids`` (all but the row math): returns ``(rows, keep)``.
 
         ``rows`` are the storage rows to update with the gradients at positions
         ``keep`` of ``ids`` (the others are dropped). No await may separate this
-        from ``write``'s storing of the new values.
+        from ``write``'s storing of the new values. ``victims``: ``(n, rows)`` from
+        ``eviction`` and ``victims_ahead``, chosen before the push: the eviction of
+        ``n`` rows takes them instead of choosing again.
         """
         c = self.config
         if self.tier is not None:
@@ -746,7 +753,8 @@ class DynamicRows:
                 assert self.tier is None, "the tier step made room for every row of the push"
                 self._grow(holder, optimizer, self.hot_len + new_pos.size)
             else:
-                self._evict(new_pos.size - self.nfree + c.capacity // _EVICT_SLACK, protect=old)
+                n = new_pos.size - self.nfree + c.capacity // _EVICT_SLACK
+                self._evict(n, protect=old, chosen=victims[1] if victims and victims[0] == n else None)
                 if new_pos.size > self.nfree:  # more new ids than the shard holds: the smallest fit
                     self.stats.dropped_updates += int(new_pos.size - self.nfree)
                     new_pos = new_pos[: self.nfree]
@@ -954,17 +962,22 @@ class DynamicRows:
         assert self.tier is not None
         return _gather_records(self.tier.record, self._hot_arrays(holder), rows)
 
-    def _evict(self, n: int, protect: np.ndarray) -> None:
-        """Evicts ``n`` rows (fewer if fewer are not protected) by the table's policy."""
+    def _evict(self, n: int, protect: np.ndarray, chosen: np.ndarray | None = None) -> None:
+        """Evicts ``n`` rows (fewer if fewer are not protected) by the table's policy (``chosen``: those it
+        picks, picked before the push by ``victims_ahead``)."""
+        rows = chosen if chosen is not None else self.victims(self._candidates(protect), n)
+        if rows.size:
+            self._release(rows)
+            self.stats.evicted += rows.size
+
+    def _candidates(self, protect: np.ndarray) -> np.ndarray:
+        """The live rows but ``protect``: those an eviction may pick."""
         candidates = np.flatnonzero(self.live)
         if protect.size:
             keep = np.ones(self.allocated, bool)
             keep[protect] = False
             candidates = candidates[keep[candidates]]
-        rows = self.victims(candidates, n)
-        if rows.size:
-            self._release(rows)
-            self.stats.evicted += rows.size
+        return candidates
 
     def victims(self, candidates: np.ndarray, n: int) -> np.ndarray:
         """The ``n`` rows among ``candidates`` the policy evicts first (deterministic: ties by id)."""
@@ -981,18 +994,42 @@ class DynamicRows:
         """
         if self.config.capacity or self.tier is not None or ids.size <= self.nfree:
             return 0
+        admitted, room = self._room_for(ids, now)
+        return 0 if admitted <= room else max(2 * self.allocated, _pow2(self.hot_len + admitted))
+
+    def eviction(self, ids: np.ndarray, now: float) -> int:
+        """The rows a push of distinct ``ids`` at ``now`` evicts from a full table with a ``capacity`` (0:
+        none), worked out as ``prepare`` does, before the push changes anything: ``victims_ahead`` can
+        then pick them in another thread (``Store._update``)."""
+        if not self.config.capacity or self.tier is not None or ids.size <= self.nfree:
+            return 0
+        admitted, room = self._room_for(ids, now)
+        return 0 if admitted <= room else admitted - room + self.config.capacity // _EVICT_SLACK
+
+    def victims_ahead(self, ids: np.ndarray, now: float, n: int) -> np.ndarray:
+        """The ``n`` rows ``prepare``'s eviction picks for a push of ``ids`` at ``now``: among the live
+        rows, not the push's own nor those its due sweep removes, whose keys the push does not change
+        before it evicts. Reads the piece and changes nothing, like ``grown``."""
+        found = self.index.get(ids)
+        protect = found[found >= 0]
+        if self._sweep_due(self.clock + 1, now):
+            protect = np.concatenate([protect, self._expired(self.clock + 1, now, protect=protect)])
+        return self.victims(self._candidates(protect), n)
+
+    def _room_for(self, ids: np.ndarray, now: float) -> tuple[int, int]:
+        """For a push of distinct ``ids`` at ``now``, before it changes anything: the new rows step 2
+        admits (the sketch's estimate: ``add`` returns it + 1), and the free rows with those a due sweep
+        frees."""
         found = self.index.get(ids)
         new = ids[found < 0]
         admitted = new.size
-        if admitted and self.sketch is not None:  # what step 2 admits (``add`` returns estimate + 1)
+        if admitted and self.sketch is not None:
             estimate = self.sketch.estimate(new).astype(np.int64)
             admitted = int(np.count_nonzero(estimate + 1 >= self.config.min_count))
         room = self.nfree
         if admitted > room and self._sweep_due(self.clock + 1, now):
             room += self._expired(self.clock + 1, now, protect=found[found >= 0]).size
-        if admitted <= room:
-            return 0
-        return max(2 * self.allocated, _pow2(self.hot_len + admitted))
+        return admitted, room
 
     def reindex_due(self, pushed: int) -> bool:
         """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself: ``reindexed``

@@ -498,7 +498,8 @@ class Store:
         The caller holds ``var.lock``. Each heavy computation (the optimizer's
         rule, the copy of a frozen table piece, the growth of an unbounded
         dynamic table or the rebuild of a table's id index: a copy of all its
-        rows or ids) is yielded with the bytes it
+        rows or ids; a full table's choice of the rows it evicts: a pass over
+        them) is yielded with the bytes it
         works on, and its result sent back: the primary runs the large ones in a
         worker thread (``_run_offloaded``), a backup runs them all on the event
         loop (``_run_inline``); the values are the same either way. Returns the
@@ -520,7 +521,12 @@ class Store:
             elif var.dyn.reindex_due(grad.ids.size):  # its id index drops its tombstones (evicted rows)
                 pushed = grad.ids.size
                 var.dyn.index = yield var.dyn.index.nbytes, functools.partial(var.dyn.reindexed, pushed)
-            rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer)
+            victims = None
+            evict = var.dyn.eviction(grad.ids, now)
+            if evict:  # a full table picks the rows it evicts (a pass over all of them) first
+                pick = functools.partial(var.dyn.victims_ahead, grad.ids, now, evict)
+                victims = (evict, (yield var.dyn.last_step.nbytes, pick))
+            rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer, victims)
             values = grad.values[keep]
             work = functools.partial(
                 var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg

@@ -343,6 +343,45 @@ def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
     np.testing.assert_array_equal(t.read(t.held()), twin.read(twin.held()))
 
 
+@pytest.mark.parametrize("eviction", [ps_pb2.EVICTION_LRU, ps_pb2.EVICTION_LFU], ids=["lru", "lfu"])
+def test_a_full_table_picks_the_rows_it_evicts_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch, eviction: int
+) -> None:
+    """Picking victims is a pass over every row of the piece: it runs before the push changes anything,
+    off the event loop, and picks exactly the rows the push would have picked (a twin picking them inside
+    its pushes), though the push's sweep removes the oldest rows first."""
+    kw = {"capacity": 1024, "dim": 4, "opt": Adagrad(0.1), "eviction": eviction, "ttl_steps": 4}
+    t = _Table(Store(inline_apply_bytes=0), **kw)
+    twin = _Table(**kw)  # picks its victims inside the push, as before
+    threads: list[bool] = []
+    victims, eviction = dynamic.DynamicRows.victims, dynamic.DynamicRows.eviction
+
+    def spy(self: dynamic.DynamicRows, candidates: np.ndarray, n: int) -> np.ndarray:
+        if self is t.rows:
+            threads.append(threading.current_thread() is threading.main_thread())
+        return victims(self, candidates, n)
+
+    def not_ahead(self: dynamic.DynamicRows, ids: np.ndarray, now: float) -> int:
+        return 0 if self is twin.rows else eviction(self, ids, now)
+
+    monkeypatch.setattr(dynamic.DynamicRows, "victims", spy)
+    monkeypatch.setattr(dynamic.DynamicRows, "eviction", not_ahead)
+    rng = np.random.default_rng(6)
+    hot = np.arange(40)
+    step = 0
+    for _ in range(4):
+        # 600 rows, left idle until they expire at the push of 1000 new ids, which also evicts: the rows
+        # it evicts are chosen among those its sweep leaves (never the expiring ones, oldest as they are).
+        for ids in [rng.integers(100, 1 << 40, 600), *[hot] * 4, rng.integers(100, 1 << 40, 1000)]:
+            step += 1
+            for table in (t, twin):
+                table.push(np.unique(ids), 0.01 * (step % 5 - 2))
+    assert t.rows.stats.evicted > 100 and t.rows.stats.expired > 1000
+    assert len(threads) >= 5 and not any(threads)  # every eviction picked in a worker thread
+    assert t.held() == twin.held() and t.rows.stats == twin.rows.stats
+    np.testing.assert_array_equal(t.read(t.held()), twin.read(twin.held()))
+
+
 def _replay(t: _Table, pushes: list[np.ndarray]) -> None:
     for i, ids in enumerate(pushes):
         t.push(ids, 0.01 * (i % 5 - 2))
