@@ -388,6 +388,23 @@ class Grown:
     index: HashIndex
 
 
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """What a push of distinct ids does to a piece in memory, worked out before it changes anything
+    (``DynamicRows.plan``): ``Store._update`` grows the piece or picks its victims first (in another
+    thread for a large piece), and ``prepare`` takes the rest instead of working it out again.
+
+    ``None`` fields are not worked out ahead: ``prepare`` works them out itself (a tiered piece, whose
+    fill of cold rows changes the rows first).
+    """
+
+    clock: int  # the piece's push counter when it was made: ``prepare`` must be the next push
+    found: np.ndarray | None = None  # each id's row, -1 for an id without one (``HashIndex.get``)
+    expired: np.ndarray | None = None  # the rows the push's due sweep removes (``_expired``)
+    grow_to: int = 0  # the rows an unbounded piece grows to first (``grown``; 0: none)
+    evict: int = 0  # the rows a full piece evicts (``victims_ahead``; 0: none)
+
+
 class DynamicRows:
     """The hash table and bookkeeping of one dynamic table piece (see the module docs).
 
@@ -724,21 +741,24 @@ class DynamicRows:
         ids: np.ndarray,
         now: float,
         optimizer: Any,
-        victims: tuple[int, np.ndarray] | None = None,
+        plan: PushPlan | None = None,
+        victims: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-5 of a push of distinct ``ids`` (all but the row math): returns ``(rows, keep)``.
 
         ``rows`` are the storage rows to update with the gradients at positions
         ``keep`` of ``ids`` (the others are dropped). No await may separate this
-        from ``write``'s storing of the new values. ``victims``: ``(n, rows)`` from
-        ``eviction`` and ``victims_ahead``, chosen before the push: the eviction of
-        ``n`` rows takes them instead of choosing again.
+        from ``write``'s storing of the new values. ``plan``: the push's ``plan``,
+        made since the last push; ``victims``: the ``plan.evict`` rows
+        ``victims_ahead`` picked, which the eviction takes instead of picking again.
         """
         c = self.config
+        if plan is not None:
+            assert plan.clock == self.clock, "a push came between this push's plan and the push"
         if self.tier is not None:
             self._tier_in(holder, ids, now, optimizer)
         self.clock += 1
-        found = self.index.get(ids)
+        found = plan.found if plan is not None and plan.found is not None else self.index.get(ids)
         present = np.flatnonzero(found >= 0)
         old = found[present]
         self._touch(old, now)
@@ -747,14 +767,15 @@ class DynamicRows:
             admitted = self.sketch.add(ids[new_pos]) >= c.min_count
             self.stats.dropped_updates += int(new_pos.size - np.count_nonzero(admitted))
             new_pos = new_pos[admitted]
-        self._sweep(now, protect=old)
+        self._sweep(now, protect=old, expired=plan.expired if plan is not None else None)
         if new_pos.size > self.nfree:
             if not c.capacity:
                 assert self.tier is None, "the tier step made room for every row of the push"
                 self._grow(holder, optimizer, self.hot_len + new_pos.size)
             else:
                 n = new_pos.size - self.nfree + c.capacity // _EVICT_SLACK
-                self._evict(n, protect=old, chosen=victims[1] if victims and victims[0] == n else None)
+                ahead = plan is not None and victims is not None and plan.evict == n
+                self._evict(n, protect=old, chosen=victims if ahead else None)
                 if new_pos.size > self.nfree:  # more new ids than the shard holds: the smallest fit
                     self.stats.dropped_updates += int(new_pos.size - self.nfree)
                     new_pos = new_pos[: self.nfree]
@@ -817,12 +838,13 @@ class DynamicRows:
         old[protect] = False
         return np.flatnonzero(old)
 
-    def _sweep(self, now: float, protect: np.ndarray) -> None:
-        """Removes expired rows when a sweep is due (every 1/8 of the TTL)."""
+    def _sweep(self, now: float, protect: np.ndarray, expired: np.ndarray | None = None) -> None:
+        """Removes expired rows when a sweep is due (every 1/8 of the TTL); ``expired``: those rows, found
+        by the push's ``plan``."""
         if not self._sweep_due(self.clock, now):
             return
         self.last_sweep = (self.clock, now)
-        rows = self._expired(self.clock, now, protect)
+        rows = self._expired(self.clock, now, protect) if expired is None else expired
         if rows.size:
             self._release(rows)
             self.stats.expired += rows.size
@@ -984,52 +1006,54 @@ class DynamicRows:
         keys = [self.hits, self.last_step] if self.config.lfu else [self.last_step]
         return _smallest(candidates, [*keys, self.slot_ids], n)
 
-    def growth(self, ids: np.ndarray, now: float) -> int:
-        """The rows an unbounded table in memory grows to before a push of distinct ``ids`` at ``now``, so
-        that the push finds room (0: it has room, or the table does not grow).
+    def plan_bytes(self, ids: np.ndarray, now: float) -> int:
+        """The bytes ``plan`` reads for a push of ``ids`` at ``now``: every row's when the push's sweep is
+        due (``Store._update`` then makes the plan in another thread for a large piece)."""
+        if self.tier is None and self._sweep_due(self.clock + 1, now):
+            return self.last_step[: self.limit].nbytes + self.live[: self.limit].nbytes
+        return ids.nbytes
 
-        The push's new ids that step 2 admits, less the rows a due sweep frees, against the free rows:
-        what ``prepare`` would grow by. Growing first lets the copy (``grown``) run in another thread
-        (``Store._update``), before the push changes anything.
+    def plan(self, ids: np.ndarray, now: float) -> PushPlan:
+        """What a push of distinct ``ids`` at ``now`` does, worked out as ``prepare`` works it out, before
+        the push changes anything: its ids' rows, the rows its due sweep removes, and whether it first
+        grows an unbounded piece (``grown``) or evicts from a full one (``victims_ahead``).
+
+        The new rows it needs are the new ids step 2 admits (the sketch's estimate: ``add`` returns it
+        + 1); its room, the free rows with those the sweep frees. Reads the piece and changes nothing,
+        like ``grown``: it may run in another thread while nothing updates the piece.
         """
-        if self.config.capacity or self.tier is not None or ids.size <= self.nfree:
-            return 0
-        admitted, room = self._room_for(ids, now)
-        return 0 if admitted <= room else max(2 * self.allocated, _pow2(self.hot_len + admitted))
-
-    def eviction(self, ids: np.ndarray, now: float) -> int:
-        """The rows a push of distinct ``ids`` at ``now`` evicts from a full table with a ``capacity`` (0:
-        none), worked out as ``prepare`` does, before the push changes anything: ``victims_ahead`` can
-        then pick them in another thread (``Store._update``)."""
-        if not self.config.capacity or self.tier is not None or ids.size <= self.nfree:
-            return 0
-        admitted, room = self._room_for(ids, now)
-        return 0 if admitted <= room else admitted - room + self.config.capacity // _EVICT_SLACK
-
-    def victims_ahead(self, ids: np.ndarray, now: float, n: int) -> np.ndarray:
-        """The ``n`` rows ``prepare``'s eviction picks for a push of ``ids`` at ``now``: among the live
-        rows, not the push's own nor those its due sweep removes, whose keys the push does not change
-        before it evicts. Reads the piece and changes nothing, like ``grown``."""
+        if self.tier is not None:  # the fill of cold rows (``_tier_in``) changes the rows first
+            return PushPlan(self.clock)
+        c = self.config
         found = self.index.get(ids)
-        protect = found[found >= 0]
+        expired = None
         if self._sweep_due(self.clock + 1, now):
-            protect = np.concatenate([protect, self._expired(self.clock + 1, now, protect=protect)])
-        return self.victims(self._candidates(protect), n)
-
-    def _room_for(self, ids: np.ndarray, now: float) -> tuple[int, int]:
-        """For a push of distinct ``ids`` at ``now``, before it changes anything: the new rows step 2
-        admits (the sketch's estimate: ``add`` returns it + 1), and the free rows with those a due sweep
-        frees."""
-        found = self.index.get(ids)
+            expired = self._expired(self.clock + 1, now, protect=found[found >= 0])
+        if ids.size <= self.nfree:
+            return PushPlan(self.clock, found, expired)
         new = ids[found < 0]
         admitted = new.size
         if admitted and self.sketch is not None:
             estimate = self.sketch.estimate(new).astype(np.int64)
-            admitted = int(np.count_nonzero(estimate + 1 >= self.config.min_count))
-        room = self.nfree
-        if admitted > room and self._sweep_due(self.clock + 1, now):
-            room += self._expired(self.clock + 1, now, protect=found[found >= 0]).size
-        return admitted, room
+            admitted = int(np.count_nonzero(estimate + 1 >= c.min_count))
+        room = self.nfree + (expired.size if expired is not None else 0)
+        if admitted <= room:
+            return PushPlan(self.clock, found, expired)
+        if c.capacity:
+            return PushPlan(self.clock, found, expired, evict=admitted - room + c.capacity // _EVICT_SLACK)
+        return PushPlan(
+            self.clock, found, expired, grow_to=max(2 * self.allocated, _pow2(self.hot_len + admitted))
+        )
+
+    def victims_ahead(self, plan: PushPlan) -> np.ndarray:
+        """The ``plan.evict`` rows ``prepare``'s eviction picks for the push of ``plan``: among the live
+        rows, not the push's own nor those its due sweep removes, whose keys the push does not change
+        before it evicts. Reads the piece and changes nothing, like ``grown``."""
+        assert plan.found is not None, "a tiered piece evicts by spilling, in the push"
+        protect = plan.found[plan.found >= 0]
+        if plan.expired is not None:
+            protect = np.concatenate([protect, plan.expired])
+        return self.victims(self._candidates(protect), plan.evict)
 
     def reindex_due(self, pushed: int) -> bool:
         """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself: ``reindexed``

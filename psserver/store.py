@@ -498,12 +498,12 @@ class Store:
         The caller holds ``var.lock``. Each heavy computation (the optimizer's
         rule, the copy of a frozen table piece, the growth of an unbounded
         dynamic table or the rebuild of a table's id index: a copy of all its
-        rows or ids; a full table's choice of the rows it evicts: a pass over
-        them) is yielded with the bytes it
-        works on, and its result sent back: the primary runs the large ones in a
-        worker thread (``_run_offloaded``), a backup runs them all on the event
-        loop (``_run_inline``); the values are the same either way. Returns the
-        new version.
+        rows or ids; a dynamic table's plan of the push when its expiry sweep is
+        due, and a full table's choice of the rows it evicts: a pass over them)
+        is yielded with the bytes it works on, and its result sent back: the
+        primary runs the large ones in a worker thread (``_run_offloaded``), a
+        backup runs them all on the event loop (``_run_inline``); the values are
+        the same either way. Returns the new version.
         """
         if not isinstance(grad, tables.RowGrad):
             value, version = var.state
@@ -514,19 +514,18 @@ class Store:
             return version + 1
         reg = var.regularizer
         if var.dyn is not None:
-            to = var.dyn.growth(grad.ids, now)
-            if to:  # an unbounded table grows (a copy of all its rows) before the push changes anything
-                grown = yield var.value.nbytes, functools.partial(var.dyn.grown, var, var.optimizer, to)
-                var.dyn.adopt(var, grown)
-            elif var.dyn.reindex_due(grad.ids.size):  # its id index drops its tombstones (evicted rows)
-                pushed = grad.ids.size
-                var.dyn.index = yield var.dyn.index.nbytes, functools.partial(var.dyn.reindexed, pushed)
+            dyn, ids = var.dyn, grad.ids
+            # what the push does (its ids' rows, its sweep's expired rows: a pass over all rows when due)
+            plan = yield dyn.plan_bytes(ids, now), functools.partial(dyn.plan, ids, now)
+            if plan.grow_to:  # an unbounded table grows (a copy of all its rows) before the push changes it
+                grown = yield var.value.nbytes, functools.partial(dyn.grown, var, var.optimizer, plan.grow_to)
+                dyn.adopt(var, grown)
+            elif dyn.reindex_due(ids.size):  # its id index drops its tombstones (evicted rows)
+                dyn.index = yield dyn.index.nbytes, functools.partial(dyn.reindexed, ids.size)
             victims = None
-            evict = var.dyn.eviction(grad.ids, now)
-            if evict:  # a full table picks the rows it evicts (a pass over all of them) first
-                pick = functools.partial(var.dyn.victims_ahead, grad.ids, now, evict)
-                victims = (evict, (yield var.dyn.last_step.nbytes, pick))
-            rows, keep = var.dyn.prepare(var, grad.ids, now, var.optimizer, victims)
+            if plan.evict:  # a full table picks the rows it evicts (a pass over all of them) first
+                victims = yield dyn.last_step.nbytes, functools.partial(dyn.victims_ahead, plan)
+            rows, keep = dyn.prepare(var, ids, now, var.optimizer, plan, victims)
             values = grad.values[keep]
             work = functools.partial(
                 var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg

@@ -343,6 +343,50 @@ def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
     np.testing.assert_array_equal(t.read(t.held()), twin.read(twin.held()))
 
 
+def _plan_nothing_ahead(monkeypatch: pytest.MonkeyPatch, twin: _Table) -> None:
+    """``twin``'s pushes work everything out inside the push, on the event loop, as before plans."""
+    plan = dynamic.DynamicRows.plan
+
+    def bare(self: dynamic.DynamicRows, ids: np.ndarray, now: float) -> dynamic.PushPlan:
+        return dynamic.PushPlan(self.clock) if self is twin.rows else plan(self, ids, now)
+
+    monkeypatch.setattr(dynamic.DynamicRows, "plan", bare)
+
+
+@pytest.mark.parametrize("capacity", [0, 8192], ids=["unbounded", "capacity"])
+def test_a_due_sweep_finds_the_expired_rows_before_the_push_in_a_worker_thread(
+    monkeypatch: pytest.MonkeyPatch, capacity: int
+) -> None:
+    """Finding a sweep's expired rows is a pass over every row of the piece: the push's plan makes it
+    before the push changes anything, off the event loop, and the sweep removes exactly the rows it
+    would have found itself (a twin finding them inside its pushes), the push's own rows kept."""
+    kw = {"capacity": capacity, "dim": 4, "opt": Adagrad(0.1), "ttl_steps": 8}
+    t = _Table(Store(inline_apply_bytes=0), **kw)
+    twin = _Table(**kw)
+    threads: list[bool] = []
+    expired = dynamic.DynamicRows._expired
+
+    def spy(self: dynamic.DynamicRows, clock: int, now: float, protect: np.ndarray) -> np.ndarray:
+        if self is t.rows:
+            threads.append(threading.current_thread() is threading.main_thread())
+        return expired(self, clock, now, protect)
+
+    monkeypatch.setattr(dynamic.DynamicRows, "_expired", spy)
+    _plan_nothing_ahead(monkeypatch, twin)
+    rng = np.random.default_rng(8)
+    old = rng.integers(0, 1 << 40, 3000)
+    for step in range(40):
+        # a batch of new ids, and every 9 pushes the old ids again, at the push whose sweep would expire
+        # them (8 pushes idle, a sweep every push): the push's own rows stay
+        ids = old if step % 9 == 0 else rng.integers(0, 1 << 40, 400)
+        for table in (t, twin):
+            table.push(np.unique(ids), 0.01 * (step % 5 - 2))
+    assert t.rows.stats.expired > 3000
+    assert len(threads) >= 4 and not any(threads)  # every sweep's pass ran in a worker thread
+    assert t.held() == twin.held() and t.rows.stats == twin.rows.stats
+    np.testing.assert_array_equal(t.read(t.held()), twin.read(twin.held()))
+
+
 @pytest.mark.parametrize("eviction", [ps_pb2.EVICTION_LRU, ps_pb2.EVICTION_LFU], ids=["lru", "lfu"])
 def test_a_full_table_picks_the_rows_it_evicts_in_a_worker_thread(
     monkeypatch: pytest.MonkeyPatch, eviction: int
@@ -354,18 +398,15 @@ def test_a_full_table_picks_the_rows_it_evicts_in_a_worker_thread(
     t = _Table(Store(inline_apply_bytes=0), **kw)
     twin = _Table(**kw)  # picks its victims inside the push, as before
     threads: list[bool] = []
-    victims, eviction = dynamic.DynamicRows.victims, dynamic.DynamicRows.eviction
+    victims = dynamic.DynamicRows.victims
 
     def spy(self: dynamic.DynamicRows, candidates: np.ndarray, n: int) -> np.ndarray:
         if self is t.rows:
             threads.append(threading.current_thread() is threading.main_thread())
         return victims(self, candidates, n)
 
-    def not_ahead(self: dynamic.DynamicRows, ids: np.ndarray, now: float) -> int:
-        return 0 if self is twin.rows else eviction(self, ids, now)
-
     monkeypatch.setattr(dynamic.DynamicRows, "victims", spy)
-    monkeypatch.setattr(dynamic.DynamicRows, "eviction", not_ahead)
+    _plan_nothing_ahead(monkeypatch, twin)
     rng = np.random.default_rng(6)
     hot = np.arange(40)
     step = 0
