@@ -680,9 +680,18 @@ class DiskTier:
                     return np.zeros(0, np.int64)
                 ok = cur.set_range(_keys(np.array([after + 1]))[0])
             while ok and len(out) < n:
-                if cut == NO_CUT or self.live(np.frombuffer(cur.value(), self.record), cut)[0]:
-                    out.append(bytes(cur.key()))
-                ok = cur.next()
+                # As many records as are still wanted, their expiry checked together (not one numpy call a
+                # record: a scan right after a mass expiry walks many expired ones).
+                keys, values = [], []
+                while ok and len(keys) < n - len(out):
+                    keys.append(bytes(cur.key()))
+                    if cut != NO_CUT:
+                        values.append(bytes(cur.value()))
+                    ok = cur.next()
+                if cut != NO_CUT:
+                    live = self.live(np.frombuffer(b"".join(values), self.record), cut)
+                    keys = [key for key, keep in zip(keys, live.tolist(), strict=True) if keep]
+                out += keys
         return _ids(out)
 
     def reader(self) -> lmdb.Transaction:
