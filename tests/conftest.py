@@ -52,9 +52,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     Run one at a time, the suite keeps the cores about half busy: its tests wait on the processes they
     start (shards, TensorFlow workers), on timeouts and on links. On the 2-core development VM the whole
     suite took 19 min 31 s in one process, 12 min 50 s in 2 and 11 min 50 s - 12 min 0 s in 3, test by test
-    (``--dist worksteal``), and 11 min 29 s in 3 file by file (``--dist loadfile``, ``addopts``), which
-    also made 37 CPU-seconds less of work (2026-11-28). More than 8 would mostly add TensorFlow processes'
-    memory.
+    (``--dist worksteal``), 11 min 29 s in 3 file by file (``--dist loadfile``), and 10 min 15 s in 3 file
+    by file with the e2e files first (``--no-loadscope-reorder``, as ``addopts`` has it; 2026-11-28). More
+    than 8 would mostly add TensorFlow processes' memory.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(2, min(8, cores + cores // 2))
