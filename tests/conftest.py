@@ -33,6 +33,7 @@ import re
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -56,8 +57,24 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     by file with the e2e files first (``--no-loadscope-reorder``, as ``addopts`` has it; 2026-11-28). More
     than 8 would mostly add TensorFlow processes' memory.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     return max(2, min(8, cores + cores // 2))
+
+
+def _cores() -> int:
+    """The cores this process may use: its CPU affinity, and a container's CPU quota where one is set
+    (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), since a container may see every core of its host."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for read in (
+        lambda: Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2],
+        lambda: [Path(f"/sys/fs/cgroup/cpu/cpu.cfs_{k}_us").read_text() for k in ("quota", "period")],
+    ):
+        with contextlib.suppress(OSError, ValueError):
+            quota, period = read()
+            if quota.strip() == "max" or int(quota) < 0:  # no quota
+                break
+            return max(1, min(cores, -(-int(quota) // int(period))))
+    return cores
 
 
 @pytest.hookimpl(wrapper=True)
