@@ -54,6 +54,7 @@ checkpoint snapshot's export), each in its own read transaction.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -666,33 +667,18 @@ class DiskTier:
 
     def scan(self, after: int | None, n: int) -> np.ndarray:
         """The first ``n`` ids of records that are ``> after`` (cold rows and older copies, not expired
-        ones), ascending."""
-        out: list[bytes] = []
-        if n <= 0 or not self._count:
+        ones), ascending. Reads ``n`` records at a time (``_items``), their expiry checked together: a scan
+        right after a mass expiry walks many expired ones."""
+        if n <= 0 or not self._count or after == np.iinfo(np.int64).max:
             return np.zeros(0, np.int64)
-        cut = self.cut
-        with self.env.begin() as txn:
-            cur = txn.cursor(db=self._rows)
-            if after is None:
-                ok = cur.first()
-            else:
-                if after == np.iinfo(np.int64).max:
-                    return np.zeros(0, np.int64)
-                ok = cur.set_range(_keys(np.array([after + 1]))[0])
-            while ok and len(out) < n:
-                # As many records as are still wanted, their expiry checked together (not one numpy call a
-                # record: a scan right after a mass expiry walks many expired ones).
-                keys, values = [], []
-                while ok and len(keys) < n - len(out):
-                    keys.append(bytes(cur.key()))
-                    if cut != NO_CUT:
-                        values.append(bytes(cur.value()))
-                    ok = cur.next()
-                if cut != NO_CUT:
-                    live = self.live(np.frombuffer(b"".join(values), self.record), cut)
-                    keys = [key for key, keep in zip(keys, live.tolist(), strict=True) if keep]
-                out += keys
-        return _ids(out)
+        start = None if after is None else _keys(np.array([after + 1]))[0]
+        out: list[np.ndarray] = []
+        with contextlib.closing(self._items(n, None, self.cut, start)) as batches:
+            for ids, _ in batches:
+                out.append(ids)
+                if sum(x.size for x in out) >= n:
+                    break
+        return np.concatenate(out)[:n] if out else np.zeros(0, np.int64)
 
     def reader(self) -> lmdb.Transaction:
         """A read transaction: the tier as it is now, whatever is written after (``items(txn=...)``).
@@ -717,11 +703,12 @@ class DiskTier:
         return self._items(chunk or CHUNK_ROWS, txn, self.cut if cut is None else cut)
 
     def _items(
-        self, chunk: int, txn: lmdb.Transaction | None, cut: Cut
+        self, chunk: int, txn: lmdb.Transaction | None, cut: Cut, start: bytes | None = None
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``items``, from the key ``start`` (default: the first)."""
         if txn is None:
             with self.env.begin(buffers=False) as own:
-                yield from self._items(chunk, own, cut)
+                yield from self._items(chunk, own, cut, start)
             return
         keys: list[bytes] = []
         vals: list[bytes] = []
@@ -734,7 +721,10 @@ class DiskTier:
             return ids[live], records[live]
 
         try:
-            for k, v in txn.cursor(db=self._rows):
+            cursor = txn.cursor(db=self._rows)
+            if start is not None and not cursor.set_range(start):
+                return  # no key from ``start`` on (an unplaced cursor would iterate from the first)
+            for k, v in cursor:
                 keys.append(k)
                 vals.append(v)
                 if len(keys) == chunk:

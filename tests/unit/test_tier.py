@@ -443,6 +443,10 @@ def test_scan_pages_through_rows_in_memory_and_on_disk_in_id_order(tmp_path: Pat
         after = int(ids[-1])
     got = np.concatenate(seen)
     np.testing.assert_array_equal(got, plain.export()[2]["ids"])
+    # Past the last id, on disk or in memory: nothing (not the scan over again from the first record).
+    assert t.rows.scan(t.var, int(got[-1]), 97)[0].size == 0
+    on_disk = t.rows.tier.scan(None, len(t.rows.tier))
+    assert on_disk.size and t.rows.tier.scan(int(on_disk[-1]), 5).size == 0
 
 
 def test_tier_directory_errors_are_clear(tmp_path: Path) -> None:
