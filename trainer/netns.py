@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cluster import LocalCluster
+from trainer.congestion import CongestionAllowance
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +265,17 @@ class NetnsCluster:
         return host
 
     def _set_congestion(self, host: Host, name: str) -> None:
-        """Sets the TCP congestion control of ``host``'s namespace (each namespace has its own); where the
-        kernel refuses, warns once and leaves the machine's default."""
+        """Sets the TCP congestion control of ``host``'s namespace (each namespace has its own). One the
+        kernel has but does not allow namespaces is allowed while clusters exist (``trainer.congestion``);
+        where the kernel refuses even so, warns once and leaves the machine's default."""
+        argv = [*host.launcher, "tee", _CC_SYSCTL]
         try:
-            _sh([*host.launcher, "tee", _CC_SYSCTL], stdin=name)
+            try:
+                _sh(argv, stdin=name)
+            except NetnsError:
+                if not CongestionAllowance().allow(name):
+                    raise
+                _sh(argv, stdin=name)
         except NetnsError as e:
             allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
             log.warning(
@@ -501,6 +509,7 @@ class NetnsCluster:
                 _sh(["ip", "netns", "del", host.netns], check=False)
                 _sh(["ip", "link", "del", host.veth], check=False)  # gone with the namespace, usually
             _sh(["ip", "link", "del", self.bridge], check=False)
+            CongestionAllowance().release()  # the allowed list as it was, if this was the last cluster
             if self._tmp is not None:
                 self._tmp.cleanup()
             log.info("netns cluster %s removed", self.suffix)
