@@ -110,7 +110,8 @@ class AsyncPSClient:
         self._seq = itertools.count(1)
         # A push's large parts go up one shard at a time (``_bulk.Uplink``), starting at this worker's own
         # shard (``_bulk.first_turn``): workers pushing at once upload to different shards at each turn.
-        uplink = _bulk.Uplink() if self.config.stagger_uploads else None
+        # The clients of one process (on one event loop) take turns together: they share the host's link.
+        uplink = _bulk.process_uplink() if self.config.stagger_uploads else None
         self._first_turn = _bulk.first_turn(self.config.worker_id)
         credentials = _link.Credentials(self.config)
         # Per shard: its replicas' channels and data connections, retries, failover and the wires.

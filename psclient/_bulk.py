@@ -24,6 +24,7 @@ import logging
 import re
 import ssl
 import time
+import weakref
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
@@ -49,12 +50,17 @@ _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
 # ``notsent_lowat``): a push's upload is on the wire when its send returns, so the next shard's turn
 # (``Uplink``) starts then. A few milliseconds of a 1 Gbit/s link; loopback moves it at once.
 NOTSENT_LOWAT: Final[int] = 256 << 10
-STAGGER_MIN_BYTES: Final[int] = 1 << 20  # smaller uploads go out at once: their turn costs more than it saves
+# Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
+# 64 clients of 4 x 256 KiB on 4 shards, 16 a process, were 1.5-1.8x apart in steps/s taking turns,
+# 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
+STAGGER_MIN_BYTES: Final[int] = 64 << 10
 STAGGER_WAIT_S: Final[float] = 2.0  # an upload that waited this long for its turn goes out beside the others
 
 
 class Uplink:
-    """One client's large uploads, one at a time in the order they asked: a push's parts for its shards.
+    """Large uploads, one at a time in the order they asked: a push's parts for its shards, and those of
+    every client sharing the uplink (``process_uplink``: all the clients on an event loop of this
+    process, as they share the host's link).
 
     Sent at once, the parts of a push share the worker's uplink and all finish at the end,
     and only then do the shards' answers start down: the link carries one direction at a
@@ -63,19 +69,36 @@ class Uplink:
     (1 + 1/k) M / B instead of 2 M / B. A turn that waited ``STAGGER_WAIT_S`` (a part
     stuck behind a shard that does not read: a cut link is dropped after
     ``transport.SILENT_LINK_S``) goes out beside the others.
+
+    Clients that each send in their own time through one FIFO link get unequal shares of it (TCP
+    flows whose windows stayed open outrun those that start again): 16 simulated workers in one
+    process ran 3.3x apart in steps/s. Their uploads taking turns, they ran 1.5x apart.
+
+    Turns are per event loop: one ``Uplink`` serves clients on several loops (the blocking
+    ``PSClient`` runs its own), each loop's turns apart.
     """
 
     def __init__(self) -> None:
-        self._lock = asyncio.Lock()
+        self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _lock(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()
+        lock = self._locks.get(loop)
+        if lock is None:
+            lock = self._locks[loop] = asyncio.Lock()
+        return lock
 
     @contextlib.asynccontextmanager
     async def turn(self, nbytes: int) -> AsyncIterator[None]:
         """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit."""
-        got = False
+        lock, got = None, False
         if nbytes >= STAGGER_MIN_BYTES:
+            lock = self._lock()
             try:
                 async with asyncio.timeout(STAGGER_WAIT_S):
-                    await self._lock.acquire()
+                    await lock.acquire()
                 got = True
             except TimeoutError:
                 log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
@@ -84,7 +107,16 @@ class Uplink:
             yield
         finally:
             if got:
-                self._lock.release()
+                assert lock is not None
+                lock.release()
+
+
+_PROCESS_UPLINK = Uplink()
+
+
+def process_uplink() -> Uplink:
+    """The ``Uplink`` every client of this process takes its turns on (apart per event loop)."""
+    return _PROCESS_UPLINK
 
 
 def first_turn(worker_id: str) -> int:

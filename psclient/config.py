@@ -48,9 +48,10 @@ class ClientConfig:
     # be reached); False: gRPC only.
     data_port: bool = True
     data_port_min_bytes: int = DEFAULT_DATA_PORT_MIN_BYTES
-    # A push's parts of 1 MiB and more go up to their shards one at a time over the data port
-    # (psclient._bulk.Uplink): the first shards' new values come down while the rest goes up, so a
-    # push_pull over k shards uses both directions of the worker's link. False: all at once.
+    # A push's parts of 64 KiB and more go up to their shards one at a time over the data port
+    # (psclient._bulk.Uplink), taking turns with the other clients of the process: the first shards'
+    # new values come down while the rest goes up, so a push_pull over k shards uses both directions
+    # of the worker's link, and clients sharing a host's link get like shares. False: all at once.
     stagger_uploads: bool = True
 
     def __post_init__(self) -> None:

@@ -108,3 +108,45 @@ def test_workers_start_their_turns_at_their_own_shard() -> None:
     assert [_bulk.first_turn(f"worker{i}") % 4 for i in range(4)] == [0, 1, 2, 3]  # psclient.keras's names
     assert _bulk.first_turn("w7") == 7
     assert _bulk.first_turn("evaluator") == _bulk.first_turn("evaluator")  # no number: a stable hash
+
+
+def test_every_client_of_a_process_takes_its_turns_on_one_uplink() -> None:
+    import psclient
+
+    a = psclient.AsyncPSClient(["127.0.0.1:1"], worker_id="w0")
+    b = psclient.AsyncPSClient(["127.0.0.1:1", "127.0.0.1:2"], worker_id="w1")
+    alone = psclient.AsyncPSClient(["127.0.0.1:1"], worker_id="w2", stagger_uploads=False)
+    links = [*a._shards, *b._shards]
+    assert {id(link._uplink) for link in links} == {id(_bulk.process_uplink())}
+    assert alone._shards[0]._uplink is None
+
+
+def test_one_uplink_keeps_the_turns_of_each_event_loop_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients on two loops (threads) of one process: neither waits for the other's turn, and a lock
+    made on one loop is never used on the other (asyncio refuses that)."""
+    import threading
+
+    monkeypatch.setattr(_bulk, "STAGGER_WAIT_S", 30.0)  # a turn that waited for the other loop would time out
+    uplink = _bulk.Uplink()
+    holding = [threading.Event(), threading.Event()]
+    errors: list[BaseException] = []
+
+    async def hold(i: int) -> None:
+        async with asyncio.timeout(5), uplink.turn(BIG):  # the other loop holds its own turn meanwhile
+            holding[i].set()
+            await asyncio.to_thread(holding[1 - i].wait, 5)
+        async with asyncio.timeout(5), uplink.turn(BIG):  # and this loop's turn was given back
+            pass
+
+    def run(i: int) -> None:
+        try:
+            asyncio.run(hold(i))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert errors == [] and all(e.is_set() for e in holding)
