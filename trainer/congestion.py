@@ -7,10 +7,10 @@ BBR, not what a stock cluster node runs, and every figure measured on it would b
 
 ``CongestionAllowance.allow(name)`` adds ``name`` to the allowed list for as long as a cluster needs
 it, and ``release()`` puts the list back once no cluster's namespace is left, whichever process made
-them: processes coordinate through a lock file and a record of the original list, the lock
-is an ``flock`` of the allowed list's own file, the record lives in ``/run/paramserver-netns`` (gone
-with a reboot, as the setting is) while the list is widened. A process killed without
-cleaning up leaves the record; the next ``release`` on the machine restores from it.
+them. Processes coordinate through an ``flock`` of the allowed list's own file and a record of the
+original list, in ``/run/paramserver-netns`` (gone with a reboot, as the setting is) while the list is
+widened. A process killed without cleaning up leaves the record; the next ``release`` on the machine
+restores from it.
 
 Needs root; where the setting cannot be written (a read-only ``/proc/sys``) ``allow`` says so and
 changes nothing.
@@ -22,7 +22,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,34 +30,25 @@ log = logging.getLogger(__name__)
 ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
 STATE_DIR = Path("/run/paramserver-netns")
-_CLUSTER_NETNS = re.compile(r"ps[0-9a-f]{6}-\d+")  # NetnsCluster's namespace names: ps<suffix>-<index>
-
-
-def clusters_exist(netns_dir: Path = Path("/run/netns")) -> bool:
-    """Whether any ``NetnsCluster``'s namespace, of any process, exists on this machine."""
-    try:
-        return any(_CLUSTER_NETNS.fullmatch(p.name) for p in netns_dir.iterdir())
-    except OSError:
-        return False
 
 
 class CongestionAllowance:
     """The machine's allowed list of congestion controls, widened while clusters need it.
 
     Args:
+        in_use: whether a cluster still needs the widened list (``trainer.netns.clusters_exist``).
         allowed: the allowed list's sysctl file.
         available: the list of what the kernel has.
         state_dir: where the record of the original list lives while the list is widened.
-        in_use: whether a cluster still needs the widened list (default: any cluster namespace exists).
     """
 
     def __init__(
         self,
+        in_use: Callable[[], bool],
         *,
         allowed: Path = ALLOWED,
         available: Path = AVAILABLE,
         state_dir: Path = STATE_DIR,
-        in_use: Callable[[], bool] = clusters_exist,
     ) -> None:
         self._allowed = allowed
         self._available = available

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -67,6 +68,22 @@ _CC_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"
 
 class NetnsError(RuntimeError):
     """A namespace, link, shaping or filter command failed; the message carries the command's stderr."""
+
+
+def _netns_name(suffix: str, index: int) -> str:
+    """The namespace of a cluster's host: ``ps<suffix>-<index>``, the suffix 6 hex digits."""
+    return f"ps{suffix}-{index}"
+
+
+_CLUSTER_NETNS = re.compile(r"ps[0-9a-f]{6}-\d+")  # what ``_netns_name`` makes
+
+
+def clusters_exist(netns_dir: Path = Path("/run/netns")) -> bool:
+    """Whether any ``NetnsCluster``'s namespace, of any process, exists on this machine."""
+    try:
+        return any(_CLUSTER_NETNS.fullmatch(p.name) for p in netns_dir.iterdir())
+    except OSError:
+        return False
 
 
 def netns_available() -> tuple[bool, str]:
@@ -242,7 +259,7 @@ class NetnsCluster:
         host = Host(
             name=name or f"h{index}",
             index=index,
-            netns=f"ps{self.suffix}-{index}",
+            netns=_netns_name(self.suffix, index),
             address=f"{self._prefix}.{index + 1}",
             veth=f"psv{self.suffix}-{index}",
         )
@@ -268,14 +285,9 @@ class NetnsCluster:
         """Sets the TCP congestion control of ``host``'s namespace (each namespace has its own). One the
         kernel has but does not allow namespaces is allowed while clusters exist (``trainer.congestion``);
         where the kernel refuses even so, warns once and leaves the machine's default."""
-        argv = [*host.launcher, "tee", _CC_SYSCTL]
+        CongestionAllowance(clusters_exist).allow(name)  # after the namespace exists: see ``release``
         try:
-            try:
-                _sh(argv, stdin=name)
-            except NetnsError:
-                if not CongestionAllowance().allow(name):
-                    raise
-                _sh(argv, stdin=name)
+            _sh([*host.launcher, "tee", _CC_SYSCTL], stdin=name)
         except NetnsError as e:
             allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
             log.warning(
@@ -509,7 +521,7 @@ class NetnsCluster:
                 _sh(["ip", "netns", "del", host.netns], check=False)
                 _sh(["ip", "link", "del", host.veth], check=False)  # gone with the namespace, usually
             _sh(["ip", "link", "del", self.bridge], check=False)
-            CongestionAllowance().release()  # the allowed list as it was, if this was the last cluster
+            CongestionAllowance(clusters_exist).release()  # the allowed list as it was, if the last cluster
             if self._tmp is not None:
                 self._tmp.cleanup()
             log.info("netns cluster %s removed", self.suffix)

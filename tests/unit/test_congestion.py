@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from trainer.congestion import CongestionAllowance, clusters_exist
+from trainer.congestion import CongestionAllowance
+from trainer.netns import _netns_name, clusters_exist
 
 
 class Machine:
@@ -26,10 +27,10 @@ class Machine:
 
     def allowance(self) -> CongestionAllowance:
         return CongestionAllowance(
+            lambda: self.clusters > 0,
             allowed=self.allowed,
             available=self.available,
             state_dir=self.state,
-            in_use=lambda: self.clusters > 0,
         )
 
     def allowed_now(self) -> list[str]:
@@ -101,7 +102,7 @@ def test_clusters_exist_sees_only_cluster_namespaces(tmp_path: Path) -> None:
     (tmp_path / "psprobe1a2b3c").touch()  # netns_available's probe
     (tmp_path / "other").touch()
     assert not clusters_exist(tmp_path)
-    (tmp_path / "ps1a2b3c-0").touch()
+    (tmp_path / _netns_name("1a2b3c", 0)).touch()  # the name a cluster's host gets
     assert clusters_exist(tmp_path)
 
 
