@@ -3,11 +3,21 @@
 A ``Backup`` attaches to its primary's ``Replicate`` stream (the protocol is
 ``psserver.replication``'s), loads the snapshot it sends, then applies every
 update it forwards, per variable in version order, with the store's own update
-routine (``Store.apply_one``: the primary's, with no await), acknowledging each
-whole update. Until promoted it refuses client calls naming its primary; once
-confirmed, a stream that ends (or a primary silent for longer than the lease
-allows) makes it orphaned, and the first client call after the lease wait
-promotes it to primary.
+routine (``Store.apply_one``: the primary's), acknowledging each whole update.
+Until promoted it refuses client calls naming its primary; once confirmed, a
+stream that ends (or a primary silent for longer than the lease allows) makes
+it orphaned, and the first client call after the lease wait promotes it to
+primary, once it has applied every update it read.
+
+Reading and applying are two tasks. The reader takes every message as it
+comes and acknowledges heartbeats at once; the updates go, in the order read,
+to one replaying task, which applies them one at a time (the store's only
+writer on a backup), its large computations in a worker thread as on the
+primary. So an update that takes seconds (an unbounded table's growth copies
+all of its rows) holds back only the updates after it: the heartbeats are
+still read and acknowledged, and the primary keeps its lease. An
+acknowledgement still follows the read of what it acknowledges, which is all
+the lease needs (``psserver.lease``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ _ATTACH_RETRY_S = (0.05, 1.0)  # backoff bounds while the primary is not reachab
 _RESIGN_WAIT_S = 2.0  # a backup shutting down waits this long for its primary to take its resignation
 _PAUSE_CHECK_S = 0.25  # a backup that finds its primary silent listens a heartbeat (at least this) more
 _RESIGN = object()  # in a backup's acknowledgement queue: send ``resign`` and end the stream
+_Update = tuple[ps_pb2.ReplicateResponse, dict[str, np.ndarray]]  # a whole update read: header, tensors
 
 
 class Backup:
@@ -79,6 +90,11 @@ class Backup:
         self._released = False  # the primary released its lease (SIGTERM): take over at once
         self._acks: asyncio.Queue[object] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        # The updates read and not applied yet, in the order read (None: the stream ended), and the task
+        # that applies them; set while a stream with a loaded snapshot is followed.
+        self._updates: asyncio.Queue[_Update | None] = asyncio.Queue()
+        self._replaying: asyncio.Task[None] | None = None
+        self._replayed = False  # orphaned, and every update read is applied: it may take over
         self._reset()
 
     def _reset(self) -> None:
@@ -122,7 +138,11 @@ class Backup:
                     f"backup of {self.primary}: its primary is gone; it takes over in {wait:.1f}s, once the "
                     "primary's lease has surely expired; retry"
                 )
-            self._flush()
+            if not self._replayed:
+                raise UnavailableError(
+                    f"backup of {self.primary}: its primary is gone; it takes over once it has applied the "
+                    f"updates it received last (about {self._updates.qsize()} wait); retry"
+                )
             self.role = "primary"
             log.warning(
                 "shard %d: promoted to primary on a client's %s (primary %s is gone); %d updates replicated",
@@ -133,6 +153,12 @@ class Backup:
 
     async def run(self) -> None:
         """Attaches to the primary (retrying until it confirms this backup), then follows it until the end."""
+        try:
+            await self._attach_and_follow()
+        finally:
+            await self._stop_replaying()
+
+    async def _attach_and_follow(self) -> None:
         delay = _ATTACH_RETRY_S[0]
         async with self.connect(self.primary) as channel:
             stub = rpc.Stub(channel)
@@ -164,6 +190,8 @@ class Backup:
                 finally:
                     silent.cancel()
                     call.cancel()
+                    if not self.caught_up:  # the next attempt starts over from a new snapshot
+                        await self._stop_replaying()
                 if self.caught_up or self.resigned:
                     break
                 await asyncio.sleep(delay)  # the primary is not up yet (or dropped this backup): try again
@@ -178,6 +206,27 @@ class Backup:
             self.shard, self.primary, why,
             " (it handed over)" if self._released else f", {wait:.2f}s after its last message (its lease)",
         )  # fmt: skip
+        try:
+            if self._replaying is not None:
+                await self._replaying  # every update read (the queue ends with the stream's None)
+            async with self.store.gate.passing():
+                await self._flush()
+        except Exception as err:  # the updates would diverge from the primary's
+            self.role = "backup"
+            log.error(
+                "shard %d: stopped replaying primary %s: %s; this backup will not take over",
+                self.shard, self.primary, err,
+            )  # fmt: skip
+            return
+        self._replayed = True
+
+    async def _stop_replaying(self) -> None:
+        """Cancels the replaying task (shutdown, or a new attempt: a new snapshot replaces its state)."""
+        task, self._replaying = self._replaying, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     async def _watch_silence(self, follow: asyncio.Task[None]) -> None:
         """Ends ``follow`` when the primary has said nothing for ``lease.silence_limit`` (a silent death)."""
@@ -218,14 +267,21 @@ class Backup:
             self._acks.put_nowait(update_id)
 
     async def _follow(self, stream: grpc.aio.StreamStreamCall) -> None:
+        """Reads the stream: loads the snapshot, acknowledges heartbeats, queues the updates (``_replay``).
+
+        Raises what the replaying task failed with, at the next message.
+        """
         tier = self.store.tier
         received: BinaryIO | None = None
         update: tuple[ps_pb2.ReplicateResponse, codec.Assembler] | None = None
         self.loaded = False
+        updates = self._updates = asyncio.Queue()
         try:
             async for message in stream:
                 self.last_heard = lease.clock()  # before any acknowledgement of it
                 self._heard += 1
+                if self._replaying is not None and self._replaying.done():
+                    self._replaying.result()  # it failed (an update would diverge): the stream ends
                 if not self.loaded:
                     if received is None:
                         received = spool(tier)  # the primary's snapshot, as it arrives
@@ -237,6 +293,7 @@ class Backup:
                         received = None
                         if message.lease_s > 0:
                             self.lease_s = message.lease_s
+                        self._replaying = asyncio.create_task(self._replay(updates))
                         self._ack(message.id)
                     continue
                 if update is None:  # the first message of an update carries its header
@@ -254,22 +311,38 @@ class Backup:
                     self._ack(header.id)
                 elif header.release:
                     self._released = True  # the stream ends next
-                elif header.create:  # a table piece with an initializer comes without rows: made here too
-                    made = await self.store.make_rows(header.create)
-                    self.store.create(list(header.create), tensors.result(), made)
-                    self._ack(header.id)
-                elif header.optimizer_updates:
-                    self._update_optimizers(header)
-                elif header.leave:
-                    self.mode.replay_leave(header.leave)
-                    self._ack(header.id)
-                elif header.assign:
-                    self._apply(header, tensors.result(), assign=True)
                 else:
-                    self._apply(header, tables.pair(tensors.result()))
+                    updates.put_nowait((header, tensors.result()))
         finally:
             if received is not None:  # the stream ended in the middle of the snapshot
                 received.close()
+            updates.put_nowait(None)  # the replay ends once it has applied what was read
+
+    async def _replay(self, updates: asyncio.Queue[_Update | None]) -> None:
+        """Applies the updates read, one at a time in the order read, until the stream's end (None).
+
+        Each passes the store's gate whole, so a snapshot of this backup
+        (``--checkpoint-every``) never holds half of one.
+        """
+        while (item := await updates.get()) is not None:
+            header, tensors = item
+            async with self.store.gate.passing():
+                await self._replay_one(header, tensors)
+
+    async def _replay_one(self, header: ps_pb2.ReplicateResponse, tensors: dict[str, np.ndarray]) -> None:
+        if header.create:  # a table piece with an initializer comes without rows: made here too
+            made = await self.store.make_rows(header.create)
+            self.store.create(list(header.create), tensors, made)
+            self._ack(header.id)
+        elif header.optimizer_updates:
+            self._update_optimizers(header)
+        elif header.leave:
+            self.mode.replay_leave(header.leave)
+            self._ack(header.id)
+        elif header.assign:
+            await self._apply(header, tensors, assign=True)
+        else:
+            await self._apply(header, tables.pair(tensors))
 
     async def _load(self, received: BinaryIO, *, mapped: bool) -> None:
         label = f"snapshot from {self.primary}"
@@ -293,7 +366,7 @@ class Backup:
             self.shard, self.primary, len(snap.tensors), snap.nbytes / 2**20,
         )  # fmt: skip
 
-    def _apply(
+    async def _apply(
         self, message: ps_pb2.ReplicateResponse, tensors: Mapping[str, tables.Grad], *, assign: bool = False
     ) -> None:
         """A push or a sync step (gradients) or, with ``assign``, an Assign (values) of the primary."""
@@ -324,9 +397,9 @@ class Backup:
             if assign:  # kept by the store: its own copy, not a view of the message
                 tensor = np.array(tensor, copy=True, order="C")
             self._early.setdefault(name, {})[version] = (tensor, message.id, assign, message.time_unix)
-            self._drain(name)
+            await self._drain(name)
 
-    def _drain(self, name: str) -> None:
+    async def _drain(self, name: str) -> None:
         """Applies the waiting updates of ``name`` next in version order; acknowledges whole updates."""
         var = self.store.get(name)
         early = self._early[name]
@@ -337,19 +410,19 @@ class Backup:
             entry = early.pop(version + 1, None)
             if entry is None:
                 return
-            self._apply_one(var, entry)
+            await self._apply_one(var, entry)
             self._swap_when_due(name)
 
-    def _apply_one(self, var: Variable, entry: tuple[np.ndarray, int, bool, float]) -> None:
+    async def _apply_one(self, var: Variable, entry: tuple[np.ndarray, int, bool, float]) -> None:
         tensor, update_id, assign, when = entry
         if assign:
             self.store.assign_one(var, tensor)
         else:
-            self.store.apply_one(var, tensor, when or None)
+            await self.store.apply_one(var, tensor, when or None)
         self._done(update_id)
 
-    def _flush(self) -> None:
-        """At takeover: applies what waits for a predecessor that will never come, in version order.
+    async def _flush(self) -> None:
+        """Once orphaned: applies what waits for a predecessor that will never come, in version order.
 
         The primary applied those updates after others it did not get to
         forward (never acknowledged: their retries come here); every update read
@@ -362,7 +435,7 @@ class Backup:
             for version in sorted(early):
                 while swaps and swaps[0][0] < version:
                     self._swap(var, swaps.pop(0))
-                self._apply_one(var, early[version])
+                await self._apply_one(var, early[version])
             for swap in swaps:
                 self._swap(var, swap)
 

@@ -118,18 +118,6 @@ def _freeze(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _run_inline(update: Generator[_Work, Any, int]) -> int:
-    """Runs an ``Store._update`` on the event loop, with no await (a backup replaying)."""
-    with contextlib.closing(update):
-        result: Any = None
-        while True:
-            try:
-                _, work = update.send(result)
-            except StopIteration as done:
-                return done.value
-            result = work()
-
-
 class Store:
     """The variables of one shard.
 
@@ -481,7 +469,7 @@ class Store:
 
     def _give_back(self, var: Variable) -> None:
         """Shrinks an over-share piece by what the budget owes (down to its equal share). The caller holds
-        its lock, or runs every update inline (a backup)."""
+        its lock, or is the backup's replaying task (the store's only writer there)."""
         budget, dyn = self.tier_budget, var.dyn
         assert budget is not None and dyn is not None
         owed = min(budget.owed, dyn.claimed - budget.fair())
@@ -501,8 +489,9 @@ class Store:
         rows or ids; a dynamic table's plan of the push when its expiry sweep is
         due, and a full table's choice of the rows it evicts: a pass over them)
         is yielded with the bytes it works on, and its result sent back: the
-        primary runs the large ones in a worker thread (``_run_offloaded``), a
-        backup runs them all on the event loop (``_run_inline``); the values are
+        primary's push and the backup's replay both run the large ones in a
+        worker thread (``_run_offloaded``), so the event loop turns on (a
+        backup's goes on acknowledging its primary's heartbeats); the values are
         the same either way. Returns the new version.
         """
         if not isinstance(grad, tables.RowGrad):
@@ -572,17 +561,19 @@ class Store:
             finally:
                 self.changes += 1
 
-    def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
-        """Applies one gradient now, on the event loop (a backup replaying its primary's updates).
+    async def apply_one(self, var: Variable, grad: tables.Grad, now: float | None = None) -> int:
+        """Applies one gradient (a backup replaying its primary's updates, one at a time).
 
-        The same update as the primary's (``_update``), with no await: a row
-        gradient as the primary forwarded it is first validated as the primary
-        did (duplicates summed, in the same order). ``now``: the push's time on the
-        primary (dynamic tables' TTL). Returns the new version.
+        The same update as the primary's (``_update``, its large computations in
+        a worker thread), with no gate and no lock: the backup's one replaying
+        task is the store's only writer. A row gradient as the primary forwarded
+        it is first validated as the primary did (duplicates summed, in the same
+        order). ``now``: the push's time on the primary (dynamic tables' TTL).
+        Returns the new version.
         """
         if isinstance(grad, tables.RowGrad):
             grad = tables.validate(var.spec, var.dtype, grad, allow_non_finite=True)
-        version = _run_inline(self._update(var, grad, time.time() if now is None else now))
+        version = await self._run_offloaded(self._update(var, grad, time.time() if now is None else now))
         self.changes += 1
         for over in self._over_share():
             self._give_back(over)

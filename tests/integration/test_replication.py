@@ -7,6 +7,7 @@ code of their own.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -26,6 +27,8 @@ from psclient._retry import RetryPolicy
 from psload.chaos import ChaosCluster
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ConfigError, ServerConfig
+from psserver.dynamic import DynamicRows
+from psserver.server import start
 from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -164,6 +167,69 @@ def test_the_backups_moving_averages_are_bit_identical() -> None:
             on_backup = c.pull(ema=True)
     for k in names:
         np.testing.assert_array_equal(on_backup[k], on_primary[k])
+
+
+async def test_a_backup_slow_to_apply_an_update_goes_on_acknowledging_its_primarys_heartbeats(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An update whose replay takes longer than the lease (an unbounded table's growth, which copies every
+    row: seconds for a table of gigabytes) holds back only the updates after it. The backup's event loop
+    still reads and acknowledges heartbeats, so its primary keeps its lease and serves; the push is
+    answered once the backup has it, and the backup then serves the same rows.
+
+    The backup runs in this process, so that its growth can be held up (for 3 leases) in the worker thread
+    it runs in; a thread of its own watches the primary's lease all along, whatever this event loop does.
+    """
+    lease_s, hold_s = 1.0, 3.0
+    held, release = threading.Event(), threading.Event()
+    grown_on: list[threading.Thread] = []
+    real_grown = DynamicRows.grown
+
+    def slow_grown(self: DynamicRows, *args: object, **kwargs: object) -> object:
+        grown_on.append(threading.current_thread())
+        held.set()
+        release.wait(10 * hold_s)  # bounded: the watch below releases it after hold_s
+        return real_grown(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    leases: list[float] = []
+
+    def watch_lease(address: str) -> None:
+        try:
+            if held.wait(TIMEOUT_S):
+                deadline = time.monotonic() + hold_s
+                while time.monotonic() < deadline:  # bounded by hold_s
+                    leases.append(_status(address).lease_s)
+                    time.sleep(0.05)
+        finally:
+            release.set()
+
+    monkeypatch.setattr(DynamicRows, "grown", slow_grown)  # in this process: the backup's, not the primary's
+    ids = np.arange(4096, dtype=np.int64)  # an unbounded table starts with 1024 rows: this push grows it
+    grads = np.random.default_rng(0).standard_normal((ids.size, 8)).astype(np.float32)
+    with LocalCluster(1, ["--lease", str(lease_s)]) as primary:
+        config = ServerConfig(shard=0, port=0, backup_of=primary.addresses[0], inline_apply_bytes=0)
+        backup = await start(config)
+        watch = threading.Thread(target=watch_lease, args=(primary.addresses[0],), daemon=True)
+        try:
+            await asyncio.to_thread(
+                wait_until, lambda: _status(primary.addresses[0]).lease_s > 0, "the backup to confirm"
+            )
+            addresses = [f"{primary.addresses[0]}|{backup.address}"]
+            async with psclient.AsyncPSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
+                await c.create_embedding("t", None, 8, optimizer=psclient.Adagrad(0.1), initializer="zeros")
+                watch.start()
+                assert await c.push({"t": psclient.Rows(ids, grads)}) is True
+                on_primary = await c.lookup("t", ids)
+                await asyncio.to_thread(watch.join, TIMEOUT_S)
+                assert not watch.is_alive()
+                assert len(leases) > 10 and min(leases) > 0, f"the primary lost its lease: {leases}"
+                assert grown_on and threading.main_thread() not in grown_on  # off the backup's event loop
+                await asyncio.to_thread(primary.stop)  # SIGTERM: the backup takes over at once
+                on_backup = await c.lookup("t", ids)
+        finally:
+            release.set()
+            await backup.stop()
+    np.testing.assert_array_equal(on_backup, on_primary)
 
 
 def test_a_standby_backup_refuses_clients_and_names_its_primary() -> None:

@@ -96,7 +96,7 @@ async def test_a_backup_replaying_pushes_ends_bit_identical_to_its_primary(inlin
         now = 1000.0 + i
         versions = await primary.apply(primary.validate_grads(grads), now)
         # What the backup gets: the raw gradients the primary forwarded (``tables.wire_tensors``).
-        replayed = [backup.apply_one(backup.get(name), grad, now) for name, grad in grads.items()]
+        replayed = [await backup.apply_one(backup.get(name), grad, now) for name, grad in grads.items()]
         assert replayed == versions == [i + 1] * len(grads)
     for name in ["w", "t/rows_1", "r/rows_1", "d/rows_0"]:
         want, got = _state(primary.get(name)), _state(backup.get(name))

@@ -132,7 +132,7 @@ async def test_store_applies_rows_in_place_and_refuses_bad_ids() -> None:
     # A backup replays the same (raw) row gradient to the same result.
     backup = Store()
     backup.create([spec], {spec.name: np.zeros((2, 2), np.float32)})
-    backup.apply_one(backup.get(spec.name), grad)
+    await backup.apply_one(backup.get(spec.name), grad)
     np.testing.assert_array_equal(backup.get(spec.name).value, var.value)
     await asyncio.sleep(0)
 
@@ -259,7 +259,7 @@ async def test_store_applies_a_tables_regularizer_lazily_or_to_every_row(every_r
     np.testing.assert_allclose(var.value, expected, rtol=1e-6)
     backup = Store()  # a backup replays it to the same rows
     backup.create([spec], {spec.name: start})
-    backup.apply_one(backup.get(spec.name), grad)
+    await backup.apply_one(backup.get(spec.name), grad)
     np.testing.assert_array_equal(backup.get(spec.name).value, var.value)
     # The regularizer is part of the table's identity.
     with pytest.raises(AlreadyExistsError, match="different spec"):

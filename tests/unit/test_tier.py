@@ -475,7 +475,7 @@ def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(
     bit-for-bit its twin in memory. The first, alone, claims nearly all of it; when the second grows, the
     first gives back down to an equal share. A third table starts on an overdraft the others give back at
     the next push; a table whose equal share would not hold its first rows is refused. ``backup``: the
-    store applies each update inline (``apply_one``), as a backup replays its primary's."""
+    store applies each variable's update alone (``apply_one``), as a backup replays its primary's."""
     budget = 160 << 10
     store = Store(tier=TierConfig(directory=str(tmp_path), memory_bytes=budget))
     twins = Store()
@@ -498,7 +498,7 @@ def test_the_tables_of_a_shard_share_its_budget_and_train_like_tables_in_memory(
                 )
             if inline and s is store:
                 for var, grad in s.validate_grads(grads):
-                    s.apply_one(var, grad, now)
+                    asyncio.run(s.apply_one(var, grad, now))
             else:
                 asyncio.run(s.apply(s.validate_grads(grads), now))
         now += 1.0
