@@ -221,12 +221,18 @@ class Backup:
         self._replayed = True
 
     async def _stop_replaying(self) -> None:
-        """Cancels the replaying task (shutdown, or a new attempt: a new snapshot replaces its state)."""
+        """Ends the replaying task (shutdown, or a new attempt: a new snapshot replaces its state) once
+        the update it is applying is whole: the updates still queued are dropped, and none is cut short
+        (a worker thread still writing into a store that a new snapshot replaces, a table's rows spilled
+        to disk and still counted in memory)."""
         task, self._replaying = self._replaying, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if task is None:
+            return
+        while not self._updates.empty():
+            self._updates.get_nowait()
+        self._updates.put_nowait(None)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
 
     async def _watch_silence(self, follow: asyncio.Task[None]) -> None:
         """Ends ``follow`` when the primary has said nothing for ``lease.silence_limit`` (a silent death)."""

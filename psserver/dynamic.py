@@ -42,9 +42,9 @@ while the budget has room), the others on disk, each row in exactly one.
 Where a row lives changes nothing of the above: a push first fills its cold
 rows back into memory (one batched read), claiming more of the budget or
 spilling rows it does not touch by the eviction policy to make room, and
-deleting the rows an expiry
-sweep removes from both tiers (one write transaction, before anything else
-changes: ``_tier_in``); then steps 1-5 run as for an unbounded table in
+deleting the rows an expiry sweep removes from both tiers (one write
+transaction, before anything else changes: ``tier_step``, its disk reads and
+its write in a worker thread); then steps 1-5 run as for an unbounded table in
 memory. So a tiered piece holds bit-for-bit the rows, slots and counters an
 unbounded in-memory piece fed the same pushes holds. Lookups and scans read
 cold rows without filling them.
@@ -58,8 +58,9 @@ recur within about ``width`` counted ids, ``2 x`` the shard's capacity).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -72,7 +73,9 @@ from psserver.tables import row_initializer
 from psserver.tier import (
     CHUNK_ROWS,
     NO_CUT,
+    Cut,
     DiskTier,
+    ReadCost,
     TierBudget,
     TierConfig,
     anonymous_array,
@@ -90,6 +93,9 @@ _SKETCH_UNBOUNDED_WIDTH = 1 << 20
 MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
 _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
+# A heavy step of an update (``psserver.store.Store._update``): the bytes it works on, and the computation.
+Work = tuple[int, Callable[[], Any]]
+DISK_WORK = 1 << 62  # a ``Work``'s bytes for disk reads and writes: in a worker thread whatever their size
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
 # the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
@@ -746,6 +752,8 @@ class DynamicRows:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Steps 1-5 of a push of distinct ``ids`` (all but the row math): returns ``(rows, keep)``.
 
+        A tiered piece's push runs its ``tier_step`` first.
+
         ``rows`` are the storage rows to update with the gradients at positions
         ``keep`` of ``ids`` (the others are dropped). No await may separate this
         from ``write``'s storing of the new values. ``plan``: the push's ``plan``,
@@ -755,8 +763,6 @@ class DynamicRows:
         c = self.config
         if plan is not None:
             assert plan.clock == self.clock, "a push came between this push's plan and the push"
-        if self.tier is not None:
-            self._tier_in(holder, ids, now, optimizer)
         self.clock += 1
         found = plan.found if plan is not None and plan.found is not None else self.index.get(ids)
         present = np.flatnonzero(found >= 0)
@@ -851,9 +857,9 @@ class DynamicRows:
 
     # -- the disk tier ------------------------------------------------------------
 
-    def _tier_in(self, holder: Holder, ids: np.ndarray, now: float, optimizer: Any) -> None:
-        """A push's tier step, before steps 1-5: afterwards every row of the push that exists is in
-        memory, and there is room in memory for the ids the push admits.
+    def tier_step(self, holder: Holder, ids: np.ndarray, now: float) -> Generator[Work, Any, None]:
+        """A push's tier step, before steps 1-5 (``prepare``): afterwards every row of the push that
+        exists is in memory, and there is room in memory for the ids the push admits.
 
         One batched read finds the push's cold rows; if memory has too little room
         for them and the admitted new ids, the piece claims more of the shard's
@@ -871,6 +877,14 @@ class DynamicRows:
         the tier's cut) as they were (it may keep a larger claim on the budget: where
         rows live changes nothing).
 
+        Its disk reads and its write, when there are any, are yielded as ``Work``
+        (``Store._update`` runs them in a worker thread: the event loop turns on
+        while the disk works), and their results sent back. Nothing else changes
+        the piece meanwhile (the caller holds its lock); a lookup meanwhile reads
+        every row where it was before the step (a row being spilled is still in
+        memory until the write is done, a row being filled still on disk), but
+        the records the step's sweep expires, which it may already find gone.
+
         Raises:
             TierFullError: the disk tier cannot take the spilled rows (nothing changed).
             ResourceExhaustedError: the push has more rows than memory holds (nothing changed).
@@ -880,7 +894,20 @@ class DynamicRows:
         found = self.index.get(ids)
         hot = found[found >= 0]
         cold_pos = np.flatnonzero(found < 0)
-        on_disk, records, dead = tier.lookup(ids[cold_pos])  # dead: expired records, deleted below
+        clock = self.clock + 1
+        sweep = self._sweep_due(clock, now)
+        cut, expiring = tier.cut, tier.expiring
+        if sweep:
+            steps = clock - c.ttl_steps if c.ttl_steps else None
+            cut = higher_cut(cut, (steps, now - c.ttl_seconds if c.ttl_seconds else None))
+        batch_cut = cut if sweep or expiring else None  # then a batch of the expired records on disk
+        cold_ids = ids[cold_pos]
+        disk = DISK_WORK if (cold_ids.size and len(tier)) or batch_cut is not None else 0  # else inline
+        on_disk, records, dead, cost, batch = yield (
+            disk,
+            functools.partial(self._tier_reads, cold_ids, batch_cut),
+        )
+        tier.count_read(cost)
         fill_ids = ids[cold_pos[on_disk]]
         new_ids = ids[cold_pos[~on_disk]]
         tier.stats.hot_hits += hot.size
@@ -890,18 +917,12 @@ class DynamicRows:
             admitted = int(
                 np.count_nonzero(self.sketch.estimate(new_ids).astype(np.int64) + 1 >= c.min_count)
             )
-        clock = self.clock + 1
         expired_hot = expired_cold = ids[:0]
         outdated = hot[:0]  # rows in memory whose older copy on disk has expired: the copy goes
-        sweep = self._sweep_due(clock, now)
-        cut, expiring = tier.cut, tier.expiring
         cold_old = dead
         if sweep:
             expired_hot = self._expired(clock, now, protect=hot)
-            steps = clock - c.ttl_steps if c.ttl_steps else None
-            cut = higher_cut(cut, (steps, now - c.ttl_seconds if c.ttl_seconds else None))
-        if sweep or expiring:  # a batch of the expired records on disk
-            batch = tier.expired(*cut, limit=_EXPIRE_BATCH)
+        if batch is not None:
             expiring = batch.size >= _EXPIRE_BATCH  # the indexes may hold more before the cut
             cold_old = np.union1d(batch, dead)
         if cold_old.size:
@@ -931,12 +952,9 @@ class DynamicRows:
         gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
         if outdated.size and victims.size:
             outdated = np.setdiff1d(outdated, victims, assume_unique=True)
-        tier.write(
-            self.slot_ids[victims],
-            self._records(holder, victims),
-            delete=(expired_cold, gone, self.slot_ids[outdated]),
-            older=self._older(victims),
-        )
+        deletes = (expired_cold, gone, self.slot_ids[outdated])
+        if victims.size or any(d.size for d in deletes):
+            yield DISK_WORK, functools.partial(self._spill, holder, victims, deletes)
         # Nothing below fails.
         tier.cut, tier.expiring = cut, expiring
         self.on_disk[outdated] = False
@@ -967,6 +985,24 @@ class DynamicRows:
                     self.disk_stamps[k][rows] = records[k]
             self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
+
+    def _tier_reads(
+        self, ids: np.ndarray, batch_cut: Cut | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray | None]:
+        """``tier_step``'s disk reads (it may run in a worker thread): ``DiskTier.read`` of the cold
+        ``ids`` (counted by the caller), then, with ``batch_cut``, a batch of the expired records' ids
+        (``DiskTier.expired``)."""
+        assert self.tier is not None
+        batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
+        return *self.tier.read(ids), batch
+
+    def _spill(self, holder: Holder, rows: np.ndarray, deletes: tuple[np.ndarray, ...]) -> None:
+        """``tier_step``'s write (it may run in a worker thread): ``rows`` in memory go to disk, over
+        their older copies, and the ``deletes`` ids' records go, in one transaction (``DiskTier.write``).
+        Reads the rows, changes nothing in memory."""
+        assert self.tier is not None
+        records = self._records(holder, rows)
+        self.tier.write(self.slot_ids[rows], records, delete=deletes, older=self._older(rows))
 
     def _by_id(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` in the order of their ids: a spill's records are then gathered in the disk's key order."""
@@ -1022,7 +1058,7 @@ class DynamicRows:
         + 1); its room, the free rows with those the sweep frees. Reads the piece and changes nothing,
         like ``grown``: it may run in another thread while nothing updates the piece.
         """
-        if self.tier is not None:  # the fill of cold rows (``_tier_in``) changes the rows first
+        if self.tier is not None:  # the fill of cold rows (``tier_step``) changes the rows first
             return PushPlan(self.clock)
         c = self.config
         found = self.index.get(ids)

@@ -29,9 +29,9 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Hashable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -51,9 +51,9 @@ from psserver.ledger import PushKey, PushLedger
 from psserver.tier import TierBudget, TierConfig, TierDirError, TierFullError
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-# A heavy step of one variable's update (``Store._update``): the bytes it works on, and the computation.
-_Work = tuple[int, Callable[[], Any]]  # a computation on that many bytes; its result is sent back
+_Work = dynamic.Work  # a heavy step of one variable's update (``Store._update``): its bytes, its computation
 
 
 @dataclass(slots=True)
@@ -116,6 +116,27 @@ def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
 def _freeze(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
+
+
+async def _whole(update: Coroutine[Any, Any, _T]) -> tuple[_T, bool]:
+    """Runs ``update`` in a task of its own and waits for its end, however often the caller is cancelled
+    meanwhile: returns its result and whether the caller was cancelled (raises what it raises).
+
+    A cancelled call (its deadline passed, its client gone) does not cut an
+    update short: a half-applied one (one variable of a push and not the next,
+    a table's rows admitted and not trained, its rows spilled to disk and still
+    counted in memory) would be worse than one applied after its caller gave
+    up, which the retry finds applied (the push ledger).
+    """
+    task = asyncio.ensure_future(update)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            cancelled = True
 
 
 class Store:
@@ -414,11 +435,8 @@ class Store:
             if not self.gate.is_pending(key):
                 return None
             await self.gate.left_pending(key)
-        try:
-            return await self.apply(pairs, now, key=key, claims=(key,))
-        except BaseException:
-            self.ledger.unclaim(worker_id, seq, session)
-            raise
+        failed = functools.partial(self.ledger.unclaim, worker_id, seq, session)
+        return await self._apply(pairs, now, key, (key,), failed)
 
     def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
         """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
@@ -445,17 +463,50 @@ class Store:
             key: names the update at the gate: a consistent cut may let it through
                 (a push's ``(worker_id, session, seq)``; a sync step's ``("step", k)``).
             claims: the pushes this update applies (a snapshot counts them as seen only once it is done).
+
+        A caller cancelled once the update has passed the gate (its call
+        cancelled, its deadline passed) waits for it to end whole (``_whole``),
+        then raises CancelledError: an update is never cut between two
+        variables, nor inside one.
         """
+        return await self._apply(pairs, now, key, claims)
+
+    async def _apply(
+        self,
+        pairs: list[tuple[Variable, tables.Grad]],
+        now: float | None,
+        key: Hashable,
+        claims: Iterable[PushKey],
+        failed: Callable[[], None] | None = None,
+    ) -> list[int]:
+        """``apply``; ``failed`` is called if the update was not applied (it failed, or its caller was
+        cancelled before it passed the gate)."""
         now = time.time() if now is None else now
-        async with self._updates(key, claims):
-            versions = []
-            for var, grad in pairs:
-                async with var.lock:
-                    versions.append(await self._run_offloaded(self._update(var, grad, now)))
-            self.pushes += 1
+        cancelled = False
+        try:
+            async with self._updates(key, claims):
+                update = self._apply_each(pairs, now)
+                if len(pairs) > 1 or any(var.dyn is not None for var, _ in pairs):
+                    versions, cancelled = await _whole(update)
+                else:  # one change, at the end (``_write_rows``, ``var.state``): a cancel lands before it
+                    versions = await update
+                self.pushes += 1
+        except BaseException:
+            if failed is not None:
+                failed()
+            raise
         for var in self._over_share():  # a tiered piece overdrew the budget: the others give it back
             async with var.lock:
                 self._give_back(var)
+        if cancelled:
+            raise asyncio.CancelledError
+        return versions
+
+    async def _apply_each(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
+        versions = []
+        for var, grad in pairs:
+            async with var.lock:
+                versions.append(await self._run_offloaded(self._update(var, grad, now)))
         return versions
 
     def _over_share(self) -> list[Variable]:
@@ -487,12 +538,13 @@ class Store:
         rule, the copy of a frozen table piece, the growth of an unbounded
         dynamic table or the rebuild of a table's id index: a copy of all its
         rows or ids; a dynamic table's plan of the push when its expiry sweep is
-        due, and a full table's choice of the rows it evicts: a pass over them)
-        is yielded with the bytes it works on, and its result sent back: the
-        primary's push and the backup's replay both run the large ones in a
-        worker thread (``_run_offloaded``), so the event loop turns on (a
-        backup's goes on acknowledging its primary's heartbeats); the values are
-        the same either way. Returns the new version.
+        due, and a full table's choice of the rows it evicts: a pass over them;
+        a tiered table's disk reads and write, whatever their size) is yielded
+        with the bytes it works on, and its result sent back: the primary's push
+        and the backup's replay both run the large ones in a worker thread
+        (``_run_offloaded``), so the event loop turns on (a backup's goes on
+        acknowledging its primary's heartbeats); the values are the same either
+        way. Returns the new version.
         """
         if not isinstance(grad, tables.RowGrad):
             value, version = var.state
@@ -504,6 +556,8 @@ class Store:
         reg = var.regularizer
         if var.dyn is not None:
             dyn, ids = var.dyn, grad.ids
+            if dyn.tier is not None:  # its cold rows filled, room made: disk reads, a write (in a thread)
+                yield from dyn.tier_step(var, ids, now)
             # what the push does (its ids' rows, its sweep's expired rows: a pass over all rows when due)
             plan = yield dyn.plan_bytes(ids, now), functools.partial(dyn.plan, ids, now)
             if plan.grow_to:  # an unbounded table grows (a copy of all its rows) before the push changes it
@@ -628,12 +682,19 @@ class Store:
                 copies.append(await asyncio.to_thread(_owned, value))
             else:
                 copies.append(_owned(value))
-        async with self._updates():
+
+        async def assign_each() -> list[int]:
             versions = []
             for (var, _), new in zip(pairs, copies, strict=True):
                 async with var.lock:
                     versions.append(self.assign_one(var, new))
             return versions
+
+        async with self._updates():
+            versions, cancelled = await _whole(assign_each())  # never some of the values and not the others
+        if cancelled:
+            raise asyncio.CancelledError
+        return versions
 
     def assign_one(self, var: Variable, value: np.ndarray) -> int:
         """Sets one validated value now (a backup replaying its primary's Assign); returns the new version.

@@ -47,9 +47,12 @@ keeps what it sees while later pushes spill), and its arrays, like those a
 restore re-cuts, live in ``scratch_array`` files (the page cache's pages, not
 the shard's memory); a restore writes its cold rows ``chunk`` at a time.
 
-Not thread-safe for writes: write from the shard's event loop only. Reads
-(``get``, ``scan``, ``items``) may run in another thread meanwhile (a
-checkpoint snapshot's export), each in its own read transaction.
+One writer at a time (a piece's updates hold its lock), in any thread: a push
+writes in a worker thread (``DynamicRows.tier_step``) while the event loop
+reads (``get``, ``scan``), each read in its own read transaction, as a
+checkpoint snapshot's export reads in another thread. A read that a write
+overlaps does not keep its records for the next (``remember``): they may be
+what the write changed.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -82,6 +86,7 @@ DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved,
 _SIGN = np.uint64(1 << 63)
 Cut = tuple[int | None, float | None]  # records last updated before push ``[0]`` or time ``[1]`` are expired
 NO_CUT: Cut = (None, None)
+ReadCost = tuple[float, int]  # a read's seconds, and 1 if it read the disk (not only remembered records)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
@@ -421,10 +426,13 @@ class DiskTier:
         self._page = int(self.env.stat()["psize"])
         self._reserved = 0  # bytes of the data file allocated (posix_fallocate) from its start
         self._count = 0
-        # The records the last lookup read (sorted ids): the push of the same ids that usually follows
-        # fills from them instead of reading again. A write drops the ids it changes.
-        self._recent_ids = np.zeros(0, np.int64)
-        self._recent = np.zeros(0, record)
+        # The records the last lookup read (sorted ids, their records): the push of the same ids that
+        # usually follows fills from them instead of reading again. A write drops the ids it changes; a
+        # read that a write overlapped keeps nothing. One tuple: a read in another thread sees one whole.
+        self._recent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, record))
+        self._writes = 0  # writes begun
+        self._writing = False
+        self._write_lock = threading.Lock()  # ``_writes``, ``_writing`` and a read's keeping of its records
         # Expiry (module docs): records before the cut are expired, skipped by reads; ``expiring``: some
         # of them may still be on disk, for the next pushes to delete (``DynamicRows._tier_in``).
         self.cut: Cut = NO_CUT
@@ -472,53 +480,72 @@ class DiskTier:
 
     def lookup(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``get``, and the ids whose records it found expired (a push deletes them)."""
+        found, records, dead, cost = self.read(ids, remember)
+        self.count_read(cost)
+        return found, records, dead
+
+    def read(
+        self, ids: np.ndarray, remember: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost]:
+        """``lookup``, not counted in ``stats`` yet: it may run in a worker thread (a push's read), and its
+        cost (seconds, disk reads) is counted on the event loop (``count_read``)."""
         ids = np.asarray(ids, np.int64)
-        found, records = self._read(ids, remember)
+        found, records, cost = self._read(ids, remember)
         if self.cut == NO_CUT or not records.size:
-            return found, records, ids[:0]
+            return found, records, ids[:0], cost
         live = self.live(records)
         if live.all():
-            return found, records, ids[:0]
+            return found, records, ids[:0], cost
         at = np.flatnonzero(found)[~live]
         found[at] = False
-        return found, records[live], ids[at]
+        return found, records[live], ids[at], cost
 
-    def _read(self, ids: np.ndarray, remember: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _read(self, ids: np.ndarray, remember: bool) -> tuple[np.ndarray, np.ndarray, ReadCost]:
         found = np.zeros(ids.size, bool)
         if not ids.size or not self._count:
-            return found, np.zeros(0, self.record)
+            return found, np.zeros(0, self.record), (0.0, 0)
         t0 = time.perf_counter()
+        with self._write_lock:
+            writes = None if self._writing else self._writes  # None: a write is under way
+        recent_ids, recent = self._recent
         known = np.zeros(ids.size, bool)
         at = np.zeros(ids.size, np.int64)
-        if self._recent_ids.size:
-            at = np.minimum(np.searchsorted(self._recent_ids, ids), self._recent_ids.size - 1)
-            known = self._recent_ids[at] == ids
+        if recent_ids.size:
+            at = np.minimum(np.searchsorted(recent_ids, ids), recent_ids.size - 1)
+            known = recent_ids[at] == ids
         ask = np.flatnonzero(~known)
         vals: list[bytes | None] = []
         if ask.size:
             with self.env.begin(buffers=False) as txn:
                 vals = [txn.get(k, db=self._rows) for k in _keys(ids[ask])]
-            self.stats.reads += 1
         got = np.array([v is not None for v in vals], bool)
         found[known] = True
         found[ask[got]] = True
         records = np.empty(int(np.count_nonzero(found)), self.record)
         slot = np.cumsum(found) - 1
-        records[slot[known]] = self._recent[at[known]]
+        records[slot[known]] = recent[at[known]]
         if got.any():
             records[slot[ask[got]]] = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
         if remember:
             order = np.argsort(ids[found], kind="stable")
             keep = records.nbytes <= _REMEMBER_BYTES
-            self._recent_ids = ids[found][order] if keep else np.zeros(0, np.int64)
-            self._recent = records[order] if keep else np.zeros(0, self.record)
-        self.stats.read_seconds += time.perf_counter() - t0
-        return found, records
+            kept = (ids[found][order], records[order]) if keep else (ids[:0], records[:0])
+            with self._write_lock:
+                if writes is not None and writes == self._writes and not self._writing:
+                    self._recent = kept  # no write overlapped the read
+        return found, records, (time.perf_counter() - t0, int(bool(ask.size)))  # 0: remembered records only
+
+    def count_read(self, cost: ReadCost) -> None:
+        """Counts a read's cost (``read``) in ``stats``; call it on the event loop."""
+        self.stats.read_seconds += cost[0]
+        self.stats.reads += cost[1]
 
     def _forget(self, changed: list[np.ndarray]) -> None:
-        if self._recent_ids.size and changed:
-            keep = ~np.isin(self._recent_ids, np.concatenate(changed))
-            self._recent_ids, self._recent = self._recent_ids[keep], self._recent[keep]
+        """Drops the remembered records of the ``changed`` ids (the writer's: reads keep none meanwhile)."""
+        recent_ids, recent = self._recent
+        if recent_ids.size and changed:
+            keep = ~np.isin(recent_ids, np.concatenate(changed))
+            self._recent = (recent_ids[keep], recent[keep])
 
     @property
     def stamps(self) -> np.dtype | None:
@@ -571,6 +598,22 @@ class DiskTier:
         """One write transaction: the deletes, then the chunks' puts (``count`` rows in all), each with its
         expiry index entries. A chunk: ``(ids, records, older)`` (``write``). ``fresh``: the tier is empty
         (no older copies; ascending ids are appended)."""
+        with self._write_lock:  # reads from now on keep nothing (``_read``)
+            self._writing = True
+            self._writes += 1
+        try:
+            self._write(count, chunks, dels, fresh)
+        finally:
+            with self._write_lock:
+                self._writing = False
+
+    def _write(
+        self,
+        count: int,
+        chunks: Iterable[tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray] | None]],
+        dels: list[np.ndarray],
+        fresh: bool,
+    ) -> None:
         self._forget(dels)  # before the write: a failed one may have changed nothing, or not
         self._reserve((count + sum(d.size for d in dels)) * (1 + 2 * len(self._expiry)))
         last: int | None = None

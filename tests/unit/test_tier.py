@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,105 @@ def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
     if kw.get("ttl_steps"):
         assert plain.rows.stats.expired > 0 and tiered.rows.stats.expired == plain.rows.stats.expired
     _assert_same(tiered, plain)
+
+
+@pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "its-caller-cancelled"])
+def test_a_push_reads_and_writes_the_disk_in_a_worker_thread_while_lookups_go_on(
+    tmp_path: Path, cancelled: bool
+) -> None:
+    tier = TierConfig(directory=str(tmp_path), memory_bytes=96 << 10)
+    tiered, plain = _Table(tier), _Table(None)
+    stream = _stream(41, 120, 4000)
+    for step, ids in enumerate(stream[:-1]):
+        for t in (tiered, plain):
+            t.push(ids, seed=step)
+    disk = tiered.rows.tier
+    assert disk is not None and len(disk) > 0
+    main = threading.get_ident()
+    entered, release = threading.Event(), threading.Event()
+    threads: list[tuple[str, int]] = []
+    read, write = disk.read, disk.write
+
+    def reading(*args: Any, **kw: Any) -> Any:
+        threads.append(("read", threading.get_ident()))
+        return read(*args, **kw)
+
+    def writing(*args: Any, **kw: Any) -> Any:  # the push's write waits here until the lookups are done
+        threads.append(("write", threading.get_ident()))
+        entered.set()
+        assert release.wait(10)
+        return write(*args, **kw)
+
+    disk.read, disk.write = reading, writing  # type: ignore[method-assign]
+    last, probe = stream[-1], np.concatenate([stream[-1], np.arange(-5, 5)])
+    before = tiered.rows.read(tiered.var, probe)
+
+    async def push_while_looking_up() -> None:
+        pairs = tiered.store.validate_grads(
+            {tiered.spec.name: tables.RowGrad(last, np.ones((last.size, 16), np.float32))}
+        )
+        push = asyncio.create_task(tiered.store.apply(pairs, tiered.now + 1.0))
+        for _ in range(500):  # bounded: the write begins in its thread
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert entered.is_set() and not push.done()
+        # The event loop turns while the disk works: lookups answer, with the rows as before the push.
+        np.testing.assert_array_equal(tiered.rows.read(tiered.var, probe), before)
+        if cancelled:  # its caller gives up (a cancelled call): the update still ends whole
+            push.cancel()
+            await asyncio.sleep(0)
+        release.set()
+        try:
+            await push
+        except asyncio.CancelledError:
+            assert cancelled
+        for _ in range(500):  # bounded: a cancelled caller's update finishes in its own task
+            if tiered.var.version == plain.var.version + 1:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(push_while_looking_up())
+    # The push's read and write ran in worker threads (the lookups' reads on the event loop).
+    assert [kind for kind, ident in threads if ident != main] == ["read", "write"]
+    assert ("write", main) not in threads
+    plain.now = tiered.now
+    pairs = plain.store.validate_grads(
+        {plain.spec.name: tables.RowGrad(last, np.ones((last.size, 16), np.float32))}
+    )
+    asyncio.run(plain.store.apply(pairs, plain.now + 1.0))
+    disk.check()
+    _assert_same(tiered, plain)
+
+
+def test_a_lookup_that_a_write_overlaps_keeps_none_of_its_records_for_the_next_read(tmp_path: Path) -> None:
+    disk = tier_module.DiskTier(
+        tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t"
+    )
+    ids = np.arange(10, dtype=np.int64)
+    disk.write(ids, np.zeros(ids.size, disk.record))
+    entered, release = threading.Event(), threading.Event()
+    reserve = disk._reserve
+
+    def held(ops: int) -> None:  # the deletion of id 3 waits here, before its transaction
+        entered.set()
+        assert release.wait(10)
+        reserve(ops)
+
+    disk._reserve = held  # type: ignore[method-assign]
+    deleting = threading.Thread(target=disk.write, args=(ids[:0], np.zeros(0, disk.record), [ids[3:4]]))
+    deleting.start()
+    try:
+        assert entered.wait(10)
+        found, _ = disk.get(ids[3:4], remember=True)  # before the write's commit: still there
+        assert found.all()
+    finally:
+        release.set()
+        deleting.join(10)
+    assert not deleting.is_alive()
+    found, _ = disk.get(ids[2:5])
+    assert found.tolist() == [True, False, True]  # not answered from what the overlapped read saw
+    disk.close()
 
 
 def _records(tier: tier_module.DiskTier, steps: np.ndarray, times: np.ndarray) -> np.ndarray:
