@@ -95,7 +95,6 @@ _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs 
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
 # A heavy step of an update (``psserver.store.Store._update``): the bytes it works on, and the computation.
 Work = tuple[int, Callable[[], Any]]
-DISK_WORK = 1 << 62  # a ``Work``'s bytes for disk reads and writes: in a worker thread whatever their size
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
 # the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
@@ -877,9 +876,9 @@ class DynamicRows:
         the tier's cut) as they were (it may keep a larger claim on the budget: where
         rows live changes nothing).
 
-        Its disk reads and its write, when there are any, are yielded as ``Work``
-        (``Store._update`` runs them in a worker thread: the event loop turns on
-        while the disk works), and their results sent back. Nothing else changes
+        Its disk reads and its write are yielded as ``Work`` on the records'
+        bytes (``Store._update`` runs the large ones in a worker thread: the
+        event loop turns on while the disk works), and their results sent back. Nothing else changes
         the piece meanwhile (the caller holds its lock); a lookup meanwhile reads
         every row where it was before the step (a row being spilled is still in
         memory until the write is done, a row being filled still on disk), but
@@ -902,11 +901,9 @@ class DynamicRows:
             cut = higher_cut(cut, (steps, now - c.ttl_seconds if c.ttl_seconds else None))
         batch_cut = cut if sweep or expiring else None  # then a batch of the expired records on disk
         cold_ids = ids[cold_pos]
-        disk = DISK_WORK if (cold_ids.size and len(tier)) or batch_cut is not None else 0  # else inline
-        on_disk, records, dead, cost, batch = yield (
-            disk,
-            functools.partial(self._tier_reads, cold_ids, batch_cut),
-        )
+        nbytes = cold_ids.size * tier.record.itemsize if len(tier) else 0
+        reads = functools.partial(self._tier_reads, cold_ids, batch_cut)
+        on_disk, records, dead, cost, batch = yield nbytes, reads
         tier.count_read(cost)
         fill_ids = ids[cold_pos[on_disk]]
         new_ids = ids[cold_pos[~on_disk]]
@@ -954,7 +951,8 @@ class DynamicRows:
             outdated = np.setdiff1d(outdated, victims, assume_unique=True)
         deletes = (expired_cold, gone, self.slot_ids[outdated])
         if victims.size or any(d.size for d in deletes):
-            yield DISK_WORK, functools.partial(self._spill, holder, victims, deletes)
+            nbytes = victims.size * tier.record.itemsize + sum(d.nbytes for d in deletes)
+            yield nbytes, functools.partial(self._spill, holder, victims, deletes)
         # Nothing below fails.
         tier.cut, tier.expiring = cut, expiring
         self.on_disk[outdated] = False

@@ -539,7 +539,7 @@ class Store:
         dynamic table or the rebuild of a table's id index: a copy of all its
         rows or ids; a dynamic table's plan of the push when its expiry sweep is
         due, and a full table's choice of the rows it evicts: a pass over them;
-        a tiered table's disk reads and write, whatever their size) is yielded
+        a tiered table's disk reads and write) is yielded
         with the bytes it works on, and its result sent back: the primary's push
         and the backup's replay both run the large ones in a worker thread
         (``_run_offloaded``), so the event loop turns on (a backup's goes on

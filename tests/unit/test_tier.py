@@ -49,9 +49,14 @@ class _Table:
     """A dynamic table piece in a real store, tiered when ``tier`` is given."""
 
     def __init__(
-        self, tier: TierConfig | None = None, dim: int = 16, opt: Optimizer | None = None, **kw: Any
+        self,
+        tier: TierConfig | None = None,
+        dim: int = 16,
+        opt: Optimizer | None = None,
+        inline_apply_bytes: int = 1 << 20,
+        **kw: Any,
     ) -> None:
-        self.store = Store(tier=tier)
+        self.store = Store(tier=tier, inline_apply_bytes=inline_apply_bytes)
         self.spec = _spec(dim, opt or Adagrad(0.1), **kw)
         self.store.create([self.spec], {})
         self.var: Variable = self.store.get(self.spec.name)
@@ -135,7 +140,7 @@ def test_a_push_reads_and_writes_the_disk_in_a_worker_thread_while_lookups_go_on
     tmp_path: Path, cancelled: bool
 ) -> None:
     tier = TierConfig(directory=str(tmp_path), memory_bytes=96 << 10)
-    tiered, plain = _Table(tier), _Table(None)
+    tiered, plain = _Table(tier, inline_apply_bytes=1024), _Table(None)  # disk work on > 1 KiB: in a thread
     stream = _stream(41, 120, 4000)
     for step, ids in enumerate(stream[:-1]):
         for t in (tiered, plain):
