@@ -78,6 +78,7 @@ from psserver.tier import (
     ReadCost,
     TierBudget,
     TierConfig,
+    TierView,
     anonymous_array,
     higher_cut,
     record_dtype,
@@ -381,6 +382,24 @@ class Export:
             self._release = None
 
 
+@dataclasses.dataclass(slots=True)
+class RowRead:
+    """A lookup of a piece's rows, begun at one instant (``DynamicRows.read_begin``)."""
+
+    ids: np.ndarray
+    out: np.ndarray  # the rows: those in memory copied at the start
+    cold: np.ndarray  # the positions in ``ids`` of the rows not in memory
+    view: TierView | None  # the disk tier then, when some are on disk
+    found: np.ndarray | None = None  # which of the cold ones the disk has (``read_cold``)
+    records: np.ndarray | None = None  # their records
+    cost: ReadCost = (0.0, 0)
+
+    @property
+    def cold_bytes(self) -> int:
+        """The bytes of records ``read_cold`` may read."""
+        return self.cold.size * self.view.recent[1].itemsize if self.view is not None else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Grown:
     """A piece's larger storage (``DynamicRows.grown``), for ``DynamicRows.adopt``."""
@@ -674,25 +693,49 @@ class DynamicRows:
 
     def read(self, holder: Holder, ids: np.ndarray) -> np.ndarray:
         """The rows of ids (a copy): their values, or the initializer's row for ids without one."""
+        lookup = self.read_begin(holder, ids)
+        self.read_cold(lookup)
+        return self.read_end(lookup)
+
+    def read_begin(self, holder: Holder, ids: np.ndarray) -> RowRead:
+        """``read`` in three steps, as of now: the rows in memory are copied, and the disk tier's are
+        read as they are now by ``read_cold`` (in any thread: its ``cold_bytes`` tell whether it is
+        worth one), then ``read_end`` gives the rows. Lookups change nothing, so a push meanwhile changes
+        none of them. Call ``read_begin`` and ``read_end`` on the event loop."""
         slots = self.index.get(ids)
-        values = holder.state[0]
         have = slots >= 0
+        out = holder.state[0][slots] if have.all() else np.empty((ids.size, self.config.dim), self.dtype)
+        cold = np.flatnonzero(~have)
+        view = None
+        if cold.size:
+            out[have] = holder.state[0][slots[have]]
         if self.tier is not None:
-            self.tier.stats.hot_hits += int(np.count_nonzero(have))
-        if have.all():
-            return values[slots]
-        out = np.empty((ids.size, self.config.dim), self.dtype)
-        out[have] = values[slots[have]]
-        missing = ~have
-        if self.tier is not None:  # cold rows are read (one batched read), not filled: lookups change nothing
-            cold = np.flatnonzero(missing)
-            found, records = self.tier.get(ids[cold], remember=True)
-            out[cold[found]] = records["value"]
-            self.tier.stats.cold_hits += records.size
-            self.tier.stats.cold_reads += records.size
-            missing[cold[found]] = False
-        out[missing] = self.initial_rows(ids[missing])
-        self.stats.initializer_reads += int(np.count_nonzero(missing))
+            self.tier.stats.hot_hits += ids.size - cold.size
+            if cold.size:  # cold rows are read (one batched read), not filled
+                view = self.tier.view()
+        return RowRead(ids, out, cold, view)
+
+    def read_cold(self, lookup: RowRead) -> None:
+        """Reads ``lookup``'s rows on disk, as they were at its ``read_begin``; any thread."""
+        if lookup.view is not None:
+            assert self.tier is not None
+            found, records, _, cost = self.tier.read(lookup.ids[lookup.cold], remember=True, at=lookup.view)
+            lookup.found, lookup.records, lookup.cost = found, records, cost
+
+    def read_end(self, lookup: RowRead) -> np.ndarray:
+        """``lookup``'s rows (after its ``read_cold``); ids without one get their initializer's row."""
+        out, cold = lookup.out, lookup.cold
+        if lookup.view is not None:
+            assert self.tier is not None and lookup.found is not None and lookup.records is not None
+            lookup.view.close()  # read, or not read (the read failed)
+            out[cold[lookup.found]] = lookup.records["value"]
+            self.tier.count_read(lookup.cost)
+            self.tier.stats.cold_hits += lookup.records.size
+            self.tier.stats.cold_reads += lookup.records.size
+            cold = cold[~lookup.found]
+        if cold.size:
+            out[cold] = self.initial_rows(lookup.ids[cold])
+            self.stats.initializer_reads += cold.size
         return out
 
     def scan(self, holder: Holder, after: int | None, n: int) -> tuple[np.ndarray, np.ndarray, bool]:

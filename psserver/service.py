@@ -36,6 +36,7 @@ from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer
 from psserver.ckptfile import CheckpointError
 from psserver.cut import CutHolds, StepCuts
+from psserver.dynamic import DynamicRows, RowRead
 from psserver.modes import Mode
 from psserver.replication import Primary
 from psserver.store import Store, Variable
@@ -115,17 +116,40 @@ async def _averages(variables: Iterable[Variable], named: bool = True) -> Snapsh
     return out
 
 
-def _rows(var: Variable, ids: np.ndarray) -> tuple[np.ndarray, int]:
-    """The rows of global ids ``ids`` of table piece ``var`` (a copy), and its version, in one instant."""
-    if var.dyn is not None:  # ids without a row: their initializer's row
-        return var.dyn.read(var, ids), var.version
-    value, version = var.state
-    return value[tables.local_rows(var.spec, ids)], version
+class _Reads:
+    """What a call returns, read at one instant (no await between the ``value`` and ``rows`` calls),
+    then the rows of dynamic table pieces on disk, as they were then (``result``)."""
 
+    def __init__(self) -> None:
+        self._items: list[tuple[str, np.ndarray | RowRead, int]] = []
+        self._pieces: list[tuple[DynamicRows, RowRead]] = []  # the dynamic pieces' reads begun
 
-def _looked_up(lookups: list[tuple[Variable, np.ndarray]]) -> Snapshot:
-    """The rows of a push's ``lookup_ids`` (checked by ``_lookups``), named ``<piece>\\0lookup``."""
-    return [(embedding.lookup_name(var.name), *_rows(var, ids)) for var, ids in lookups]
+    def value(self, name: str, value: np.ndarray, version: int) -> None:
+        self._items.append((name, value, version))
+
+    def rows(self, name: str, var: Variable, ids: np.ndarray) -> None:
+        """The rows of global ids ``ids`` of table piece ``var`` (copies; the ids of a dynamic piece
+        without a row get their initializer's row), and its version, under ``name``."""
+        if var.dyn is not None:
+            read = var.dyn.read_begin(var, ids)
+            self._pieces.append((var.dyn, read))
+            self._items.append((name, read, var.version))
+        else:
+            value, version = var.state
+            self._items.append((name, value[tables.local_rows(var.spec, ids)], version))
+
+    async def result(self, inline_bytes: int) -> Snapshot:
+        """The values and rows; the disk reads in a worker thread when more than ``inline_bytes``."""
+        if sum(read.cold_bytes for _, read in self._pieces) > inline_bytes:
+            await asyncio.to_thread(self._read_cold)
+        else:
+            self._read_cold()
+        rows = {id(read): dyn.read_end(read) for dyn, read in self._pieces}
+        return [(name, rows[id(r)] if isinstance(r, RowRead) else r, v) for name, r, v in self._items]
+
+    def _read_cold(self) -> None:
+        for dyn, read in self._pieces:
+            dyn.read_cold(read)
 
 
 def _header_ok(worker_id: str) -> None:
@@ -325,7 +349,10 @@ class ShardService:
         checked = self._lookups(request.ids, "lookup")
         await self.mode.before_pull(request.worker_id, request.step, deadline)
         self.check_serving("Lookup")
-        rows = [(var.name, *_rows(var, ids)) for var, ids in checked]
+        reads = _Reads()
+        for var, ids in checked:
+            reads.rows(var.name, var, ids)
+        rows = await reads.result(self.store.inline_apply_bytes)
         self.store.pulls += 1
         return codec.WireMessage(
             ps_pb2.LookupResponse(versions=[version for _, _, version in rows]),
@@ -398,9 +425,12 @@ class ShardService:
         if not (request.return_values or lookups):
             return response, None
         self.check_serving(what)  # the values are read while the lease holds
-        snapshot = self._after_push(tensors, request.omit_values) if request.return_values else []
-        snapshot += _looked_up(lookups)
-        return response, snapshot
+        reads = _Reads()
+        if request.return_values:
+            self._after_push(tensors, request.omit_values, reads)
+        for var, ids in lookups:
+            reads.rows(embedding.lookup_name(var.name), var, ids)
+        return response, await reads.result(self.store.inline_apply_bytes)
 
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
@@ -442,10 +472,9 @@ class ShardService:
             checkpoint_step=self.step_cuts.announced if self.step_cuts is not None else 0,
         )
 
-    def _after_push(self, grads: dict[str, tables.Grad], omit: Iterable[str] = ()) -> Snapshot:
-        """What push_pull returns: dense variables' values; a row gradient's distinct ids and their rows;
-        nothing for the names in ``omit``."""
-        out = []
+    def _after_push(self, grads: dict[str, tables.Grad], omit: Iterable[str], reads: _Reads) -> None:
+        """What push_pull returns, into ``reads``: dense variables' values; a row gradient's distinct ids
+        and their rows; nothing for the names in ``omit``."""
         skip = set(omit)
         for name, grad in grads.items():
             if name in skip:
@@ -453,12 +482,10 @@ class ShardService:
             var = self.store.get(name)
             if isinstance(grad, tables.RowGrad):
                 ids = np.unique(grad.ids.astype(np.int64))
-                rows, version = _rows(var, ids)
-                out.append((embedding.ids_name(name), ids, version))
-                out.append((embedding.values_name(name), rows, version))
+                reads.value(embedding.ids_name(name), ids, var.version)
+                reads.rows(embedding.values_name(name), var, ids)
             else:
-                out.append((name, *var.stable_value()))
-        return out
+                reads.value(name, *var.stable_value())
 
     async def leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.LeaveResponse:
         """Worker ``request.worker_id`` leaves: sync barriers and ssp clocks stop waiting for it."""

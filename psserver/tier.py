@@ -374,6 +374,21 @@ class TierStats:
     reads: int = 0  # batched disk reads
 
 
+@dataclasses.dataclass(slots=True)
+class TierView:
+    """A disk tier as it was at one instant (``DiskTier.view``), for one read, in any thread."""
+
+    txn: lmdb.Transaction | None  # its records then (None: it held none, or the read needs none)
+    writes: int | None  # writes begun by then (None: one was under way): a read keeps its records if equal
+    recent: tuple[np.ndarray, np.ndarray]  # the records remembered then
+    cut: Cut  # its expiry cut then
+
+    def close(self) -> None:
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
+
+
 class DiskTier:
     """The cold rows of one dynamic table piece (see the module docs).
 
@@ -485,29 +500,51 @@ class DiskTier:
         return found, records, dead
 
     def read(
-        self, ids: np.ndarray, remember: bool = False
+        self, ids: np.ndarray, remember: bool = False, at: TierView | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost]:
-        """``lookup``, not counted in ``stats`` yet: it may run in a worker thread (a push's read), and its
-        cost (seconds, disk reads) is counted on the event loop (``count_read``)."""
+        """``lookup``, not counted in ``stats`` yet: it may run in a worker thread (a push's read, a large
+        lookup's), and its cost (seconds, disk reads) is counted on the event loop (``count_read``).
+
+        ``at``: read the tier as it was when ``view`` made it (a lookup's instant); it is closed.
+        """
         ids = np.asarray(ids, np.int64)
-        found, records, cost = self._read(ids, remember)
-        if self.cut == NO_CUT or not records.size:
+        view = self.view() if at is None else at
+        try:
+            found, records, cost = self._read(ids, remember, view)
+        finally:
+            view.close()
+        if view.cut == NO_CUT or not records.size:
             return found, records, ids[:0], cost
-        live = self.live(records)
+        live = self.live(records, view.cut)
         if live.all():
             return found, records, ids[:0], cost
         at = np.flatnonzero(found)[~live]
         found[at] = False
         return found, records[live], ids[at], cost
 
-    def _read(self, ids: np.ndarray, remember: bool) -> tuple[np.ndarray, np.ndarray, ReadCost]:
-        found = np.zeros(ids.size, bool)
-        if not ids.size or not self._count:
-            return found, np.zeros(0, self.record), (0.0, 0)
-        t0 = time.perf_counter()
+    def view(self, begin: bool = True) -> TierView:
+        """The tier as it is now (its records, cut and remembered records), for one ``read`` later, in
+        any thread. ``begin=False``: no read transaction (a read of no ids). Call it on the event loop."""
         with self._write_lock:
             writes = None if self._writing else self._writes  # None: a write is under way
-        recent_ids, recent = self._recent
+        txn = None
+        if begin and self._count:
+            try:
+                txn = self.env.begin(buffers=False)
+            except lmdb.Error as err:
+                raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
+        return TierView(txn, writes, self._recent, self.cut)
+
+    def _read(
+        self, ids: np.ndarray, remember: bool, view: TierView
+    ) -> tuple[np.ndarray, np.ndarray, ReadCost]:
+        found = np.zeros(ids.size, bool)
+        txn = view.txn
+        if not ids.size or txn is None:
+            return found, np.zeros(0, self.record), (0.0, 0)
+        t0 = time.perf_counter()
+        writes = view.writes
+        recent_ids, recent = view.recent
         known = np.zeros(ids.size, bool)
         at = np.zeros(ids.size, np.int64)
         if recent_ids.size:
@@ -516,8 +553,7 @@ class DiskTier:
         ask = np.flatnonzero(~known)
         vals: list[bytes | None] = []
         if ask.size:
-            with self.env.begin(buffers=False) as txn:
-                vals = [txn.get(k, db=self._rows) for k in _keys(ids[ask])]
+            vals = [txn.get(k, db=self._rows) for k in _keys(ids[ask])]
         got = np.array([v is not None for v in vals], bool)
         found[known] = True
         found[ask[got]] = True

@@ -204,6 +204,30 @@ def test_a_push_reads_and_writes_the_disk_in_a_worker_thread_while_lookups_go_on
     _assert_same(tiered, plain)
 
 
+def test_a_lookup_begun_at_an_instant_reads_the_disk_as_it_was_then_in_another_thread(tmp_path: Path) -> None:
+    t = _Table(TierConfig(directory=str(tmp_path), memory_bytes=96 << 10))
+    for step, ids in enumerate(_stream(30, 120, 4000)):
+        t.push(ids, seed=step)
+    disk = t.rows.tier
+    assert disk is not None
+    cold = np.array([i for i in range(-50_000, 4000 * 7919, 7919) if t.rows.index.get(np.array([i]))[0] < 0])
+    cold = cold[disk.get(cold)[0]][:20]  # ids with a row on disk only
+    assert cold.size == 20
+    probe = np.concatenate([cold, np.arange(-3, 3)])
+    expected = t.rows.read(t.var, probe)
+    lookup = t.rows.read_begin(t.var, probe)
+    assert lookup.cold_bytes >= cold.size * disk.record.itemsize
+    t.push(cold, seed=100)  # filled and trained: the disk still holds their old records
+    for step in range(30):  # new ids push them out again: the disk now holds their new values
+        t.push(np.arange(10**9 + step * 120, 10**9 + (step + 1) * 120), seed=200 + step)
+    assert np.all(t.rows.index.get(cold) < 0), "the filled rows were spilled again"
+    assert not np.array_equal(t.rows.read(t.var, probe), expected)
+    reader = threading.Thread(target=t.rows.read_cold, args=(lookup,))
+    reader.start()
+    reader.join(10)
+    np.testing.assert_array_equal(t.rows.read_end(lookup), expected)  # as at its instant, not as now
+
+
 def test_a_lookup_that_a_write_overlaps_keeps_none_of_its_records_for_the_next_read(tmp_path: Path) -> None:
     disk = tier_module.DiskTier(
         tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t"
