@@ -11,6 +11,7 @@ from psserver.lease import DEFAULT_LEASE_S
 from psserver.tier import DEFAULT_DISK_BYTES, TierConfig
 
 MODES = ("async", "sync", "ssp")
+DEFAULT_INLINE_APPLY_BYTES = 1 << 20  # an update's larger computations and disk work run in a worker thread
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # 64 MiB: clients cut payloads into chunks well below this
 
 
@@ -34,7 +35,7 @@ class ServerConfig:
     barrier_timeout_s: float = 60.0
     allow_non_finite: bool = False
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    inline_apply_bytes: int = 1 << 20  # larger updates run in a worker thread, off the event loop
+    inline_apply_bytes: int = DEFAULT_INLINE_APPLY_BYTES
     grace_s: float = 10.0
     checkpoint_dir: str | None = None
     checkpoint_every_s: float | None = None

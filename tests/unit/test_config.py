@@ -98,6 +98,15 @@ def test_config_flags_allow_non_finite_and_message_size() -> None:
     assert config.allow_non_finite and config.max_message_bytes == 8 << 20
 
 
+def test_config_flags_inline_apply_bytes() -> None:
+    default = config_from_args(build_parser().parse_args(["--shard", "0"]))
+    assert default.inline_apply_bytes == ServerConfig(shard=0).inline_apply_bytes == 1 << 20
+    config = config_from_args(build_parser().parse_args(["--shard", "0", "--inline-apply-bytes", "1TiB"]))
+    assert config.inline_apply_bytes == 1 << 40
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--shard", "0", "--inline-apply-bytes", "lots"])
+
+
 def test_config_client_valid() -> None:
     c = ClientConfig(addresses=("127.0.0.1:1", "localhost:2"), worker_id="w0")
     assert c.num_shards == 2 and c.worker_id == "w0"
