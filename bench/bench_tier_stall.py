@@ -4,8 +4,9 @@ One shard (a real ``psserver`` process, ``--table-memory BUDGET --table-dir``) h
 ``--rows`` ids x ``--dim`` (float32, Adagrad), filled by pushes of ``--batch`` new ids, most of its rows
 on disk. Then, for ``--seconds``, a heavy client looks up ``--ids`` ids drawn uniformly from the table
 (nearly all on disk) and pushes their gradients (which fills them and spills as many), over and over,
-while a probe client, in a thread of its own, looks up 8 ids in memory as fast as it can and times each
-lookup: its waits are the shard's event loop busy with the heavy client's disk work. Variants, each on
+while a probe client, in a thread of its own, looks up 8 ids in memory every ``--probe-every-ms`` (or
+as soon as its last lookup returns, when that took longer) and times each lookup: its waits are the
+shard's event loop busy with the heavy client's disk work. Variants, each on
 a fresh shard:
 
 - ``inline``: ``--inline-apply-bytes 1TiB``: every disk read and write on the event loop (the peer: the
@@ -66,10 +67,13 @@ def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str,
 
         def probe() -> None:
             with psclient.PSClient(cluster.addresses, "probe", timeout=60.0) as p:
+                due = time.perf_counter()
                 while not stop.is_set() and len(waits) < 1_000_000:  # bounded in time and count
                     t = time.perf_counter()
                     p.lookup("emb", _HOT)
                     waits.append(time.perf_counter() - t)
+                    due += args.probe_every_ms / 1e3  # a fixed rate: the same load in every variant
+                    time.sleep(max(0.0, due - time.perf_counter()))
 
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
@@ -104,7 +108,8 @@ def _markdown(
         f"One shard (`--table-memory {args.table_memory}`), one dynamic table of {args.rows:,} ids x "
         f"{args.dim} (float32, Adagrad), filled by pushes of {args.batch:,} new ids; then for "
         f"{args.seconds:g} s a heavy client looks up and pushes {args.ids:,} ids drawn uniformly (nearly "
-        "all on disk) while a probe client times lookups of 8 ids in memory. Machine: "
+        f"all on disk) while a probe client times lookups of 8 ids in memory, one every "
+        f"{args.probe_every_ms:g} ms at most. Machine: "
         f"{note}",
         "",
         "| variant | --inline-apply-bytes | fill s | probe lookups | probe median ms | p99 ms | max ms | "
@@ -135,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ids", type=int, default=20_000, help="ids per heavy lookup and push (default 20,000)")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds measured per variant (default 20)")
     ap.add_argument("--table-memory", default="16MiB", help="the shard's budget (default 16MiB)")
+    ap.add_argument(
+        "--probe-every-ms", type=float, default=10.0, help="the probe's lookup period (default 10 ms)"
+    )
     run_variants(
         "bench_tier_stall.py", argv, ap.parse_args(argv), "bench-tier-stall-", run_variant, _markdown
     )
