@@ -86,6 +86,7 @@ DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved,
 _SIGN = np.uint64(1 << 63)
 Cut = tuple[int | None, float | None]  # records last updated before push ``[0]`` or time ``[1]`` are expired
 NO_CUT: Cut = (None, None)
+_MAX_READERS = 4096  # read transactions open at once per piece (64 bytes of its lock file each)
 ReadCost = tuple[float, int]  # a read's seconds, and 1 if it read the disk (not only remembered records)
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
@@ -422,7 +423,9 @@ class DiskTier:
                 sync=False,  # a spill space: checkpoints and backups make rows durable, not this
                 metasync=False,
                 readahead=False,  # random reads: the kernel's readahead would read pages never used
-                max_readers=64,
+                # A reader slot per read transaction open at once: a lookup's view (held while it waits for a
+                # worker thread: one per lookup in flight), a checkpoint's export, a backup's snapshot.
+                max_readers=_MAX_READERS,
                 lock=True,
                 # Pages are written in place in the map: a commit copies nothing (without it, writing
                 # the dirty pages was half of a spill's cost). The data file is then as large as the

@@ -228,6 +228,19 @@ def test_a_lookup_begun_at_an_instant_reads_the_disk_as_it_was_then_in_another_t
     np.testing.assert_array_equal(t.rows.read_end(lookup), expected)  # as at its instant, not as now
 
 
+def test_hundreds_of_lookups_waiting_for_a_worker_thread_each_hold_their_instant(tmp_path: Path) -> None:
+    t = _Table(TierConfig(directory=str(tmp_path), memory_bytes=96 << 10))
+    for step, ids in enumerate(_stream(30, 120, 4000)):
+        t.push(ids, seed=step)
+    probe = np.arange(-50_000, 4000 * 7919, 7919)[:300]
+    expected = t.rows.read(t.var, probe)
+    lookups = [t.rows.read_begin(t.var, probe) for _ in range(300)]  # 300 read transactions open at once
+    assert all(lookup.view is not None for lookup in lookups)
+    for lookup in lookups:
+        t.rows.read_cold(lookup)
+        np.testing.assert_array_equal(t.rows.read_end(lookup), expected)
+
+
 def test_a_lookup_that_a_write_overlaps_keeps_none_of_its_records_for_the_next_read(tmp_path: Path) -> None:
     disk = tier_module.DiskTier(
         tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t"
