@@ -118,25 +118,28 @@ def _freeze(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-async def _whole(update: Coroutine[Any, Any, _T]) -> tuple[_T, bool]:
-    """Runs ``update`` in a task of its own and waits for its end, however often the caller is cancelled
-    meanwhile: returns its result and whether the caller was cancelled (raises what it raises).
+async def _whole(update: Coroutine[Any, Any, _T]) -> _T:
+    """Runs ``update`` in a task of its own and returns (or raises) what it does, however often the
+    caller is cancelled meanwhile: each cancellation is taken back (``uncancel``), and the caller goes on
+    as if it had come after the call (a gRPC call's answer is then dropped).
 
-    A cancelled call (its deadline passed, its client gone) does not cut an
-    update short: a half-applied one (one variable of a push and not the next,
-    a table's rows admitted and not trained, its rows spilled to disk and still
-    counted in memory) would be worse than one applied after its caller gave
-    up, which the retry finds applied (the push ledger).
+    A cancelled call (its deadline passed, its client gone) cuts neither the
+    update short nor what follows it in the caller: a half-applied update (one
+    variable of a push and not the next, a table's rows admitted and not
+    trained, spilled to disk and still counted in memory), or an applied one
+    not recorded as sent, not forwarded to the backup or not handed to
+    replication as a sync step, would be worse than one applied after its
+    caller gave up, which the retry finds applied (the push ledger).
     """
     task = asyncio.ensure_future(update)
-    cancelled = False
     while True:
         try:
-            return await asyncio.shield(task), cancelled
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled():
                 raise
-            cancelled = True
+            if (caller := asyncio.current_task()) is not None:
+                caller.uncancel()
 
 
 class Store:
@@ -465,9 +468,9 @@ class Store:
             claims: the pushes this update applies (a snapshot counts them as seen only once it is done).
 
         A caller cancelled once the update has passed the gate (its call
-        cancelled, its deadline passed) waits for it to end whole (``_whole``),
-        then raises CancelledError: an update is never cut between two
-        variables, nor inside one.
+        cancelled, its deadline passed) waits for it to end whole and goes on
+        (``_whole``): an update is never cut between two variables, nor inside
+        one, nor from what follows it.
         """
         return await self._apply(pairs, now, key, claims)
 
@@ -482,12 +485,11 @@ class Store:
         """``apply``; ``failed`` is called if the update was not applied (it failed, or its caller was
         cancelled before it passed the gate)."""
         now = time.time() if now is None else now
-        cancelled = False
         try:
             async with self._updates(key, claims):
                 update = self._apply_each(pairs, now)
                 if len(pairs) > 1 or any(var.dyn is not None for var, _ in pairs):
-                    versions, cancelled = await _whole(update)
+                    versions = await _whole(update)
                 else:  # one change, at the end (``_write_rows``, ``var.state``): a cancel lands before it
                     versions = await update
                 self.pushes += 1
@@ -495,12 +497,15 @@ class Store:
             if failed is not None:
                 failed()
             raise
-        for var in self._over_share():  # a tiered piece overdrew the budget: the others give it back
+        if self.tier_budget is not None and self.tier_budget.owed:  # a tiered piece overdrew the budget
+            await _whole(self._give_back_owed())
+        return versions
+
+    async def _give_back_owed(self) -> None:
+        """The pieces over their share give the budget back what a piece overdrew (``_give_back``)."""
+        for var in self._over_share():
             async with var.lock:
                 self._give_back(var)
-        if cancelled:
-            raise asyncio.CancelledError
-        return versions
 
     async def _apply_each(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
         versions = []
@@ -691,10 +696,7 @@ class Store:
             return versions
 
         async with self._updates():
-            versions, cancelled = await _whole(assign_each())  # never some of the values and not the others
-        if cancelled:
-            raise asyncio.CancelledError
-        return versions
+            return await _whole(assign_each())  # never some of the values and not the others
 
     def assign_one(self, var: Variable, value: np.ndarray) -> int:
         """Sets one validated value now (a backup replaying its primary's Assign); returns the new version.
