@@ -102,6 +102,7 @@ _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at mos
 # and its tier flag (on_disk: 1); with a TTL, its older copy's stamps (disk_stamps: 8 B per TTL kind).
 _ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
 _MIN_HOT_ROWS = 64
+_SELECT_CHUNK = 1 << 20  # positions a selection over more rows than memory holds takes at once (_largest)
 _RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
@@ -1453,11 +1454,11 @@ def _largest(total: int, keys: list[np.ndarray], n: int) -> np.ndarray:
     """Positions (ascending) of the ``n`` of ``0..total-1`` largest by ``keys``: those ``_smallest`` leaves.
 
     A tournament over chunks of at least ``n`` positions: it holds about
-    ``2 x max(n, 2**20)`` positions at once, not ``total`` (the keys may be memory
+    ``2 x max(n, _SELECT_CHUNK)`` positions at once, not ``total`` (the keys may be memory
     maps of a checkpoint with more rows than memory holds).
     """
     best = np.zeros(0, np.int64)
-    step = max(n, 1 << 20)
+    step = max(n, _SELECT_CHUNK)
     for start in range(0, total, step):
         cand = np.concatenate([best, np.arange(start, min(total, start + step))])  # ascending
         if cand.size > n:

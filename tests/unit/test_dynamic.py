@@ -527,11 +527,14 @@ def test_scan_of_a_fixed_piece_starts_after_any_id() -> None:
         assert ids.tolist() == want and rows[:, 0].tolist() == want and done == last
 
 
-def test_the_rows_a_restore_keeps_in_memory_are_chosen_in_chunks_as_one_selection_would() -> None:
+def test_the_rows_a_restore_keeps_in_memory_are_chosen_in_chunks_as_one_selection_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A tiered restore picks the rows the policy keeps longest a chunk of positions at a time (the
     # bookkeeping may be a checkpoint's memory map, larger than memory): the same rows as one selection.
+    monkeypatch.setattr(dynamic, "_SELECT_CHUNK", 1 << 14)  # chunks of 16,384 positions (2**20 in use)
     rng = np.random.default_rng(3)
-    total, n = 2_300_000, 300_000  # three chunks of 2**20 positions
+    total, n = 36_000, 4_700  # three chunks
     ids = rng.permutation(total).astype(np.int64) * 3 - total
     last_step = rng.integers(0, 50, total)  # many ties, broken by the next key
     hits = rng.integers(0, 4, total)
