@@ -387,18 +387,15 @@ class Export:
 class RowRead:
     """A lookup of a piece's rows, begun at one instant (``DynamicRows.read_begin``)."""
 
+    piece: DynamicRows
     ids: np.ndarray
     out: np.ndarray  # the rows: those in memory copied at the start
     cold: np.ndarray  # the positions in ``ids`` of the rows not in memory
     view: TierView | None  # the disk tier then, when some are on disk
+    cold_bytes: int = 0  # the bytes of records ``read_cold`` may read
     found: np.ndarray | None = None  # which of the cold ones the disk has (``read_cold``)
     records: np.ndarray | None = None  # their records
     cost: ReadCost = (0.0, 0)
-
-    @property
-    def cold_bytes(self) -> int:
-        """The bytes of records ``read_cold`` may read."""
-        return self.cold.size * self.view.recent[1].itemsize if self.view is not None else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -707,14 +704,15 @@ class DynamicRows:
         have = slots >= 0
         out = holder.state[0][slots] if have.all() else np.empty((ids.size, self.config.dim), self.dtype)
         cold = np.flatnonzero(~have)
-        view = None
         if cold.size:
             out[have] = holder.state[0][slots[have]]
-        if self.tier is not None:
-            self.tier.stats.hot_hits += ids.size - cold.size
-            if cold.size:  # cold rows are read (one batched read), not filled
-                view = self.tier.view()
-        return RowRead(ids, out, cold, view)
+        if self.tier is None:
+            return RowRead(self, ids, out, cold, None)
+        self.tier.stats.hot_hits += ids.size - cold.size
+        if not cold.size:
+            return RowRead(self, ids, out, cold, None)
+        # cold rows are read (one batched read), not filled
+        return RowRead(self, ids, out, cold, self.tier.view(), cold.size * self.tier.record.itemsize)
 
     def read_cold(self, lookup: RowRead) -> None:
         """Reads ``lookup``'s rows on disk, as they were at its ``read_begin``; any thread."""

@@ -36,7 +36,7 @@ from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer
 from psserver.ckptfile import CheckpointError
 from psserver.cut import CutHolds, StepCuts
-from psserver.dynamic import DynamicRows, RowRead
+from psserver.dynamic import RowRead
 from psserver.modes import Mode
 from psserver.replication import Primary
 from psserver.store import Store, Variable
@@ -122,7 +122,6 @@ class _Reads:
 
     def __init__(self) -> None:
         self._items: list[tuple[str, np.ndarray | RowRead, int]] = []
-        self._pieces: list[tuple[DynamicRows, RowRead]] = []  # the dynamic pieces' reads begun
 
     def value(self, name: str, value: np.ndarray, version: int) -> None:
         self._items.append((name, value, version))
@@ -131,25 +130,24 @@ class _Reads:
         """The rows of global ids ``ids`` of table piece ``var`` (copies; the ids of a dynamic piece
         without a row get their initializer's row), and its version, under ``name``."""
         if var.dyn is not None:
-            read = var.dyn.read_begin(var, ids)
-            self._pieces.append((var.dyn, read))
-            self._items.append((name, read, var.version))
+            self._items.append((name, var.dyn.read_begin(var, ids), var.version))
         else:
             value, version = var.state
             self._items.append((name, value[tables.local_rows(var.spec, ids)], version))
 
     async def result(self, inline_bytes: int) -> Snapshot:
         """The values and rows; the disk reads in a worker thread when more than ``inline_bytes``."""
-        if sum(read.cold_bytes for _, read in self._pieces) > inline_bytes:
-            await asyncio.to_thread(self._read_cold)
+        reads = [read for _, read, _ in self._items if isinstance(read, RowRead)]
+        if sum(read.cold_bytes for read in reads) > inline_bytes:
+            await asyncio.to_thread(_read_cold, reads)
         else:
-            self._read_cold()
-        rows = {id(read): dyn.read_end(read) for dyn, read in self._pieces}
-        return [(name, rows[id(r)] if isinstance(r, RowRead) else r, v) for name, r, v in self._items]
+            _read_cold(reads)
+        return [(n, r.piece.read_end(r) if isinstance(r, RowRead) else r, v) for n, r, v in self._items]
 
-    def _read_cold(self) -> None:
-        for dyn, read in self._pieces:
-            dyn.read_cold(read)
+
+def _read_cold(reads: list[RowRead]) -> None:
+    for read in reads:
+        read.piece.read_cold(read)
 
 
 def _header_ok(worker_id: str) -> None:

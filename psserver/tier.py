@@ -379,7 +379,7 @@ class TierStats:
 class TierView:
     """A disk tier as it was at one instant (``DiskTier.view``), for one read, in any thread."""
 
-    txn: lmdb.Transaction | None  # its records then (None: it held none, or the read needs none)
+    txn: lmdb.Transaction | None  # its records then (None: it held none)
     writes: int | None  # writes begun by then (None: one was under way): a read keeps its records if equal
     recent: tuple[np.ndarray, np.ndarray]  # the records remembered then
     cut: Cut  # its expiry cut then
@@ -525,13 +525,14 @@ class DiskTier:
         found[at] = False
         return found, records[live], ids[at], cost
 
-    def view(self, begin: bool = True) -> TierView:
+    def view(self) -> TierView:
         """The tier as it is now (its records, cut and remembered records), for one ``read`` later, in
-        any thread. ``begin=False``: no read transaction (a read of no ids). Call it on the event loop."""
+        any thread (a lookup's, made on the event loop at its instant; a push's, made where it reads,
+        under the piece's lock)."""
         with self._write_lock:
             writes = None if self._writing else self._writes  # None: a write is under way
         txn = None
-        if begin and self._count:
+        if self._count:
             try:
                 txn = self.env.begin(buffers=False)
             except lmdb.Error as err:
