@@ -46,10 +46,15 @@ _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
 )
 
 
-# Data connections hold at most this much written and unsent in the kernel (``transport.dial``'s
-# ``notsent_lowat``): a push's upload is on the wire when its send returns, so the next shard's turn
-# (``Uplink``) starts then. A few milliseconds of a 1 Gbit/s link; loopback moves it at once.
+# An upload in its turn (``Uplink``) holds at most this much written and unsent in the kernel
+# (``Conn.limit_unsent``), or what its link carries in ``TURN_UNSENT_S`` if that is more (at the rate the
+# kernel last measured it delivering): a push's upload is on the wire when its send returns, so the next
+# shard's turn starts then. 256 KiB is 10 ms of a 200 Mbit/s link and 2 ms of 1 Gbit/s. Where the link is
+# faster than the processes (loopback: 3-6 GB/s), the turn ends when the bytes are queued: on loopback a
+# 1 MiB push_pull held to 256 KiB unsent cost 40 % more CPU (the sender woke once per 256 KiB the shard
+# read), and its uploads in turn gained nothing.
 NOTSENT_LOWAT: Final[int] = 256 << 10
+TURN_UNSENT_S: Final[float] = 0.002
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
 # 64 clients of 4 x 256 KiB on 4 shards, 16 a process, were 1.5-1.8x apart in steps/s taking turns,
 # 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
@@ -91,8 +96,12 @@ class Uplink:
         return lock
 
     @contextlib.asynccontextmanager
-    async def turn(self, nbytes: int) -> AsyncIterator[None]:
-        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit."""
+    async def turn(self, nbytes: int) -> AsyncIterator[bool]:
+        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit.
+
+        Yields whether the upload has the uplink to itself: False for an upload too small to take
+        turns and one that waited too long and goes out beside the others.
+        """
         lock, got = None, False
         if nbytes >= STAGGER_MIN_BYTES:
             lock = self._lock()
@@ -104,7 +113,7 @@ class Uplink:
                 log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
                           STAGGER_WAIT_S)  # fmt: skip
         try:
-            yield
+            yield got
         finally:
             if got:
                 assert lock is not None
@@ -112,6 +121,18 @@ class Uplink:
 
 
 _PROCESS_UPLINK = Uplink()
+
+
+def unsent_limit(delivery_rate: int) -> int:
+    """What an upload in its turn may leave unsent in the kernel on a link that delivers
+    ``delivery_rate`` bytes/s (0: not known yet): see ``NOTSENT_LOWAT``.
+
+    >>> unsent_limit(0) == unsent_limit(25_000_000) == NOTSENT_LOWAT  # 200 Mbit/s
+    True
+    >>> unsent_limit(4_000_000_000) >> 20  # loopback: 7 MiB, more than a push's part
+    7
+    """
+    return max(NOTSENT_LOWAT, int(delivery_rate * TURN_UNSENT_S))
 
 
 def process_uplink() -> Uplink:
@@ -226,7 +247,6 @@ class DataLink:
                 tls=self._tls,
                 timeout=min(transport.HANDSHAKE_S, timeout),
                 connect_timeout=CONNECT_TIMEOUT_S,
-                notsent_lowat=NOTSENT_LOWAT,
             )
         except transport.HandshakeTimeout as err:
             if timeout <= transport.HANDSHAKE_S:  # the caller's deadline ran out, not the port's bound
@@ -274,7 +294,8 @@ class DataLink:
                     if uplink is None:
                         await conn.send(frame, payload)
                     else:
-                        async with uplink.turn(sum(len(p) for p in payload)):
+                        async with uplink.turn(sum(len(p) for p in payload)) as in_turn:
+                            conn.limit_unsent(unsent_limit(conn.delivery_rate()) if in_turn else 0)
                             await conn.send(frame, payload)
                     reply, _ = await conn.recv(into)
             except TimeoutError:

@@ -138,6 +138,15 @@ class BulkConnection(FrameTransport[Frame]):
         """Whether the connection is usable (not reset)."""
         return self._conn is not None
 
+    def limit_unsent(self, nbytes: int) -> None:
+        """See ``transport.Conn.limit_unsent`` (nothing on a reset connection)."""
+        if self._conn is not None:
+            self._conn.limit_unsent(nbytes)
+
+    def delivery_rate(self) -> int:
+        """See ``transport.Conn.delivery_rate`` (0 on a reset connection)."""
+        return self._conn.delivery_rate() if self._conn is not None else 0
+
     def _live(self) -> Conn:
         if self._conn is None:
             raise UnavailableError(f"the data connection to {self.peer} is closed", address=self.peer)

@@ -129,6 +129,12 @@ def family_of(host: str) -> socket.AddressFamily:
 
 
 READ_AHEAD_BYTES = 64 << 10  # a plain connection's read-ahead buffer (see ``Conn.recv_exactly``)
+_MAX_UNSENT_LIMIT = (1 << 31) - 1  # TCP_NOTSENT_LOWAT is a C int
+# Linux's struct tcp_info: tcpi_delivery_rate (u64) sits at byte 160 (since 4.9; older kernels return less).
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+_TCP_INFO_BYTES = 232
+_DELIVERY_RATE = struct.Struct("=Q")
+_DELIVERY_RATE_AT = 160
 
 
 class Conn:
@@ -144,6 +150,30 @@ class Conn:
         self.sock = sock
         self._ahead: memoryview | None = None  # bytes read past what was asked (made on first use)
         self._lo = self._hi = 0  # ``_ahead[_lo:_hi]`` is read and not yet taken
+        self._unsent_limit = 0  # the TCP_NOTSENT_LOWAT set on the socket (0: none, the system's default)
+
+    def limit_unsent(self, nbytes: int) -> None:
+        """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
+        the system has it; 0: no limit): ``sendall`` then returns when the data is on the wire but that
+        much, not when it is queued (whole megabytes with the kernel's autotuned buffers), so a sender
+        can take turns between connections. The bytes in flight (the congestion window) are not limited.
+        """
+        nbytes = min(max(nbytes, 0), _MAX_UNSENT_LIMIT)
+        if nbytes != self._unsent_limit and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, nbytes)
+            self._unsent_limit = nbytes
+
+    def delivery_rate(self) -> int:
+        """The rate the kernel last measured the connection delivering at, bytes/s (``TCP_INFO``'s
+        ``tcpi_delivery_rate``, Linux); 0 where it is not known (no data acknowledged yet, another system).
+        """
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_BYTES)
+        except (AttributeError, OSError):
+            return 0
+        if len(info) < _DELIVERY_RATE.size + _DELIVERY_RATE_AT:
+            return 0
+        return int(_DELIVERY_RATE.unpack_from(info, _DELIVERY_RATE_AT)[0])
 
     async def handshake(self) -> None:
         """Nothing to negotiate on a plain connection."""
@@ -449,7 +479,6 @@ async def dial(
     tls: ssl.SSLContext | None = None,
     timeout: float = HANDSHAKE_S,
     connect_timeout: float | None = None,
-    notsent_lowat: int | None = None,
 ) -> Conn:
     """Connects to a ``DataPort`` and presents ``nonce``; returns the accepted connection.
 
@@ -464,11 +493,6 @@ async def dial(
         connect_timeout: bound of the TCP connection alone (default ``timeout``): a port that
             does not accept by then is unreachable. Once it accepted, the handshake has the rest
             of ``timeout`` (a port that accepted is reachable; its process may be busy).
-        notsent_lowat: at most this many bytes written and not yet sent wait in the kernel
-            (``TCP_NOTSENT_LOWAT``, where the system has it): ``sendall`` returns when the data is
-            on the wire but that much, not when it is queued (whole megabytes with the kernel's
-            autotuned buffers), so a sender can take turns between connections. The bytes in
-            flight (the congestion window) are not limited.
 
     Raises:
         OSError: no connection (refused, unreachable, TLS refused: ``ssl.SSLError``), or the
@@ -483,8 +507,6 @@ async def dial(
     conn: Conn = Conn(sock)
     try:
         tune_socket(sock)
-        if notsent_lowat is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
         connect_s = timeout if connect_timeout is None else min(connect_timeout, timeout)
         async with asyncio.timeout(max(connect_s, 0.001)):
             await loop.sock_connect(sock, (host, port))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ import pytest
 from _support import CALL_TIMEOUT_S, free_port
 
 import psclient
+from psclient import _bulk
 from pscore import bulk, codec, transport
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster, backups_of
@@ -182,6 +184,38 @@ async def test_a_large_partitioned_variable_round_trips_exactly(
         assert _used_data_port(c)  # 8 MiB per shard: above data_port_min_bytes
     want = (x - np.float32(1.0)) - np.float32(1.0)
     np.testing.assert_array_equal(new, want)
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="the system has no TCP_NOTSENT_LOWAT")
+async def test_an_upload_in_its_turn_leaves_unsent_what_the_link_carries_in_a_moment(
+    make_cluster: Callable[..., LocalCluster], var_name: str
+) -> None:
+    """On loopback (gigabytes a second) a turn's limit is megabytes: the push is queued at once,
+    instead of the sender waking for every 256 KiB the shard reads. An upload too small to take
+    turns takes the limit off."""
+    big = np.zeros(256 << 10, np.float32)  # 1 MiB: takes turns
+    small = np.zeros(16, np.float32)
+    cluster = make_cluster(num_shards=1)
+    async with psclient.AsyncPSClient(cluster.addresses, "w-turns", timeout=CALL_TIMEOUT_S, **WIRE) as c:
+        await c.create(f"{var_name}/big", big, optimizer=psclient.SGD(1.0))
+        await c.create(f"{var_name}/small", small, optimizer=psclient.SGD(1.0))
+
+        def limits() -> set[int]:  # private: a data connection's socket is not part of the API
+            return {
+                conn._conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+                for link in c._shards
+                for data in link.data_links.values()
+                for conn in data._idle
+                if conn._conn is not None
+            }
+
+        for _ in range(3):  # the kernel's measured rate follows the acknowledged bytes
+            await c.push({f"{var_name}/big": np.ones_like(big)})
+        taken = limits() - {0}
+        assert taken and min(taken) > _bulk.NOTSENT_LOWAT, taken
+        for _ in range(2 * _bulk.MAX_IDLE):  # every connection the client holds takes a small push
+            await c.push({f"{var_name}/small": np.ones_like(small)})
+        assert limits() == {0}
 
 
 async def test_a_retried_push_is_applied_once_whichever_path_carries_it(

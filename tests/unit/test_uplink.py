@@ -38,12 +38,12 @@ async def test_small_uploads_do_not_wait_for_a_turn() -> None:
             order.append("big")
 
     async def small() -> None:
-        async with uplink.turn(BIG - 1):
-            order.append("small")
+        async with uplink.turn(BIG - 1) as in_turn:
+            order.append(f"small, in turn: {in_turn}")
         big_done.set()
 
     await asyncio.gather(big(), small())
-    assert order == ["small", "big"]
+    assert order == ["small, in turn: False", "big"]
 
 
 async def test_a_turn_stuck_behind_an_upload_that_does_not_end_goes_out_beside_it(
@@ -59,12 +59,12 @@ async def test_a_turn_stuck_behind_an_upload_that_does_not_end_goes_out_beside_i
             await asyncio.wait_for(stuck.wait(), 5)
 
     async def next_upload() -> None:
-        async with uplink.turn(BIG):
-            went.append("next")
+        async with uplink.turn(BIG) as in_turn:
+            went.append(f"next, in turn: {in_turn}")
         stuck.set()
 
     await asyncio.gather(stuck_upload(), next_upload())
-    assert went == ["next"]
+    assert went == ["next, in turn: False"]
     async with uplink.turn(BIG):  # the turn that went out beside it released nothing it did not hold
         pass
 
@@ -80,28 +80,47 @@ async def test_an_upload_that_fails_gives_its_turn_back() -> None:
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="the system has no TCP_NOTSENT_LOWAT")
-async def test_data_connections_keep_little_unsent_data_in_the_kernel() -> None:
+async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_delivery_rate() -> None:
     accepted: list[transport.Conn] = []
-    port = transport.DataPort(
-        "127.0.0.1", magic=b"TESTMAGC", on_connection=lambda conn, who: accepted.append(conn)
-    )
+    arrived = asyncio.Event()
+
+    def on_connection(conn: transport.Conn, who: int) -> None:
+        accepted.append(conn)
+        arrived.set()
+
+    port = transport.DataPort("127.0.0.1", magic=b"TESTMAGC", on_connection=on_connection)
     await port.start()
     try:
-        conn = await transport.dial(
-            "127.0.0.1",
-            port.port,
-            magic=b"TESTMAGC",
-            nonce=port.issue_nonce(),
-            notsent_lowat=_bulk.NOTSENT_LOWAT,
-        )
+        conn = await transport.dial("127.0.0.1", port.port, magic=b"TESTMAGC", nonce=port.issue_nonce())
         try:
-            assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == _bulk.NOTSENT_LOWAT
+
+            def lowat() -> int:
+                return conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+
+            assert lowat() == 0  # none until a turn asks for one
+            conn.limit_unsent(_bulk.NOTSENT_LOWAT)
+            assert lowat() == _bulk.NOTSENT_LOWAT
+            conn.limit_unsent(0)
+            assert lowat() == 0
+            async with asyncio.timeout(5):
+                await arrived.wait()
+                payload = bytes(1 << 20)
+                await conn.sendall(payload)
+                await accepted[0].recv_exactly(memoryview(bytearray(len(payload))))
+            assert conn.delivery_rate() > 0  # acknowledged bytes: the kernel measured a rate
         finally:
             conn.close()
     finally:
         await port.close()
         for c in accepted:
             c.close()
+
+
+def test_an_upload_in_its_turn_leaves_unsent_what_its_link_carries_in_two_milliseconds_or_256_kib() -> None:
+    assert _bulk.unsent_limit(0) == _bulk.NOTSENT_LOWAT  # no rate measured yet
+    assert _bulk.unsent_limit(25_000_000) == _bulk.NOTSENT_LOWAT  # 200 Mbit/s: 50 KB in 2 ms
+    assert _bulk.unsent_limit(1_250_000_000) == 2_500_000  # 10 Gbit/s
+    assert _bulk.unsent_limit(4_000_000_000) > 4 << 20  # loopback: more than the kernel queues a socket
 
 
 def test_workers_start_their_turns_at_their_own_shard() -> None:
