@@ -46,13 +46,12 @@ _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
 )
 
 
-# An upload in its turn (``Uplink``) holds at most this much written and unsent in the kernel
-# (``Conn.limit_unsent``), or what its link carries in ``TURN_UNSENT_S`` if that is more (at the rate the
-# kernel last measured it delivering): a push's upload is on the wire when its send returns, so the next
-# shard's turn starts then. 256 KiB is 10 ms of a 200 Mbit/s link and 2 ms of 1 Gbit/s. Where the link is
-# faster than the processes (loopback: 3-6 GB/s), the turn ends when the bytes are queued: on loopback a
-# 1 MiB push_pull held to 256 KiB unsent cost 40 % more CPU (the sender woke once per 256 KiB the shard
-# read), and its uploads in turn gained nothing.
+# A request holds at most this much written and unsent in the kernel (``Conn.limit_unsent``), or what its
+# link carries in ``TURN_UNSENT_S`` if that is more (at the rate the kernel last measured it delivering):
+# a push's upload is on the wire when its send returns, so the next shard's turn (``Uplink``) starts then.
+# 256 KiB is 10 ms of a 200 Mbit/s link and 2 ms of 1 Gbit/s. Where the link is faster than the processes
+# (loopback: 2-11 GB/s), the send returns when the bytes are queued: on loopback a 1 MiB push_pull held to
+# 256 KiB unsent cost 40 % more CPU (the sender woke once per 256 KiB the shard read) and gained nothing.
 NOTSENT_LOWAT: Final[int] = 256 << 10
 TURN_UNSENT_S: Final[float] = 0.002
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
@@ -96,12 +95,8 @@ class Uplink:
         return lock
 
     @contextlib.asynccontextmanager
-    async def turn(self, nbytes: int) -> AsyncIterator[bool]:
-        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit.
-
-        Yields whether the upload has the uplink to itself: False for an upload too small to take
-        turns and one that waited too long and goes out beside the others.
-        """
+    async def turn(self, nbytes: int) -> AsyncIterator[None]:
+        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit."""
         lock, got = None, False
         if nbytes >= STAGGER_MIN_BYTES:
             lock = self._lock()
@@ -113,7 +108,7 @@ class Uplink:
                 log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
                           STAGGER_WAIT_S)  # fmt: skip
         try:
-            yield got
+            yield
         finally:
             if got:
                 assert lock is not None
@@ -124,7 +119,7 @@ _PROCESS_UPLINK = Uplink()
 
 
 def unsent_limit(delivery_rate: int) -> int:
-    """What an upload in its turn may leave unsent in the kernel on a link that delivers
+    """What a request may leave unsent in the kernel on a link that delivers
     ``delivery_rate`` bytes/s (0: not known yet): see ``NOTSENT_LOWAT``.
 
     >>> unsent_limit(0) == unsent_limit(25_000_000) == NOTSENT_LOWAT  # 200 Mbit/s
@@ -285,17 +280,19 @@ class DataLink:
             Exception: what ``into`` raised.
         """
         deadline = time.monotonic() + timeout
+        nbytes = sum(len(p) for p in payload)
         while True:
             reused = bool(self._idle)
             left = max(deadline - time.monotonic(), 0.001)
             conn = self._idle.pop() if reused else await self._connect(left)
             try:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
+                    if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
+                        conn.limit_unsent(unsent_limit(conn.delivery_rate()))
                     if uplink is None:
                         await conn.send(frame, payload)
                     else:
-                        async with uplink.turn(sum(len(p) for p in payload)) as in_turn:
-                            conn.limit_unsent(unsent_limit(conn.delivery_rate()) if in_turn else 0)
+                        async with uplink.turn(nbytes):
                             await conn.send(frame, payload)
                     reply, _ = await conn.recv(into)
             except TimeoutError:
