@@ -47,13 +47,13 @@ _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
 
 
 # A request holds at most this much written and unsent in the kernel (``Conn.limit_unsent``), or what its
-# link carries in ``TURN_UNSENT_S`` if that is more (at the rate the kernel last measured it delivering):
+# link carries in ``UNSENT_S`` if that is more (at the rate the kernel last measured it delivering):
 # a push's upload is on the wire when its send returns, so the next shard's turn (``Uplink``) starts then.
 # 256 KiB is 10 ms of a 200 Mbit/s link and 2 ms of 1 Gbit/s. Where the link is faster than the processes
 # (loopback: 2-11 GB/s), the send returns when the bytes are queued: on loopback a 1 MiB push_pull held to
 # 256 KiB unsent cost 40 % more CPU (the sender woke once per 256 KiB the shard read) and gained nothing.
 NOTSENT_LOWAT: Final[int] = 256 << 10
-TURN_UNSENT_S: Final[float] = 0.002
+UNSENT_S: Final[float] = 0.002
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
 # 64 clients of 4 x 256 KiB on 4 shards, 16 a process, were 1.5-1.8x apart in steps/s taking turns,
 # 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
@@ -127,7 +127,7 @@ def unsent_limit(delivery_rate: int) -> int:
     >>> unsent_limit(4_000_000_000) >> 20  # loopback: 7 MiB, more than a push's part
     7
     """
-    return max(NOTSENT_LOWAT, int(delivery_rate * TURN_UNSENT_S))
+    return max(NOTSENT_LOWAT, int(delivery_rate * UNSENT_S))
 
 
 def process_uplink() -> Uplink:

@@ -97,7 +97,7 @@ async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_deli
             def lowat() -> int:
                 return conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
 
-            assert lowat() == 0  # none until a turn asks for one
+            assert lowat() == 0  # none until asked for
             conn.limit_unsent(_bulk.NOTSENT_LOWAT)
             assert lowat() == _bulk.NOTSENT_LOWAT
             conn.limit_unsent(0)
@@ -116,7 +116,7 @@ async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_deli
             c.close()
 
 
-def test_an_upload_in_its_turn_leaves_unsent_what_its_link_carries_in_two_milliseconds_or_256_kib() -> None:
+def test_a_large_request_leaves_unsent_what_its_link_carries_in_two_milliseconds_or_256_kib() -> None:
     assert _bulk.unsent_limit(0) == _bulk.NOTSENT_LOWAT  # no rate measured yet
     assert _bulk.unsent_limit(25_000_000) == _bulk.NOTSENT_LOWAT  # 200 Mbit/s: 50 KB in 2 ms
     assert _bulk.unsent_limit(1_250_000_000) == 2_500_000  # 10 Gbit/s
