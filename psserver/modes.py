@@ -497,14 +497,17 @@ class SyncMode(Mode):
         if rnd is None:
             rnd = self._rounds[step] = _Round(done=asyncio.get_running_loop().create_future())
         if worker_id in rnd.contributions:
+            # The worker's latest push for the step speaks for it, and is answered when the step is
+            # applied, as every push for it is (the push is the barrier: answered at once, the worker
+            # would read the step before its update). Same session: the worker pushed the step again
+            # after its first push's answer was lost; that push, if still waiting, is answered with the
+            # step too. A newer session (a restarted worker, or a second client that took over): the
+            # older session's push is refused.
             (old_session, old_seq), _ = rnd.contributions[worker_id]
-            if old_session == session:
-                return PushOutcome(applied=False, reason="duplicate")
-            # A newer session of the worker id (a restarted worker, or a second client that took
-            # over) speaks for it: its gradient replaces the older session's, which is refused.
             del rnd.contributions[worker_id]
             self.store.ledger.unclaim(worker_id, old_seq, old_session)
-            rnd.replaced.add((worker_id, old_session, old_seq))
+            if old_session != session:
+                rnd.replaced.add((worker_id, old_session, old_seq))
         rnd.contributions[worker_id] = (key, pairs)
         await self._advance()
         await self._wait(step, rnd, worker_id, key, deadline)

@@ -1,7 +1,8 @@
 """Unit tests of what replication asks of the modes and the store (no sockets).
 
 A sync step is answered once replicated, the lease ends waits, a backup replays its
-primary's mode state, a retry waits for its original.
+primary's mode state, a retry waits for its original, and so does a worker's second
+push of a sync step.
 """
 
 from __future__ import annotations
@@ -186,6 +187,27 @@ async def test_a_retry_waits_for_its_original_being_applied() -> None:
         with pytest.raises(asyncio.CancelledError):
             await failing
         assert (await retried).applied and store.get("w").version == 2
+
+
+async def test_a_sync_push_of_a_step_its_worker_already_pushed_waits_for_the_step() -> None:
+    # The worker's first push lost its answer (a link went silent) and the worker pushed the step
+    # again: answered at once, it would read the step before its update.
+    store = _store()
+    mode = _sync(store)
+    async with asyncio.timeout(10):
+        first = asyncio.create_task(mode.push("w0", 1, 0, _grad(), session=1))
+        await _settle()
+        again = asyncio.create_task(mode.push("w0", 2, 0, {"w": np.full(2, -3.0, np.float32)}, session=1))
+        await _settle()
+        assert not again.done() and not first.done() and store.get("w").version == 0
+        first.cancel()  # the first push's call goes away: the step keeps the worker's latest gradient
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert mode.pending_claims() == [("w0", 1, 2)]
+        assert (await mode.push("w1", 1, 0, _grad(), session=2)).applied
+        assert (await again).applied and mode.step == 1
+        np.testing.assert_allclose(store.get("w").value, [2.0, 2.0])  # the mean of -3 and -1, once
+        assert (await mode.push("w0", 2, 0, _grad(), session=1)).reason == "duplicate"
 
 
 async def test_a_backup_loads_a_snapshot_again_after_clearing_its_store() -> None:
