@@ -190,6 +190,10 @@ class Backup:
                 finally:
                     silent.cancel()
                     call.cancel()
+                    # Ends the acknowledgements: gRPC's task reading them would otherwise be left waiting
+                    # on the queue and destroyed pending, the generator with it ("aclose(): asynchronous
+                    # generator is already running", logged as an exception never retrieved).
+                    self._acks.put_nowait(None)
                     if not self.caught_up:  # the next attempt starts over from a new snapshot
                         await self._stop_replaying()
                 if self.caught_up or self.resigned:

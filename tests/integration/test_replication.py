@@ -300,6 +300,25 @@ def test_a_backup_of_a_backup_is_refused() -> None:
         assert "not a primary" in second.log_tail(0, 20)
 
 
+def test_a_second_backup_is_refused_each_try_and_leaves_no_task_behind() -> None:
+    # Each refused try ends a Replicate call whose acknowledgements were still awaited: the task gRPC
+    # reads them in must end with it, not be left pending and destroyed at a later garbage collection
+    # (ten tries make one likely: it came at the attach, with an error logged per try, for a backup
+    # restarted under the nemesis while its primary still held the dead one).
+    with _pair() as (primary, first), LocalCluster(1, ["--backup-of", primary.addresses[0]]) as second:
+        wait_until(
+            lambda: second.log_tail(0, 200).count("already has a backup") >= 10,
+            "the second backup's tenth refused try",
+            timeout=30,
+        )
+        first.kill_shard(0)  # the second backup attaches once the primary has dropped the first
+        _wait_role(primary.addresses[0], "primary", peer=second.addresses[0], timeout_s=30)
+        assert second.stop_shard(0) == 0
+        log = second.log_path(0).read_text(errors="replace")
+    for trace in ("never retrieved", "destroyed but it is pending", "asynchronous generator"):
+        assert trace not in log, log
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
