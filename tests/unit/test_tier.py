@@ -241,6 +241,34 @@ def test_hundreds_of_lookups_waiting_for_a_worker_thread_each_hold_their_instant
         np.testing.assert_array_equal(t.rows.read_end(lookup), expected)
 
 
+def test_a_batched_read_gives_each_id_its_own_record_in_any_order_with_missing_and_remembered_ids(
+    tmp_path: Path,
+) -> None:
+    disk = tier_module.DiskTier(
+        tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t"
+    )
+    rng = np.random.default_rng(3)
+    stored = np.unique(rng.integers(-(2**62), 2**62, 3000))  # negative ids too: key order is id order
+    records = np.zeros(stored.size, disk.record)
+    records["value"] = rng.standard_normal((stored.size, 4)).astype(np.float32)
+    records["last_step"] = np.arange(stored.size)
+    disk.write(stored, records)
+    truth = dict(zip(stored.tolist(), range(stored.size), strict=True))
+    disk.get(stored[::7], remember=True)  # some of the next reads' ids are answered from memory
+    for seed in range(3):
+        r = np.random.default_rng(seed)
+        ids = np.concatenate([r.choice(stored, 500, replace=False), r.integers(-(2**62), 2**62, 60)])
+        ids = np.unique(ids)[r.permutation(np.unique(ids).size)]  # distinct, in no order
+        found, got = disk.get(ids)
+        assert found.tolist() == [i in truth for i in ids.tolist()]
+        want = records[[truth[i] for i in ids[found].tolist()]]
+        np.testing.assert_array_equal(got["value"], want["value"])
+        np.testing.assert_array_equal(got["last_step"], want["last_step"])
+    found, got = disk.get(np.array([stored[0] + 1, stored[-1] + 1]))  # none found
+    assert not found.any() and got.size == 0
+    disk.close()
+
+
 def test_a_lookup_that_a_write_overlaps_keeps_none_of_its_records_for_the_next_read(tmp_path: Path) -> None:
     disk = tier_module.DiskTier(
         tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t"
