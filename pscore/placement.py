@@ -114,7 +114,10 @@ def global_row(local: np.ndarray, shard: int, num_shards: int) -> np.ndarray:
     return local * num_shards + shard
 
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN_INT = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_MIX_STEPS = ((np.uint64(30), np.uint64(0xBF58476D1CE4E5B9)), (np.uint64(27), np.uint64(0x94D049BB133111EB)))
+_MIX_LAST = np.uint64(31)
 
 
 def mix64(ids: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -124,11 +127,14 @@ def mix64(ids: np.ndarray, seed: int = 0) -> np.ndarray:
     gives independent hashes (shards, a shard's hash index, sketch rows).
     """
     x = np.asarray(ids).astype(np.int64, copy=False).view(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x + _GOLDEN * np.uint64(seed + 1)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    # Array arithmetic wraps modulo 2**64 without a warning; the offset is reduced in Python ints. In place
+    # on one new array: a hash of a few hundred ids costs the calls, not the arithmetic.
+    x = np.asarray(x + np.uint64((_GOLDEN_INT * (seed + 1)) & _MASK64))  # a new array (0-d too)
+    for shift, factor in _MIX_STEPS:
+        np.bitwise_xor(x, x >> shift, out=x)
+        np.multiply(x, factor, out=x)
+    np.bitwise_xor(x, x >> _MIX_LAST, out=x)
+    return x if x.ndim else x[()]  # a scalar for a scalar, as numpy's arithmetic gives
 
 
 def dynamic_row_shard(ids: np.ndarray, num_shards: int) -> np.ndarray:

@@ -561,10 +561,11 @@ class Store:
         reg = var.regularizer
         if var.dyn is not None:
             dyn, ids = var.dyn, grad.ids
+            filled = None
             if dyn.tier is not None:  # its cold rows filled, room made: disk reads, a write (in a thread)
-                yield from dyn.tier_step(var, ids, now)
+                filled = yield from dyn.tier_step(var, ids, now)
             # what the push does (its ids' rows, its sweep's expired rows: a pass over all rows when due)
-            plan = yield dyn.plan_bytes(ids, now), functools.partial(dyn.plan, ids, now)
+            plan = yield dyn.plan_bytes(ids, now), functools.partial(dyn.plan, ids, now, filled)
             if plan.grow_to:  # an unbounded table grows (a copy of all its rows) before the push changes it
                 grown = yield var.value.nbytes, functools.partial(dyn.grown, var, var.optimizer, plan.grow_to)
                 dyn.adopt(var, grown)

@@ -347,8 +347,10 @@ def _plan_nothing_ahead(monkeypatch: pytest.MonkeyPatch, twin: _Table) -> None:
     """``twin``'s pushes work everything out inside the push, on the event loop, as before plans."""
     plan = dynamic.DynamicRows.plan
 
-    def bare(self: dynamic.DynamicRows, ids: np.ndarray, now: float) -> dynamic.PushPlan:
-        return dynamic.PushPlan(self.clock) if self is twin.rows else plan(self, ids, now)
+    def bare(
+        self: dynamic.DynamicRows, ids: np.ndarray, now: float, filled: np.ndarray | None = None
+    ) -> dynamic.PushPlan:
+        return dynamic.PushPlan(self.clock) if self is twin.rows else plan(self, ids, now, filled)
 
     monkeypatch.setattr(dynamic.DynamicRows, "plan", bare)
 
