@@ -106,8 +106,8 @@ _SELECT_CHUNK = 1 << 20  # positions a selection over more rows than memory hold
 _RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 
 _EMPTY, _FULL, _TOMB = 0, 1, 2
-_PROBE_WINDOW = 16  # places a lookup probe reads per round (``HashIndex.positions``)
-_WINDOW = np.arange(_PROBE_WINDOW)
+_PROBE_WINDOW = 16  # places a probe reads per round (``HashIndex.positions``, ``insert``)
+_NARROW_ABOVE = 4096  # a round of more ids than this reads one place each (most end at their first)
 
 
 def _pow2(n: int) -> int:
@@ -155,7 +155,9 @@ class HashIndex:
         Each round reads a window of ``_PROBE_WINDOW`` places per id still probing (a 2-D gather):
         a probe ends at its id or at an empty place, the first of either in its window. Probes run
         long when a table that churns (a tiered piece's fills and spills) holds many tombstones: one
-        place per round took 14-35 rounds and 330-700 us for 400 ids in a 262,144-place table.
+        place per round took 14-35 rounds and 330-700 us for 400 ids in a 262,144-place table. A
+        round of more than ``_NARROW_ABOVE`` ids (a rebuild, a restore) reads one place each: most
+        end there, and a wide window would read 16 places for each.
         """
         ids = np.asarray(ids, np.int64).reshape(-1)
         found = np.full(ids.size, -1, np.int64)
@@ -163,7 +165,8 @@ class HashIndex:
         p = self._home(ids)
         want = ids
         while todo.size:
-            window = (p[:, None] + _WINDOW) & self.mask
+            width = 1 if todo.size > _NARROW_ABOVE else _PROBE_WINDOW
+            window = (p[:, None] + np.arange(width)) & self.mask
             st = self.state[window]
             hit = (st == _FULL) & (self.keys[window] == want[:, None])
             stop = hit | (st == _EMPTY)
@@ -174,7 +177,7 @@ class HashIndex:
             found[todo[got]] = window[rows[got], first[got]]
             go_on = ~ended
             todo, want = todo[go_on], want[go_on]
-            p = (p[go_on] + _PROBE_WINDOW) & self.mask
+            p = (p[go_on] + width) & self.mask
         return found
 
     def get(self, ids: np.ndarray) -> np.ndarray:
@@ -196,7 +199,8 @@ class HashIndex:
         todo = np.arange(ids.size)
         p = self._home(ids)
         while todo.size:  # each round: the first free place in each id's window (as ``positions``)
-            window = (p[:, None] + _WINDOW) & self.mask
+            width = 1 if todo.size > _NARROW_ABOVE else _PROBE_WINDOW
+            window = (p[:, None] + np.arange(width)) & self.mask
             free = self.state[window] != _FULL
             first = free.argmax(axis=1)
             rows = np.arange(todo.size)
@@ -212,7 +216,7 @@ class HashIndex:
             placed[winners] = True
             # An id that lost its place to another looks at the same window again; one whose window
             # had no free place, at the next window.
-            p = np.where(has, p, (p + _PROBE_WINDOW) & self.mask)
+            p = np.where(has, p, (p + width) & self.mask)
             todo, p = todo[~placed], p[~placed]
         self.live += ids.size
 
