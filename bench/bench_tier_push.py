@@ -1,0 +1,153 @@
+"""What a shard's disk tier costs per step, in process: the same pushes to a piece in memory and on a tier.
+
+One dynamic table piece of ``--rows`` ids x ``--dim`` (float32, Adagrad) in a real ``psserver.store.Store``,
+no sockets and no TensorFlow, so the figure is the shard's own work and the machine's other load does not
+move it much. It is first filled with every id (zero gradients, ``--batch`` at a time), then each of
+``--steps`` steps looks up a batch of ids and pushes their gradients, as one shard of
+``bench_embedding.py``'s tiered run does: a batch is the distinct ids of 256 examples x 8 power-law ids
+(zipf 0.9) over twice ``--rows`` ids, the half that hash to this shard. Variants:
+
+- ``memory``: the piece in memory (the shard without ``--table-memory``);
+- ``tiered``: the same piece with ``--table-memory`` (its hot rows in memory, the others in LMDB).
+
+Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads), wall ms per
+step, and for the tier the rows filled and spilled and the rows in memory at the end.
+
+Usage:
+    python bench/bench_tier_push.py --out bench/results/tier_push
+    python bench/bench_tier_push.py --rows 200000 --steps 200     # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _common import add_table_options, run_variants
+
+from pscore.optimizers import Adagrad
+from psproto.v1 import ps_pb2
+from psserver import tables
+from psserver.store import Store
+from psserver.tier import TierConfig, parse_bytes
+
+_ZIPF = 0.9
+_IDS_PER_STEP = 256 * 8  # bench_embedding.py's batch of 256 examples of 8 ids
+
+
+def _batches(rows: int, steps: int) -> list[np.ndarray]:
+    """Each step's distinct ids on this shard: power-law ranks over ``2 * rows`` ids, the even half."""
+    rng = np.random.default_rng(0)
+    top = (2 * rows + 1.0) ** (1.0 - _ZIPF)
+    out = []
+    for _ in range(steps + 1):
+        u = rng.random(_IDS_PER_STEP)
+        ranks = np.minimum((1.0 + u * (top - 1.0)) ** (1.0 / (1.0 - _ZIPF)) - 1.0, 2 * rows - 1)
+        ids = np.unique(ranks.astype(np.int64))
+        out.append(ids[ids % 2 == 0] // 2)
+    return out
+
+
+async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    tier = TierConfig(str(workdir / name), parse_bytes(args.table_memory)) if name == "tiered" else None
+    store = Store(tier=tier)
+    spec = ps_pb2.VariableSpec(
+        name="t/rows_0", dtype=ps_pb2.DTYPE_FLOAT32, shape=[0, args.dim], optimizer=Adagrad(0.1).to_proto()
+    )
+    spec.dynamic.CopyFrom(
+        ps_pb2.DynamicTable(
+            table="t", dim=args.dim, index=0, count=1,
+            initializer=ps_pb2.RowInitializer(name="uniform", args=[-1.0, 1.0]),
+        )
+    )  # fmt: skip
+    store.create([spec], {})
+    var = store.get(spec.name)
+    dyn = var.dyn
+    assert dyn is not None
+    now = 1000.0
+
+    async def push(ids: np.ndarray, grad: float) -> None:
+        nonlocal now
+        now += 1.0
+        rows = np.full((ids.size, args.dim), grad, np.float32)
+        await store.apply(store.validate_grads({spec.name: tables.RowGrad(ids, rows)}), now)
+
+    t0 = time.perf_counter()
+    for start in range(0, args.rows, args.batch):
+        await push(np.arange(start, min(args.rows, start + args.batch), dtype=np.int64), 0.0)
+    fill_s = time.perf_counter() - t0
+    batches = _batches(args.rows, args.steps)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for i in range(args.steps):
+        lookup = dyn.read_begin(var, batches[i + 1])  # the next batch's rows, as the worker prefetches
+        dyn.read_cold(lookup)
+        dyn.read_end(lookup)
+        await push(batches[i], 0.01)
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    stats = dyn.proto_stats()
+    cell = {
+        "variant": name,
+        "fill_s": round(fill_s, 2),
+        "cpu_ms_per_step": round(1e3 * cpu / args.steps, 3),
+        "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
+        "ids_per_step": round(float(np.mean([b.size for b in batches])), 1),
+        "rows_in_memory": int(stats.rows_in_memory) if tier else int(stats.rows),
+        "filled": int(stats.filled),
+        "spilled": int(stats.spilled),
+    }
+    if dyn.tier is not None:
+        dyn.close()
+    print(f"{name}: {cell}", file=sys.stderr, flush=True)
+    return cell
+
+
+def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    return asyncio.run(_measure(name, args, workdir))
+
+
+def _markdown(
+    args: argparse.Namespace, note: dict[str, Any], cells: list[dict[str, Any]], command: str
+) -> str:
+    lines = [
+        "# A shard's disk tier per training step, in process",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"One dynamic table piece of {args.rows:,} ids x {args.dim} (float32, Adagrad) in a `Store`, filled "
+        f"with every id, then {args.steps:,} steps of a lookup of the next batch and a push of this one "
+        f"(one shard's half of `bench_embedding.py`'s batches). `tiered`: `--table-memory "
+        f"{args.table_memory}`. Machine: {note}",
+        "",
+        "| variant | CPU ms / step | wall ms / step | ids / step | rows in memory | filled | spilled |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        lines.append(
+            f"| {c['variant']} | {c['cpu_ms_per_step']} | {c['wall_ms_per_step']} | {c['ids_per_step']} | "
+            f"{c['rows_in_memory']:,} | {c['filled']:,} | {c['spilled']:,} |"
+        )
+    by = {c["variant"]: c for c in cells}
+    if "memory" in by and "tiered" in by:
+        extra = by["tiered"]["cpu_ms_per_step"] - by["memory"]["cpu_ms_per_step"]
+        lines += ["", f"The tier's own cost: {extra:.3f} ms of CPU per step."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_table_options(
+        ap, rows=1_000_000, batch=16_384, variants="memory,tiered", dir_help="where the tier goes"
+    )
+    ap.add_argument("--steps", type=int, default=800, help="steps measured (default 800)")
+    ap.add_argument("--table-memory", default="40MiB", help="the tier's budget (default 40MiB)")
+    run_variants("bench_tier_push.py", argv, ap.parse_args(argv), "bench-tier-push-", run_variant, _markdown)
+
+
+if __name__ == "__main__":
+    main()
