@@ -110,6 +110,11 @@ _PROBE_WINDOW = 16  # places a probe reads per round (``HashIndex.positions``, `
 _NARROW_ABOVE = 4096  # a later round of more ids than this reads one place each, as every first round
 
 
+def _next_width(probing: int) -> int:
+    """A later probe round's window for ``probing`` ids (``HashIndex.positions``)."""
+    return 1 if probing > _NARROW_ABOVE else _PROBE_WINDOW
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -149,6 +154,10 @@ class HashIndex:
     def _home(self, ids: np.ndarray) -> np.ndarray:
         return (mix64(ids, _INDEX_SEED) & np.uint64(self.mask)).astype(np.int64)
 
+    def _window(self, p: np.ndarray, width: int) -> np.ndarray:
+        """A probe round's places: the ``width`` places from each of ``p`` on (wrapping), a row per id."""
+        return (p[:, None] + np.arange(width)) & self.mask
+
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Where each id is in the table (-1: absent).
 
@@ -167,7 +176,7 @@ class HashIndex:
         want = ids
         width = 1  # the first round: most probes end at their home place
         while todo.size:
-            window = (p[:, None] + np.arange(width)) & self.mask
+            window = self._window(p, width)
             st = self.state[window]
             hit = (st == _FULL) & (self.keys[window] == want[:, None])
             stop = hit | (st == _EMPTY)
@@ -179,7 +188,7 @@ class HashIndex:
             go_on = ~ended
             todo, want = todo[go_on], want[go_on]
             p = (p[go_on] + width) & self.mask
-            width = 1 if todo.size > _NARROW_ABOVE else _PROBE_WINDOW
+            width = _next_width(todo.size)
         return found
 
     def get(self, ids: np.ndarray) -> np.ndarray:
@@ -202,7 +211,7 @@ class HashIndex:
         p = self._home(ids)
         width = 1
         while todo.size:  # each round: the first free place in each id's window (as ``positions``)
-            window = (p[:, None] + np.arange(width)) & self.mask
+            window = self._window(p, width)
             free = self.state[window] != _FULL
             first = free.argmax(axis=1)
             rows = np.arange(todo.size)
@@ -220,7 +229,7 @@ class HashIndex:
             # had no free place, at the next window.
             p = np.where(has, p, (p + width) & self.mask)
             todo, p = todo[~placed], p[~placed]
-            width = 1 if todo.size > _NARROW_ABOVE else _PROBE_WINDOW
+            width = _next_width(todo.size)
         self.live += ids.size
 
     def remove(self, positions: np.ndarray) -> None:
@@ -1054,8 +1063,7 @@ class DynamicRows:
                     self.disk_stamps[k][rows] = records[k]
             self.stale += fill_ids.size
             tier.stats.filled += fill_ids.size
-            found = found.copy()
-            found[cold_pos[on_disk]] = rows
+            found[cold_pos[on_disk]] = rows  # ``index.get``'s own array
         return found  # rows spilled or expired were none of the push's: only the filled ids' rows changed
 
     def _tier_reads(
