@@ -1,0 +1,47 @@
+"""Integration: the Python calls per operation stay under a ceiling, on the client and on the shard.
+
+``bench/bench_calls.py`` counts them with ``sys.setprofile`` (a ``PSClient`` in its process, a real
+``psserver`` in a child process, each counted apart). A count, unlike a time, does not move with the
+machine's load: a change that makes the common path walk more Python fails here, by operation and side.
+The ceilings sit a little above the counts measured (about 5 %: the counts repeat within 1-2 %); lower
+them with the counts when the path gets shorter.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
+CEILINGS: dict[str, tuple[int, int]] = {
+    "push 1KiB": (180, 190),
+    "pull 1KiB": (180, 90),
+    "push_pull 1KiB": (215, 240),
+    "push_pull 1MiB": (410, 495),
+    "embedding step": (410, 350),
+    "sync step": (215, 290),
+}
+
+
+def test_calls_per_operation_stay_under_their_ceilings(tmp_path: Path) -> None:
+    out = tmp_path / "calls.json"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_calls.py"), "--ops", "50", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=100, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["op"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == set(CEILINGS)
+    over = [
+        f"{op} {side}: {rows[op][side]} calls > {ceiling}"
+        for op, ceilings in CEILINGS.items()
+        for side, ceiling in zip(("client", "shard"), ceilings, strict=True)
+        if rows[op][side] > ceiling
+    ]
+    assert not over, "the path grew:\n" + "\n".join(over) + "\n" + proc.stdout
