@@ -28,8 +28,8 @@ Usage::
 
     python bench/bench_calls.py [--ops 200] [--only push,pull] [--top 30] [--out bench/results/calls]
 
-``--top N`` also prints the N functions called most per operation, on each side (for profiling the
-path: which layers a request walks).
+``--top N`` also prints the N functions called most per operation (with their callers), on each side
+(for profiling the path: which layers a request walks).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _profile(frame: Any, event: str, arg: Any) -> None:
     if event == "call" and _Count.on:
         _Count.calls += 1
         if _Count.top:
-            _Count.per_code[frame.f_code] += 1
+            back = frame.f_back
+            _Count.per_code[frame.f_code, back.f_code if back is not None else None] += 1
 
 
 def install() -> None:
@@ -89,11 +90,13 @@ def _begin() -> None:
 
 def _end() -> tuple[int, list[tuple[str, int]]]:
     _Count.on = False
-    top = [(_where(code), n) for code, n in _Count.per_code.most_common()]
+    top = [(f"{_where(code)} <- {_where(caller)}", n) for (code, caller), n in _Count.per_code.most_common()]
     return _Count.calls, top
 
 
 def _where(code: Any) -> str:
+    if code is None:
+        return "-"
     path = Path(code.co_filename)
     with contextlib.suppress(ValueError):
         path = path.relative_to(REPO)

@@ -56,6 +56,7 @@ class PSClient:
         )
         self._loop = BackgroundLoop("psclient")
         self._closed = False
+        self._wait_s = self.wait_timeout  # the config is frozen: read once, not per call
 
     @property
     def config(self) -> ClientConfig:
@@ -77,7 +78,7 @@ class PSClient:
     def _run(self, coro: Any) -> Any:
         # The per-call gRPC deadlines bound the work; this outer bound only guards
         # against a bug that would otherwise hang the caller forever.
-        return self._loop.run(coro, timeout=self.wait_timeout)
+        return self._loop.run(coro, self._wait_s)
 
     def create(self, name: str, value: Any, optimizer: Optimizer | None = None) -> bool:
         """Creates one variable; see ``AsyncPSClient.create_many``."""

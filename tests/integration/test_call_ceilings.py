@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (180, 190),
-    "pull 1KiB": (180, 90),
-    "push_pull 1KiB": (215, 240),
-    "push_pull 1MiB": (410, 495),
-    "embedding step": (410, 350),
-    "sync step": (215, 290),
+    "push 1KiB": (130, 190),
+    "pull 1KiB": (130, 90),
+    "push_pull 1KiB": (165, 240),
+    "push_pull 1MiB": (305, 495),
+    "embedding step": (305, 350),
+    "sync step": (165, 290),
 }
 
 
