@@ -131,8 +131,7 @@ class DataPortServer:
         self._idle: set[asyncio.Task[None]] = set()  # serving tasks waiting for a request
         self._busy: set[asyncio.Task[None]] = set()  # serving tasks answering one
         self._links: set[bulk.BulkConnection] = set()
-        self._quiet = asyncio.Event()
-        self._quiet.set()
+        self._quiet: asyncio.Event | None = None  # made by stop(): set once no request is in progress
         self.stopping = False
 
     @property
@@ -154,9 +153,12 @@ class DataPortServer:
         self._port.stop_accepting()
         for task in list(self._idle):
             task.cancel()
+        quiet = self._quiet = asyncio.Event()
+        if not self._busy:
+            quiet.set()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
-                await self._quiet.wait()
+                await quiet.wait()
         await self._port.close()
         for link in list(self._links):
             link.reset()
@@ -180,12 +182,11 @@ class DataPortServer:
                 finally:
                     self._idle.discard(task)
                 self._busy.add(task)
-                self._quiet.clear()
                 try:
                     await self._answer(link, frame, *received)
                 finally:
                     self._busy.discard(task)
-                    if not self._busy:
+                    if self._quiet is not None and not self._busy:  # stopping: the last one ended
                         self._quiet.set()
                     del received
         except asyncio.CancelledError:

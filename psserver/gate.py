@@ -32,8 +32,7 @@ class UpdateGate:
         # Updates in progress, the holds keeping new ones back, the updates a consistent cut lets
         # through, and the snapshots being read (nothing passes then).
         self._updating = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._idle: asyncio.Event | None = None  # set (and dropped) when the last update in progress ends
         self._holds = 0
         self._snapshots = 0
         self._let_through: set[Hashable] = set()
@@ -55,26 +54,37 @@ class UpdateGate:
         passes a held gate, unless a snapshot is being read.
         """
         claims = tuple(claims)
-        pending = self._pending
-        for claim in claims:
-            pending[claim] += 1
-        try:
-            while self._holds and (key is None or key not in self._let_through or self._snapshots):
-                await self._gate.wait()
-            self._updating += 1
-            self._idle.clear()
-        except BaseException:
-            self._unpend(claims)
-            raise
+        await self.enter(key, claims)
         try:
             yield
         finally:
+            self.leave(claims)
+
+    async def enter(self, key: Hashable = None, claims: tuple[PushKey, ...] = ()) -> None:
+        """``passing``'s way in, for a caller that calls ``leave(claims)`` once its update ends, whatever
+        happens (the store's pushes: no context manager on their path). Waits only while held."""
+        pending = self._pending
+        for claim in claims:
+            pending[claim] = pending.get(claim, 0) + 1
+        if self._holds:
+            try:
+                while self._holds and (key is None or key not in self._let_through or self._snapshots):
+                    await self._gate.wait()
+            except BaseException:
+                self._unpend(claims)
+                raise
+        self._updating += 1
+
+    def leave(self, claims: tuple[PushKey, ...] = ()) -> None:
+        """``passing``'s way out: the update that ``enter`` let in ended."""
+        if claims:
             self._unpend(claims)
-            self._updating -= 1
-            if not self._updating:
-                self._idle.set()
-            if self._holds:
-                self._notify()  # a cut waiting for what it let through
+        self._updating -= 1
+        if not self._updating and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+        if self._holds:
+            self._notify()  # a cut waiting for what it let through
 
     def hold(self) -> None:
         """Holds new updates back (pushes, assignments, optimizer changes wait) until ``release``.
@@ -111,7 +121,10 @@ class UpdateGate:
 
     async def wait_idle(self) -> None:
         """Waits until no update is in progress (bound it with a timeout)."""
-        await self._idle.wait()
+        while self._updating:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
     async def changed(self) -> None:
         """Waits for the next change of the gate, or the end of an update while held."""
@@ -124,7 +137,7 @@ class UpdateGate:
             if left > 0:
                 pending[claim] = left
             else:
-                del pending[claim]
+                pending.pop(claim, None)
         if claims and self._unpended is not None:
             self._unpended.set()
             self._unpended = None
@@ -161,7 +174,7 @@ class UpdateGate:
         self._snapshots += 1
         try:
             async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
+                await self.wait_idle()
             yield set(self._pending)
         finally:
             self._snapshots -= 1

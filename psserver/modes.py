@@ -156,8 +156,14 @@ class Mode(abc.ABC):
             PSError: invalid gradients (nothing is applied), a barrier that
                 timed out, or ``WorkerIdConflictError`` (an older session of the worker id).
         """
-        with self._observed("push", worker_id, step):
+        listener = self.listener  # as ``_observed``, without a context manager on every push's path
+        if listener is None:
             return await self._push(worker_id, seq, step, grads, session, deadline)
+        token = listener.wait_begin("push", worker_id, step)
+        try:
+            return await self._push(worker_id, seq, step, grads, session, deadline)
+        finally:
+            listener.wait_end(token)
 
     async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         """Waits until ``worker_id`` at ``step`` may read (ssp mode), at most until about ``deadline``.

@@ -485,14 +485,20 @@ class Store:
         """``apply``; ``failed`` is called if the update was not applied (it failed, or its caller was
         cancelled before it passed the gate)."""
         now = time.time() if now is None else now
+        claims = tuple(claims)
+        gate = self.gate
         try:
-            async with self._updates(key, claims):
+            await gate.enter(key, claims)  # as ``_updates``, without its context managers
+            try:
                 update = self._apply_each(pairs, now)
-                if len(pairs) > 1 or any(var.dyn is not None for var, _ in pairs):
+                if len(pairs) > 1 or (pairs and pairs[0][0].dyn is not None):
                     versions = await _whole(update)
                 else:  # one change, at the end (``_write_rows``, ``var.state``): a cancel lands before it
                     versions = await update
                 self.pushes += 1
+            finally:
+                self.changes += 1
+                gate.leave(claims)
         except BaseException:
             if failed is not None:
                 failed()
@@ -595,7 +601,7 @@ class Store:
 
     async def _run_offloaded(self, update: Generator[_Work, Any, int]) -> int:
         """Runs an ``_update``, its computations on more than ``inline_apply_bytes`` in a worker thread."""
-        with contextlib.closing(update):
+        try:
             result: Any = None
             while True:
                 try:
@@ -603,6 +609,8 @@ class Store:
                 except StopIteration as done:
                     return done.value
                 result = await asyncio.to_thread(work) if nbytes > self.inline_apply_bytes else work()
+        finally:
+            update.close()
 
     def _write_rows(self, var: Variable, value: np.ndarray, rows: np.ndarray, new: np.ndarray) -> int:
         # No await from here on: readers on the event loop see the rows and the version change together.
