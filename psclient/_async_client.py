@@ -494,8 +494,11 @@ class AsyncPSClient:
         answers = _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
 
         async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
+            """One shard's part of the push; returns whether it was applied. push_pull's values come
+            straight into the arrays of ``answers.into`` (over the data port; embedding rows, and values
+            over gRPC, through ``answers.add``)."""
             header = ps_pb2.PushRequest(
-                worker_id=self.worker_id,
+                worker_id=self.config.worker_id,
                 seq=seq,
                 session=self.session,
                 step=step,
@@ -505,25 +508,37 @@ class AsyncPSClient:
                 omit_values=plan.omit.get(shard, []) if return_values else [],
                 lookup_ids=lookup_ids.get(shard, []),
             )
-            return await self._push_to(shard, header, tensors, answers)
+            place = answers.into.place if answers.into is not None else None
+            sink = _link.Sink(
+                functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
+            )
+            answer = await self._shards[shard].request(Op.PUSH, header, tensors, sink)
+            if answer.checkpoint_step > self._checkpoint_step:
+                self._checkpoint_step = answer.checkpoint_step
+            return answer.applied
 
         async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
             request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
             answers.read(shard, chunks, await self._lookup_call(shard, request))
             return True
 
-        order = sorted(per_shard)
-        if len(order) > 1:  # the parts go up in turn (``_bulk.Uplink``), from this worker's own shard on
-            first = self._first_turn % len(order)
-            order = order[first:] + order[:first]
-        work: dict[int, Any] = {shard: per_shard[shard] for shard in order}
-        calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
-        for shard, chunks in lookup_ids.items():
-            if shard not in per_shard:
-                work[shard], calls[shard] = chunks, read_only
-        results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
-        results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
-        answers.check_read()
+        if len(per_shard) == 1 and not lookup_ids:  # one shard, nothing else to read: no tasks, no tables
+            ((shard, tensors),) = per_shard.items()
+            results = [await push_to(shard, tensors)]
+        else:
+            order = sorted(per_shard)
+            if len(order) > 1:  # the parts go up in turn (``_bulk.Uplink``), from this worker's own shard on
+                first = self._first_turn % len(order)
+                order = order[first:] + order[:first]
+            work: dict[int, Any] = {shard: per_shard[shard] for shard in order}
+            calls: dict[int, Callable[[int, Any], Awaitable[bool]]] = dict.fromkeys(per_shard, push_to)
+            for shard, chunks in lookup_ids.items():
+                if shard not in per_shard:
+                    work[shard], calls[shard] = chunks, read_only
+            results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
+            results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
+        if reading:
+            answers.check_read()
         looked_up = {name: read.result() for name, read in reads.items()}
         return all(results), answers.values(grads, plan), looked_up
 
@@ -566,26 +581,6 @@ class AsyncPSClient:
                 per_shard.setdefault(shard, [])
         returned = [n for n in row_tables if n not in omitted]
         return _PushPlan(known=known, pieces=pieces, returned_tables=returned, omit=omit, per_shard=per_shard)
-
-    async def _push_to(
-        self,
-        shard: int,
-        header: ps_pb2.PushRequest,
-        tensors: list[tuple[str, np.ndarray]],
-        answers: _PushAnswers,
-    ) -> bool:
-        """One shard's part of a push; returns whether it was applied.
-
-        push_pull's values come straight into the arrays of ``answers.into`` (over the data port;
-        embedding rows, and values over gRPC, through ``answers.add``).
-        """
-        place = answers.into.place if answers.into is not None else None
-        sink = _link.Sink(
-            functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
-        )
-        answer = await self._shards[shard].request(Op.PUSH, header, tensors, sink)
-        self._checkpoint_step = max(self._checkpoint_step, answer.checkpoint_step)
-        return answer.applied
 
     # -- embedding tables -----------------------------------------------------
 

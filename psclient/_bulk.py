@@ -280,7 +280,7 @@ class DataLink:
             Exception: what ``into`` raised.
         """
         deadline = time.monotonic() + timeout
-        nbytes = sum(len(p) for p in payload)
+        nbytes = sum(map(len, payload))
         while True:
             reused = bool(self._idle)
             left = max(deadline - time.monotonic(), 0.001)
@@ -289,7 +289,7 @@ class DataLink:
                 async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
                     if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
                         conn.limit_unsent(unsent_limit(conn.delivery_rate()))
-                    if uplink is None:
+                    if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
                         await conn.send(frame, payload)
                     else:
                         async with uplink.turn(nbytes):

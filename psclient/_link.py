@@ -66,7 +66,6 @@ _METHODS: dict[tuple[Op, Wire], str] = {
     (Op.LOOKUP, Wire.DATA_PORT): "Lookup",
     (Op.LOOKUP, Wire.UNARY): "Lookup",
 }
-_FRAMES = {Op.PULL: bulk.PULL, Op.PUSH: bulk.PUSH, Op.LOOKUP: bulk.LOOKUP}
 _PUSH_METHODS = frozenset({"Push", "PushSession", "PushStream"})
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 _SILENT_SHARD = (
@@ -231,13 +230,23 @@ class ShardLink:
         Raises:
             PSError: the call failed (its message says what the client saw of the shard).
         """
-        watch = self._watch()
+        watch = self._watches.get(self.current) or self._watch()
         watch.enter()  # a shard that does not answer is reported within seconds (see psclient._reach)
         started = time.monotonic()
+        limit = self._config.timeout if timeout is None else timeout
         try:
-            return await _retry.call_with_retry(
+            # The first attempt here, the retries (rare) in ``_retry``: as ``_retry.call_with_retry``.
+            token = _retry.ATTEMPT_TIMEOUT.set(max(limit, 0.001))
+            try:
+                return await fn()
+            except grpc.RpcError as err:
+                failed = err
+            finally:
+                _retry.ATTEMPT_TIMEOUT.reset(token)
+            return await _retry.retry_after(
+                failed,
                 fn,
-                timeout=self._config.timeout if timeout is None else timeout,
+                deadline=started + limit,
                 policy=self._config.retry,
                 what=f"{method} on {self.address}",
                 on_retry=self._failover,
@@ -340,22 +349,29 @@ class ShardLink:
         not be reached lately)."""
         if not self._config.data_port:
             return None
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        link = self._data.get(self.current)
+        if link is None:
+            link = self._new_data_link()
+        return link if link.usable else None
+
+    def _new_data_link(self) -> _bulk.DataLink:
+        """The data link of the replica in use, made on its first use."""
         self.stub()  # the channels exist
         replica = self.current
-        link = self._data.get(replica)
-        if link is None:
-            stub = self._stubs[replica]
-            wait = len(self.replicas) == 1
+        stub = self._stubs[replica]
+        wait = len(self.replicas) == 1
 
-            def data_port(timeout: float) -> Any:
-                return stub.DataPort(
-                    _DATA_PORT_REQUEST, timeout=timeout, metadata=self.metadata(), wait_for_ready=wait
-                )
-
-            link = self._data[replica] = _bulk.DataLink(
-                self.replicas[replica], data_port, self._credentials.data()
+        def data_port(timeout: float) -> Any:
+            return stub.DataPort(
+                _DATA_PORT_REQUEST, timeout=timeout, metadata=self.metadata(), wait_for_ready=wait
             )
-        return link if link.usable else None
+
+        link = self._data[replica] = _bulk.DataLink(
+            self.replicas[replica], data_port, self._credentials.data()
+        )
+        return link
 
     @property
     def data_links(self) -> dict[int, _bulk.DataLink]:
@@ -406,11 +422,19 @@ class ShardLink:
         Raises:
             PSError: the request failed (retries and failover are done).
         """
-        size = sum(t.nbytes for _, t in tensors) if nbytes is None else nbytes
+        if nbytes is None:
+            size = 0
+            for _, t in tensors:
+                size += t.nbytes
+        else:
+            size = nbytes
         into = sink or _DISCARD
         wire = self.wire(op, size)
         while True:
-            attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
+            if wire is Wire.DATA_PORT:  # the common case: one frame each way
+                attempt = functools.partial(self._over_data_port, op, header, tensors, into)
+            else:
+                attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
             try:
                 return await self.call(_METHODS[op, wire], attempt)
             except _bulk.Unusable:
@@ -429,9 +453,6 @@ class ShardLink:
         """One attempt of ``request`` over ``wire``."""
         sink.restart()
         answer = Answer()
-        if wire is Wire.DATA_PORT:
-            answer.read(op, await self._over_data_port(op, header, tensors, sink))
-            return answer
         stub = self.stub()
         if wire is Wire.STREAM:
             if op is Op.PULL:
@@ -456,36 +477,46 @@ class ShardLink:
 
     async def _over_data_port(
         self, op: Op, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink
-    ) -> Any:
-        """One attempt over the data port: the tensors straight from their arrays to the socket, and
-        the answer's straight into ``sink``'s buffers.
+    ) -> Answer:
+        """One attempt of ``request`` over the data port: the tensors straight from their arrays to the
+        socket, and the answer's straight into ``sink``'s buffers.
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
                 grpc.RpcError.
         """
+        sink.restart()
         link = self.data_link()
         if link is None:
             raise _bulk.Unusable
-        timeout = _retry.attempt_timeout(self._config.timeout)
+        left = _retry.ATTEMPT_TIMEOUT.get()
+        timeout = self._config.timeout if left is None else left
         head = header
+        payload = [memoryview(t.reshape(-1)).cast("B") for _, t in tensors]  # as bulk.payload_of
         if op is Op.PUSH:
             head = ps_pb2.PushRequest()
             head.CopyFrom(header)
-            head.grads.extend(bulk.describe(n, t) for n, t in tensors)
+            described = head.grads
+            for n, t in tensors:
+                described.append(bulk.describe(n, t))
+            kind = bulk.PUSH
+        else:
+            kind = bulk.PULL if op is Op.PULL else bulk.LOOKUP
         if op is not Op.LOOKUP:  # the shard bounds its waits (a barrier, the staleness bound) by this
             head.timeout_s = timeout
         spare: list[codec.WireChunk] = []
         reply = await link.request(
-            bulk.Frame(_FRAMES[op], head),
-            bulk.payload_of(t for _, t in tensors),
+            bulk.Frame(kind, head),
+            payload,
             functools.partial(_receive, sink.place, spare),
             timeout,
             uplink=self._uplink if op is Op.PUSH else None,
         )
         for chunk in spare:
             sink.add(chunk)
-        return reply.head
+        answer = Answer()
+        answer.read(op, reply.head)
+        return answer
 
     async def close(self) -> None:
         """Closes the push session, the data connections and the channels (idempotent)."""
@@ -539,7 +570,8 @@ def _receive(
         CodecError: a tensor that was not asked for, or a malformed description.
     """
     views = []
-    for chunk, size in zip(frame.tensors(), bulk.tensor_sizes(frame.tensors()), strict=True):
+    tensors = frame.tensors()
+    for chunk, size in zip(tensors, bulk.tensor_sizes(tensors), strict=True):
         view = place(chunk) if place is not None and "\x00" not in chunk.name else None
         if view is None:
             view = memoryview(bytearray(size))

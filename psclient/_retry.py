@@ -53,7 +53,7 @@ BROKEN_CONNECTION_MESSAGES: tuple[str, ...] = (
 )
 
 # Seconds left for the attempt in progress; read by the client when it builds the call's kwargs.
-_attempt_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+ATTEMPT_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "psclient_attempt_timeout", default=None
 )
 
@@ -95,7 +95,7 @@ class RetryPolicy:
 
 def attempt_timeout(default: float) -> float:
     """The deadline (seconds) to give the RPC being started: what is left of the retried call's deadline."""
-    left = _attempt_timeout.get()
+    left = ATTEMPT_TIMEOUT.get()
     return default if left is None else left
 
 
@@ -133,24 +133,50 @@ async def call_with_retry(
             deadline leaves no time for another attempt.
     """
     deadline = time.monotonic() + timeout
+    token = ATTEMPT_TIMEOUT.set(max(timeout, 0.001))
+    try:
+        return await fn()
+    except grpc.RpcError as err:
+        failed = err
+    finally:
+        ATTEMPT_TIMEOUT.reset(token)
+    return await retry_after(failed, fn, deadline=deadline, policy=policy, what=what, on_retry=on_retry)
+
+
+async def retry_after(
+    err: grpc.RpcError,
+    fn: Callable[[], Awaitable[T]],
+    *,
+    deadline: float,
+    policy: RetryPolicy,
+    what: str = "call",
+    on_retry: Callable[[grpc.RpcError], None] | None = None,
+) -> T:
+    """``call_with_retry`` once its first attempt failed with ``err``: the retries, until ``deadline``
+    (``time.monotonic()``). A caller that makes the first attempt itself (no frame of this module on the
+    path of a call that succeeds at once) hands its error here.
+
+    Raises:
+        grpc.RpcError: ``err`` or a later error (see ``call_with_retry``).
+    """
     attempt = 0
     while True:
+        if not policy.enabled or not is_retryable(err):
+            raise err
+        sleep = policy.backoff(attempt)
         left = deadline - time.monotonic()
-        token = _attempt_timeout.set(max(left, 0.001))
+        if left <= sleep + 0.01:
+            raise err
+        code = err.code().name
+        log.info("%s failed (%s: %s); retry %d in %.2fs", what, code, err.details(), attempt + 1, sleep)
+        attempt += 1
+        if on_retry is not None:
+            on_retry(err)
+        await asyncio.sleep(sleep)
+        token = ATTEMPT_TIMEOUT.set(max(deadline - time.monotonic(), 0.001))
         try:
             return await fn()
-        except grpc.RpcError as err:
-            if not policy.enabled or not is_retryable(err):
-                raise
-            sleep = policy.backoff(attempt)
-            left = deadline - time.monotonic()
-            if left <= sleep + 0.01:
-                raise
-            code = err.code().name
-            log.info("%s failed (%s: %s); retry %d in %.2fs", what, code, err.details(), attempt + 1, sleep)
-            attempt += 1
-            if on_retry is not None:
-                on_retry(err)
+        except grpc.RpcError as failed:
+            err = failed
         finally:
-            _attempt_timeout.reset(token)
-        await asyncio.sleep(sleep)
+            ATTEMPT_TIMEOUT.reset(token)

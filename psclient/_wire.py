@@ -29,6 +29,8 @@ from psclient.config import ClientConfig
 class Op(enum.Enum):
     """What a request does (each has its own RPCs and data-port frame)."""
 
+    __hash__ = object.__hash__  # members are singletons: no Python-level Enum.__hash__ per dict lookup
+
     PULL = "pull"
     PUSH = "push"
     LOOKUP = "lookup"
@@ -36,6 +38,8 @@ class Op(enum.Enum):
 
 class Wire(enum.Enum):
     """How one request travels, in order of preference."""
+
+    __hash__ = object.__hash__  # as Op's
 
     DATA_PORT = "data port"  # psclient._bulk.DataLink: one frame each way on a raw-TCP connection
     SESSION = "PushSession"  # psclient._session.PushSession: one message on the shard's open stream
@@ -76,14 +80,11 @@ def choose(
         after: the wire that refused this request: only wires after it in ``Wire`` are picked.
     """
 
-    def may(wire: Wire) -> bool:
-        return (after is None or _RANK[wire] > _RANK[after]) and available(wire)
-
     big_enough = op is Op.LOOKUP or nbytes >= config.data_port_min_bytes
-    if config.data_port and big_enough and may(Wire.DATA_PORT):
+    if config.data_port and big_enough and after is None and available(Wire.DATA_PORT):  # the common case
         return Wire.DATA_PORT
     if op is not Op.LOOKUP and nbytes > config.unary_max_bytes:
         return Wire.STREAM
-    if op is Op.PUSH and may(Wire.SESSION):
+    if op is Op.PUSH and (after is None or _RANK[after] < _RANK[Wire.SESSION]) and available(Wire.SESSION):
         return Wire.SESSION
     return Wire.UNARY

@@ -155,7 +155,7 @@ class BulkConnection(FrameTransport[Frame]):
     async def send(self, header: Frame, payload: Sequence[Buffer] = ()) -> None:
         conn = self._live()
         head = header.head.SerializeToString()
-        size = sum(len(p) for p in payload)
+        size = sum(map(len, payload))
         first = _PREFIX.pack(header.kind, len(head), size) + head
         try:
             if size <= _SMALL_FRAME:
@@ -206,7 +206,7 @@ class BulkConnection(FrameTransport[Frame]):
                 view = memoryview(self._buf)[:size]
                 await conn.recv_exactly(view)
                 return frame, view
-            if sum(len(t) for t in targets) != size:
+            if sum(map(len, targets)) != size:
                 raise codec.CodecError(f"frame announces {size} payload bytes; its head describes others")
             for target in targets:
                 await conn.recv_exactly(target)

@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (130, 140),
-    "pull 1KiB": (115, 85),
-    "push_pull 1KiB": (155, 190),
-    "push_pull 1MiB": (320, 395),
-    "embedding step": (295, 280),
-    "sync step": (155, 245),
+    "push 1KiB": (90, 140),
+    "pull 1KiB": (100, 85),
+    "push_pull 1KiB": (115, 190),
+    "push_pull 1MiB": (260, 395),
+    "embedding step": (240, 275),
+    "sync step": (115, 245),
 }
 
 
