@@ -9,7 +9,7 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
   put while it is sent).
 - A push's gradients are received straight into a buffer of a small pool
   (reused once nothing refers to it, so a steady stream of pushes does not
-  fault in fresh pages), then go through ``ShardService.push_one``, as
+  fault in fresh pages), then go through ``ShardService.push``, as
   ``Push``: validation, the mode (idempotence, sync barrier, ssp clock),
   replication and the returned values are exactly those of the gRPC calls. The
   shard applies a push once all of it has arrived (a push is all or nothing).
@@ -228,14 +228,16 @@ class DataPortServer:
             if kind == bulk.PUSH:
                 if self._metrics is not None:
                     self._metrics.push_received(head, sum(sizes))
-                response = await self._service.push_one(
-                    _push_request(head, buf, sizes), deadline_of(None, head.timeout_s)
+                response, snapshot = await self._service.push(
+                    head, _gradients(head, buf, sizes), deadline_of(None, head.timeout_s)
                 )
-                answer = response.header if isinstance(response, codec.WireMessage) else response
-                chunks = response.chunks if isinstance(response, codec.WireMessage) else []
-                answer.values.extend(_described(chunks))
-                payload = [c.data for c in chunks]
-                reply = bulk.Frame(bulk.PUSHED, answer)
+                if snapshot is not None:  # push_pull: the values, straight from the stored arrays
+                    versions, values = response.versions, response.values
+                    for name, value, version in snapshot:
+                        versions.append(version)
+                        values.add(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
+                        payload.append(memoryview(value.reshape(-1)).cast("B"))
+                reply = bulk.Frame(bulk.PUSHED, response)
             elif kind == bulk.LOOKUP:
                 rows = await self._service.lookup_rows(head, None)
                 rows.header.values.extend(_described(rows.chunks))
@@ -285,17 +287,21 @@ class DataPortServer:
             self._metrics.pull_bytes.inc(sent)
 
 
-def _push_request(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int]) -> codec.WireMessage:
-    """The push as ``Push`` gets it: the head's fields, each gradient (of ``sizes`` bytes) a read-only
-    view of the buffer."""
+def _gradients(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int]) -> dict[str, np.ndarray]:
+    """The push's gradients as ``ShardService.push_one`` assembles those of ``Push``: by name, each a
+    read-only view of the buffer (of ``sizes`` bytes, whole tensors: ``bulk.tensor_sizes`` checked their
+    dtypes and shapes). Raises: CodecError (a tensor named twice)."""
     view = memoryview(buf).toreadonly() if buf is not None else memoryview(b"")
-    chunks, start = [], 0
+    grads: dict[str, np.ndarray] = {}
+    start = 0
     for chunk, size in zip(head.grads, sizes, strict=True):
-        chunks.append(
-            codec.WireChunk(chunk.name, chunk.dtype, tuple(chunk.shape), 0, view[start : start + size])
-        )
+        name = chunk.name
+        shape = tuple(chunk.shape)
+        if name in grads:  # as the Assembler says it
+            raise codec.CodecError(f"tensor {name!r}: received more elements than its shape {shape} holds")
+        grads[name] = np.frombuffer(view[start : start + size], codec.numpy_dtype(chunk.dtype)).reshape(shape)
         start += size
-    return codec.WireMessage(head, "grads", chunks)
+    return grads
 
 
 def _described(chunks: list[codec.WireChunk]) -> list[ps_pb2.TensorChunk]:

@@ -185,8 +185,7 @@ class ShardService:
         self.step_cuts: StepCuts | None = None  # sync mode with a checkpoint dir: periodic checkpoints
         self.stopping = False  # begin_drain() ran: sessions end, barriers give up
         self._updating = 0  # calls changing state right now (pushes, creates, assigns, optimizer updates)
-        self._quiet = asyncio.Event()  # set while _updating == 0
-        self._quiet.set()
+        self._quiet: asyncio.Event | None = None  # made by finish_drain; set once _updating == 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -194,13 +193,17 @@ class ShardService:
     def _update(self) -> Iterator[None]:
         """Marks a state-changing call in progress (``finish_drain`` waits for it to detach a backup)."""
         self._updating += 1
-        self._quiet.clear()
         try:
             yield
         finally:
-            self._updating -= 1
-            if not self._updating:
-                self._quiet.set()
+            self._updated()
+
+    def _updated(self) -> None:
+        """A state-changing call ended (``_update``'s end)."""
+        self._updating -= 1
+        if not self._updating and self._quiet is not None:
+            self._quiet.set()
+            self._quiet = None
 
     def begin_drain(self) -> None:
         """Shutdown, first half: sync barriers, ssp waits and held cuts give up with UNAVAILABLE."""
@@ -213,7 +216,10 @@ class ShardService:
         backup's ``Replicate`` stream, so that every update acknowledged to a client is on the backup too."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
-                await self._quiet.wait()
+                while self._updating:
+                    if self._quiet is None:
+                        self._quiet = asyncio.Event()
+                    await self._quiet.wait()
         if self.primary is not None:
             self.primary.close("this shard is shutting down")
 
@@ -433,10 +439,14 @@ class ShardService:
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:
-        _header_ok(header.worker_id)
+        if not header.worker_id:
+            _header_ok(header.worker_id)
         self.check_serving("Push")
-        with self._update():
+        self._updating += 1  # ``_update``, without a context manager on every push's path
+        try:
             return await self._push_updating(header, grads, deadline)
+        finally:
+            self._updated()
 
     async def _push_updating(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
