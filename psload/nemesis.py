@@ -17,7 +17,10 @@ redundant again (its primary has its backup attached), so each is a single fault
   every 0.2-1 s;
 - ``drop``: a host drops 5-30 % of its packets;
 - ``pause``: SIGSTOP of the primary or the backup, then SIGCONT;
-- ``kill``: ``kill -9`` of the primary, restarted at once with its usual flags (it rejoins as backup).
+- ``kill``: ``kill -9`` of the primary, restarted at once with its usual flags (it rejoins as backup);
+- ``isolate_kill``: two faults in a row (issue 47): the primary's host cut from everyone (its backup
+  takes over), then ``kill -9`` of the process that took over, the cut healed, and that process restarted
+  with its usual flags (``--backup-of`` the old primary, as a supervisor would).
 
 At the end everything heals, the clients stop, a final read of every counter is made, and the checker
 runs on the histories of every process.
@@ -51,7 +54,18 @@ from trainer.netns import Host, NetnsCluster
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("cut_pair", "cut_clients", "cut_client", "isolate", "flap", "flap_all", "drop", "pause", "kill")
+FAULTS = (
+    "cut_pair",
+    "cut_clients",
+    "cut_client",
+    "isolate",
+    "flap",
+    "flap_all",
+    "drop",
+    "pause",
+    "kill",
+    "isolate_kill",
+)
 MODES = ("async", "sync", "ssp")
 _PORT = 7100
 _START_TIMEOUT_S = 120.0  # interpreters starting on a loaded 2-core machine
@@ -319,6 +333,18 @@ class Nemesis:
         self.shard.sides[side].kill_shard(0)
         self.shard.sides[side].start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
         fault.detail = "restarted with its flags"
+
+    def _isolate_kill(self, fault: Fault, duration: float) -> None:
+        side = self._primary_side()
+        other = 1 - side
+        host = self.shard.hosts[side]
+        fault.target = f"primary {self.shard.addresses[side]}, then {self.shard.addresses[other]}"
+        self.net.cut(host)
+        time.sleep(duration)  # the other process takes over (and, by default, waits for a backup)
+        self.shard.sides[other].kill_shard(0)
+        self.net.heal(host)
+        self.shard.sides[other].start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
+        fault.detail = "isolated, then the other process killed and restarted with its flags"
 
 
 def _spawn(net: NetnsCluster, host: Host, args: dict[str, Any], log_name: str) -> subprocess.Popen[bytes]:

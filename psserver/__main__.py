@@ -29,7 +29,9 @@ Without --shard, the shard index, shard count and port come from TF_CONFIG.
 Replication (every mode): clients given PRIMARY|BACKUP for a shard fail over to the backup when the
 primary dies; an update is acknowledged once the backup has applied it too. A replicated primary serves
 only while its backup renews its --lease; cut off from its backup it refuses client calls (UNAVAILABLE),
-and the backup takes over once that lease has expired (see the docs, "Replication and leases").
+and the backup takes over once that lease has expired, in a newer term; it serves once the old primary
+(restarted with its usual flags, or back from a partition) has caught up as its backup, so that nothing
+acknowledged is on one process only (--serve-alone: at once; see the docs, "Replication and leases").
 Disk tier: with --table-memory and --table-dir, the dynamic tables without a capacity keep their hot
 rows (values, optimizer slots, bookkeeping) in memory under one budget for the shard, shared as they
 grow (each may hold an equal share), and spill the others to an LMDB environment under --table-dir
@@ -121,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="primary: once its backup has confirmed, it serves only while the backup's acknowledgements "
         "renew this lease (seconds); the backup takes over only after it has surely expired "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--serve-alone",
+        action="store_true",
+        help="replicated shard: after a failover (or its backup's resignation) serve at once, with no "
+        "backup to acknowledge updates, instead of refusing client calls until a backup has caught up and "
+        "confirmed; availability before durability: what it acknowledges alone is lost if it dies before a "
+        "backup rejoins (default: off, nothing acknowledged is on one process only)",
     )
     p.add_argument(
         "--data-port",
@@ -219,6 +229,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         replication_timeout_s=args.replication_timeout,
         data_port=args.data_port,
         lease_s=args.lease,
+        serve_alone=args.serve_alone,
         table_memory_bytes=args.table_memory,
         table_dir=args.table_dir,
         table_disk_bytes=args.table_disk_limit,

@@ -37,7 +37,7 @@ from pscore.errors import UnavailableError
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, ckptfile, lease, optimizers, tables
 from psserver.modes import Mode
-from psserver.replication import BACKUP_ADDRESS_KEY
+from psserver.replication import BACKUP_ADDRESS_KEY, BACKUP_TERM_KEY
 from psserver.store import Store, Variable
 from psserver.tier import spool
 
@@ -59,6 +59,8 @@ class Backup:
         shard: this shard's index (the primary's must match).
         auth_token: sent to the primary when it requires one.
         connect: opens the channel to the primary (TLS, message sizes, keepalive; default: plaintext).
+        term: the newest replication term this process has seen (a primary restarting in-process as
+            its peer's backup keeps its own); sent to the primary, which never serves an older one.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class Backup:
         shard: int,
         auth_token: str | None = None,
         connect: Callable[[str], grpc.aio.Channel] | None = None,
+        term: int = 0,
     ) -> None:
         self.primary = primary
         self.connect = connect or grpc.aio.insecure_channel
@@ -78,6 +81,9 @@ class Backup:
         self.shard = shard
         self.auth_token = auth_token
         self.role = "backup"
+        self.term = term  # the primary's (from its snapshot and every message); a promotion raises it
+        # Called with the new term when this backup takes over (the primary's side serves from then on).
+        self.on_promoted: Callable[[int], None] | None = None
         self.address = ""  # this backup's own HOST:PORT (set once it serves): the primary shows it
         self.loaded = False  # a snapshot is loaded (this attempt)
         self.caught_up = False  # confirmed by the primary: it may take over when the primary goes
@@ -144,10 +150,13 @@ class Backup:
                     f"updates it received last (about {self._updates.qsize()} wait); retry"
                 )
             self.role = "primary"
+            self.term += 1
             log.warning(
-                "shard %d: promoted to primary on a client's %s (primary %s is gone); %d updates replicated",
-                self.shard, what, self.primary, self.applied,
+                "shard %d: promoted to primary in term %d on a client's %s (primary %s is gone); %d updates "
+                "replicated", self.shard, self.term, what, self.primary, self.applied,
             )  # fmt: skip
+            if self.on_promoted is not None:
+                self.on_promoted(self.term)
             return
         raise UnavailableError(f"standby backup of primary {self.primary}: send {what} to the primary")
 
@@ -162,9 +171,10 @@ class Backup:
         delay = _ATTACH_RETRY_S[0]
         async with self.connect(self.primary) as channel:
             stub = rpc.Stub(channel)
-            metadata = (*security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
+            address = (*security.auth_metadata(self.auth_token), (BACKUP_ADDRESS_KEY, self.address))
             while True:
                 self._acks = asyncio.Queue()  # never an acknowledgement meant for another stream
+                metadata = (*address, (BACKUP_TERM_KEY, str(self.term)))
                 call = stub.Replicate(self._ack_stream(self._acks), metadata=metadata, wait_for_ready=False)
                 self.last_heard = lease.clock()
                 follow = asyncio.create_task(self._follow(call))
@@ -303,6 +313,7 @@ class Backup:
                         received = None
                         if message.lease_s > 0:
                             self.lease_s = message.lease_s
+                        self.term = max(self.term, message.term)
                         self._replaying = asyncio.create_task(self._replay(updates))
                         self._ack(message.id)
                     continue
@@ -314,6 +325,8 @@ class Backup:
                     continue
                 header, tensors = update
                 update = None
+                if header.term > self.term:  # the primary took a newer term from a backup's (never lower)
+                    self.term = header.term
                 if header.heartbeat:
                     if header.confirmed and not self.caught_up:
                         self.caught_up = True

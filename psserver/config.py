@@ -50,6 +50,9 @@ class ServerConfig:
     replication_timeout_s: float = 30.0
     data_port: int | None = 0  # the raw-TCP data port (psserver.dataport): 0 ephemeral, None: none
     lease_s: float = DEFAULT_LEASE_S  # a replicated primary serves only while its backup renews this lease
+    # A promoted backup (or a primary whose backup resigned) serves before a backup confirms: what it
+    # acknowledges then is on one process only (availability before durability; default: it refuses).
+    serve_alone: bool = False
     # The disk tier of dynamic tables (psserver.tier): the in-memory budget of each piece's hot rows
     # (None: every row in memory), the directory of the cold rows, and each piece's limit on disk.
     table_memory_bytes: int | None = None

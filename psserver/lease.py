@@ -31,7 +31,9 @@ never make it wrong.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 
 DEFAULT_LEASE_S = 2.0
 MAX_CLOCK_DRIFT = 0.01  # rho: the largest rate error of either clock against real time (1 %)
@@ -50,6 +52,20 @@ else:  # pragma: no cover - not Linux
     def clock() -> float:
         """Seconds on the lease clock (``time.monotonic()``)."""
         return time.monotonic()
+
+
+@contextlib.contextmanager
+def use_clock(source: Callable[[], float]) -> Iterator[None]:
+    """Reads the lease clock from ``source`` inside the block (the replication simulation's virtual
+    clocks, ``psload.simulation``); every lease decision of ``psserver.replication`` and
+    ``psserver.backup`` reads ``clock()`` through this module, so they all follow it."""
+    global clock
+    real = clock
+    clock = source
+    try:
+        yield
+    finally:
+        clock = real
 
 
 def backup_wait(lease_s: float) -> float:

@@ -81,6 +81,7 @@ SNAPSHOT_PIECE_BYTES = 4 << 20
 UPDATE_PIECE_BYTES = 4 << 20  # updates are cut into messages of about this much tensor data
 DEFAULT_ACK_TIMEOUT_S = 30.0  # covers the catch-up snapshot of a large shard on a slow link
 BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serves (for status and logs)
+BACKUP_TERM_KEY = "ps-backup-term"  # call metadata: the newest replication term the backup has seen
 _PEER_CHECK_EVERY_S = 0.5  # a primary without its lease asks its peer this often whether it took over
 _PEER_CHECK_TIMEOUT_S = 2.0
 
@@ -103,6 +104,9 @@ class Primary:
             asked whether it took over while this one holds no lease.
         connect: opens a channel to ``peer`` (TLS, message sizes); default plaintext.
         auth_token: sent to ``peer``.
+        serve_alone: once promoted (``promoted``), serve with no backup attached instead of refusing
+            until one confirms (``--serve-alone``: availability before durability).
+        term: the replication term of the history this process starts with (``promoted`` raises it).
     """
 
     def __init__(
@@ -118,6 +122,8 @@ class Primary:
         peer: str = "",
         connect: Callable[[str], grpc.aio.Channel] | None = None,
         auth_token: str | None = None,
+        serve_alone: bool = False,
+        term: int = 1,
     ) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
@@ -131,6 +137,9 @@ class Primary:
         self.peer = peer
         self.connect = connect or grpc.aio.insecure_channel
         self.auth_token = auth_token
+        self.serve_alone = serve_alone
+        self.term = term
+        self.unprotected = False  # promoted with --serve-alone and no backup confirmed yet
         self._link: _Link | None = None
         self._ids = itertools.count(1)
         self._lease_until = 0.0  # lease clock; 0: none held
@@ -187,10 +196,41 @@ class Primary:
             )
         raise UnavailableError(self._why_no_lease(what))
 
+    def promoted(self, term: int) -> None:
+        """This process, a backup, took over (``Backup.on_promoted``) and serves the history of ``term``.
+
+        It serves only once a backup has caught up from it and confirmed (its
+        old primary, restarted or back from a partition, becomes that backup),
+        so that nothing it acknowledges is on one process only; with
+        ``serve_alone`` it serves at once, unprotected until a backup confirms.
+        """
+        self.term = max(self.term, term)
+        self.required = not self.serve_alone
+        self.unprotected = self.serve_alone
+        self._lease_until = 0.0
+        self._had_lease = False
+        if self.serve_alone:
+            log.warning(
+                "shard %d: serving alone in term %d (--serve-alone): what it acknowledges before a backup "
+                "confirms is on this process only", self.shard, self.term,
+            )  # fmt: skip
+        else:
+            log.warning(
+                "shard %d: primary in term %d; refusing client calls until a backup (%s, restarted with its "
+                "usual flags) has caught up and confirmed", self.shard, self.term, self.peer or "any",
+            )  # fmt: skip
+
     def _why_no_lease(self, what: str) -> str:
         link = self._link
         if link is None:
             waited = f"backup {self.peer}" if self.peer else "a backup"
+            if self.term > 1 and self.peer:
+                return (
+                    f"replicated shard {self.shard} took over from {self.peer} (term {self.term}) and has no "
+                    f"backup yet: it refuses {what} until {self.peer} (restarted, or back from a partition) "
+                    "has caught up as its backup, so that nothing it acknowledges is on one process only "
+                    "(psserver --serve-alone serves at once instead); retry"
+                )
             return (
                 f"replicated shard {self.shard} has no backup attached (waiting for {waited}): it cannot "
                 f"prove no backup took over, so it refuses {what}; retry, or fail over to the backup"
@@ -248,9 +288,9 @@ class Primary:
                 and self.peer
                 and self.on_taken_over is not None
                 and (self._peer_check is None or self._peer_check.done())
-                and time.monotonic() - self._last_peer_check >= _PEER_CHECK_EVERY_S
+                and lease.clock() - self._last_peer_check >= _PEER_CHECK_EVERY_S
             ):
-                self._last_peer_check = time.monotonic()
+                self._last_peer_check = lease.clock()
                 self._peer_check = asyncio.create_task(self._ask_peer())
             pause = every
             if holding and self.required:  # awake when the lease runs out: the mode's waits end then
@@ -263,14 +303,14 @@ class Primary:
             status = await peer_status(self.connect, self.peer, self.auth_token, _PEER_CHECK_TIMEOUT_S)
         except grpc.RpcError:
             return  # down or cut off: nothing known; the lease keeps this primary from serving
-        if not has_taken_over(status, self.shard):
+        if not has_taken_over(status, self.shard, self.term):
             return
         if self.holds_lease() or self._released or self.on_taken_over is None:
             return
         log.warning(
-            "shard %d: %s is %s: it took over while this primary held no lease; becoming its backup "
-            "(the updates only this process has were never acknowledged)",
-            self.shard, self.peer, status.role,
+            "shard %d: %s is %s in term %d (this primary's: %d): it took over while this primary held no "
+            "lease; becoming its backup (the updates only this process has were never acknowledged)",
+            self.shard, self.peer, status.role, status.term, self.term,
         )  # fmt: skip
         self._released = True  # never serves again as this incarnation
         self.on_taken_over(self.peer)
@@ -278,14 +318,24 @@ class Primary:
     # -- the Replicate stream ----------------------------------------------------
 
     async def serve(
-        self, requests: AsyncIterator[bytes], peer: str
+        self, requests: AsyncIterator[bytes], peer: str, backup_term: int = 0
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
-        """The body of the ``Replicate`` handler. Raises: FailedPreconditionError."""
+        """The body of the ``Replicate`` handler. Raises: FailedPreconditionError.
+
+        ``backup_term``: the newest term the attaching backup has seen; a newer
+        one than this primary's is taken over (no term ever goes backwards).
+        """
         if self._released:
             raise FailedPreconditionError(f"shard {self.shard} is shutting down: it cannot take a backup")
         if self._link is not None:
             raise FailedPreconditionError(f"this shard already has a backup ({self._link.peer})")
         link = _Link(peer)
+        if backup_term > self.term:
+            log.warning(
+                "shard %d: backup %s has seen term %d, newer than this primary's %d; serving on in term %d",
+                self.shard, peer, backup_term, self.term, backup_term,
+            )  # fmt: skip
+            self.term = backup_term
 
         def attach() -> None:  # at the snapshot's instant: every later update is forwarded
             self._link = link
@@ -314,6 +364,7 @@ class Primary:
                     if start + SNAPSHOT_PIECE_BYTES >= size:  # the last piece: acknowledged once loaded
                         message.snapshot_done = True
                         message.lease_s = self.lease_s
+                        message.term = self.term
                         message.id = link.snapshot_id = next(self._ids)
                         link.sent[message.id] = lease.clock()  # before it goes: the lease counts from here
                     yield message
@@ -350,6 +401,7 @@ class Primary:
         if update_id == link.snapshot_id and not link.confirmed and link is self._link:
             link.confirmed = True
             self.required = True
+            self.unprotected = False
             log.info(
                 "shard %d: backup %s has the snapshot; serving under its lease (%gs, renewed by every "
                 "acknowledgement)", self.shard, link.peer, self.lease_s,
@@ -364,11 +416,18 @@ class Primary:
     def _resign(self, link: _Link) -> None:
         if self._link is not link:
             return
-        if link.confirmed:
+        alone = link.confirmed and self.serve_alone
+        if alone:
             self.required = False
+            self.unprotected = True
+        then = (
+            "going on alone (--serve-alone): unprotected until a backup confirms"
+            if alone
+            else "refusing client calls until a backup confirms (nothing is acknowledged on one process only)"
+        )
         log.warning(
-            "shard %d: backup %s resigned (it is shutting down and will not take over); going on without a "
-            "backup", self.shard, link.peer,
+            "shard %d: backup %s resigned (it is shutting down and will not take over); %s",
+            self.shard, link.peer, then,
         )  # fmt: skip
         self._detach(link, "it resigned", quiet=True)
 
@@ -415,6 +474,7 @@ class Primary:
         ``keys``: the pushes it carries (``unsettled`` until it is acknowledged).
         """
         header.id = next(self._ids)
+        header.term = self.term
         waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if not header.heartbeat:
             link.waiting[header.id] = waiter
@@ -453,9 +513,9 @@ class Primary:
         Raises:
             UnavailableError: not acknowledged, and this primary may not answer without it.
         """
-        deadline = time.monotonic() + self.ack_timeout_s
+        deadline = lease.clock() + self.ack_timeout_s
         while not waiter.done():
-            left = deadline - time.monotonic()
+            left = deadline - lease.clock()
             if left <= 0:
                 self._detach(link, f"{what} not acknowledged within {self.ack_timeout_s:g}s")
                 break
@@ -620,16 +680,18 @@ async def _raise(error: Exception) -> None:
     raise error
 
 
-def has_taken_over(status: ps_pb2.GetStatusResponse, shard: int) -> bool:
-    """Whether the other process of shard ``shard``, by its ``GetStatus``, holds the newest state.
+def has_taken_over(status: ps_pb2.GetStatusResponse, shard: int, term: int) -> bool:
+    """Whether the other process of shard ``shard``, by its ``GetStatus``, holds a newer history than
+    this one's (of replication term ``term``; 0 for a process that holds none yet).
 
-    A primary that serves (it holds its lease, or needs none), or a backup that
-    lost its primary ("orphaned": it takes over on the next client call). A
-    primary that holds no lease either has no more claim than this one.
+    A primary of a newer term (a backup that was promoted: whether it serves yet
+    or waits for a backup), or a backup that lost its primary ("orphaned": it
+    takes over on the next client call, in a newer term). A primary of the same
+    or an older term has no more claim than this one.
     """
     if status.shard != shard:
         return False
-    return status.role == "orphaned" or (status.role == "primary" and status.lease_s != 0)
+    return status.role == "orphaned" or (status.role == "primary" and status.term > term)
 
 
 async def peer_status(

@@ -180,24 +180,37 @@ def _token(config: ServerConfig) -> str | None:
     return security.read_token_file(config.auth_token_file) if config.auth_token_file else None
 
 
-async def _took_over(config: ServerConfig) -> bool:
+async def starting_config(config: ServerConfig, connect: Callable[[str], grpc.aio.Channel]) -> ServerConfig:
+    """What this process starts as: a primary whose backup (``--backup-at``) took over while it was down
+    (or is about to) starts as that one's backup instead (its own checkpoint is older)."""
+    if config.backup_at and await _took_over(config, connect):
+        log.warning(
+            "shard %d: %s took over as primary while this process was down: starting as its backup",
+            config.shard, config.backup_at,
+        )  # fmt: skip
+        return dataclasses.replace(config, backup_of=config.backup_at, backup_at=None)
+    return config
+
+
+async def _took_over(config: ServerConfig, connect: Callable[[str], grpc.aio.Channel]) -> bool:
     """Whether this primary's backup (``--backup-at``) has taken over (or is about to) while we were down."""
     assert config.backup_at is not None
     try:
-        status = await peer_status(
-            functools.partial(peer_channel, config), config.backup_at, _token(config), _PEER_CHECK_TIMEOUT_S
-        )
+        status = await peer_status(connect, config.backup_at, _token(config), _PEER_CHECK_TIMEOUT_S)
     except grpc.RpcError as err:
         log.info(
             "shard %d: backup %s not reachable (%s): starting as a primary that serves once its backup "
             "confirms", config.shard, config.backup_at, err.code().name,
         )  # fmt: skip
         return False
-    return has_taken_over(status, config.shard)
+    return has_taken_over(status, config.shard, 0)  # a process starting holds no term yet
 
 
-async def start(config: ServerConfig) -> Shard:
+async def start(config: ServerConfig, *, term: int = 0) -> Shard:
     """Builds and starts a shard on the running event loop.
+
+    ``term``: the newest replication term this process has seen (a restart in
+    the same process as its peer's backup keeps it).
 
     A primary started with ``--backup-at`` whose backup took over while it was
     down starts as that backup's backup instead (its own checkpoint is older).
@@ -205,32 +218,13 @@ async def start(config: ServerConfig) -> Shard:
     serves nothing until its backup confirms it, and restarts as the backup's
     backup once that one takes over (``Primary.on_taken_over``, ``serve``).
     """
-    if config.backup_at and await _took_over(config):
-        log.warning(
-            "shard %d: %s took over as primary while this process was down: starting as its backup",
-            config.shard, config.backup_at,
-        )  # fmt: skip
-        config = dataclasses.replace(config, backup_of=config.backup_at, backup_at=None)
+    config = await starting_config(config, functools.partial(peer_channel, config))
     tier = config.tier
     tier_lock = tier.open() if tier is not None else None  # TierDirError: before anything else starts
-    store = Store(
-        allow_non_finite=config.allow_non_finite, inline_apply_bytes=config.inline_apply_bytes, tier=tier
-    )
-    mode = make_mode(
-        config.mode,
-        store,
-        replicas_to_aggregate=config.replicas_to_aggregate,
-        total_replicas=config.total_replicas,
-        staleness=config.staleness,
-        barrier_timeout_s=config.barrier_timeout_s,
-    )
-    checkpointer = None
-    if config.checkpoint_dir:
-        checkpointer = Checkpointer(
-            config.checkpoint_dir, store, mode, shard=config.shard, num_shards=config.num_shards
-        )
-        if not config.backup_of:  # a backup starts empty and takes its primary's state
-            await checkpointer.restore()  # before serving: no request sees a half-restored shard
+    service = await assemble(config, term=term, connect=functools.partial(peer_channel, config))
+    store, mode, checkpointer = service.store, service.mode, service.checkpointer
+    primary, backup = service.primary, service.backup
+    assert primary is not None
     metrics = ShardMetrics(config.shard, store, mode.name)
     interceptors: list[grpc.aio.ServerInterceptor] = [
         security.MalformedRequestInterceptor(),  # bytes that do not parse: INVALID_ARGUMENT
@@ -248,32 +242,6 @@ async def start(config: ServerConfig) -> Shard:
         interceptors=interceptors,
         options=[*channel_options(config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
-    primary = Primary(
-        store,
-        mode,
-        shard=config.shard,
-        num_shards=config.num_shards,
-        ack_timeout_s=config.replication_timeout_s,
-        lease_s=config.lease_s,
-        required=bool(config.backup_at),  # replicated: serves nothing until its backup confirms
-        peer=config.backup_at or config.backup_of or "",
-        connect=functools.partial(peer_channel, config),
-        auth_token=_token(config),
-    )
-    mode.lease_check = functools.partial(primary.check, "the update")
-    primary.on_lease_lost = lambda why: mode.interrupt(UnavailableError(why))
-    if isinstance(mode, SyncMode):
-        mode.replicate_step = primary.send_step
-    backup = None
-    if config.backup_of:
-        backup = Backup(
-            config.backup_of,
-            store,
-            mode,
-            shard=config.shard,
-            auth_token=_token(config),
-            connect=functools.partial(peer_channel, config),
-        )
     metrics.attach(
         checkpointer=checkpointer,
         checkpoint_every_s=config.checkpoint_every_s,
@@ -281,17 +249,6 @@ async def start(config: ServerConfig) -> Shard:
         backup=backup,
     )
     mode.listener = metrics  # times the waits in the mode, names who waits
-    service = ShardService(
-        store,
-        mode,
-        shard=config.shard,
-        num_shards=config.num_shards,
-        checkpointer=checkpointer,
-        primary=primary,
-        backup=backup,
-    )
-    if checkpointer is not None and isinstance(mode, SyncMode):
-        service.step_cuts = StepCuts(mode, store, checkpointer, shard=config.shard)
     servicer = ParameterServerServicer(service)
     # ps_pb2_grpc.add_ParameterServerServicer_to_server with zero-copy tensor framing
     add_to_server(servicer, server)
@@ -346,6 +303,79 @@ async def start(config: ServerConfig) -> Shard:
         shard.on_shutdown.append(functools.partial(_close_tier, store, tier_lock))  # last: after the save
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     return shard
+
+
+async def assemble(
+    config: ServerConfig, *, term: int = 0, connect: Callable[[str], grpc.aio.Channel] | None = None
+) -> ShardService:
+    """A shard's transport-free parts, wired together: store, mode, checkpoints (restored), replication.
+
+    What ``start`` serves over gRPC and the data port, and what the replication
+    simulation (``psload.simulation``) runs over its own network. ``term``: as
+    ``start``'s; ``connect``: opens a channel to the other process of the shard.
+    """
+    store = Store(
+        allow_non_finite=config.allow_non_finite,
+        inline_apply_bytes=config.inline_apply_bytes,
+        tier=config.tier,
+    )
+    mode = make_mode(
+        config.mode,
+        store,
+        replicas_to_aggregate=config.replicas_to_aggregate,
+        total_replicas=config.total_replicas,
+        staleness=config.staleness,
+        barrier_timeout_s=config.barrier_timeout_s,
+    )
+    checkpointer = None
+    if config.checkpoint_dir:
+        checkpointer = Checkpointer(
+            config.checkpoint_dir, store, mode, shard=config.shard, num_shards=config.num_shards
+        )
+        if not config.backup_of:  # a backup starts empty and takes its primary's state
+            await checkpointer.restore()  # before serving: no request sees a half-restored shard
+    primary = Primary(
+        store,
+        mode,
+        shard=config.shard,
+        num_shards=config.num_shards,
+        ack_timeout_s=config.replication_timeout_s,
+        lease_s=config.lease_s,
+        required=bool(config.backup_at),  # replicated: serves nothing until its backup confirms
+        peer=config.backup_at or config.backup_of or "",
+        connect=connect,
+        auth_token=_token(config),
+        serve_alone=config.serve_alone,
+        term=term if config.backup_of else max(term, 1),  # a backup takes its primary's with the snapshot
+    )
+    mode.lease_check = functools.partial(primary.check, "the update")
+    primary.on_lease_lost = lambda why: mode.interrupt(UnavailableError(why))
+    if isinstance(mode, SyncMode):
+        mode.replicate_step = primary.send_step
+    backup = None
+    if config.backup_of:
+        backup = Backup(
+            config.backup_of,
+            store,
+            mode,
+            shard=config.shard,
+            auth_token=_token(config),
+            connect=connect,
+            term=term,
+        )
+        backup.on_promoted = primary.promoted
+    service = ShardService(
+        store,
+        mode,
+        shard=config.shard,
+        num_shards=config.num_shards,
+        checkpointer=checkpointer,
+        primary=primary,
+        backup=backup,
+    )
+    if checkpointer is not None and isinstance(mode, SyncMode):
+        service.step_cuts = StepCuts(mode, store, checkpointer, shard=config.shard)
+    return service
 
 
 async def _close_tier(store: Store, lock_fd: int) -> None:
@@ -416,7 +446,7 @@ async def _serve_shard(config: ServerConfig, stop: asyncio.Event, watch: LoopWat
         await shard.stop(grace_s=min(config.grace_s, 1.0))  # it serves nothing: in-flight calls fail
         config = dataclasses.replace(shard.config, backup_of=peer, backup_at=None, port=shard.port)
         log.warning("shard %d: restarting on port %d as the backup of %s", config.shard, shard.port, peer)
-        shard = await start(config)
+        shard = await start(config, term=shard.service.term if shard.service is not None else 0)
     log.info("shard %d: stopped", config.shard)
 
 

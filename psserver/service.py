@@ -523,7 +523,16 @@ class ShardService:
             peer=self._peer(),
             step=self.mode.current_step(),
             lease_s=self.primary.lease_left() if self.primary is not None and self.role == "primary" else 0.0,
+            term=self.term,
+            unprotected=self.primary is not None and self.role == "primary" and self.primary.unprotected,
         )
+
+    @property
+    def term(self) -> int:
+        """The replication term of the history this process holds (``psserver.replication``)."""
+        if self.backup is not None and self.backup.role != "primary":
+            return self.backup.term
+        return self.primary.term if self.primary is not None else 0
 
     @property
     def role(self) -> str:
@@ -581,14 +590,14 @@ class ShardService:
     # -- replication -------------------------------------------------------------------------------
 
     def replicate(
-        self, requests: AsyncIterator[bytes], peer: str
+        self, requests: AsyncIterator[bytes], peer: str, term: int = 0
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
-        """The stream a backup at ``peer`` receives (``Primary.serve``). Raises: FailedPreconditionError
-        (this shard is no primary)."""
+        """The stream a backup at ``peer`` (which has seen replication term ``term``) receives
+        (``Primary.serve``). Raises: FailedPreconditionError (this shard is no primary)."""
         if self.backup is not None and self.backup.role == "orphaned":
             self.backup.check_serving("Replicate")  # its old primary is back as its backup: promote
         if self.primary is None or self.role != "primary":
             raise FailedPreconditionError(
                 f"this shard is a {self.role}, not a primary: it cannot take a backup"
             )
-        return self.primary.serve(requests, peer)
+        return self.primary.serve(requests, peer, term)

@@ -27,7 +27,7 @@ from pscore.errors import (
     status_number,
 )
 from psproto.v1 import ps_pb2
-from psserver.replication import BACKUP_ADDRESS_KEY
+from psserver.replication import BACKUP_ADDRESS_KEY, BACKUP_TERM_KEY
 from psserver.service import DEFAULT_CHUNK_BYTES, ShardService, Snapshot, chunk_of, deadline_of
 
 if TYPE_CHECKING:
@@ -297,7 +297,10 @@ class ParameterServerServicer:
     ) -> AsyncIterator[ps_pb2.ReplicateResponse | codec.WireMessage]:
         metadata = dict(context.invocation_metadata() or ())
         peer = str(metadata.get(BACKUP_ADDRESS_KEY) or context.peer())
-        async for message in self.service.replicate(request_iterator, peer):
+        term = str(metadata.get(BACKUP_TERM_KEY) or "0")
+        if not term.isdigit():
+            raise InvalidArgumentError(f"bad {BACKUP_TERM_KEY} metadata {term!r}: a term is a whole number")
+        async for message in self.service.replicate(request_iterator, peer, int(term)):
             yield message
 
     @_translated

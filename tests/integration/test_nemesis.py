@@ -3,7 +3,8 @@ two clients (one over gRPC, one over the data port) push and pull counters on a 
 checker (``psload.checker``) must find no anomaly in the history: every acknowledged push applied once, no
 read behind an acknowledged push, every call bounded, every error naming a replica, no two primaries at
 once. The clients' deadline is 6 s (a call may return 3 s past it). The three runs share out the nine fault
-kinds (every kind in at least one mode; the kill, the pause and the isolation in two). Needs root, iproute2
+kinds (every kind in at least one mode; the kill, the pause and the isolation in two). The isolation
+followed by the kill of the process that took over, alone and longer: test_replication_faults.py. Needs root, iproute2
 and nftables; skips otherwise. The 10-minute soak with every fault mixed: ``bench/bench_nemesis.py``.
 """
 
@@ -20,7 +21,7 @@ SECONDS = 20.0
 TIMEOUT_S = 6.0  # the clients' deadline: shorter than a failover plus backoff, so some calls fail (outcome
 # unknown) and the checker sees errors; longer than most faults, so most calls ride through them
 PLAN = {
-    "async": ("cut_pair", "isolate", "kill", "drop"),
+    "async": ("cut_pair", "isolate", "kill", "drop", "isolate_kill"),
     "sync": ("cut_clients", "pause", "flap", "kill"),
     "ssp": ("cut_client", "isolate", "pause", "flap_all"),
 }

@@ -33,13 +33,19 @@ from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = [pytest.mark.timeout(180)]
 
-LEASE = ["--lease", "1"]  # a backup takes over about 1 s after its primary dies (the default lease is 2 s)
+# A backup takes over about 1 s after its primary dies (the default lease is 2 s). These tests kill a
+# primary and go on with its backup alone (--serve-alone: a single fault loses nothing acknowledged either
+# way); the default, which serves only once the killed process is back as the backup, is tested by
+# test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup, the lease tests and
+# tests/integration/test_replication_faults.py.
+LEASE = ["--lease", "1", "--serve-alone"]
+ALONE = ["--serve-alone"]  # a backup's: it may serve alone once promoted
 
 
 @contextlib.contextmanager
 def _pair(primary_args: tuple[str, ...] = ()) -> Iterator[tuple[LocalCluster, LocalCluster]]:
     """One shard as a primary process and its backup process (started once the primary serves)."""
-    with LocalCluster(1, [*LEASE, *primary_args]) as primary, backups_of(primary) as backup:
+    with LocalCluster(1, [*LEASE, *primary_args]) as primary, backups_of(primary, ALONE) as backup:
         yield primary, backup
 
 
@@ -207,7 +213,9 @@ async def test_a_backup_slow_to_apply_an_update_goes_on_acknowledging_its_primar
     ids = np.arange(4096, dtype=np.int64)  # an unbounded table starts with 1024 rows: this push grows it
     grads = np.random.default_rng(0).standard_normal((ids.size, 8)).astype(np.float32)
     with LocalCluster(1, ["--lease", str(lease_s)]) as primary:
-        config = ServerConfig(shard=0, port=0, backup_of=primary.addresses[0], inline_apply_bytes=0)
+        config = ServerConfig(
+            shard=0, port=0, backup_of=primary.addresses[0], inline_apply_bytes=0, serve_alone=True
+        )
         backup = await start(config)
         watch = threading.Thread(target=watch_lease, args=(primary.addresses[0],), daemon=True)
         try:
@@ -353,7 +361,7 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
     auth = ["--auth-token-file", str(token)]
     with (
         LocalCluster(1, [*LEASE, *auth]) as primary,
-        LocalCluster(1, [*auth, "--backup-of", primary.addresses[0]]) as backup,
+        LocalCluster(1, [*auth, *ALONE, "--backup-of", primary.addresses[0]]) as backup,
     ):
         addresses = _both(primary, backup)
         _wait_role(primary.addresses[0], "primary", peer=backup.addresses[0], token="s3cret-token")
@@ -369,28 +377,45 @@ def test_replication_with_token_auth(tmp_path: Path) -> None:
 
 
 def test_a_restarted_primary_rejoins_as_the_backup_of_its_promoted_backup() -> None:
-    """The old primary comes back with its usual flags (``--backup-at``) and defers to the newer state."""
-    with ChaosCluster(1, LEASE) as cluster:  # a: --backup-at b (a plain restart would serve older state)
+    """The old primary comes back with its usual flags (``--backup-at``) and defers to the newer state.
+
+    The default (no --serve-alone): b, promoted, acknowledges nothing until a is back as its backup, so
+    that no acknowledged push is ever on one process only.
+    """
+    with ChaosCluster(
+        1, ["--lease", "1"]
+    ) as cluster:  # a: --backup-at b (a plain restart serves older state)
         first, second = cluster.sides
         (a, b), both = cluster.pairs[0], cluster.addresses
         with psclient.PSClient(both, "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(4, np.float32)})
-            first.kill_shard(0)  # a fails; b takes over on the next call
-            c.push({"v": np.ones(4, np.float32)})
-            assert _status(b).role == "primary"
+            first.kill_shard(0)  # a fails; b takes over on the next call, and waits for a backup
+            no_retry = {"retry": RetryPolicy(enabled=False)}
+            with psclient.PSClient([b], "w9", timeout=5, **no_retry) as direct:
+
+                def refusal() -> str:
+                    with pytest.raises(psclient.UnavailableError) as refused:
+                        direct.push({"v": np.ones(4, np.float32)})
+                    return str(refused.value)
+
+                wait_until(lambda: "has no backup yet" in refusal(), "b to take over and wait for a backup")
+            status = _status(b)
+            assert (status.role, status.term, status.lease_s) == ("primary", 2, 0.0)
             cluster.restart(0, 0)  # same flags as before: --backup-at b
+            c.push({"v": np.ones(4, np.float32)})  # answered once a has caught up as b's backup
             _wait_role(b, "primary", peer=a)  # a caught up from b instead of serving its own state
             assert "took over as primary" in first.log_tail(0, 50)
-            c.push({"v": np.ones(4, np.float32)})
+            assert _status(a).term == 2
         with psclient.PSClient(both, "w1", timeout=TIMEOUT_S) as fresh:  # starts with a, is sent to b
             values, versions = fresh.pull_with_versions()
-            assert versions == {"v": 3}
+            assert versions == {"v": 2}  # the pushes b refused were not applied
             second.kill_shard(0)  # and a, now b's backup, has every update
+            cluster.restart(0, 1)  # a serves once b is back as its backup
             fresh.push({"v": np.ones(4, np.float32)})
             values, versions = fresh.pull_with_versions()
-        assert versions == {"v": 4}
-        np.testing.assert_array_equal(values["v"], np.full(4, -4, np.float32))
+        assert versions == {"v": 3}
+        np.testing.assert_array_equal(values["v"], np.full(4, -3, np.float32))
 
 
 def test_replication_over_mutual_tls(tmp_path: Path) -> None:
@@ -400,7 +425,9 @@ def test_replication_over_mutual_tls(tmp_path: Path) -> None:
     tls = pki.shard_flags()
     with (
         LocalCluster(1, [*LEASE, *tls]) as primary,
-        LocalCluster(1, [*tls, "--backup-of", primary.addresses[0]]) as backup,  # trusts --tls-client-ca
+        LocalCluster(
+            1, [*tls, *ALONE, "--backup-of", primary.addresses[0]]
+        ) as backup,  # trusts --tls-client-ca
     ):
         tls_client = pki.client_options()
         with psclient.PSClient(_both(primary, backup), "w0", timeout=TIMEOUT_S, **tls_client) as c:
@@ -420,7 +447,7 @@ def test_training_through_two_primary_kills_ends_bit_identical_to_a_fault_free_r
         reference_accuracy, reference = train(ref.addresses, "ref")
     with LocalCluster(2, LEASE) as primaries:
         p = primaries.addresses
-        with backups_of(primaries) as backups:
+        with backups_of(primaries, ALONE) as backups:
             addresses = [f"{p[i]}|{backups.addresses[i]}" for i in range(2)]
             faults = {60: lambda: primaries.kill_shard(0), 150: lambda: primaries.kill_shard(1)}
             accuracy, params = train(addresses, "faulty", faults)

@@ -229,19 +229,35 @@ def test_a_primary_restarted_before_its_backup_noticed_never_serves_and_rejoins_
         assert "took over while this primary held no lease" in log and "as the backup of" in log
 
 
-def test_a_backup_stopped_with_sigterm_resigns_and_its_primary_goes_on_alone() -> None:
+def test_a_backup_stopped_with_sigterm_resigns_and_its_primary_waits_for_it() -> None:
     with ChaosCluster(1, LEASE) as cluster:
         a, _ = cluster.pairs[0]
         with psclient.PSClient([a], "w0", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
             c.push({"v": np.ones(4, np.float32)})
-            assert cluster.sides[1].stop() == [0]  # it will never take over: it says so first
+            assert cluster.sides[1].stop_shard(0) == 0  # it will never take over: it says so first
             status = _status(a)
-            assert (status.peer, status.lease_s) == ("", -1.0)  # no lease needed any more
-            c.push({"v": np.ones(4, np.float32)})  # answered by the primary alone
+            assert (status.peer, status.lease_s, status.unprotected) == ("", 0.0, False)
+            cluster.restart(0, 1)
+            c.push({"v": np.ones(4, np.float32)})  # answered once the backup is back: never by one process
             _, versions = c.pull_with_versions()
         assert versions == {"v": 2}
         assert "resigned" in cluster.sides[0].log_tail(0, 20)
+
+
+def test_with_serve_alone_a_backup_that_resigns_leaves_its_primary_serving_alone() -> None:
+    with ChaosCluster(1, [*LEASE, "--serve-alone"]) as cluster:
+        a, _ = cluster.pairs[0]
+        with psclient.PSClient([a], "w0", timeout=TIMEOUT_S) as c:
+            c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0, momentum=0.0))
+            c.push({"v": np.ones(4, np.float32)})
+            assert cluster.sides[1].stop() == [0]
+            status = _status(a)
+            assert (status.peer, status.lease_s, status.unprotected) == ("", -1.0, True)  # says so
+            c.push({"v": np.ones(4, np.float32)})  # answered by the primary alone
+            _, versions = c.pull_with_versions()
+        assert versions == {"v": 2}
+        assert "going on alone (--serve-alone)" in cluster.sides[0].log_tail(0, 20)
 
 
 def test_a_backup_in_another_mode_than_its_primary_stops_following() -> None:
