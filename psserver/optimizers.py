@@ -221,6 +221,16 @@ class ServerOptimizer(abc.ABC):
             step = iteration // k  # Keras's `iterations` with accumulation: applied updates
         compute = _F32 if dtype == _F16 else dtype
         lr = self.learning_rate(iteration)
+        if c.clipnorm is not None or c.clipvalue is not None or c.weight_decay is not None:
+            value, grad = self._preprocess(value, grad, compute, lr)
+        return self._average(self._apply_rule(value, grad, slots, step, lr), slots, step)
+
+    def _preprocess(
+        self, value: np.ndarray, grad: np.ndarray, compute: np.dtype, lr: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Clipping and weight decay (``apply``'s, when the optimizer has any): the value and gradient."""
+        c = self.config
+        dtype = value.dtype
         with np.errstate(all="ignore"):
             if c.clipnorm is not None:
                 g = grad.astype(compute, copy=False)
@@ -234,7 +244,7 @@ class ServerOptimizer(abc.ABC):
                 v = value.astype(compute, copy=False)
                 decay = v * compute.type(c.weight_decay) * compute.type(lr)
                 value = (v - decay).astype(dtype, copy=False)
-        return self._average(self._apply_rule(value, grad, slots, step, lr), slots, step)
+        return value, grad
 
     def _average(self, new: np.ndarray, slots: dict[str, np.ndarray], step: int) -> np.ndarray:
         """Keras's moving average after an update (``use_ema``); returns the variable's new value.
@@ -372,8 +382,12 @@ class ServerOptimizer(abc.ABC):
                 flat_slots[slot] = np.ascontiguousarray(arr).reshape(-1)
                 copied.append(slot)
         block = min(BLOCK_ELEMENTS, value.size)
-        scratch = [np.empty(block, dtype=compute) for _ in range(self._SCRATCH)]
-        direct = compute == dtype and all(a.dtype == dtype for a in flat_slots.values())
+        scratch = []  # loops, not comprehensions: no function called per push (a small push walks once)
+        for _ in range(self._SCRATCH):
+            scratch.append(np.empty(block, dtype=compute))
+        direct = compute == dtype
+        for a in flat_slots.values():
+            direct = direct and a.dtype == dtype
         out_block = None if direct else np.empty(block, dtype=compute)
         with np.errstate(all="ignore"):
             for start in range(0, value.size, block):
@@ -381,8 +395,10 @@ class ServerOptimizer(abc.ABC):
                 n = stop - start
                 v = flat_value[start:stop]
                 g = flat_grad[start:stop]
-                s = {k: a[start:stop] for k, a in flat_slots.items()}
-                tmp = [t[:n] for t in scratch]
+                s = {}
+                for k, a in flat_slots.items():
+                    s[k] = a[start:stop]
+                tmp = scratch if n == block else [t[:n] for t in scratch]
                 if direct:
                     self._update(v, g, s, flat_out[start:stop], tmp, consts)
                     continue
