@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--timeout", type=float, default=6.0, help="the clients' deadline per call, seconds")
     p.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault kinds")
+    p.add_argument(
+        "--burners", type=int, default=0, help="processes spinning on the CPU all along (a loaded machine)"
+    )
     p.add_argument("--keep", help="keep histories and logs under this directory")
     p.add_argument("--out", help="write OUT.md and OUT.json")
     args = p.parse_args(argv)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, mode in enumerate(m for m in args.modes.split(",") if m):
         config = NemesisConfig(
             mode=mode, seconds=args.seconds, seed=args.seed + i, clients=args.clients, timeout_s=args.timeout,
-            faults=tuple(f for f in args.faults.split(",") if f),
+            faults=tuple(f for f in args.faults.split(",") if f), burners=args.burners,
             workdir=str(Path(args.keep) / mode) if args.keep else None,
         )  # fmt: skip
         result = run_nemesis(config)
@@ -80,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
     command = command_line("bench_nemesis.py", argv)
     text = (
-        f"# Nemesis soak\n\n`{command}` ({time.strftime('%Y-%m-%d')}; {machine_note()['cpus']} CPUs)\n\n"
+        f"# Nemesis soak\n\n`{command}` ({time.strftime('%Y-%m-%d')}; {machine_note()['cpus']} CPUs"
+        + (f", {args.burners} CPU burners" if args.burners else "")
+        + ")\n\n"
         + _table(results)
         + "\n\n"
         + "\n\n".join(f"{r['config']['mode']}:\n\n```\n{r['summary']}\n```" for r in results)

@@ -93,6 +93,8 @@ class NemesisConfig:
         slack_s: how far past its deadline a call may return (the checker's bound).
         lease_s: the shard's ``--lease`` (None: the server's default).
         pull_every: a client pulls every counter after this many pushes.
+        burners: processes that spin on the CPU for the whole run (a loaded machine: the schedules a
+            faulty replication protocol loses updates in are the ones a busy machine makes).
         workdir: keeps histories and logs here (default: a temporary directory, removed).
     """
 
@@ -107,6 +109,7 @@ class NemesisConfig:
     slack_s: float = 5.0
     lease_s: float | None = None
     pull_every: int = 5
+    burners: int = 0
     workdir: str | None = None
 
     def __post_init__(self) -> None:
@@ -375,6 +378,20 @@ def _workdir(config: NemesisConfig) -> Iterator[str | None]:
     yield config.workdir
 
 
+@contextlib.contextmanager
+def cpu_burners(count: int, limit_s: float) -> Iterator[None]:
+    """``count`` processes that keep a core busy inside the block (each ends by itself after ``limit_s``)."""
+    spin = f"import time\nend = time.monotonic() + {limit_s!r}\nwhile time.monotonic() < end:\n    pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
 def run_nemesis(config: NemesisConfig) -> dict[str, Any]:
     """Runs clients under the nemesis for ``config.seconds``, then checks their history; returns the result:
     ``ok``, the checker's ``report`` (``psload.checker.Report.to_json``), the faults, the configuration, and
@@ -395,9 +412,10 @@ def run_nemesis(config: NemesisConfig) -> dict[str, Any]:
         side_b = net.shards([pb], args, shard_args={0: ["--backup-of", addresses[0]]})
         shard = _Shard((pa, pb), (side_a, side_b), addresses, net.workdir / "monitor.jsonl")
         try:
-            side_a.start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
-            side_b.start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
-            result = _run(config, net, shard, mon, clients, pair)
+            with cpu_burners(config.burners, config.seconds + 10 * _START_TIMEOUT_S):
+                side_a.start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
+                side_b.start_shard(0, port=_PORT, timeout=_START_TIMEOUT_S)
+                result = _run(config, net, shard, mon, clients, pair)
         finally:
             side_b.stop()
             side_a.stop()

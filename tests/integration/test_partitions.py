@@ -1,11 +1,11 @@
 """Network partitions on the cluster in a box: a replicated shard's primary cut off from everyone (a silent
 link, not a reset), while a client on another host pushes in a loop.
 
-The backup takes over once the primary's lease has surely expired; the client must notice that its
-connection to the primary went silent (HTTP/2 keepalive pings on the channel, TCP keepalive and a user
-timeout on data connections), not wait for its call's deadline, and go on with the backup before the
-link heals. Every acknowledged push is applied exactly once (the value counts them). Needs root,
-iproute2 and nftables; skips otherwise.
+The backup (``--serve-alone``) takes over once the primary's lease has surely expired; the client must
+notice that its connection to the primary went silent (HTTP/2 keepalive pings on the channel, TCP
+keepalive and a user timeout on data connections), not wait for its call's deadline, and go on with the
+backup before the link heals. Every acknowledged push is applied exactly once (the value counts them).
+Needs root, iproute2 and nftables; skips otherwise.
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def test_a_client_fails_over_when_its_primary_goes_silent(
 ) -> None:
     p, b, c = net.hosts
     record = net.workdir / "partition-client.json"
-    primary = net.shards([p]).start()
-    backup = net.shards([b], shard_args={0: ["--backup-of", primary.addresses[0]]}).start()
+    # --serve-alone: the backup serves the clients while the primary is cut off (by default it waits for a
+    # backup first, and acknowledges nothing until the cut heals: test_replication_faults.py)
+    primary = net.shards([p], ["--serve-alone"]).start()
+    backup = net.shards([b], ["--serve-alone"], shard_args={0: ["--backup-of", primary.addresses[0]]}).start()
     try:
         client = net.popen(
             c,
