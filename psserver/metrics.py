@@ -23,13 +23,17 @@ pushing worker's last read (a pull, or a push that returned values) and this
 push; 0 means the gradient was computed on the newest values.
 
 The metrics HTTP endpoint (``serve``) runs prometheus-client's WSGI server in a
-daemon thread; the event loop only increments counters (prometheus-client makes
-that safe across threads).
+daemon thread. What every request adds to (pushes by outcome, pulls, bytes, RPC
+latency, staleness, barrier waits) is plain numbers (``Tally``, ``Timings``) that
+only the event loop writes, without a lock or a call into prometheus-client per
+request; the scrape reads them (``_RequestCollector``). The rarer counters are
+prometheus-client's (it makes them safe across threads).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import itertools
 import logging
@@ -44,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from pscore.errors import status_from_number
 from pscore.security import HandlerWrappingInterceptor
@@ -78,6 +83,38 @@ class Wait:
     since: float  # time.monotonic()
 
 
+class Tally:
+    """A counter the event loop adds to (``inc``, or ``value`` directly), read at scrape time: no lock and
+    no call into prometheus-client per request. Only the shard's event loop writes it; the scrape (the
+    HTTP thread) reads one float."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Timings:
+    """A histogram the event loop observes into, read at scrape time (as ``Tally``). ``counts[i]``: the
+    observations in bucket ``i`` (at most ``bounds[i]``; the last, above every bound: ``+Inf``)."""
+
+    __slots__ = ("bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
 class ShardMetrics:
     """The metrics of one shard, in a private registry.
 
@@ -98,14 +135,17 @@ class ShardMetrics:
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ("shard", *labels), registry=reg)
 
-        self._pushes = counter("psserver_pushes", "Push RPCs completed, by outcome", ("outcome",))
-        self._pushes_by_outcome: dict[str, Any] = {}  # the labelled children in use (see ``pushed``)
-        self._latency_by_rpc: dict[str, Any] = {}
+        # The counts and timings every request adds to are plain numbers (``Tally``, ``Timings``: no lock,
+        # no call into prometheus-client per request), exported at scrape time by ``_RequestCollector``.
+        self._pushes_by_outcome: dict[str, Tally] = {}  # psserver_pushes{outcome}
         for outcome in ("applied", "duplicate", "stale"):  # present (at 0) before the first push
-            self._pushes.labels(outcome=outcome, **label)
-        self.pulls = counter("psserver_pulls", "Pull RPCs completed").labels(**label)
-        self.push_bytes = counter("psserver_push_bytes", "Gradient bytes received").labels(**label)
-        self.pull_bytes = counter("psserver_pull_bytes", "Value bytes sent").labels(**label)
+            self._pushes_by_outcome[outcome] = Tally()
+        self._latency_by_rpc: dict[str, Timings] = {}  # psserver_rpc_latency_seconds{rpc}
+        self._barrier_by_op: dict[str, Timings] = {}  # psserver_barrier_wait_seconds{op}
+        self.pulls = Tally()
+        self.push_bytes = Tally()
+        self.pull_bytes = Tally()
+        self.staleness = Timings(_STALENESS_BUCKETS)
         self._errors = counter("psserver_rpc_errors", "RPCs that ended with an error status", ("rpc", "code"))
         self.dropped_stale = counter(
             "psserver_dropped_stale_gradients", "Gradients dropped because their step had passed (sync)"
@@ -117,27 +157,6 @@ class ShardMetrics:
         self.loop_blocked = counter(
             "psserver_event_loop_blocked_seconds", "Seconds the event loop spent in those stalls"
         ).labels(**label)
-        self._latency = Histogram(
-            "psserver_rpc_latency_seconds",
-            "Time to serve a ParameterServer RPC, by method",
-            ("shard", "rpc"),
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        )
-        self.staleness = Histogram(
-            "psserver_push_staleness",
-            "Updates applied between the pushing worker's last read and its push",
-            ("shard",),
-            buckets=_STALENESS_BUCKETS,
-            registry=reg,
-        ).labels(**label)
-        self._barrier = Histogram(
-            "psserver_barrier_wait_seconds",
-            "Time a push (sync barrier) or pull (ssp bound) waited in the mode",
-            ("shard", "op"),
-            buckets=_LATENCY_BUCKETS,
-            registry=reg,
-        )
         self.replication_ack = Histogram(
             "psserver_replication_ack_seconds",
             "Replication lag: time from forwarding an update to the backup until it acknowledged it",
@@ -155,6 +174,7 @@ class ShardMetrics:
         self._last_read: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.workers_seen: collections.OrderedDict[str, float] = collections.OrderedDict()
         reg.register(_StoreCollector(self))
+        reg.register(_RequestCollector(self))
         self._http: Any = None
         self.port: int | None = None
 
@@ -184,36 +204,55 @@ class ShardMetrics:
     # -- recording ----------------------------------------------------------
 
     def pushed(self, outcome: str) -> None:
-        child = self._pushes_by_outcome.get(outcome)
-        if child is None:  # labels() looks the child up under a lock: once per outcome, not per push
-            child = self._pushes_by_outcome[outcome] = self._pushes.labels(
-                shard=str(self.shard), outcome=outcome
-            )
-        child.inc()
+        tally = self._pushes_by_outcome.get(outcome)
+        if tally is None:
+            tally = self._pushes_by_outcome[outcome] = Tally()
+        tally.value += 1
         if outcome == "stale":
             self.dropped_stale.inc()
 
     def rpc_done(self, rpc: str, seconds: float, code: grpc.StatusCode) -> None:
-        child = self._latency_by_rpc.get(rpc)
-        if child is None:
-            child = self._latency_by_rpc[rpc] = self._latency.labels(shard=str(self.shard), rpc=rpc)
-        child.observe(seconds)
+        timings = self._latency_by_rpc.get(rpc)
+        if timings is None:
+            timings = self._latency_by_rpc[rpc] = Timings(_LATENCY_BUCKETS)
+        timings.counts[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # Timings.observe, inline
+        timings.sum += seconds
         if code != grpc.StatusCode.OK:
             self._errors.labels(shard=str(self.shard), rpc=rpc, code=code.name).inc()
 
     def push_received(self, request: Any, nbytes: int) -> None:
         """A push arrived (any RPC, or the data port) with ``nbytes`` of gradients."""
-        if request.worker_id:
-            self.saw_worker(request.worker_id)
-            self.push_arrived(request.worker_id)
-        self.push_bytes.inc(nbytes)
+        worker_id = request.worker_id
+        if worker_id:  # saw_worker and push_arrived, inline: one call a push
+            seen = self.workers_seen
+            seen[worker_id] = time.monotonic()
+            seen.move_to_end(worker_id)
+            if len(seen) > _MAX_TRACKED_WORKERS:
+                seen.popitem(last=False)
+            last = self._last_read.get(worker_id)
+            if last is not None:
+                self.staleness.observe(max(0, self._updates() - last))
+        self.push_bytes.value += nbytes
 
     def push_done(self, request: Any, response: Any, code: grpc.StatusCode, seconds: float, rpc: str) -> None:
         """A push ended with ``code`` after ``seconds`` (``response``: its first answer, or None)."""
-        self.rpc_done(rpc, seconds, code)
-        if code != grpc.StatusCode.OK or request is None or response is None:
+        timings = self._latency_by_rpc.get(rpc)  # rpc_done and pushed, inline: one call a push
+        if timings is None:
+            timings = self._latency_by_rpc[rpc] = Timings(_LATENCY_BUCKETS)
+        timings.counts[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1
+        timings.sum += seconds
+        if code != grpc.StatusCode.OK:
+            self._errors.labels(shard=str(self.shard), rpc=rpc, code=code.name).inc()
             return
-        self.pushed("applied" if response.applied else (response.reason or "not_applied"))
+        if request is None or response is None:
+            return
+        outcome = "applied" if response.applied else (response.reason or "not_applied")
+        tally = self._pushes_by_outcome.get(outcome)
+        if tally is None:
+            tally = self._pushes_by_outcome[outcome] = Tally()
+        tally.value += 1
+        if outcome == "stale":
+            self.dropped_stale.inc()
         if request.return_values:
             self.read_by(request.worker_id)
 
@@ -221,11 +260,14 @@ class ShardMetrics:
         """A pull ended with ``code`` after ``seconds``."""
         self.rpc_done(rpc, seconds, code)
         if code == grpc.StatusCode.OK and request is not None:
-            self.pulls.inc()
+            self.pulls.value += 1
             self.read_by(request.worker_id)
 
     def barrier_wait(self, op: str, seconds: float) -> None:
-        self._barrier.labels(shard=str(self.shard), op=op).observe(seconds)
+        timings = self._barrier_by_op.get(op)
+        if timings is None:
+            timings = self._barrier_by_op[op] = Timings(_LATENCY_BUCKETS)
+        timings.observe(seconds)
 
     def checkpoint_saved(self, when: float | None = None) -> None:
         """Records a checkpoint written at ``when`` (``time.time()``; default now)."""
@@ -256,7 +298,7 @@ class ShardMetrics:
         """Observes the staleness of a push from ``worker_id`` (when the worker has read before)."""
         last = self._last_read.get(worker_id)
         if last is not None:
-            self.staleness.observe(max(0, self._updates() - last))
+            self.staleness.observe(max(0, self._updates() - last))  # as push_received does it
 
     def wait_begin(self, op: str, worker_id: str, step: int) -> int:
         token = next(self._wait_ids)
@@ -468,6 +510,74 @@ _DYNAMIC_COUNTERS = (
         "Ids a dynamic table was asked for without a row (answered with the initializer's row)",
     ),
 )
+
+
+class _RequestCollector(Collector):
+    """Exports what every request adds to (``Tally``, ``Timings``) as prometheus-client's ``Counter`` and
+    ``Histogram`` would: the same names, labels and samples (``_created`` included). Runs in the HTTP
+    thread: copies each list before reading it."""
+
+    def __init__(self, metrics: ShardMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        shard = str(m.shard)
+        pushes = CounterMetricFamily(
+            "psserver_pushes", "Push RPCs completed, by outcome", labels=["shard", "outcome"]
+        )
+        for outcome, tally in list(m._pushes_by_outcome.items()):
+            pushes.add_metric([shard, outcome], tally.value, created=tally.created)
+        yield pushes
+        for name, doc, tally in (
+            ("psserver_pulls", "Pull RPCs completed", m.pulls),
+            ("psserver_push_bytes", "Gradient bytes received", m.push_bytes),
+            ("psserver_pull_bytes", "Value bytes sent", m.pull_bytes),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["shard"])
+            family.add_metric([shard], tally.value, created=tally.created)
+            yield family
+        yield _histogram(
+            "psserver_rpc_latency_seconds",
+            "Time to serve a ParameterServer RPC, by method",
+            "rpc",
+            {rpc: t for rpc, t in list(m._latency_by_rpc.items())},
+            shard,
+        )
+        yield _histogram(
+            "psserver_push_staleness",
+            "Updates applied between the pushing worker's last read and its push",
+            None,
+            {"": m.staleness},
+            shard,
+        )
+        yield _histogram(
+            "psserver_barrier_wait_seconds",
+            "Time a push (sync barrier) or pull (ssp bound) waited in the mode",
+            "op",
+            {op: t for op, t in list(m._barrier_by_op.items())},
+            shard,
+        )
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self.collect())
+
+
+def _histogram(name: str, doc: str, label: str | None, by: dict[str, Timings], shard: str) -> Metric:
+    """A histogram family with a ``shard`` label (and ``label``, one series per key of ``by``), as
+    prometheus-client's ``Histogram`` exports it."""
+    family = Metric(name, doc, "histogram")
+    for key, timings in by.items():
+        labels = {"shard": shard} if label is None else {"shard": shard, label: key}
+        counts = list(timings.counts)  # one atomic copy: the buckets and the count agree
+        total = 0.0
+        for bound, count in zip((*timings.bounds, math.inf), counts, strict=True):
+            total += count
+            family.add_sample(name + "_bucket", {**labels, "le": floatToGoString(bound)}, total)
+        family.add_sample(name + "_count", labels, total)
+        family.add_sample(name + "_sum", labels, timings.sum)
+        family.add_sample(name + "_created", labels, timings.created)
+    return family
 
 
 def _dynamic_families(shard: str, variables: list[Any]) -> Iterator[Any]:

@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (90, 115),
-    "pull 1KiB": (100, 85),
-    "push_pull 1KiB": (115, 155),
-    "push_pull 1MiB": (260, 320),
-    "embedding step": (240, 235),
-    "sync step": (115, 210),
+    "push 1KiB": (85, 85),
+    "pull 1KiB": (95, 70),
+    "push_pull 1KiB": (110, 125),
+    "push_pull 1MiB": (260, 275),
+    "embedding step": (235, 205),
+    "sync step": (110, 160),
 }
 
 
