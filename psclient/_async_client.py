@@ -21,7 +21,7 @@ from psclient._wire import Op
 from psclient.config import ClientConfig
 from pscore import codec, embedding
 from pscore.embedding import Rows
-from pscore.errors import AlreadyExistsError, InvalidArgumentError, PSError
+from pscore.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PSError
 from pscore.optimizers import SGD, Optimizer, optimizer_from_proto
 from pscore.placement import dynamic_pieces, dynamic_row_shard, global_row, plan, table_pieces
 from psproto.v1 import ps_pb2
@@ -179,6 +179,10 @@ class AsyncPSClient:
             listed = await self.list_variables()
             return {n: self.registry.pieces[n] for n in listed if self.registry.complete(n)}
         names = list(names)
+        try:
+            return self.registry.resolve(names)  # the common case: every name known
+        except NotFoundError:
+            pass
         missing = [n for n in names if not self.registry.complete(n)]
         if missing:
             await self.list_variables(missing)
@@ -553,8 +557,13 @@ class AsyncPSClient:
                 is, or a bad gradient (see ``rq.split_by_shard`` and ``_row_tensors``).
         """
         known = await self._known(list(grads))
-        pieces = {n: g for n, g in known.items() if not isinstance(grads[n], Rows)}
-        row_tables = [n for n in known if n not in pieces]
+        pieces: dict[str, list[rq.Piece]] = {}  # a loop, not comprehensions: no call per push
+        row_tables = []
+        for n, g in known.items():
+            if isinstance(grads[n], Rows):
+                row_tables.append(n)
+            else:
+                pieces[n] = g
         if isinstance(return_rows, bool):
             omitted = set() if return_rows else set(row_tables)
         else:
@@ -571,7 +580,7 @@ class AsyncPSClient:
                     if group[0].table
                     else f"gradient for {name!r} is psclient.Rows, but {name!r} is not an embedding table"
                 )
-        per_shard = rq.split_by_shard(pieces, {n: grads[n] for n in pieces}, "gradient")
+        per_shard = rq.split_by_shard(pieces, grads, "gradient")
         for name, group in known.items():
             if name not in pieces:
                 for shard, tensors in _row_tensors(name, group, grads[name]).items():
@@ -579,7 +588,7 @@ class AsyncPSClient:
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
-        returned = [n for n in row_tables if n not in omitted]
+        returned = [n for n in row_tables if n not in omitted] if row_tables else row_tables
         return _PushPlan(known=known, pieces=pieces, returned_tables=returned, omit=omit, per_shard=per_shard)
 
     # -- embedding tables -----------------------------------------------------

@@ -58,10 +58,12 @@ class Registry:
     def resolve(self, names: Iterable[str]) -> dict[str, list[Piece]]:
         """The pieces of each name. Raises: NotFoundError for a name with no (or missing) pieces."""
         out = {}
+        pieces = self.pieces
         for name in names:
-            if not self.complete(name):
+            group = pieces.get(name)
+            if not group or len(group) != group[0].count:  # ``complete``, inline
                 raise NotFoundError(f"variable {name!r} does not exist on any shard")
-            out[name] = self.pieces[name]
+            out[name] = group
         return out
 
 
@@ -118,14 +120,15 @@ def piece_view(piece: Piece, value: np.ndarray) -> np.ndarray:
 def split_by_shard(
     pieces: Mapping[str, list[Piece]], tensors: Mapping[str, np.ndarray], what: str
 ) -> dict[int, list[tuple[str, np.ndarray]]]:
-    """Cuts each tensor into its pieces and groups them per shard.
+    """Cuts the tensor of each variable of ``pieces`` into its pieces and groups them per shard (``tensors``
+    may hold others).
 
     Raises:
         InvalidArgumentError: a tensor's shape or dtype differs from its variable's.
     """
     out: dict[int, list[tuple[str, np.ndarray]]] = {}
-    for name, raw in tensors.items():
-        group = pieces[name]
+    for name, group in pieces.items():
+        raw = tensors[name]
         full_shape, dtype = group[0].full_shape, group[0].dtype
         try:
             arr = codec.as_wire_array(raw)
@@ -140,7 +143,8 @@ def split_by_shard(
                 f"{what} for {name!r} has dtype {arr.dtype.name}; variable has dtype {dtype.name}"
             )
         for piece in group:
-            out.setdefault(piece.shard, []).append((piece.stored_name, piece_view(piece, arr)))
+            view = arr if piece.count == 1 and not piece.table else piece_view(piece, arr)  # whole: as is
+            out.setdefault(piece.shard, []).append((piece.stored_name, view))
     return out
 
 

@@ -277,7 +277,7 @@ class DataPortServer:
                     self._metrics.pull_done(head, code, seconds, rpc)
                 else:  # as the Lookup call is counted
                     self._metrics.rpc_done(rpc, seconds, code)
-        sent = sum(len(p) for p in payload)
+        sent = sum(map(len, payload))
         try:
             await link.send(reply, payload)
         except PSError as err:  # the client went away; its retry (a push: idempotent) gets a new answer

@@ -424,7 +424,7 @@ class ShardService:
         Raises: PSError, CodecError (as Push).
         """
         tensors = tables.pair(grads)
-        lookups = self._lookups(request.lookup_ids, "lookup with a push")
+        lookups = self._lookups(request.lookup_ids, "lookup with a push") if request.lookup_ids else []
         response = await self._push(request, tensors, deadline)
         if not (request.return_values or lookups):
             return response, None

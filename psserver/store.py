@@ -403,7 +403,7 @@ class Store:
                 raise InvalidArgumentError(
                     f"variable {name!r} has dtype {var.dtype.name} and is not trainable"
                 )
-            if not self.allow_non_finite and not np.isfinite(grad).all():
+            if not self.allow_non_finite and not np.logical_and.reduce(np.isfinite(grad), axis=None):
                 bad = int(grad.size - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgumentError(
                     f"gradient for {name!r} has {bad} non-finite (NaN or Inf) elements; rejected "

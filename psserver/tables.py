@@ -143,6 +143,9 @@ def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
     out: dict[str, Grad] = {}
     parts: dict[str, dict[str, np.ndarray]] = {}
     for name, t in tensors.items():
+        if "\x00" not in name:  # a dense gradient (``embedding.split_wire_name``'s "" part), the common case
+            out[name] = t
+            continue
         stored, part = embedding.split_wire_name(name)
         if not part:
             out[name] = t

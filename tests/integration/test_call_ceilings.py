@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (85, 85),
+    "push 1KiB": (80, 85),
     "pull 1KiB": (95, 70),
-    "push_pull 1KiB": (110, 125),
-    "push_pull 1MiB": (260, 275),
-    "embedding step": (235, 205),
-    "sync step": (110, 160),
+    "push_pull 1KiB": (100, 120),
+    "push_pull 1MiB": (240, 265),
+    "embedding step": (220, 200),
+    "sync step": (100, 155),
 }
 
 
