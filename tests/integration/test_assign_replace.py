@@ -278,7 +278,7 @@ def test_assign_is_applied_at_once_in_sync_mode(make_cluster) -> None:  # type: 
 def test_the_backup_follows_assign_and_replace_bit_for_bit() -> None:
     n = (1 << 20) + 7  # just over 4 MiB: the replicated assignment is cut into several messages
     w0, g = _rand(0, (8,)), [_rand(i + 1, (8,)) for i in range(4)]
-    with LocalCluster(1) as primary, backups_of(primary) as backup:
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
         with psclient.PSClient(addresses, "w", timeout=TIMEOUT_S) as c:
             c.create_many(

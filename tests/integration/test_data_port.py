@@ -402,7 +402,7 @@ async def test_ssp_mode_pull_waits_for_the_slowest_worker(make_cluster: Callable
 
 def test_pushes_over_the_data_port_reach_the_backup() -> None:
     n = 1 << 16
-    with LocalCluster(1) as primary, backups_of(primary) as backup:
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
         with psclient.PSClient(addresses, "w0", timeout=CALL_TIMEOUT_S, **WIRE) as c:
             c.create("r", np.zeros(n, np.float32), optimizer=psclient.Adam(0.1))

@@ -112,7 +112,7 @@ def test_a_backup_with_its_own_tier_holds_the_same_rows_after_kill_9(tmp_path: P
     from trainer.cluster import backups_of
 
     args = _tier(tmp_path / "tier")  # one directory: primaries and backups each use their own part
-    with LocalCluster(2, args) as primary, backups_of(primary, args) as backup:
+    with LocalCluster(2, args) as primary, backups_of(primary, [*args, "--serve-alone"]) as backup:
         addresses = [f"{p}|{b}" for p, b in zip(primary.addresses, backup.addresses, strict=True)]
         with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
             _create(c)
@@ -152,7 +152,7 @@ def test_a_backup_whose_snapshot_fails_after_its_attach_is_detached_and_can_atta
         filler = disk / "filler"
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         filler.write_bytes(b"\0" * max(0, free - (192 << 10)))
-        backup_args = _tier(tmp_path / "backup-tier")
+        backup_args = [*_tier(tmp_path / "backup-tier"), "--serve-alone"]  # serves alone after the kill
         with LocalCluster(1, backup_args, shard_args={0: ["--backup-of", primary.addresses[0]]}) as b:
             wait_until(
                 lambda: "detached (its snapshot failed)" in primary.log_path(0).read_text(),

@@ -262,7 +262,7 @@ def test_a_backup_holds_the_same_rows_after_kill_9_of_the_primary() -> None:
     rng = np.random.default_rng(0)
     pushes = [psclient.Rows(rng.integers(0, 60, 10), np.full((10, 2), 0.5, np.float32)) for _ in range(40)]
     probe = np.arange(60)
-    with LocalCluster(2) as primary, backups_of(primary) as backup:
+    with LocalCluster(2) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         addresses = [f"{p}|{b}" for p, b in zip(primary.addresses, backup.addresses, strict=True)]
         with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
             c.create_embedding("t", None, 2, **kw)

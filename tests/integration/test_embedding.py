@@ -437,7 +437,7 @@ def test_a_table_checkpoint_restores_into_another_shard_count(tmp_path: Any, var
 
 
 def test_row_pushes_survive_kill_9_of_the_primary() -> None:
-    with LocalCluster(1) as primary, backups_of(primary) as backup:
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
         with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
             c.create_embedding("t", 6, 2, optimizer=psclient.Adagrad(0.5), initializer="ones")

@@ -159,7 +159,7 @@ def test_the_backup_follows_the_change_bit_for_bit() -> None:
     shape = (64,)
     w0 = _grad(0, shape)
     grads = [_grad(i + 1, shape) for i in range(6)]
-    with LocalCluster(1) as primary, backups_of(primary) as backup:
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
         with psclient.PSClient(addresses, "w", timeout=TIMEOUT_S) as c:
             c.create("v", w0, optimizer=psclient.Adam(0.01))

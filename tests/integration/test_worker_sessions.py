@@ -137,7 +137,7 @@ def test_a_retried_push_is_applied_once_and_dedup_survives_a_restart_from_checkp
 
 
 def test_the_backup_dedups_by_session_after_a_failover() -> None:
-    with LocalCluster(1) as primary, backups_of(primary) as backup:
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
         with psclient.PSClient(primary.addresses, "setup", timeout=TIMEOUT_S) as c:
             c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
         old, new = 0x3333, 0x4444
