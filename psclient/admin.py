@@ -66,6 +66,8 @@ class ShardStatus:
     # A replicated primary: seconds left on the lease its backup renews (0: it refuses client calls);
     # -1: none needed; 0 for a backup (GetStatus.lease_s).
     lease_s: float = -1.0
+    term: int = 0  # the replication term of the history it holds (GetStatus.term; each takeover raises it)
+    unprotected: bool = False  # a primary serving alone after a failover (psserver --serve-alone)
     sampled_at: float = 0.0  # time.monotonic() of the status call
     tensors: tuple[StoredTensor, ...] = field(default=())
 
@@ -147,6 +149,8 @@ async def _one(client: AsyncPSClient, index: int, timeout: float, variables: boo
         role=status.role or "primary",
         peer=status.peer,
         lease_s=status.lease_s,
+        term=status.term,
+        unprotected=status.unprotected,
         sampled_at=sampled,
         tensors=tuple(_tensor(i) for i in listing.variables) if listing is not None else (),
     )

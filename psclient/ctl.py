@@ -117,9 +117,12 @@ def format_status(report: dict[str, Any]) -> str:
     def role(s: dict[str, Any]) -> str:
         if s["error"] is not None:
             return "-"
+        term = f" t{s['term']}" if s.get("term", 0) > 1 else ""  # after a takeover
         if s["role"] == "primary" and s.get("lease_s") == 0:
-            return "primary (no lease)"  # replicated, cut off from its backup: it refuses client calls
-        return "primary+backup" if s["role"] == "primary" and s["peer"] else s["role"]
+            return "primary (no lease)" + term  # replicated, without its backup: it refuses client calls
+        if s["role"] == "primary" and s.get("unprotected"):
+            return "primary (unprotected)" + term  # --serve-alone, no backup yet: acknowledges alone
+        return ("primary+backup" if s["role"] == "primary" and s["peer"] else s["role"]) + term
 
     headers = [
         "SHARD",

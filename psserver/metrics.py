@@ -481,7 +481,20 @@ class _StoreCollector(Collector):
                 labels=["shard"],
             )
             lease_left.add_metric([shard], primary.lease_left() if current == "primary" else 0.0)
-            yield from (attached, unacked, lease_left)
+            term = GaugeMetricFamily(
+                "psserver_replication_term",
+                "The replication term of the history this process holds (raised by every takeover)",
+                labels=["shard"],
+            )
+            term.add_metric([shard], primary.term if current == "primary" else backup.term if backup else 0)
+            unprotected = GaugeMetricFamily(
+                "psserver_replication_unprotected",
+                "1 while a primary serves with no backup after a failover or its backup's resignation "
+                "(--serve-alone): what it acknowledges is on this process only",
+                labels=["shard"],
+            )
+            unprotected.add_metric([shard], 1.0 if current == "primary" and primary.unprotected else 0.0)
+            yield from (attached, unacked, lease_left, term, unprotected)
         if backup is not None:  # --backup-of: this process follows a primary
             applied = CounterMetricFamily(
                 "psserver_replication_updates_applied",
