@@ -139,9 +139,9 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     ids = np.asarray(ids).reshape(-1)
     if ids.size == 0:
         return ids, np.asarray(values).reshape(0, *np.shape(values)[1:])
-    order = np.argsort(ids, kind="stable")
+    order = ids.argsort(kind="stable")  # ndarray methods, not numpy's Python wrappers (np.argsort...)
     sorted_ids = ids[order]
-    starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
+    starts = np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])).nonzero()[0]
     unique = sorted_ids[starts]
     if unique.size == ids.size:
         return unique, values[order]

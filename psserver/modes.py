@@ -42,11 +42,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -156,7 +155,7 @@ class Mode(abc.ABC):
             PSError: invalid gradients (nothing is applied), a barrier that
                 timed out, or ``WorkerIdConflictError`` (an older session of the worker id).
         """
-        listener = self.listener  # as ``_observed``, without a context manager on every push's path
+        listener = self.listener  # the listener sees the wait (no context manager on the path)
         if listener is None:
             return await self._push(worker_id, seq, step, grads, session, deadline)
         token = listener.wait_begin("push", worker_id, step)
@@ -172,18 +171,13 @@ class Mode(abc.ABC):
             DeadlineExceededError: the wait timed out (or the caller's deadline came near).
             UnavailableError: the shard is shutting down.
         """
-        with self._observed("pull", worker_id, step):
-            await self._before_pull(worker_id, step, deadline)
-
-    @contextlib.contextmanager
-    def _observed(self, op: str, worker_id: str, step: int) -> Iterator[None]:
-        listener = self.listener
+        listener = self.listener  # as push's
         if listener is None:
-            yield
+            await self._before_pull(worker_id, step, deadline)
             return
-        token = listener.wait_begin(op, worker_id, step)
+        token = listener.wait_begin("pull", worker_id, step)
         try:
-            yield
+            await self._before_pull(worker_id, step, deadline)
         finally:
             listener.wait_end(token)
 

@@ -104,6 +104,9 @@ class ServerOptimizer(abc.ABC):
 
     def __init__(self, config: specs.Optimizer) -> None:
         self.config = config
+        # ``slot_shapes`` by variable shape, for ``_check`` on every apply (the config is a frozen spec, set
+        # once: an optimizer change makes a new ServerOptimizer).
+        self._checked_shapes: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
@@ -424,7 +427,10 @@ class ServerOptimizer(abc.ABC):
             raise ValueError(f"{self.name}: gradient shape {grad.shape} != variable shape {value.shape}")
         if isinstance(iteration, bool) or not isinstance(iteration, int | np.integer) or iteration < 0:
             raise ValueError(f"{self.name}: iteration must be an int >= 0, got {iteration!r}")
-        for slot, shape in self.slot_shapes(value.shape).items():
+        shapes = self._checked_shapes.get(value.shape)
+        if shapes is None:
+            shapes = self._checked_shapes[value.shape] = self.slot_shapes(value.shape)
+        for slot, shape in shapes.items():
             arr = slots.get(slot)
             if arr is None:
                 raise ValueError(f"{self.name}: slot {slot!r} is missing (have {sorted(slots)})")
