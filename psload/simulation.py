@@ -23,7 +23,10 @@ Faults, each drawn from the seed (``plan``): a process cut from everyone, one
 way or both; the primary-backup link cut, one way or both; the clients cut
 from a process; a link flapping; a process paused (not stepped: its timers fall
 due and wait, its peers' messages queue); a process killed (``kill -9``: its
-state is gone) and restarted with its usual command after a while. Message
+state is gone) and restarted with its usual command after a while, as long as
+the other process holds a copy of the shard's state (a kill that would leave
+none is not made, and reported: losing both copies is beyond what a pair of
+processes without checkpoints can survive). Message
 delays are drawn per message (with rare spikes, so calls overtake each other),
 the scheduler picks which ready process runs next, and each process's clock
 runs at its own rate within ``psserver.lease``'s drift bound.
@@ -142,6 +145,7 @@ class Result:
     virtual_s: float
     steps: int
     extra: list[checker.Anomaly] = field(default_factory=list)
+    skipped: list[Fault] = field(default_factory=list)  # kills not made (no other copy of the state)
 
     @property
     def ok(self) -> bool:
@@ -154,6 +158,8 @@ class Result:
             f"{self.steps} loop steps",
             "faults: " + ("; ".join(map(str, self.faults)) or "none"),
         ]
+        if self.skipped:
+            lines.append("not made (no other copy of the state): " + "; ".join(map(str, self.skipped)))
         lines += [f"  {a.kind}: {a.message}" for a in self.extra]
         if not self.report.ok:
             lines.append(self.report.summary())
@@ -210,6 +216,9 @@ class _Shard(_Proc):
         self.config = config  # what this incarnation runs
         self.service: ShardService | None = None
         self.starts = 0
+        # Whether this incarnation holds the shard's history: the first primary does; a backup once it has
+        # caught up from a process that does (``Simulation._note_history``); a restarted process does not.
+        self.history = not config.backup_of
         self.spawn(self._start(config, term=0))
 
     def connect(self, address: str) -> SimChannel:
@@ -238,6 +247,7 @@ class _Shard(_Proc):
         for call in sorted(self.host.calls, key=lambda c: c.order):  # in-flight calls fail (grace 0)
             if call.target == self.name:
                 call.fail("the shard is restarting as its peer's backup")
+        self.history = False  # it drops its state, and catches up again
         old.begin_drain()
         await old.primary.stop()
         if old.backup is not None:
@@ -256,6 +266,7 @@ class _Shard(_Proc):
     def restart(self) -> None:
         """A supervisor starts it again with its usual command: a new, empty process."""
         self.paused = 0
+        self.history = False
         self.host = self._new_host()
         self.spawn(self._start(self.command, term=0))
 
@@ -423,6 +434,7 @@ class Simulation:
         self.extra: list[checker.Anomaly] = []
         self.loops: list[VirtualLoop] = []  # every process's, the killed ones' too (shut down at the end)
         self.dead_tasks: list[asyncio.Task[Any]] = []  # the killed processes' tasks
+        self.skipped: list[Fault] = []  # kills not made: the other process held no copy of the state
         self.finished = False  # the final read succeeded: the run ends
         self.steps = 0
         self._outside: _Proc | None = None  # whose clock ``clock`` reads outside every loop
@@ -494,6 +506,16 @@ class Simulation:
                 checker.Anomaly("two_primaries_exact", f"{serving} may all serve at {self._now:.4f}s")
             )
 
+    def _note_history(self) -> None:
+        """A backup confirmed by a process that holds the history holds it too."""
+        for shard in self.shards.values():
+            backup = shard.service.backup if shard.service is not None else None
+            if shard.history or backup is None or not backup.caught_up:
+                continue
+            peer = self.shards.get(backup.primary)
+            if peer is not None and peer.history:
+                shard.history = True
+
     def _sample_status(self) -> None:
         for shard in self.shards.values():
             op = Op("monitor", "status", self._now, complete=self._now, address=shard.name, deadline_s=1.0)
@@ -506,6 +528,7 @@ class Simulation:
                 self._outside = None
                 op.outcome, op.role, op.lease_s, op.peer = "ok", status.role, status.lease_s, status.peer
             self.ops.append(op)
+        self._note_history()
         self.net.at(self._now + _SAMPLE_EVERY_S, self._sample_status)
 
     # -- faults ------------------------------------------------------------------------------------------
@@ -537,9 +560,17 @@ class Simulation:
         elif fault.kind == "kill":
 
             def kill() -> None:
-                if shard.host.alive:
-                    shard.kill()
-                    self.net.at(end, restart)
+                if not shard.host.alive:
+                    return
+                self._note_history()
+                other = self.shards[BACKUP if shard.name == PRIMARY else PRIMARY]
+                if not (other.host.alive and other.service is not None and other.history):
+                    # Both copies of the state would be gone: a loss a pair of processes cannot prevent
+                    # (only a checkpoint bounds it), so not a fault this simulation injects.
+                    self.skipped.append(fault)
+                    return
+                shard.kill()
+                self.net.at(end, restart)
 
             def restart() -> None:
                 if not shard.host.alive:
@@ -645,7 +676,15 @@ class Simulation:
             self.extra.append(checker.Anomaly("no_final_read", "the final read never succeeded (30 s)"))
         report = checker.check(self.ops, mode=options.mode, slack_s=1.0)
         return Result(
-            self.seed, options.mode, self.faults, report, self.ops, self._now, self.steps, self.extra
+            self.seed,
+            options.mode,
+            self.faults,
+            report,
+            self.ops,
+            self._now,
+            self.steps,
+            self.extra,
+            self.skipped,
         )
 
 
