@@ -150,6 +150,12 @@ def first_turn(worker_id: str) -> int:
     return int(digits.group(1)) if digits else zlib.crc32(worker_id.encode())
 
 
+def _expire(task: asyncio.Task[object], expired: list[bool]) -> None:
+    """A request's deadline passed (``DataLink.request``'s timer): its task is cancelled."""
+    expired.append(True)
+    task.cancel()
+
+
 class Unusable(Exception):
     """The shard's data port cannot be used for this request: send it over gRPC (already logged)."""
 
@@ -196,17 +202,17 @@ class DataLink:
         self._data_port = data_port
         self._tls = tls
         self._idle: list[bulk.BulkConnection] = []
-        self._off_until = 0.0  # time.monotonic() before which the data port is not tried
+        self.off_until = 0.0  # time.monotonic() before which the data port is not tried (``usable``)
         self._said = False
         self._closed = False
 
     @property
     def usable(self) -> bool:
         """Whether to try the data port now (not after a recent failure to reach it)."""
-        return time.monotonic() >= self._off_until
+        return time.monotonic() >= self.off_until
 
     def _fall_back(self, why: str, *, permanent: bool) -> None:
-        self._off_until = float("inf") if permanent else time.monotonic() + RETRY_AFTER_S
+        self.off_until = float("inf") if permanent else time.monotonic() + RETRY_AFTER_S
         for conn in self._idle:
             conn.reset()
         self._idle.clear()
@@ -281,37 +287,51 @@ class DataLink:
         """
         deadline = time.monotonic() + timeout
         nbytes = sum(map(len, payload))
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
         while True:
             reused = bool(self._idle)
             left = max(deadline - time.monotonic(), 0.001)
             conn = self._idle.pop() if reused else await self._connect(left)
+            # asyncio.timeout's work without its context manager and state machine (six Python calls a
+            # request): a timer cancels the task at the deadline; a cancel it made ends as a timeout.
+            cancelling = task.cancelling()
+            expired: list[bool] = []
+            timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
             try:
-                async with asyncio.timeout(max(deadline - time.monotonic(), 0.001)):
-                    if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
-                        conn.limit_unsent(unsent_limit(conn.delivery_rate()))
-                    if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
+                if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
+                    conn.limit_unsent(unsent_limit(conn.delivery_rate()))
+                if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
+                    await conn.send(frame, payload)
+                else:
+                    async with uplink.turn(nbytes):
                         await conn.send(frame, payload)
-                    else:
-                        async with uplink.turn(nbytes):
-                            await conn.send(frame, payload)
-                    reply, _ = await conn.recv(into)
-            except TimeoutError:
+                reply, _ = await conn.recv(into)
+            except BaseException as exc:
+                timer.cancel()
+                timed_out = isinstance(exc, TimeoutError)
+                if expired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+                    timed_out = True  # the timer's cancel, not the caller's
+                if timed_out:
+                    conn.reset()
+                    raise RequestError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no answer from the data port within {timeout:.3g} s",
+                    ) from None
+                if isinstance(exc, bulk.Closed):
+                    if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
+                        continue
+                    raise RequestError(
+                        grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
+                    ) from None
                 conn.reset()
-                raise RequestError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data port within {timeout:.3g} s"
-                ) from None
-            except bulk.Closed:
-                if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
-                    continue
-                raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
-                ) from None
-            except PSError as err:
-                conn.reset()
-                raise RequestError(err.code, err.details) from None
-            except BaseException:
-                conn.reset()
+                if isinstance(exc, PSError):
+                    raise RequestError(exc.code, exc.details) from None
                 raise
+            timer.cancel()
+            if expired:  # it fired as the answer came: its cancel is taken back, as asyncio.timeout does
+                task.uncancel()
             if len(self._idle) < MAX_IDLE and not self._closed:
                 self._idle.append(conn)
             else:

@@ -354,7 +354,7 @@ class ShardLink:
         link = self._data.get(self.current)
         if link is None:
             link = self._new_data_link()
-        return link if link.usable else None
+        return link if time.monotonic() >= link.off_until else None  # ``link.usable``, inline
 
     def _new_data_link(self) -> _bulk.DataLink:
         """The data link of the replica in use, made on its first use."""
