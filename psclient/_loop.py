@@ -33,6 +33,7 @@ class BackgroundLoop:
         self._loop = new_event_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
+        self._ident = self._thread.ident  # set once started (read per ``run``: not the property each time)
         self._closed = False
 
     def _main(self) -> None:
@@ -58,7 +59,7 @@ class BackgroundLoop:
             RuntimeError: called from the loop's own thread, or after ``close``.
             concurrent.futures.CancelledError: the task was cancelled on the loop.
         """
-        if threading.get_ident() == self._thread.ident:
+        if threading.get_ident() == self._ident:
             coro.close()
             raise RuntimeError("BackgroundLoop.run called from its own loop thread (would deadlock)")
         done = _thread.allocate_lock()

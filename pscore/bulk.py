@@ -102,12 +102,14 @@ def tensor_sizes(chunks: Iterable[ps_pb2.TensorChunk]) -> list[int]:
             tensor (an offset, or data in the head).
     """
     sizes = []
-    for chunk in chunks:
-        try:
-            dtype = codec.numpy_dtype(chunk.dtype)
-        except codec.CodecError as err:
-            raise codec.CodecError(f"tensor {chunk.name!r}: {err}") from None
-        shape = codec.chunk_shape(chunk)
+    dtypes = codec.WIRE_DTYPES
+    for chunk in chunks:  # codec.numpy_dtype and codec.chunk_shape, inline: no call per tensor
+        dtype = dtypes.get(chunk.dtype)
+        if dtype is None:
+            raise codec.CodecError(f"tensor {chunk.name!r}: unknown wire dtype {chunk.dtype}")
+        shape = tuple(map(int, chunk.shape))
+        if shape and min(shape) < 0:
+            raise codec.CodecError(f"tensor {chunk.name!r} has a negative dimension in shape {shape}")
         if chunk.offset or chunk.data:
             raise codec.CodecError(f"tensor {chunk.name!r}: on the data port a tensor travels whole")
         sizes.append(math.prod(shape) * dtype.itemsize)
@@ -129,14 +131,10 @@ class BulkConnection(FrameTransport[Frame]):
 
     def __init__(self, conn: Conn, peer: str) -> None:
         self._conn: Conn | None = conn
+        self.open = True  # whether the connection is usable (not reset)
         self.peer = peer
         self._prefix = bytearray(PREFIX_BYTES)
         self._buf = bytearray()  # payloads nobody gave a place for
-
-    @property
-    def open(self) -> bool:
-        """Whether the connection is usable (not reset)."""
-        return self._conn is not None
 
     def limit_unsent(self, nbytes: int) -> None:
         """See ``transport.Conn.limit_unsent`` (nothing on a reset connection)."""
@@ -153,7 +151,9 @@ class BulkConnection(FrameTransport[Frame]):
         return self._conn
 
     async def send(self, header: Frame, payload: Sequence[Buffer] = ()) -> None:
-        conn = self._live()
+        conn = self._conn
+        if conn is None:
+            conn = self._live()  # raises
         head = header.head.SerializeToString()
         size = sum(map(len, payload))
         first = _PREFIX.pack(header.kind, len(head), size) + head
@@ -179,7 +179,9 @@ class BulkConnection(FrameTransport[Frame]):
             InvalidArgumentError: the bytes are not a frame (the connection is reset).
             Exception: what ``into`` raised (the connection is reset: the payload was not read).
         """
-        conn = self._live()
+        conn = self._conn
+        if conn is None:
+            conn = self._live()  # raises
         try:
             try:
                 await conn.recv_exactly(memoryview(self._prefix))
@@ -228,6 +230,7 @@ class BulkConnection(FrameTransport[Frame]):
             raise
 
     def reset(self) -> None:
+        self.open = False
         if self._conn is not None:
             self._conn.close()
             self._conn = None

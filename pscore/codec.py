@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 import numpy as np
@@ -33,6 +33,7 @@ _TO_WIRE: Final[dict[np.dtype, int]] = {
     np.dtype("?"): ps_pb2.DTYPE_BOOL,
 }
 _FROM_WIRE: Final[dict[int, np.dtype]] = {v: k for k, v in _TO_WIRE.items()}
+WIRE_DTYPES: Final[Mapping[int, np.dtype]] = _FROM_WIRE  # wire dtype -> numpy dtype (``numpy_dtype``'s table)
 
 SUPPORTED_DTYPES: Final[tuple[str, ...]] = tuple(sorted(str(np.dtype(d).name) for d in _TO_WIRE))
 

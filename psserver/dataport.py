@@ -201,7 +201,7 @@ class DataPortServer:
         with the tensors' sizes). Raises: CodecError."""
         if frame.kind not in bulk.REQUESTS:
             raise codec.CodecError(f"a request cannot be a frame of kind {frame.kind}")
-        sizes = bulk.tensor_sizes(frame.tensors())
+        sizes = bulk.tensor_sizes(frame.head.grads) if frame.kind == bulk.PUSH else []  # frame.tensors()
         if sum(sizes) != nbytes:
             raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
         buf = self.pool.take(nbytes) if nbytes else None
@@ -293,13 +293,14 @@ def _gradients(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int
     dtypes and shapes). Raises: CodecError (a tensor named twice)."""
     view = memoryview(buf).toreadonly() if buf is not None else memoryview(b"")
     grads: dict[str, np.ndarray] = {}
+    dtypes = codec.WIRE_DTYPES
     start = 0
     for chunk, size in zip(head.grads, sizes, strict=True):
         name = chunk.name
         shape = tuple(chunk.shape)
         if name in grads:  # as the Assembler says it
             raise codec.CodecError(f"tensor {name!r}: received more elements than its shape {shape} holds")
-        grads[name] = np.frombuffer(view[start : start + size], codec.numpy_dtype(chunk.dtype)).reshape(shape)
+        grads[name] = np.frombuffer(view[start : start + size], dtypes[chunk.dtype]).reshape(shape)
         start += size
     return grads
 
