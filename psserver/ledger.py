@@ -91,7 +91,7 @@ class PushLedger:
         window = sessions.get(session)
         if window is None:
             window = self._take_over(worker_id, sessions, session)
-        elif seq in window:
+        elif seq <= window.floor or seq in window.seen:  # ``seq in window``, inline
             return False
         elif (current := next(reversed(sessions))) != session:
             raise WorkerIdConflictError(
@@ -100,7 +100,10 @@ class PushLedger:
                 "it applied; give each worker its own worker_id (TF_CONFIG task index, or "
                 "PSWorker(worker_index=...))"
             )
-        window.add(seq)
+        if len(window.seen) < 2 * _DEDUP_WINDOW:  # ``window.add``, inline while it needs no trim
+            window.seen.add(seq)
+        else:
+            window.add(seq)
         return True
 
     def record(self, worker_id: str, seq: int, session: int = 0) -> None:

@@ -113,6 +113,20 @@ def _spec_key(spec: ps_pb2.VariableSpec) -> bytes:
     return spec.SerializeToString(deterministic=True)
 
 
+def _run_inline(update: Generator[_Work, Any, int]) -> int:
+    """``Store._run_offloaded`` for an update whose every computation is small: all of it now, no await."""
+    try:
+        result: Any = None
+        while True:
+            try:
+                _nbytes, work = update.send(result)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            result = work()
+    finally:
+        update.close()
+
+
 def _freeze(arr: np.ndarray) -> np.ndarray:
     arr.flags.writeable = False
     return arr
@@ -516,7 +530,18 @@ class Store:
     async def _apply_each(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
         versions = []
         for var, grad in pairs:
-            async with var.lock:
+            lock = var.lock
+            if (
+                not lock.locked()
+                and not isinstance(grad, tables.RowGrad)
+                and var.state[0].nbytes <= self.inline_apply_bytes
+            ):
+                # A dense update small enough to run inline makes no await: no other task runs before it
+                # ends, so the lock, free now, would guard nothing (its five calls a variable saved). A
+                # task waiting for the lock has not begun its own work yet; it goes on after this one.
+                versions.append(_run_inline(self._update(var, grad, now)))
+                continue
+            async with lock:
                 versions.append(await self._run_offloaded(self._update(var, grad, now)))
         return versions
 
