@@ -543,8 +543,8 @@ class AsyncPSClient:
             results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
         if reading:
             answers.check_read()
-        looked_up = {name: read.result() for name, read in reads.items()}
-        return all(results), answers.values(grads, plan), looked_up
+        looked_up = {name: read.result() for name, read in reads.items()} if reads else {}
+        return all(results), answers.values(grads, plan) if return_values else {}, looked_up
 
     async def _push_plan(
         self, grads: Tensors, return_rows: bool | Iterable[str], every_shard: bool

@@ -101,7 +101,8 @@ class PSClient:
         self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
     ) -> dict[str, np.ndarray]:
         """Reads current values (``ema=True``: the moving averages); see ``AsyncPSClient.pull``."""
-        return dict(self._run(self._async.pull(None if names is None else list(names), step=step, ema=ema)))
+        coro = self._async.pull(None if names is None else list(names), step=step, ema=ema)
+        return dict(self._loop.run(coro, self._wait_s))  # ``_run``, inline on the hot methods
 
     def pull_with_versions(
         self, names: Iterable[str] | None = None, *, step: int = 0, ema: bool = False
@@ -114,7 +115,7 @@ class PSClient:
 
     def push(self, grads: Tensors, *, step: int = 0, every_shard: bool = False) -> bool:
         """Applies gradients; see ``AsyncPSClient.push``."""
-        return bool(self._run(self._async.push(grads, step=step, every_shard=every_shard)))
+        return bool(self._loop.run(self._async.push(grads, step=step, every_shard=every_shard), self._wait_s))
 
     def push_pull(
         self,
@@ -127,7 +128,7 @@ class PSClient:
         """Pushes gradients and returns the updated values (``return_rows``: which tables' rows) and
         ``.applied``; see ``AsyncPSClient.push_pull``."""
         coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
-        return self._run(coro)
+        return self._loop.run(coro, self._wait_s)
 
     def create_embedding(
         self,
@@ -157,7 +158,9 @@ class PSClient:
 
     def lookup(self, name: str, ids: Any, *, step: int = 0, distinct: bool = False) -> np.ndarray:
         """Reads rows of a table, shape ``ids.shape + (dim,)``; see ``AsyncPSClient.lookup``."""
-        return np.asarray(self._run(self._async.lookup(name, ids, step=step, distinct=distinct)))
+        return np.asarray(
+            self._loop.run(self._async.lookup(name, ids, step=step, distinct=distinct), self._wait_s)
+        )
 
     def export(self, name: str, *, batch_rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Iterates over every row of a table in batches, ``(ids, rows)``; see ``AsyncPSClient.export``.

@@ -228,8 +228,9 @@ class DataPortServer:
             if kind == bulk.PUSH:
                 if self._metrics is not None:
                     self._metrics.push_received(head, sum(sizes))
+                left = head.timeout_s  # deadline_of(None, head.timeout_s), inline
                 response, snapshot = await self._service.push(
-                    head, _gradients(head, buf, sizes), deadline_of(None, head.timeout_s)
+                    head, _gradients(head, buf, sizes), time.monotonic() + left if left > 0 else None
                 )
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
                     versions, values = response.versions, response.values

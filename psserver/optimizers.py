@@ -223,10 +223,12 @@ class ServerOptimizer(abc.ABC):
             acc[...] = 0
             step = iteration // k  # Keras's `iterations` with accumulation: applied updates
         compute = _F32 if dtype == _F16 else dtype
-        lr = self.learning_rate(iteration)
+        lr = c.learning_rate  # type: ignore[attr-defined]
+        lr = lr(iteration) if isinstance(lr, specs.LearningRateSchedule) else float(lr)  # learning_rate()
         if c.clipnorm is not None or c.clipvalue is not None or c.weight_decay is not None:
             value, grad = self._preprocess(value, grad, compute, lr)
-        return self._average(self._apply_rule(value, grad, slots, step, lr), slots, step)
+        new = self._apply_rule(value, grad, slots, step, lr)
+        return self._average(new, slots, step) if c.use_ema else new
 
     def _preprocess(
         self, value: np.ndarray, grad: np.ndarray, compute: np.dtype, lr: float

@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (65, 65),
+    "push 1KiB": (60, 60),
     "pull 1KiB": (80, 55),
-    "push_pull 1KiB": (85, 90),
-    "push_pull 1MiB": (240, 195),
-    "embedding step": (180, 165),
-    "sync step": (85, 130),
+    "push_pull 1KiB": (80, 90),
+    "push_pull 1MiB": (240, 190),
+    "embedding step": (180, 160),
+    "sync step": (80, 125),
 }
 
 
