@@ -429,7 +429,10 @@ class ShardLink:
         else:
             size = nbytes
         into = sink or _DISCARD
-        wire = self.wire(op, size)
+        if _wire.takes_data_port(op, size, self._config) and self.data_link() is not None:
+            wire = Wire.DATA_PORT  # the common case, as ``wire`` picks it (without its closure and calls)
+        else:
+            wire = self.wire(op, size)
         while True:
             if wire is Wire.DATA_PORT:  # the common case: one frame each way
                 attempt = functools.partial(self._over_data_port, op, header, tensors, into)
@@ -497,8 +500,9 @@ class ShardLink:
             head = ps_pb2.PushRequest()
             head.CopyFrom(header)
             described = head.grads
-            for n, t in tensors:
-                described.append(bulk.describe(n, t))
+            wire_of = codec.DTYPE_WIRES
+            for n, t in tensors:  # bulk.describe, inline (wire arrays: little-endian, a known dtype or none)
+                described.add(name=n, dtype=wire_of.get(t.dtype) or codec.wire_dtype(t.dtype), shape=t.shape)
             kind = bulk.PUSH
         else:
             kind = bulk.PULL if op is Op.PULL else bulk.LOOKUP
@@ -514,8 +518,11 @@ class ShardLink:
         )
         for chunk in spare:
             sink.add(chunk)
+        head = reply.head
+        if op is Op.PUSH:  # ``Answer.read``'s, inline
+            return Answer(bool(head.applied), max(0, head.checkpoint_step))
         answer = Answer()
-        answer.read(op, reply.head)
+        answer.read(op, head)
         return answer
 
     async def close(self) -> None:

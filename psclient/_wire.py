@@ -54,6 +54,16 @@ def _always(wire: Wire) -> bool:
     return True
 
 
+def takes_data_port(op: Op, nbytes: int, config: ClientConfig) -> bool:
+    """Whether rule 1 sends this request over the data port, if the data port is usable now (``choose``'s
+    first rule, which the client checks first: the common case).
+
+    >>> takes_data_port(Op.PUSH, 100, ClientConfig(addresses=("h:1",), data_port_min_bytes=1024))
+    False
+    """
+    return config.data_port and (op is Op.LOOKUP or nbytes >= config.data_port_min_bytes)
+
+
 def choose(
     op: Op,
     nbytes: int,
@@ -80,8 +90,7 @@ def choose(
         after: the wire that refused this request: only wires after it in ``Wire`` are picked.
     """
 
-    big_enough = op is Op.LOOKUP or nbytes >= config.data_port_min_bytes
-    if config.data_port and big_enough and after is None and available(Wire.DATA_PORT):  # the common case
+    if after is None and takes_data_port(op, nbytes, config) and available(Wire.DATA_PORT):  # the common case
         return Wire.DATA_PORT
     if op is not Op.LOOKUP and nbytes > config.unary_max_bytes:
         return Wire.STREAM

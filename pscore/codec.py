@@ -34,6 +34,7 @@ _TO_WIRE: Final[dict[np.dtype, int]] = {
 }
 _FROM_WIRE: Final[dict[int, np.dtype]] = {v: k for k, v in _TO_WIRE.items()}
 WIRE_DTYPES: Final[Mapping[int, np.dtype]] = _FROM_WIRE  # wire dtype -> numpy dtype (``numpy_dtype``'s table)
+DTYPE_WIRES: Final[Mapping[np.dtype, int]] = _TO_WIRE  # little-endian numpy dtype -> wire (``wire_dtype``'s)
 
 SUPPORTED_DTYPES: Final[tuple[str, ...]] = tuple(sorted(str(np.dtype(d).name) for d in _TO_WIRE))
 
