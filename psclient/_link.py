@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from psclient import _bulk, _reach, _retry, _session, _wire
+from psclient import _bulk, _reach, _retry, _session, _stall, _wire
 from psclient import _requests as rq
 from psclient._wire import Op, Wire
 from psclient.config import ClientConfig
@@ -177,6 +177,8 @@ class ShardLink:
         self._closing: set[asyncio.Future[None]] = set()  # sessions of replicas failed over from
         self._watches: dict[int, _reach.Watch] = {}  # replica -> its reachability
         self._last_failure: dict[int, str] = {}  # replica -> its last failed attempt
+        # Replicated shards: per replica, its calls waiting and whether its process still answers.
+        self._liveness: list[_stall.Liveness] = []
         self._closed = False
 
     # -- gRPC ----------------------------------------------------------------
@@ -232,6 +234,8 @@ class ShardLink:
         """
         watch = self._watches.get(self.current) or self._watch()
         watch.enter()  # a shard that does not answer is reported within seconds (see psclient._reach)
+        if len(self.replicas) > 1:  # a stopped process is told from a slow one, and failed over from
+            fn = functools.partial(self._unless_stalled, fn)
         started = time.monotonic()
         limit = self._config.timeout if timeout is None else timeout
         try:
@@ -270,13 +274,43 @@ class ShardLink:
             method, lambda: getattr(self.stub(), method)(stream_of(messages()), **self.kw()), timeout=timeout
         )
 
+    async def _unless_stalled(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """One attempt of a call to a replicated shard, failed (``_stall.StalledError``) if its replica's
+        process stops answering while it waits (``psclient._stall``)."""
+        if not self._liveness:
+            self._liveness = [
+                _stall.Liveness(address, functools.partial(self._status, r))
+                for r, address in enumerate(self.replicas)
+            ]
+        liveness = self._liveness[self.current]
+        task = liveness.enter()
+        try:
+            return await fn()
+        except asyncio.CancelledError:
+            waited = liveness.leave(task)
+            if waited is None:
+                raise
+            raise _stall.StalledError(liveness.address, waited) from None
+        finally:
+            liveness.leave(task)  # a second leave does nothing
+
+    async def _status(self, replica: int, timeout: float) -> Any:
+        self.stub()
+        return await self._stubs[replica].GetStatus(
+            ps_pb2.GetStatusRequest(), timeout=timeout, metadata=self.metadata(), wait_for_ready=False
+        )
+
     def _failover(self, err: grpc.RpcError) -> None:
-        """After a retryable error: the next attempt goes to the next replica (``PRIMARY|BACKUP``)."""
+        """After a retryable error: the next attempt goes to the next replica (``PRIMARY|BACKUP``), unless
+        that one's process was found stopped moments ago (``psclient._stall``): then this one again."""
         if len(self.replicas) == 1:
             return
         self._last_failure[self.current] = _failure(err)
         old = self.replicas[self.current]
-        self.current = (self.current + 1) % len(self.replicas)
+        following = (self.current + 1) % len(self.replicas)
+        if self._liveness and self._liveness[following].recently_stalled():
+            return
+        self.current = following
         session, self._session = self._session, None
         if session is not None:  # its stream is bound to the old replica
             closing = asyncio.ensure_future(session.close())
@@ -509,10 +543,13 @@ class ShardLink:
         if op is not Op.LOOKUP:  # the shard bounds its waits (a barrier, the staleness bound) by this
             head.timeout_s = timeout
         spare: list[codec.WireChunk] = []
+        into = functools.partial(_receive, sink.place, spare)
+        if op is Op.PUSH and not (header.return_values or header.lookup_ids):
+            into = None  # a plain push: its answer carries no tensors (none to place, none kept)
         reply = await link.request(
             bulk.Frame(kind, head),
             payload,
-            functools.partial(_receive, sink.place, spare),
+            into,
             timeout,
             uplink=self._uplink if op is Op.PUSH else None,
         )

@@ -100,8 +100,8 @@ class Primary:
         required: serve only under a lease from the start (``--backup-at``: this
             shard is replicated, even before its backup has attached); otherwise
             from the first backup's confirmation on.
-        peer: the other process of this shard (``--backup-at`` / ``--backup-of``),
-            asked whether it took over while this one holds no lease.
+        peer: the other process of this shard (``--backup-at`` / ``--backup-of``; else the first
+            backup that confirms), asked whether it took over while this one holds no lease.
         connect: opens a channel to ``peer`` (TLS, message sizes); default plaintext.
         auth_token: sent to ``peer``.
         serve_alone: once promoted (``promoted``), serve with no backup attached instead of refusing
@@ -402,6 +402,8 @@ class Primary:
             link.confirmed = True
             self.required = True
             self.unprotected = False
+            if not self.peer and ":" in link.peer:  # started without --backup-at: ask this one from now on
+                self.peer = link.peer
             log.info(
                 "shard %d: backup %s has the snapshot; serving under its lease (%gs, renewed by every "
                 "acknowledgement)", self.shard, link.peer, self.lease_s,
