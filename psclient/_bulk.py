@@ -270,11 +270,12 @@ class DataLink:
         self,
         frame: bulk.Frame,
         payload: Sequence[Buffer],
-        into: Into[bulk.Frame],
+        into: Into[bulk.Frame] | None,
         timeout: float,
         uplink: Uplink | None = None,
     ) -> bulk.Frame:
-        """Sends one request and receives its answer (its tensors through ``into``).
+        """Sends one request and receives its answer (its tensors through ``into``; None: an answer with no
+        tensors to keep).
 
         With ``uplink``, the request's bytes go out in their turn (``Uplink.turn``).
 

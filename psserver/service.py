@@ -446,7 +446,10 @@ class ShardService:
         try:
             return await self._push_updating(header, grads, deadline)
         finally:
-            self._updated()
+            self._updating -= 1  # ``_updated``, inline
+            if not self._updating and self._quiet is not None:
+                self._quiet.set()
+                self._quiet = None
 
     async def _push_updating(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
