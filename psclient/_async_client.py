@@ -556,7 +556,10 @@ class AsyncPSClient:
             InvalidArgumentError: Rows for a variable that is not a table, an array for one that
                 is, or a bad gradient (see ``rq.split_by_shard`` and ``_row_tensors``).
         """
-        known = await self._known(list(grads))
+        try:  # every variable known: ``_known``'s common case, without its frame
+            known = self.registry.resolve(grads)
+        except NotFoundError:
+            known = await self._known(list(grads))
         pieces: dict[str, list[rq.Piece]] = {}  # a loop, not comprehensions: no call per push
         row_tables = []
         for n, g in known.items():

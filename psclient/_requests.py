@@ -130,8 +130,9 @@ def split_by_shard(
     for name, group in pieces.items():
         raw = tensors[name]
         full_shape, dtype = group[0].full_shape, group[0].dtype
-        try:
-            arr = codec.as_wire_array(raw)
+        try:  # an array that is one already (C order, little-endian) as is, else codec.as_wire_array's
+            wire = type(raw) is np.ndarray and raw.flags.c_contiguous and raw.dtype.byteorder != ">"
+            arr = raw if wire else codec.as_wire_array(raw)
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"{what} for {name!r} is not an array: {err}") from None
         if arr.shape != full_shape:

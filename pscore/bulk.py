@@ -206,12 +206,14 @@ class BulkConnection(FrameTransport[Frame]):
                 if len(self._buf) < size:
                     self._buf = bytearray(size)
                 view = memoryview(self._buf)[:size]
-                await conn.recv_exactly(view)
+                if size:  # a frame without a payload reads nothing more
+                    await conn.recv_exactly(view)
                 return frame, view
             if sum(map(len, targets)) != size:
                 raise codec.CodecError(f"frame announces {size} payload bytes; its head describes others")
             for target in targets:
-                await conn.recv_exactly(target)
+                if len(target):
+                    await conn.recv_exactly(target)
             return frame, None
         except _Refused as refused:
             self.reset()  # the payload was not read

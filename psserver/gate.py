@@ -77,7 +77,12 @@ class UpdateGate:
 
     def leave(self, claims: tuple[PushKey, ...] = ()) -> None:
         """``passing``'s way out: the update that ``enter`` let in ended."""
-        if claims:
+        if len(claims) == 1 and self._pending.get(claims[0]) == 1:  # ``_unpend``'s common case, inline
+            self._pending.pop(claims[0])  # pop: Counter.__delitem__ is Python
+            if self._unpended is not None:
+                self._unpended.set()
+                self._unpended = None
+        elif claims:
             self._unpend(claims)
         self._updating -= 1
         if not self._updating and self._idle is not None:

@@ -586,7 +586,8 @@ class Store:
             value, version = var.state
             step = var.iterations
             new = yield value.nbytes, functools.partial(var.optimizer.apply, value, grad, var.slots, step)
-            var.state = (_freeze(new), version + 1)
+            new.flags.writeable = False  # _freeze, inline
+            var.state = (new, version + 1)
             var.iterations = step + 1
             return version + 1
         reg = var.regularizer

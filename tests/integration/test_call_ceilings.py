@@ -23,12 +23,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (52, 60),
+    "push 1KiB": (50, 60),
     "pull 1KiB": (75, 55),
-    "push_pull 1KiB": (80, 85),
-    "push_pull 1MiB": (230, 185),
-    "embedding step": (165, 160),
-    "sync step": (80, 125),
+    "push_pull 1KiB": (78, 85),
+    "push_pull 1MiB": (220, 180),
+    "embedding step": (165, 165),
+    "sync step": (75, 120),
 }
 
 
