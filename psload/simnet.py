@@ -246,6 +246,7 @@ class Call:
         self.method = method
         self.order = next(Call._orders)
         self.broken = False
+        self.cancelled = False  # the caller gave up (its word may still be on its way)
         self.responses: asyncio.Queue[Any] = asyncio.Queue()  # on the caller's loop (created lazily there)
         self.requests: asyncio.Queue[Any] | None = None  # on the target's loop
         self.task: asyncio.Task[None] | None = None  # the target's handler
@@ -266,11 +267,13 @@ class Call:
             self.requests = asyncio.Queue()
 
             def start() -> None:
-                self.task = host.loop.create_task(handler(self.method, self))
+                if not self.broken:  # a call that broke before its handler ran (its host was paused) is gone
+                    self.task = host.loop.create_task(handler(self.method, self))
 
             host.loop.call_soon(start)
         elif kind == "cancel":
             host.loop.call_soon(self._cancel_handler)
+            self._close()
         else:
             host.loop.call_soon(self._put_request, payload)
 
@@ -283,6 +286,12 @@ class Call:
             self.task.cancel()
         if self.requests is not None:
             self.requests.put_nowait(_CANCEL)
+
+    async def first_request(self) -> Any:
+        """The target's view of a unary call's request (None: the caller gave up before it came)."""
+        assert self.requests is not None
+        item = await self.requests.get()
+        return None if item is _END or item is _CANCEL else item
 
     async def request_stream(self) -> AsyncIterator[Any]:
         """The target's view of the caller's messages (ends when the caller ends its stream)."""
@@ -327,10 +336,11 @@ class Call:
         self.c2s.send(("message", _END))
 
     def cancel(self) -> None:
-        """The caller gives up: the target's handler is cancelled when the word reaches it."""
-        if not self.broken:
+        """The caller gives up: the target's handler is cancelled when the word reaches it (across a cut
+        only once it heals, or when the call breaks: as an HTTP/2 RST_STREAM, retransmitted by TCP)."""
+        if not self.broken and not self.cancelled:
+            self.cancelled = True
             self.c2s.send(("cancel", None))
-            self._close()
 
     async def next(self) -> Any:
         """The caller's next message; raises SimRpcError; StopAsyncIteration at the end."""
@@ -372,7 +382,7 @@ class Call:
                 self.caller.loop.call_soon(self.responses.put_nowait, error)
             return
         host = self.net.hosts.get(self.target)
-        if host is not None and host.alive and self.task is not None:
+        if host is not None and host.alive:  # its handler, once its host runs again (it may be paused)
             host.loop.call_soon(self._cancel_handler)
 
     def _close(self) -> None:

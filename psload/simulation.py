@@ -286,7 +286,9 @@ class _Shard(_Proc):
             elif method == "GetStatus":
                 call.answer(service.status().SerializeToString())
             else:
-                request = await call.requests.get() if call.requests is not None else None
+                request = await call.first_request()
+                if request is None:  # cancelled before its request came
+                    return
                 call.answer(await self._client_call(service, method, request))
             call.finish()
         except asyncio.CancelledError:

@@ -328,7 +328,11 @@ class Primary:
         if self._released:
             raise FailedPreconditionError(f"shard {self.shard} is shutting down: it cannot take a backup")
         if self._link is not None:
-            raise FailedPreconditionError(f"this shard already has a backup ({self._link.peer})")
+            if self._link.peer != peer or ":" not in peer:
+                raise FailedPreconditionError(f"this shard already has a backup ({self._link.peer})")
+            # The same backup attaching again: its earlier stream is dead to it (it gave up on it across a
+            # partition or a pause), though the word has not reached this side yet. That one ends here.
+            self._detach(self._link, "it attached again")
         link = _Link(peer)
         if backup_term > self.term:
             log.warning(

@@ -8,12 +8,13 @@ push of a sync step.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
 from pscore import codec
-from pscore.errors import DeadlineExceededError, UnavailableError
+from pscore.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
 from pscore.optimizers import SGD
 from psproto.v1 import ps_pb2
 from psserver import checkpoint, lease
@@ -234,3 +235,27 @@ def test_the_backup_waits_out_the_lease_under_the_drift_bound(lease_s: float) ->
     assert lease.silence_limit(lease_s) > 2 * lease.heartbeat_every(lease_s)
     assert lease.silence_limit(lease_s) + lease.heartbeat_every(lease_s) <= lease.backup_wait(lease_s)
     assert lease.heartbeat_every(lease_s) < lease_s
+
+
+async def _silent() -> AsyncIterator[bytes]:
+    await asyncio.Event().wait()  # a backup that acknowledges nothing
+    yield b""
+
+
+async def test_the_same_backup_attaching_again_replaces_its_dead_stream_and_another_is_refused() -> None:
+    # A backup that gave up on its stream across a partition or a pause attaches again before the word of
+    # its cancel reached the primary: the old stream ends, the new one gets a snapshot. A third process is
+    # refused (two processes per shard).
+    from psserver.replication import Primary
+
+    store = _store()
+    primary = Primary(store, AsyncMode(store), shard=0, num_shards=1)
+    first = primary.serve(_silent(), "b:1")
+    assert (await anext(first)).snapshot_done
+    second = primary.serve(_silent(), "b:1")
+    assert (await anext(second)).snapshot_done
+    with pytest.raises(StopAsyncIteration):
+        await anext(first)  # detached: its stream ends
+    with pytest.raises(FailedPreconditionError, match=r"already has a backup \(b:1\)"):
+        await anext(primary.serve(_silent(), "c:1"))
+    await second.aclose()
