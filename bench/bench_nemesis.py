@@ -34,8 +34,9 @@ from psload.nemesis import FAULTS, MODES, NemesisConfig, run_nemesis
 def _table(results: list[dict[str, Any]]) -> str:
     rows = [
         "| mode | faults | pushes ok | failed (unknown outcome) | pulls ok | longest push gap | "
-        "recovery after a heal, p50 / max | errors naming only the pair | anomalies |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "recovery after a heal, p50 / max | first ack after the primary paused | errors naming only the pair "
+        "| anomalies |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         s = r["report"]["stats"]
@@ -48,6 +49,7 @@ def _table(results: list[dict[str, Any]]) -> str:
             r["config"]["mode"], f"{len(r['faults'])} ({faults})", s["pushes_ok"], s["pushes_failed"],
             s["pulls_ok"], f"{s['longest_push_gap_s']} s",
             f"{s.get('recovery_p50_s')} / {s.get('recovery_max_s')} s ({s.get('recovery_worst', '')})",
+            ", ".join(f"{t} s" for t in s.get("primary_pause_first_ack_s", [])) or "-",
             s["errors_naming_only_the_pair"], anomalies,
         ]  # fmt: skip
         rows.append("| " + " | ".join(str(c) for c in cells) + " |")

@@ -133,6 +133,7 @@ class Fault:
     detail: str = ""
     waited_s: float = 0.0  # how long it waited for the shard to be redundant first
     recovered_s: float | None = None  # heal to every client's next acknowledged push (_recovery)
+    first_ack_s: float | None = None  # start to the first push acknowledged that began after it (_recovery)
 
 
 @dataclass
@@ -553,7 +554,9 @@ def timeline(ops: list[Op], report: checker.Report, nemesis: Nemesis) -> str:
 def _recovery(ops: list[Op], clients: list[str], nemesis: Nemesis) -> dict[str, Any]:
     """Per fault, the time from its heal until every client had a push acknowledged that began after the
     heal (``Fault.recovered_s``), counted only up to the next fault's start (None: the next fault, or the
-    end of the run, came first); their median and largest, and how many were cut short."""
+    end of the run, came first); their median and largest, and how many were cut short. And per fault,
+    from its start to the first push acknowledged that began after it (``Fault.first_ack_s``): for a
+    pause of the primary, how long the shard acknowledged nothing."""
     acked = {name: [op for op in ops if op.process == name and op.f == "push" and op.ok] for name in clients}
     starts = [nemesis.t0 + f.start_s for f in nemesis.faults[1:]] + [float("inf")]
     for fault, next_start in zip(nemesis.faults, starts, strict=True):
@@ -561,13 +564,23 @@ def _recovery(ops: list[Op], clients: list[str], nemesis: Nemesis) -> dict[str, 
         ends = [next((op.complete for op in acked[name] if op.invoke >= healed), None) for name in clients]
         done = [e for e in ends if e is not None and e <= next_start]
         fault.recovered_s = round(max(done) - healed, 2) if len(done) == len(clients) else None
+        began = nemesis.t0 + fault.start_s  # a pause: how long the shard acknowledged nothing (issue 46)
+        first = min(
+            (op.complete for ops_ in acked.values() for op in ops_ if op.invoke >= began), default=None
+        )
+        fault.first_ack_s = round(first - began, 2) if first is not None and first <= next_start else None
     times = sorted(f.recovered_s for f in nemesis.faults if f.recovered_s is not None)
+    pauses = sorted(
+        f.first_ack_s for f in nemesis.faults if f.kind == "pause" and "primary" in f.target and f.first_ack_s
+    )
     worst = max(nemesis.faults, key=lambda f: f.recovered_s or 0.0, default=None)
     return {
         "recovery_p50_s": times[len(times) // 2] if times else None,
         "recovery_max_s": times[-1] if times else None,
         "recovery_worst": f"{worst.kind} {worst.target}" if worst is not None else "",
         "recovery_cut_short": len(nemesis.faults) - len(times),
+        # A pause of the primary: from its start to the first push acknowledged that began after it.
+        "primary_pause_first_ack_s": pauses,
     }
 
 
