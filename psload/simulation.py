@@ -712,6 +712,9 @@ def _quiet_logs() -> Iterator[None]:
             logging.getLogger(n).setLevel(level)
 
 
+_frozen = False
+
+
 def run_seed(seed: int, options: Options) -> Result:
     """Runs one seed (deterministic: the same seed and options give the same history).
 
@@ -722,6 +725,11 @@ def run_seed(seed: int, options: Options) -> Result:
     """
     random.seed(seed)  # any draw of the code under test from the global generator
     np.random.seed(seed % 2**32)
+    global _frozen
+    if not _frozen:  # what the process held before (its modules): never scanned again by the collections
+        gc.collect()
+        gc.freeze()
+        _frozen = True
     was_enabled = gc.isenabled()
     gc.disable()
     try:
