@@ -512,10 +512,12 @@ class AsyncPSClient:
                 omit_values=plan.omit.get(shard, []) if return_values else [],
                 lookup_ids=lookup_ids.get(shard, []),
             )
-            place = answers.into.place if answers.into is not None else None
-            sink = _link.Sink(
-                functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
-            )
+            sink = None  # a plain push: nothing in its answer to keep (the link's own discarding sink)
+            if return_values or reading:
+                place = answers.into.place if answers.into is not None else None
+                sink = _link.Sink(
+                    functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
+                )
             answer = await self._shards[shard].request(Op.PUSH, header, tensors, sink)
             if answer.checkpoint_step > self._checkpoint_step:
                 self._checkpoint_step = answer.checkpoint_step

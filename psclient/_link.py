@@ -522,21 +522,23 @@ class ShardLink:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
                 grpc.RpcError.
         """
-        sink.restart()
+        if sink is not _DISCARD:  # a sink that keeps nothing has nothing to forget
+            sink.restart()
         link = self.data_link()
         if link is None:
             raise _bulk.Unusable
         left = _retry.ATTEMPT_TIMEOUT.get()
         timeout = self._config.timeout if left is None else left
         head = header
-        payload = [memoryview(t.reshape(-1)).cast("B") for _, t in tensors]  # as bulk.payload_of
+        payload = []
         if op is Op.PUSH:
             head = ps_pb2.PushRequest()
             head.CopyFrom(header)
             described = head.grads
             wire_of = codec.DTYPE_WIRES
-            for n, t in tensors:  # bulk.describe, inline (wire arrays: little-endian, a known dtype or none)
+            for n, t in tensors:  # bulk.describe and bulk.payload_of, inline (wire arrays: little-endian)
                 described.add(name=n, dtype=wire_of.get(t.dtype) or codec.wire_dtype(t.dtype), shape=t.shape)
+                payload.append(memoryview(t.reshape(-1)).cast("B"))
             kind = bulk.PUSH
         else:
             kind = bulk.PULL if op is Op.PULL else bulk.LOOKUP

@@ -23,11 +23,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
-    "push 1KiB": (50, 60),
-    "pull 1KiB": (75, 55),
-    "push_pull 1KiB": (78, 85),
-    "push_pull 1MiB": (220, 180),
-    "embedding step": (165, 165),
+    "push 1KiB": (48, 58),
+    "pull 1KiB": (72, 55),
+    "push_pull 1KiB": (76, 85),
+    "push_pull 1MiB": (210, 180),
+    "embedding step": (160, 165),
     "sync step": (75, 120),
 }
 
