@@ -194,6 +194,8 @@ class Gather:
 
     def restart(self, pieces: Iterable[Piece]) -> None:
         """Forgets what arrived for ``pieces`` (a retried stream sends them again)."""
+        if not self._filled and not self._flat:  # nothing arrived yet (a first attempt): nothing to forget
+            return
         for p in pieces:
             self._filled.pop(p.stored_name, None)
             flat = self._flat.get(p.variable)
@@ -211,8 +213,11 @@ class Gather:
         piece = self._by_stored.get(chunk.name)
         if piece is None:
             raise codec.CodecError(f"a shard sent tensor {chunk.name!r}, which was not requested")
-        dtype, shape = codec.numpy_dtype(chunk.dtype), codec.chunk_shape(chunk)
-        if dtype != piece.dtype or shape != piece.stored_shape:
+        # The common case without a call: a known dtype, the shape of a whole variable or partition.
+        dtype, shape = codec.WIRE_DTYPES.get(chunk.dtype), tuple(chunk.shape)
+        stored = piece.full_shape if piece.count == 1 and not piece.table else piece.stored_shape
+        if dtype is None or dtype != piece.dtype or shape != stored:
+            dtype, shape = codec.numpy_dtype(chunk.dtype), codec.chunk_shape(chunk)  # their errors first
             raise codec.CodecError(
                 f"tensor {chunk.name!r}: got {dtype.name}{list(shape)}, "
                 f"expected {piece.dtype.name}{list(piece.stored_shape)}"
@@ -222,7 +227,10 @@ class Gather:
         flat = self._flat.get(piece.variable)
         if flat is None or not flat.flags.writeable:
             flat = self._flat[piece.variable] = self._alloc(math.prod(piece.full_shape), piece.dtype)
-        self._covered(piece).add(0, piece.size)
+        coverage = self._filled.get(piece.stored_name)  # ``_covered``, inline
+        if coverage is None:
+            coverage = self._filled[piece.stored_name] = codec.Coverage(piece.size)
+        coverage.add(0, piece.size)
         return memoryview(flat[piece.offset : piece.offset + piece.size]).cast("B")
 
     def add(self, chunk: Any) -> None:
@@ -274,8 +282,12 @@ class Gather:
             CodecError: a piece arrived incomplete, or with elements twice.
         """
         out = {}
+        filled = self._filled
         for name, group in self._pieces.items():
-            missing = [p.stored_name for p in group if p.stored_name not in self._filled]
+            if len(group) == 1 and group[0].stored_name in filled:  # a whole variable, arrived
+                missing = None
+            else:
+                missing = [p.stored_name for p in group if p.stored_name not in filled]
             if missing:
                 raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
             for p in group:

@@ -495,8 +495,9 @@ class ShardService:
                 ids = np.unique(grad.ids.astype(np.int64))
                 reads.value(embedding.ids_name(name), ids, var.version)
                 reads.rows(embedding.values_name(name), var, ids)
-            else:
-                reads.value(name, *var.stable_value())
+            else:  # reads.value(name, *var.stable_value()), inline
+                value, version = var.state
+                reads._items.append((name, value.copy() if value.flags.writeable else value, version))
 
     async def leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.LeaveResponse:
         """Worker ``request.worker_id`` leaves: sync barriers and ssp clocks stop waiting for it."""

@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
     "push 1KiB": (48, 58),
-    "pull 1KiB": (72, 55),
-    "push_pull 1KiB": (76, 85),
-    "push_pull 1MiB": (210, 180),
+    "pull 1KiB": (66, 55),
+    "push_pull 1KiB": (70, 85),
+    "push_pull 1MiB": (180, 170),
     "embedding step": (160, 165),
-    "sync step": (75, 120),
+    "sync step": (68, 120),
 }
 
 
