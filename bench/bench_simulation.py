@@ -2,10 +2,11 @@
 
     python bench/bench_simulation.py --seeds 100000 --jobs 2 --out bench/results/simulation
 
-Each seed runs a replicated shard (the real ``psserver`` code on virtual time, ``psload.simulation``)
-under its own faults and proves the history; a seed with an anomaly is listed with its faults (replay it
-with ``python -m psload.simulation --seed N --mode MODE -v``). Prints progress every 1,000 seeds and
-writes a Markdown summary: seeds, anomalies, seeds a minute per core.
+Modes are interleaved (chunks of 50 seeds). ``--minutes`` stops the run after that long and reports the
+seeds done. Each seed runs a replicated shard (the real ``psserver`` code on virtual time,
+``psload.simulation``) under its own faults and proves the history; a seed with an anomaly is listed
+with its faults (replay it with ``python -m psload.simulation --seed N --mode MODE -v``). Prints
+progress every 1,000 seeds and writes a Markdown summary: seeds, anomalies, seeds a minute per core.
 """
 
 from __future__ import annotations
@@ -50,19 +51,29 @@ def main() -> int:
         "--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every core)"
     )
     parser.add_argument("--serve-alone", action="store_true", help="the shards' --serve-alone")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        help="stop after this long, with the seeds done by then (default: all of them)",
+    )
     parser.add_argument("--out", help="write OUT.md")
     args = parser.parse_args()
     modes = args.modes.split(",")
-    jobs = [
+    jobs = [  # the modes interleaved: a run cut short has some of each
         (mode, start, min(_CHUNK, args.first + args.seeds - start), args.serve_alone)
-        for mode in modes
         for start in range(args.first, args.first + args.seeds, _CHUNK)
+        for mode in modes
     ]
     started = time.perf_counter()
     done, cpu = Counter[str](), 0.0
     failed: list[str] = []
+    budget = started + args.minutes * 60 if args.minutes else float("inf")
     with multiprocessing.Pool(args.jobs) as pool:
         for mode, count, bad, seconds in pool.imap_unordered(_run, jobs):
+            if time.perf_counter() > budget:
+                print(f"stopped after {args.minutes:g} minutes", flush=True)
+                pool.terminate()
+                break
             done[mode] += count
             cpu += seconds
             failed += bad
