@@ -862,7 +862,10 @@ class AsyncPSClient:
                 of range (the message names the table and the first bad id).
             PSError: a shard failed.
         """
-        read = _RowRead(name, (await self._known([name]))[name], ids, self.num_shards, "lookup", distinct)
+        group = self.registry.pieces.get(name)
+        if not group or len(group) != group[0].count:  # not known yet (``Registry.complete``): ask the shards
+            group = (await self._known([name]))[name]
+        read = _RowRead(name, group, ids, len(self._shards), "lookup", distinct)
         batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
 
         async def lookup_on(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
@@ -870,7 +873,7 @@ class AsyncPSClient:
             for start in range(0, where.size, batch_rows):
                 part = where[start : start + batch_rows]
                 request = ps_pb2.LookupRequest(
-                    ids=[read.wire_ids(piece, part)], worker_id=self.worker_id, step=step
+                    ids=[read.wire_ids(piece, part)], worker_id=self.config.worker_id, step=step
                 )
                 values = await self._lookup_call(shard, request)
                 read.fill(shard, part, values[0] if len(values) == 1 else None)

@@ -196,7 +196,7 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
         d = spec.dynamic
         shard = dynamic_row_shard(ids, d.count)
         bad_shard = shard != d.index
-        if bad_shard.any():
+        if np.logical_or.reduce(bad_shard, axis=None):  # bad_shard.any(), without its Python wrapper
             i = int(np.argmax(bad_shard))
             raise InvalidArgumentError(
                 f"{what} for table {name!r}: id {int(ids[i])} is held by shard {int(shard[i])}, "
@@ -205,7 +205,7 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
         return ids
     t = spec.table
     bad = (ids < 0) | (ids >= t.num_rows) | (ids % t.count != t.index)
-    if bad.any():
+    if np.logical_or.reduce(bad, axis=None):  # bad.any(), without its Python wrapper
         first = int(ids[int(np.argmax(bad))])
         if 0 <= first < t.num_rows:
             why = f"is held by shard {first % t.count}, not by this one (shard {t.index} of {t.count})"

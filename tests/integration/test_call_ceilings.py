@@ -27,7 +27,7 @@ CEILINGS: dict[str, tuple[int, int]] = {
     "pull 1KiB": (66, 55),
     "push_pull 1KiB": (70, 85),
     "push_pull 1MiB": (180, 170),
-    "embedding step": (160, 165),
+    "embedding step": (155, 160),
     "sync step": (68, 120),
 }
 
