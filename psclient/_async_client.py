@@ -495,7 +495,11 @@ class AsyncPSClient:
         seq = next(self._seq)
         # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
         shards = sorted(per_shard) if len(per_shard) > 1 else []
-        answers = _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
+        answers = (  # a plain push keeps nothing of its answers
+            _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
+            if return_values or reading
+            else None
+        )
 
         async def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> bool:
             """One shard's part of the push; returns whether it was applied. push_pull's values come
@@ -513,7 +517,7 @@ class AsyncPSClient:
                 lookup_ids=lookup_ids.get(shard, []),
             )
             sink = None  # a plain push: nothing in its answer to keep (the link's own discarding sink)
-            if return_values or reading:
+            if answers is not None:
                 place = answers.into.place if answers.into is not None else None
                 sink = _link.Sink(
                     functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
@@ -525,6 +529,7 @@ class AsyncPSClient:
 
         async def read_only(shard: int, chunks: list[ps_pb2.TensorChunk]) -> bool:
             request = ps_pb2.LookupRequest(ids=chunks, worker_id=self.worker_id, step=step + 1)
+            assert answers is not None  # rows to read: made
             answers.read(shard, chunks, await self._lookup_call(shard, request))
             return True
 
@@ -543,10 +548,14 @@ class AsyncPSClient:
                     work[shard], calls[shard] = chunks, read_only
             results = await _each(lambda shard, w: calls[shard](shard, w), work) if work else []
             results = [r for shard, r in zip(work, results, strict=True) if shard in per_shard]
-        if reading:
+        if answers is not None and reading:
             answers.check_read()
         looked_up = {name: read.result() for name, read in reads.items()} if reads else {}
-        return all(results), answers.values(grads, plan) if return_values else {}, looked_up
+        return (
+            all(results),
+            answers.values(grads, plan) if answers is not None and return_values else {},
+            looked_up,
+        )
 
     async def _push_plan(
         self, grads: Tensors, return_rows: bool | Iterable[str], every_shard: bool
