@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill-primary",
         type=float,
         metavar="SECONDS",
-        help="fault drill (needs --backups): kill -9 shard 0's primary this long after the workers start",
+        help="fault drill (needs --backups): kill -9 shard 0's primary this long after the workers start, "
+        "then restart it as a supervisor would (it rejoins as the backup of the one that took over)",
     )
     options.add_train_flags(demo)
     options.add_security_flags(demo)

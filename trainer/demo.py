@@ -137,8 +137,11 @@ def run_demo(args: argparse.Namespace) -> int:
         tails: list[list[str]] = []
         threads = []
         drill = None
+        fired = threading.Event()  # the drill's kill was made (the process is restarted since)
         if args.kill_primary is not None:
-            drill = threading.Timer(args.kill_primary, _kill_primary, args=(cluster,))
+            drill = threading.Timer(
+                args.kill_primary, _kill_primary, args=(cluster, backups.addresses[0], fired)
+            )
             stack.callback(drill.cancel)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         env.pop("TF_CONFIG", None)
@@ -197,7 +200,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 from trainer.train import evaluate_from_ps  # imports TensorFlow
 
                 accuracy = evaluate_from_ps(options.train_config(args), addresses)
-        killed = drill is not None and cluster.procs[0] is not None and cluster.procs[0].poll() is not None
+        killed = fired.is_set()
     report.print_result(
         {
             "mode": args.mode,
@@ -219,6 +222,13 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kill_primary(cluster: LocalCluster) -> None:
-    print(f"fault drill: kill -9 of shard 0's primary ({cluster.addresses[0]})", flush=True)
+def _kill_primary(cluster: LocalCluster, backup: str, fired: threading.Event) -> None:
+    """kill -9 of shard 0's primary, then its restart as a supervisor would: same port, ``--backup-at`` its
+    backup, so that it rejoins as the backup of the one that took over (which serves once it has)."""
+    address = cluster.addresses[0]
+    print(f"fault drill: kill -9 of shard 0's primary ({address}); restarting it with --backup-at {backup}",
+          flush=True)  # fmt: skip
     cluster.kill_shard(0)
+    fired.set()
+    cluster.shard_args[0] = [*cluster.shard_args.get(0, ()), "--backup-at", backup]
+    cluster.start_shard(0, port=int(address.rpartition(":")[2]))

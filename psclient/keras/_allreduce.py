@@ -495,6 +495,7 @@ class AllReduceCallback(StepTimer):
         self.worker = worker
         self.check_sync = check_sync
         self._broadcast_pending = False
+        self._averaging: keras.Model | None = None  # the model whose evaluate averages over the ranks
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)
@@ -510,6 +511,7 @@ class AllReduceCallback(StepTimer):
             )
         for opt in {id(o): o for o in [optimizer, *own] if o is not None}.values():
             opt.attach(model)
+        self._average_validation(model)
         if not model.built or not model.variables:
             # Built by the first step (a Sequential without Input): broadcast after it.
             self._broadcast_pending = True
@@ -527,6 +529,33 @@ class AllReduceCallback(StepTimer):
             self._broadcast_pending = False
             self._broadcast()
 
+    def _average_validation(self, model: keras.Model) -> None:
+        """While ``fit`` runs, its validation (``model.evaluate``) returns the metrics averaged over the
+        ranks, so that every callback on every rank reads the same ``val_*`` whatever its place in the
+        list: an ``EarlyStopping`` on ``val_loss`` stops every rank at the same epoch and restores the same
+        weights. (Keras hands each callback list a copy of the logs: averaging them in a callback reaches
+        only the callbacks after it.)"""
+        evaluate = model.evaluate
+
+        def averaged(*args: Any, **kwargs: Any) -> Any:
+            logs = evaluate(*args, **kwargs)
+            if isinstance(logs, dict) and logs:
+                names = sorted(logs)
+                values = [np.asarray(logs[n], np.float64).reshape(-1) for n in names]
+                means = self.worker.ring.allreduce_many(values, op="mean")
+                logs = {n: float(m[0]) if m.size == 1 else m for n, m in zip(names, means, strict=True)}
+            return logs
+
+        object.__setattr__(model, "evaluate", averaged)  # an instance attribute: fit calls self.evaluate
+        self._averaging = model
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """A rank that stops (a callback on a metric of its own) stops them all: a rank that went on
+        alone would wait in collectives the others never make."""
+        super().on_epoch_end(epoch, logs)
+        stop = self.worker.ring.allreduce(np.array([float(bool(self.model.stop_training))]), op="max")
+        self.model.stop_training = bool(stop[0] > 0)
+
     def _broadcast(self) -> None:
         model = self.model
         variables = list(model.variables)
@@ -537,6 +566,9 @@ class AllReduceCallback(StepTimer):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
+        if self._averaging is not None:  # the model's own evaluate again
+            vars(self._averaging).pop("evaluate", None)
+            self._averaging = None
         if self.check_sync:
             sums = self.worker.weights_checksums(self.model.variables)
             if not np.all(sums == sums[0]):
