@@ -19,6 +19,7 @@ they cross gRPC.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import itertools
 import random
@@ -183,7 +184,10 @@ class _Pipe:
         self.deliver = deliver
         self.order = call.order
         self.last = 0.0  # world time of the last delivery scheduled (FIFO)
-        self.held: list[Any] = []
+        self.sent = 0  # messages sent: each one's number keeps them in order across a cut
+        self.held: list[tuple[int, Any]] = []  # (number, message), in order
+        self.expected = 1  # the number of the next message to deliver
+        self.early: dict[int, Any] = {}  # arrived ahead of one held or still on its way (TCP reorders them)
         self.held_since = 0.0  # world time of the oldest message held
         self.in_flight = 0
         net._register(self)
@@ -191,31 +195,36 @@ class _Pipe:
     def send(self, message: Any) -> None:
         if self.call.broken:
             return
+        self.sent += 1
+        item = (self.sent, message)
         if self.held or self.net.is_cut(self.src, self.dst):
-            self._hold(message)
+            self._hold(item)
             return
-        self._schedule(message)
+        self._schedule(item)
 
-    def _schedule(self, message: Any) -> None:
+    def _schedule(self, item: tuple[int, Any]) -> None:
         when = max(self.net.world() + self.net.delay(), self.last)
         self.last = when
         self.in_flight += 1
-        self.net.at(when, lambda: self._arrive(message))
+        self.net.at(when, lambda: self._arrive(item))
 
-    def _arrive(self, message: Any) -> None:
+    def _arrive(self, item: tuple[int, Any]) -> None:
         self.in_flight -= 1
         if self.call.broken:
             return
         if self.held or self.net.is_cut(self.src, self.dst):  # cut while in flight: retransmitted later
-            self._hold(message)
+            self._hold(item)
             return
-        self.deliver(message)
+        self.early[item[0]] = item[1]
+        while self.expected in self.early:
+            self.deliver(self.early.pop(self.expected))
+            self.expected += 1
 
-    def _hold(self, message: Any) -> None:
+    def _hold(self, item: tuple[int, Any]) -> None:
         if not self.held:
             since = self.held_since = self.net.world()
             self.net.at(since + BREAK_S, lambda: self._break_if_held(since))
-        self.held.append(message)
+        bisect.insort(self.held, item, key=lambda held: held[0])  # one in flight goes before those held
 
     def _break_if_held(self, since: float) -> None:
         if self.held and not self.call.broken and self.held_since == since:
@@ -223,8 +232,8 @@ class _Pipe:
 
     def flush(self) -> None:
         held, self.held = self.held, []
-        for message in held:
-            self._schedule(message)
+        for item in held:
+            self._schedule(item)
 
     def close(self) -> None:
         self.held.clear()
