@@ -4,7 +4,7 @@ A ``VirtualLoop`` is an asyncio event loop with no I/O and no threads: its
 clock is the simulation's world clock seen through the process's own rate
 and offset (clocks that drift, as ``psserver.lease`` allows), work handed to
 a thread (``asyncio.to_thread``, ``run_in_executor``) runs inline, and it
-never sleeps: the simulation steps it (``step``: run what is ready, once) and
+never sleeps: the simulation steps it (``drain``: run what is ready at this instant) and
 moves the world clock to the next timer of any loop (``next_timer``) when
 nothing is ready anywhere. The code under test (``psserver``'s shard service,
 replication and modes) runs on it unchanged: ``asyncio.sleep``, timeouts,
@@ -88,11 +88,6 @@ class VirtualLoop(asyncio.BaseEventLoop):
         return future
 
     # -- stepping ---------------------------------------------------------------------------------
-
-    def step(self) -> None:
-        """Runs one round: the callbacks ready now and the timers due (those they schedule wait)."""
-        self.call_soon(self.stop)
-        self.run_forever()
 
     def drain(self, limit: int = 100_000) -> int:
         """Runs rounds until nothing is ready at this instant (at most ``limit``); returns how many ran.

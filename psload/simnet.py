@@ -189,7 +189,6 @@ class _Pipe:
         self.expected = 1  # the number of the next message to deliver
         self.early: dict[int, Any] = {}  # arrived ahead of one held or still on its way (TCP reorders them)
         self.held_since = 0.0  # world time of the oldest message held
-        self.in_flight = 0
         net._register(self)
 
     def send(self, message: Any) -> None:
@@ -205,11 +204,9 @@ class _Pipe:
     def _schedule(self, item: tuple[int, Any]) -> None:
         when = max(self.net.world() + self.net.delay(), self.last)
         self.last = when
-        self.in_flight += 1
         self.net.at(when, lambda: self._arrive(item))
 
     def _arrive(self, item: tuple[int, Any]) -> None:
-        self.in_flight -= 1
         if self.call.broken:
             return
         if self.held or self.net.is_cut(self.src, self.dst):  # cut while in flight: retransmitted later

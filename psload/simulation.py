@@ -215,7 +215,6 @@ class _Shard(_Proc):
         self.command = config  # what a supervisor restarts it with
         self.config = config  # what this incarnation runs
         self.service: ShardService | None = None
-        self.starts = 0
         # Whether this incarnation holds the shard's history: the first primary does; a backup once it has
         # caught up from a process that does (``Simulation._note_history``); a restarted process does not.
         self.history = not config.backup_of
@@ -235,7 +234,6 @@ class _Shard(_Proc):
             service.backup.address = self.name
             service.backup.start()
         self.service = service
-        self.starts += 1
         self.host.handler = self._handle
 
     async def _hand_over(self, peer: str) -> None:
