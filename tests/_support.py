@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -35,39 +33,10 @@ CALL_TIMEOUT_S = 30.0
 RUN_TIMEOUT_S = 300.0
 
 
-_LOWEST_PORT = 10000  # free_addresses picks from here up to the kernel's ephemeral range
-
-
 def free_addresses(n: int = 1) -> list[str]:
-    """``n`` distinct ``127.0.0.1:PORT`` addresses nobody listens on, picked below the kernel's ephemeral
-    range where it can (else ``reserve_ports``'s ``bind(0)``).
-
-    A port that ``bind(0)`` gave comes from the range every other ``bind(0)`` and ``connect`` on the
-    machine draws from, so another socket may take it before the test binds it again (a ring's rank
-    once failed with "address already in use" on such a port). Ports below the range are only ever
-    taken by a process that asks for that very number.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    chosen: list[int] = []
-    pick = random.Random()  # not the global generator, which tests may seed
-    tries = 100 * n if low - _LOWEST_PORT >= 1000 else 0  # bounded: ports in use are skipped
-    for _ in range(tries):
-        if len(chosen) == n:
-            break
-        port = pick.randrange(_LOWEST_PORT, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in chosen:
-            chosen.append(port)
-    if len(chosen) < n:
-        return reserve_ports(n)
-    return [f"127.0.0.1:{port}" for port in chosen]
+    """``n`` distinct ``127.0.0.1:PORT`` addresses nobody listens on (``reserve_ports``: below the kernel's
+    ephemeral range where it can, so no other socket takes one before the test binds it)."""
+    return reserve_ports(n)
 
 
 def free_port() -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,12 +29,45 @@ _START_TIMEOUT_S = 30.0  # a shard starts in well under a second; this covers a 
 _STOP_TIMEOUT_S = 15.0
 
 
-def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
-    """``count`` distinct ``HOST:PORT`` addresses that were free a moment ago (bound to port 0, then closed).
+_LOWEST_PORT = 10000  # reserve_ports picks from here up to the kernel's ephemeral range
 
-    Another process may take one before it is bound again: callers that can, retry with new ports
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (what ``bind(0)`` and ``connect`` draw from)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def reserve_ports(count: int, host: str = "127.0.0.1") -> list[str]:
+    """``count`` distinct ``HOST:PORT`` addresses that were free a moment ago, for processes to bind later.
+
+    Picked below the kernel's ephemeral range where it can: a port that ``bind(0)`` gave comes from the
+    range every other ``bind(0)`` and ``connect`` on the machine draws from, so another socket may take
+    it before its process binds it (a ring's rank once failed with "address already in use" on such a
+    port); a port below the range is only taken by a process that asks for that very number. Else (no
+    room below the range) ports from ``bind(0)``. Callers that can, still retry with new ports
     (``pstrain demo --mode allreduce`` does).
     """
+    low = _ephemeral_low()
+    chosen: list[int] = []
+    pick = random.Random()  # not the global generator, which callers (tests) may seed
+    tries = 100 * count if low - _LOWEST_PORT >= 1000 else 0  # bounded: ports in use are skipped
+    for _ in range(tries):
+        if len(chosen) == count:
+            return [f"{host}:{port}" for port in chosen]
+        port = pick.randrange(_LOWEST_PORT, low)
+        if port in chosen:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        chosen.append(port)
+    if len(chosen) == count:
+        return [f"{host}:{port}" for port in chosen]
     socks = []
     try:
         for _ in range(count):

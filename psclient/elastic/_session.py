@@ -12,7 +12,7 @@ import numpy as np
 from psclient.collective import Ring
 from psclient.elastic._errors import RendezvousError
 from psclient.elastic._ring import ElasticRing
-from psclient.elastic.rendezvous import Assignment, RendezvousClient, free_loopback_address
+from psclient.elastic.rendezvous import Assignment, RendezvousClient, held_loopback_address
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,9 @@ class ElasticSession:
         self._closed.set()
 
     def _form(self, after: int, update: bool = False) -> Ring:
-        assignment = self._client.join(free_loopback_address(), after, update=update)
-        ring = self._factory(list(assignment.addresses), assignment.rank)
+        with held_loopback_address() as address:  # held until this rank's ring has bound it
+            assignment = self._client.join(address, after, update=update)
+            ring = self._factory(list(assignment.addresses), assignment.rank)
         self._assignment = assignment
         self._update_base = assignment.update
         self._update_seen = max(self._update_seen, assignment.update)

@@ -20,13 +20,14 @@ Standard library only (no TensorFlow, no extra dependency).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -70,6 +71,21 @@ def free_loopback_address() -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def held_loopback_address() -> Iterator[str]:
+    """A ``127.0.0.1:PORT`` kept bound for this process until the block ends, for a server to bind inside it.
+
+    The holding socket sets ``SO_REUSEADDR`` and never listens, so a server that also sets it (gRPC's
+    do) binds the port, while every other ``bind`` (an ephemeral one included) and ``connect`` on the
+    machine is refused it: the port cannot be taken between psrun handing it to the other ranks and
+    this rank's ring binding it.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as hold:
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{hold.getsockname()[1]}"
 
 
 class RendezvousClient:
