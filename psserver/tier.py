@@ -70,9 +70,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import lmdb
 import numpy as np
@@ -377,73 +377,43 @@ class TierStats:
 
 @dataclasses.dataclass(slots=True)
 class TierView:
-    """A disk tier as it was at one instant (``DiskTier.view``), for one read, in any thread."""
+    """A disk tier as it was at one instant (``ColdTier.view``), for one read, in any thread."""
 
-    txn: lmdb.Transaction | None  # its records then (None: it held none)
+    handle: Any  # the store's pin on its records then (LMDB: a read transaction; a log: a generation)
     writes: int | None  # writes begun by then (None: one was under way): a read keeps its records if equal
     recent: tuple[np.ndarray, np.ndarray]  # the records remembered then
     cut: Cut  # its expiry cut then
+    release: Callable[[Any], None] | None = None  # unpins ``handle``
 
     def close(self) -> None:
-        if self.txn is not None:
-            self.txn.abort()
-            self.txn = None
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            if self.release is not None:
+                self.release(handle)
 
 
-class DiskTier:
-    """The cold rows of one dynamic table piece (see the module docs).
+class ColdTier:
+    """What the disk tier stores have in common (``DiskTier`` on LMDB, ``psserver.logtier.LogTier``).
+
+    A store keeps the cold rows of one dynamic table piece as records (``record_dtype``) under their ids,
+    and gives: batched reads as of an instant (``view``, ``read``), writes that become visible whole or not
+    at all (``write``, ``write_chunks``), an expiry cut and its deletion batches (``cut``, ``expiring``,
+    ``expired``), id-ordered walks (``scan``, ``items`` as of a ``reader``'s instant) and ``stats``. The
+    records a lookup read are remembered for the push that follows it (``get(remember=True)``); here.
 
     Args:
-        path: the environment's directory (removed first: a new piece starts empty).
-        record: the numpy structured dtype of one row's record (``record_dtype``).
-        disk_bytes: the environment's size limit.
+        path: the store's directory (removed first: a new piece starts empty).
+        record: the numpy structured dtype of one row's record.
         table: the table's name (for messages).
-        expiry: the record fields (``EXPIRY_KINDS``) to keep an expiry index by: ``last_step`` for a
-            table with ``ttl_steps``, ``last_time`` with ``ttl_seconds``.
-
-    Raises:
-        TierDirError: the environment cannot be created there.
+        expiry: the record fields (``EXPIRY_KINDS``) a table's TTL orders by.
     """
 
-    def __init__(
-        self, path: Path, record: np.dtype, disk_bytes: int, table: str, expiry: Iterable[str] = ()
-    ) -> None:
+    def __init__(self, path: Path, record: np.dtype, table: str, expiry: Iterable[str]) -> None:
         self.path = path
         self.record = record
         self.table = table
-        self.disk_bytes = disk_bytes
         self.stats = TierStats()
-        try:
-            shutil.rmtree(path, ignore_errors=True)
-            path.mkdir(parents=True, exist_ok=True)
-            self.env = lmdb.open(
-                str(path),
-                map_size=disk_bytes,
-                subdir=True,
-                sync=False,  # a spill space: checkpoints and backups make rows durable, not this
-                metasync=False,
-                readahead=False,  # random reads: the kernel's readahead would read pages never used
-                # A reader slot per read transaction open at once: a lookup's view (held while it waits for a
-                # worker thread: one per lookup in flight), a checkpoint's export, a backup's snapshot.
-                max_readers=_MAX_READERS,
-                lock=True,
-                # Pages are written in place in the map: a commit copies nothing (without it, writing
-                # the dirty pages was half of a spill's cost). The data file is then as large as the
-                # map, sparse: writes go only to blocks ``_reserve`` allocated first, so a full disk is a
-                # TierFullError before a transaction, never a SIGBUS in one.
-                writemap=True,
-                max_dbs=1 + len(EXPIRY_KINDS),
-            )
-            self._rows = self.env.open_db(_ROWS_DB)
-            self._expiry = {kind: self.env.open_db(kind.encode()) for kind in EXPIRY_KINDS if kind in expiry}
-            self._fd = os.open(path / "data.mdb", os.O_RDWR)
-        except (OSError, lmdb.Error) as err:
-            raise TierDirError(
-                f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
-            ) from None
-        self._page = int(self.env.stat()["psize"])
-        self._reserved = 0  # bytes of the data file allocated (posix_fallocate) from its start
-        self._count = 0
+        self._expiry_kinds = tuple(kind for kind in EXPIRY_KINDS if kind in tuple(expiry))
         # The records the last lookup read (sorted ids, their records): the push of the same ids that
         # usually follows fills from them instead of reading again. A write drops the ids it changes; a
         # read that a write overlapped keeps nothing. One tuple: a read in another thread sees one whole.
@@ -456,9 +426,101 @@ class DiskTier:
         self.cut: Cut = NO_CUT
         self.expiring = False
 
+    # -- what each store implements ---------------------------------------------------------------
+
     def __len__(self) -> int:
         """Records on disk: cold rows, older copies of rows in memory, and expired records not yet deleted."""
-        return self._count
+        raise NotImplementedError
+
+    @property
+    def disk_used(self) -> int:
+        """Bytes the store's files take on disk."""
+        raise NotImplementedError
+
+    def close(self, remove: bool = True) -> None:
+        """Closes the store (and removes its files)."""
+        raise NotImplementedError
+
+    def _pin(self) -> Any:
+        """Pins the records as they are now for a later ``_fetch`` (None: there are none)."""
+        raise NotImplementedError
+
+    def _unpin(self, handle: Any) -> None:
+        """Releases a ``_pin``."""
+        raise NotImplementedError
+
+    def _fetch(self, ids: np.ndarray, handle: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Which ``ids`` had a record at ``handle``'s instant, and those records in order (expired or not)."""
+        raise NotImplementedError
+
+    def write(
+        self,
+        ids: np.ndarray,
+        records: np.ndarray,
+        delete: Iterable[np.ndarray] = (),
+        older: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
+        """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: visible together.
+
+        ``older``: with an expiry index, the ids among ``ids`` that have an older copy on disk and that
+        copy's stamps (``stamps``); a store that needs them uses them.
+
+        Raises:
+            TierFullError: the disk or the size limit is full; nothing was written.
+        """
+        raise NotImplementedError
+
+    def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Puts ``count`` rows given as ``(ids, records)`` chunks, visible together, built a chunk at a time
+        (a restore of more rows than memory holds).
+
+        Raises:
+            TierFullError: the disk or the size limit is full; nothing was written.
+        """
+        raise NotImplementedError
+
+    def scan(self, after: int | None, n: int) -> np.ndarray:
+        """The first ``n`` ids of records that are ``> after`` (cold rows and older copies, not expired
+        ones), ascending."""
+        raise NotImplementedError
+
+    def reader(self) -> Any:
+        """The tier as it is now, whatever is written after (``items(txn=...)``), usable from another
+        thread; ``abort()`` it when done."""
+        raise NotImplementedError
+
+    def items(
+        self, chunk: int | None = None, txn: Any = None, cut: Cut | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every record in ascending id order but the expired ones, ``chunk`` (default ``CHUNK_ROWS``) at
+        a time: ``(ids, records)``.
+
+        ``txn``: read as of that ``reader``, else as of now. ``cut``: the records before it are expired
+        (default: the tier's cut now; ``NO_CUT``: every record).
+        """
+        raise NotImplementedError
+
+    def expired(
+        self, before_step: int | None, before_time: float | None, limit: int | None = None
+    ) -> np.ndarray:
+        """Ids of the records on disk last updated before push ``before_step`` or time ``before_time``
+        (sorted, distinct), at most ``limit`` of each kind (then fewer than ``limit`` ids means there are
+        no more).
+
+        Raises:
+            InternalError: a cut without its index (the piece was made without that TTL).
+        """
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Asserts the store's own consistency (for tests).
+
+        Raises:
+            AssertionError: it is not consistent.
+        """
+        raise NotImplementedError
+
+    # -- common -----------------------------------------------------------------------------------
 
     def live(self, records: np.ndarray, cut: Cut | None = None) -> np.ndarray:
         """Which ``records`` are not expired at ``cut`` (default: the tier's)."""
@@ -469,21 +531,6 @@ class DiskTier:
         if when is not None:
             keep &= records["last_time"] >= when
         return keep
-
-    @property
-    def disk_used(self) -> int:
-        """Bytes the environment's data file takes on disk."""
-        try:
-            return os.stat(self.path / "data.mdb").st_blocks * 512
-        except OSError:
-            return 0
-
-    def close(self, remove: bool = True) -> None:
-        """Closes the environment (and removes its files)."""
-        self.env.close()
-        os.close(self._fd)
-        if remove:
-            shutil.rmtree(self.path, ignore_errors=True)
 
     def get(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One batched read: ``(found, records)``: which ids have a cold row, and their records in order.
@@ -521,9 +568,9 @@ class DiskTier:
         live = self.live(records, view.cut)
         if live.all():
             return found, records, ids[:0], cost
-        at = np.flatnonzero(found)[~live]
-        found[at] = False
-        return found, records[live], ids[at], cost
+        at_ = np.flatnonzero(found)[~live]
+        found[at_] = False
+        return found, records[live], ids[at_], cost
 
     def view(self) -> TierView:
         """The tier as it is now (its records, cut and remembered records), for one ``read`` later, in
@@ -531,20 +578,13 @@ class DiskTier:
         under the piece's lock)."""
         with self._write_lock:
             writes = None if self._writing else self._writes  # None: a write is under way
-        txn = None
-        if self._count:
-            try:
-                txn = self.env.begin(buffers=False)
-            except lmdb.Error as err:
-                raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
-        return TierView(txn, writes, self._recent, self.cut)
+        return TierView(self._pin(), writes, self._recent, self.cut, self._unpin)
 
     def _read(
         self, ids: np.ndarray, remember: bool, view: TierView
     ) -> tuple[np.ndarray, np.ndarray, ReadCost]:
         found = np.zeros(ids.size, bool)
-        txn = view.txn
-        if not ids.size or txn is None:
+        if not ids.size or view.handle is None:
             return found, np.zeros(0, self.record), (0.0, 0)
         t0 = time.perf_counter()
         writes = view.writes
@@ -555,17 +595,20 @@ class DiskTier:
             at = np.minimum(np.searchsorted(recent_ids, ids), recent_ids.size - 1)
             known = recent_ids[at] == ids
         ask = np.flatnonzero(~known)
-        vals: list[bytes | None] = []
+        got = np.zeros(0, bool)
+        fetched = np.zeros(0, self.record)
         if ask.size:
-            vals = [txn.get(k, db=self._rows) for k in _keys(ids[ask])]
-        got = np.array([v is not None for v in vals], bool)
+            got, fetched = self._fetch(ids[ask], view.handle)
         found[known] = True
         found[ask[got]] = True
-        records = np.empty(int(np.count_nonzero(found)), self.record)
-        slot = np.cumsum(found) - 1
-        records[slot[known]] = recent[at[known]]
-        if got.any():
-            records[slot[ask[got]]] = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
+        if not known.any():
+            records = fetched
+        else:
+            records = np.empty(int(np.count_nonzero(found)), self.record)
+            slot = np.cumsum(found) - 1
+            records[slot[known]] = recent[at[known]]
+            if got.any():
+                records[slot[ask[got]]] = fetched
         if remember:
             order = np.argsort(ids[found], kind="stable")
             keep = records.nbytes <= _REMEMBER_BYTES
@@ -580,9 +623,24 @@ class DiskTier:
         self.stats.read_seconds += cost[0]
         self.stats.reads += cost[1]
 
+    @contextlib.contextmanager
+    def _writing_now(self, changed: list[np.ndarray]) -> Iterator[None]:
+        """Marks a write under way (reads meanwhile keep nothing) and drops the remembered records of the
+        ``changed`` ids first (a failed write may have changed nothing, or not)."""
+        with self._write_lock:  # reads from now on keep nothing (``_read``)
+            self._writing = True
+            self._writes += 1
+        try:
+            self._forget(changed)
+            yield
+        finally:
+            with self._write_lock:
+                self._writing = False
+
     def _forget(self, changed: list[np.ndarray]) -> None:
         """Drops the remembered records of the ``changed`` ids (the writer's: reads keep none meanwhile)."""
         recent_ids, recent = self._recent
+        changed = [c for c in changed if c.size]
         if recent_ids.size and changed:
             keep = ~np.isin(recent_ids, np.concatenate(changed))
             self._recent = (recent_ids[keep], recent[keep])
@@ -590,7 +648,100 @@ class DiskTier:
     @property
     def stamps(self) -> np.dtype | None:
         """The structured dtype of a record's expiry stamps (the fields its indexes order by), or None."""
-        return np.dtype([(k, self.record[k]) for k in self._expiry]) if self._expiry else None
+        return np.dtype([(k, self.record[k]) for k in self._expiry_kinds]) if self._expiry_kinds else None
+
+    def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A zeroed array in a file of the directory that holds this tier's store (``scratch_array``;
+        not the store's own directory, which goes with the piece)."""
+        return scratch_array(self.path.parent, shape, dtype)
+
+
+class DiskTier(ColdTier):
+    """The cold rows of one dynamic table piece in an LMDB environment (see the module docs).
+
+    Args:
+        path: the environment's directory (removed first: a new piece starts empty).
+        record: the numpy structured dtype of one row's record (``record_dtype``).
+        disk_bytes: the environment's size limit.
+        table: the table's name (for messages).
+        expiry: the record fields (``EXPIRY_KINDS``) to keep an expiry index by: ``last_step`` for a
+            table with ``ttl_steps``, ``last_time`` with ``ttl_seconds``.
+
+    Raises:
+        TierDirError: the environment cannot be created there.
+    """
+
+    def __init__(
+        self, path: Path, record: np.dtype, disk_bytes: int, table: str, expiry: Iterable[str] = ()
+    ) -> None:
+        super().__init__(path, record, table, expiry)
+        self.disk_bytes = disk_bytes
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True, exist_ok=True)
+            self.env = lmdb.open(
+                str(path),
+                map_size=disk_bytes,
+                subdir=True,
+                sync=False,  # a spill space: checkpoints and backups make rows durable, not this
+                metasync=False,
+                readahead=False,  # random reads: the kernel's readahead would read pages never used
+                # A reader slot per read transaction open at once: a lookup's view (held while it waits for a
+                # worker thread: one per lookup in flight), a checkpoint's export, a backup's snapshot.
+                max_readers=_MAX_READERS,
+                lock=True,
+                # Pages are written in place in the map: a commit copies nothing (without it, writing
+                # the dirty pages was half of a spill's cost). The data file is then as large as the
+                # map, sparse: writes go only to blocks ``_reserve`` allocated first, so a full disk is a
+                # TierFullError before a transaction, never a SIGBUS in one.
+                writemap=True,
+                max_dbs=1 + len(EXPIRY_KINDS),
+            )
+            self._rows = self.env.open_db(_ROWS_DB)
+            self._expiry = {kind: self.env.open_db(kind.encode()) for kind in self._expiry_kinds}
+            self._fd = os.open(path / "data.mdb", os.O_RDWR)
+        except (OSError, lmdb.Error) as err:
+            raise TierDirError(
+                f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
+            ) from None
+        self._page = int(self.env.stat()["psize"])
+        self._reserved = 0  # bytes of the data file allocated (posix_fallocate) from its start
+        self._count = 0
+
+    def __len__(self) -> int:
+        """Records on disk: cold rows, older copies of rows in memory, and expired records not yet deleted."""
+        return self._count
+
+    @property
+    def disk_used(self) -> int:
+        """Bytes the environment's data file takes on disk."""
+        try:
+            return os.stat(self.path / "data.mdb").st_blocks * 512
+        except OSError:
+            return 0
+
+    def close(self, remove: bool = True) -> None:
+        """Closes the environment (and removes its files)."""
+        self.env.close()
+        os.close(self._fd)
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _pin(self) -> lmdb.Transaction | None:
+        if not self._count:
+            return None
+        try:
+            return self.env.begin(buffers=False)
+        except lmdb.Error as err:
+            raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
+
+    def _unpin(self, handle: lmdb.Transaction) -> None:
+        handle.abort()
+
+    def _fetch(self, ids: np.ndarray, handle: lmdb.Transaction) -> tuple[np.ndarray, np.ndarray]:
+        vals = [handle.get(k, db=self._rows) for k in _keys(ids)]
+        got = np.array([v is not None for v in vals], bool)
+        return got, np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
 
     def write(
         self,
@@ -638,14 +789,8 @@ class DiskTier:
         """One write transaction: the deletes, then the chunks' puts (``count`` rows in all), each with its
         expiry index entries. A chunk: ``(ids, records, older)`` (``write``). ``fresh``: the tier is empty
         (no older copies; ascending ids are appended)."""
-        with self._write_lock:  # reads from now on keep nothing (``_read``)
-            self._writing = True
-            self._writes += 1
-        try:
+        with self._writing_now(dels):
             self._write(count, chunks, dels, fresh)
-        finally:
-            with self._write_lock:
-                self._writing = False
 
     def _write(
         self,
@@ -654,7 +799,6 @@ class DiskTier:
         dels: list[np.ndarray],
         fresh: bool,
     ) -> None:
-        self._forget(dels)  # before the write: a failed one may have changed nothing, or not
         self._reserve((count + sum(d.size for d in dels)) * (1 + 2 * len(self._expiry)))
         last: int | None = None
         append = fresh
@@ -817,11 +961,6 @@ class DiskTier:
             raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
         if keys:
             yield batch()
-
-    def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A zeroed array in a file of the directory that holds this tier's environment (``scratch_array``;
-        not the environment's own, which goes with the piece)."""
-        return scratch_array(self.path.parent, shape, dtype)
 
     def expired(
         self, before_step: int | None, before_time: float | None, limit: int | None = None
