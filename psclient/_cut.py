@@ -46,7 +46,7 @@ async def consistent_save(client: AsyncPSClient, timeout: float) -> list[ps_pb2.
         ConsistentCutError: aborted (every hold released, files of the cut deleted).
         PSError: a shard without ``--checkpoint-dir`` (FailedPreconditionError), or a bad setting.
     """
-    from psclient._async_client import gather
+    from psclient._fanout import gather
 
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")

@@ -11,6 +11,7 @@ import numpy as np
 from psclient._async_client import AsyncPSClient, Tensors
 from psclient._loop import BackgroundLoop
 from psclient._requests import PushedValues
+from psclient._tables import DynamicOptions
 from psclient.config import ClientConfig
 from pscore.embedding import Initializer, Regularizer
 from pscore.optimizers import Optimizer
@@ -149,10 +150,13 @@ class PSClient:
     ) -> bool:
         """Creates an embedding table spread by row (``num_rows=None``: a dynamic hash table); see
         ``AsyncPSClient.create_embedding``."""
-        coro = self._async.create_embedding(
-            name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer,
+        options = DynamicOptions(
             key_type=key_type, capacity=capacity, min_count=min_count, eviction=eviction,
-            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds, regularizer=regularizer,
+            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds,
+        )  # fmt: skip
+        coro = self._async._create_embedding(
+            name, num_rows, dim, dtype=dtype, optimizer=optimizer, initializer=initializer, options=options,
+            regularizer=regularizer,
         )  # fmt: skip
         return bool(self._run(coro))
 

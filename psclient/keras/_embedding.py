@@ -82,6 +82,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from psclient._tables import DynamicOptions
 from psclient.keras._ps import PSWorker, server_optimizer
 from pscore.embedding import Initializer
 from pscore.errors import PSError
@@ -146,9 +147,9 @@ class Embedding(keras.layers.Layer):
 
     Raises:
         TypeError: ``worker`` is not a ``PSWorker``.
-        ValueError: bad sizes, dynamic-table options for a fixed table, or an initializer or
-            optimizer the shards cannot use by row (when the worker attaches the model, for the
-            optimizer and the dynamic-table options).
+        ValueError: bad sizes, a dynamic-table option out of range or given for a fixed table, or
+            an initializer or optimizer the shards cannot use by row (the optimizer: when the worker
+            attaches the model).
 
     In a step (wrapped by TensorFlow in a graph): ``ValueError`` for an id outside
     ``[0, input_dim)``, ``RuntimeError`` before the model is attached, ``PSError`` from a shard
@@ -181,19 +182,19 @@ class Embedding(keras.layers.Layer):
             raise ValueError(f"input_dim ({input_dim}) and output_dim ({output_dim}) must be >= 1")
         self.input_dim = None if input_dim is None else int(input_dim)
         self.output_dim = int(output_dim)
-        self.dynamic_options: dict[str, Any] = {
-            "key_type": key_type, "capacity": capacity, "min_count": min_count, "eviction": eviction,
-            "ttl_steps": ttl_steps, "ttl_seconds": ttl_seconds,
-        }  # fmt: skip
-        if input_dim is not None and self.dynamic_options != _FIXED:
+        self.dynamic_options = DynamicOptions(
+            key_type=key_type, capacity=capacity, min_count=min_count, eviction=eviction,
+            ttl_steps=ttl_steps, ttl_seconds=ttl_seconds,
+        )  # fmt: skip
+        if input_dim is not None and not self.dynamic_options.is_default():
             raise ValueError(
                 f"psclient.keras.Embedding {self.name!r}: key_type, capacity, min_count, eviction and the "
                 "TTLs are options of dynamic tables (input_dim=None)"
             )
-        if key_type not in ("int64", "string"):
-            raise ValueError(
-                f"psclient.keras.Embedding {self.name!r}: key_type {key_type!r} is not 'int64' or 'string'"
-            )
+        try:
+            self.dynamic_options.check(self.name)
+        except PSError as err:  # the client's InvalidArgumentError, as the layer's ValueError
+            raise ValueError(f"psclient.keras.Embedding: {err}") from None
         self.key_type = key_type
         self.worker = worker
         self.server_optimizer: Optimizer | None = None if optimizer is None else server_optimizer(optimizer)
@@ -222,7 +223,7 @@ class Embedding(keras.layers.Layer):
             "initializer": self.initializer,
         }
         if self.input_dim is None:
-            options.update(self.dynamic_options)
+            options.update(self.dynamic_options.kwargs())
         return options
 
     def compute_output_spec(self, inputs: Any) -> Any:
@@ -345,7 +346,7 @@ class Embedding(keras.layers.Layer):
         config = super().get_config()
         config.update(input_dim=self.input_dim, output_dim=self.output_dim)
         if self.input_dim is None:
-            config.update(self.dynamic_options)
+            config.update(self.dynamic_options.kwargs())
         return config
 
 
@@ -511,16 +512,6 @@ def _ids_function(
         return list(out) if isinstance(out, list | tuple) else [out]
 
     return derived
-
-
-_FIXED = {
-    "key_type": "int64",
-    "capacity": None,
-    "min_count": 1,
-    "eviction": "lru",
-    "ttl_steps": None,
-    "ttl_seconds": None,
-}
 
 
 def _graph_key() -> Any:

@@ -12,7 +12,7 @@ import pytest
 from _support import CALL_TIMEOUT_S as TIMEOUT_S
 
 import psclient
-from psclient import _async_client
+from psclient import _tables
 from pscore.embedding import init_rows
 from trainer.cluster import LocalCluster, backups_of
 
@@ -43,13 +43,13 @@ def test_lookup_of_distinct_ids_is_not_deduplicated_again_and_reads_the_same_row
     client.create_embedding(var_name, 11, 3, initializer=("uniform", -1.0, 1.0))
     expected = init_rows(var_name, np.arange(11), 3, np.float32, ("uniform", -1.0, 1.0))
     calls = []
-    unique = _async_client._unique_inverse  # the client's np.unique(ids, return_inverse=True)
+    unique = _tables._unique_inverse  # the client's np.unique(ids, return_inverse=True)
 
     def counting_unique(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return unique(*args, **kwargs)
 
-    monkeypatch.setattr(_async_client, "_unique_inverse", counting_unique)
+    monkeypatch.setattr(_tables, "_unique_inverse", counting_unique)
     ids = np.array([10, 0, 3, 7], np.int64)  # distinct, not sorted: tf.unique's order
     np.testing.assert_array_equal(client.lookup(var_name, ids, distinct=True), expected[ids])
     assert calls == []
