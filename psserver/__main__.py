@@ -15,7 +15,7 @@ from psserver.config import (
     ps_task_from_tf_config,
 )
 from psserver.lease import DEFAULT_LEASE_S
-from psserver.tier import DEFAULT_DISK_BYTES, parse_bytes
+from psserver.tier import DEFAULT_DISK_BYTES, DEFAULT_STORE, STORES, parse_bytes
 
 _EPILOG = """\
 examples:
@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         "with RESOURCE_EXHAUSTED and changes nothing (default: 1TiB)",
     )
     p.add_argument(
+        "--table-tier-store",
+        choices=STORES,
+        default=DEFAULT_STORE,
+        help="disk tier: how each table keeps its spilled rows: log (fixed-length records appended to "
+        "segment files, an index in memory, compacted in a thread) or lmdb (an LMDB B-tree) "
+        f"(default: {DEFAULT_STORE})",
+    )
+    p.add_argument(
         "--inline-apply-bytes",
         type=_size,
         default=DEFAULT_INLINE_APPLY_BYTES,
@@ -233,6 +241,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         table_memory_bytes=args.table_memory,
         table_dir=args.table_dir,
         table_disk_bytes=args.table_disk_limit,
+        table_tier_store=args.table_tier_store,
         inline_apply_bytes=args.inline_apply_bytes,
     )
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pscore.tf_config import read_tf_config
 from psserver.lease import DEFAULT_LEASE_S
-from psserver.tier import DEFAULT_DISK_BYTES, TierConfig
+from psserver.tier import DEFAULT_DISK_BYTES, DEFAULT_STORE, TierConfig
 
 MODES = ("async", "sync", "ssp")
 DEFAULT_INLINE_APPLY_BYTES = 1 << 20  # an update's larger computations and disk work run in a worker thread
@@ -58,6 +58,7 @@ class ServerConfig:
     table_memory_bytes: int | None = None
     table_dir: str | None = None
     table_disk_bytes: int = DEFAULT_DISK_BYTES
+    table_tier_store: str = DEFAULT_STORE  # how a piece keeps its cold rows: log or lmdb (psserver.tier)
 
     @property
     def tier(self) -> TierConfig | None:
@@ -70,6 +71,7 @@ class ServerConfig:
             memory_bytes=self.table_memory_bytes,
             disk_bytes=self.table_disk_bytes,
             owner=f"shard{self.shard}" + ("-backup" if self.backup_of else ""),
+            store=self.table_tier_store,
         )
 
     @property

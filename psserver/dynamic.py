@@ -74,8 +74,8 @@ from psserver.tables import row_initializer
 from psserver.tier import (
     CHUNK_ROWS,
     NO_CUT,
+    ColdTier,
     Cut,
-    DiskTier,
     ReadCost,
     TierBudget,
     TierConfig,
@@ -329,7 +329,7 @@ class DynamicRows:
         # With a disk tier (``attach_tier``): the most rows memory could hold (the shard's whole budget);
         # 0: no limit but the capacity.
         self.hot_rows = hot_rows
-        self.tier: DiskTier | None = None
+        self.tier: ColdTier | None = None
         self.budget: TierBudget | None = None
         self.row_bytes = 0  # with a tier: the budget's bytes per row in memory
         self.sketch_bytes = 0  # with a tier: the admission sketch's bytes, claimed on the budget
@@ -347,7 +347,7 @@ class DynamicRows:
         # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
         self.on_disk = zeros(rows, bool)
         self.stale = 0
-        # With an expiry index (a TTL): the stamps of each older copy (``DiskTier.stamps``), whose index
+        # With an expiry index (a TTL): the stamps of each older copy (``ColdTier.stamps``), whose index
         # entries its next spill replaces without reading it first.
         self.disk_stamps: np.ndarray | None = None
         # Rows below ``limit`` are in use or free: a tiered piece's claim; the allocated rows otherwise.
@@ -391,7 +391,7 @@ class DynamicRows:
     @property
     def cold_len(self) -> int:
         """Rows only on disk (not counting the older copies of rows in memory). Expired rows count until
-        a push deletes them (``DiskTier.cut``)."""
+        a push deletes them (``ColdTier.cut``)."""
         return len(self.tier) - self.stale if self.tier is not None else 0
 
     @staticmethod
@@ -451,7 +451,7 @@ class DynamicRows:
         record = record_dtype(dim, self.dtype, row_slots)
         c = self.config
         expiry = [kind for kind, ttl in (("last_step", c.ttl_steps), ("last_time", c.ttl_seconds)) if ttl]
-        self.tier = DiskTier(tier.piece_dir(name), record, tier.disk_bytes, c.table, expiry)
+        self.tier = tier.open_piece(name, record, c.table, expiry)
         if self.tier.stamps is not None:
             self.disk_stamps = anonymous_array((self.allocated,), self.tier.stamps)
         self.budget = budget
@@ -790,11 +790,11 @@ class DynamicRows:
         budget (``_claim``), and if that is not enough, rows not in the push are
         spilled (by the table's eviction policy, ``limit // 64`` extra at once); a due expiry
         sweep runs here, over both tiers: the expired rows in memory go, and the disk
-        tier's cut rises (``DiskTier.cut``: reads skip the records before it at once).
+        tier's cut rises (``ColdTier.cut``: reads skip the records before it at once).
         Then one write transaction puts the spilled rows on disk (over their older
         copies) and deletes expired records there: those this push's read found, and
         a batch of at most ``_EXPIRE_BATCH`` from the expiry indexes while any may be
-        left (``DiskTier.expiring``), so no push's share of a sweep grows with the
+        left (``ColdTier.expiring``), so no push's share of a sweep grows with the
         rows that expire. Filled rows keep their disk copy (``on_disk``) until they
         are spilled again or expire. It is the only step that can fail, and it runs
         before anything changes: a push that fails here leaves the piece's rows (and
@@ -914,16 +914,16 @@ class DynamicRows:
     def _tier_reads(
         self, ids: np.ndarray, batch_cut: Cut | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray | None]:
-        """``tier_step``'s disk reads (it may run in a worker thread): ``DiskTier.read`` of the cold
+        """``tier_step``'s disk reads (it may run in a worker thread): ``ColdTier.read`` of the cold
         ``ids`` (counted by the caller), then, with ``batch_cut``, a batch of the expired records' ids
-        (``DiskTier.expired``)."""
+        (``ColdTier.expired``)."""
         assert self.tier is not None
         batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
         return *self.tier.read(ids), batch
 
     def _spill(self, holder: Holder, rows: np.ndarray, deletes: tuple[np.ndarray, ...]) -> None:
         """``tier_step``'s write (it may run in a worker thread): ``rows`` in memory go to disk, over
-        their older copies, and the ``deletes`` ids' records go, in one transaction (``DiskTier.write``).
+        their older copies, and the ``deletes`` ids' records go, in one transaction (``ColdTier.write``).
         Reads the rows, changes nothing in memory."""
         assert self.tier is not None
         records = self._records(holder, rows)
@@ -934,7 +934,7 @@ class DynamicRows:
         return rows[np.argsort(self.slot_ids[rows])]
 
     def _older(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """``DiskTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""
+        """``ColdTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""
         if self.disk_stamps is None:
             return None
         rows = rows[self.on_disk[rows]]

@@ -92,6 +92,8 @@ _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
 _ROWS_DB = b"rows"
+STORES = ("log", "lmdb")  # ``--table-tier-store``: append-only segment files, or an LMDB environment
+DEFAULT_STORE = "lmdb"
 _MAP_NORESERVE = 0x4000  # Linux's mmap flag (the mmap module names it from Python 3.13 on)
 
 
@@ -117,14 +119,19 @@ class TierConfig:
         disk_bytes: the most bytes one piece's environment may hold on disk.
         owner: names the process's own subdirectory (``shard0``, ``shard0-backup``): the shards and
             backups of one machine may share a directory.
+        store: how a piece keeps its cold rows (``--table-tier-store``): ``log``, append-only segment
+            files (``psserver.logtier``), or ``lmdb``, an LMDB environment (``DiskTier``).
     """
 
     directory: str
     memory_bytes: int
     disk_bytes: int = DEFAULT_DISK_BYTES
     owner: str = "shard"
+    store: str = DEFAULT_STORE
 
     def __post_init__(self) -> None:
+        if self.store not in STORES:
+            raise ValueError(f"--table-tier-store must be one of {', '.join(STORES)}, got {self.store!r}")
         if self.memory_bytes < 1 << 16:
             raise ValueError(f"--table-memory must be at least 64 KiB, got {self.memory_bytes} bytes")
         if self.disk_bytes < 1 << 20:
@@ -179,6 +186,18 @@ class TierConfig:
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A zeroed array in a file of this process's directory (``scratch_array``)."""
         return scratch_array(self.root, shape, dtype)
+
+    def open_piece(self, name: str, record: np.dtype, table: str, expiry: Iterable[str] = ()) -> ColdTier:
+        """A new, empty store for piece ``name``'s cold rows (``store``), in its own directory.
+
+        Raises:
+            TierDirError: it cannot be created there.
+        """
+        if self.store == "lmdb":
+            return DiskTier(self.piece_dir(name), record, self.disk_bytes, table, expiry)
+        from psserver.logtier import LogTier  # it builds on this module
+
+        return LogTier(self.piece_dir(name), record, self.disk_bytes, table, expiry)
 
     def piece_dir(self, name: str) -> Path:
         """The directory of piece ``name``'s environment (a readable prefix and a hash: any name is safe)."""
