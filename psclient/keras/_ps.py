@@ -185,8 +185,27 @@ def _shard_regularizer(regularizer: Any, *, every_row: bool) -> Regularizer | No
 
 def _is_built(model: keras.Model) -> bool:
     """Whether a model and its layers are built (Keras builds a subclassed model, or a ``Sequential``
-    without ``Input``, on its first call: in ``fit``, when the train step is first traced)."""
-    return bool(model.built and model.variables) and all(layer.built for layer in _flatten(model))
+    without ``Input``, on its first call: in ``fit``, when the train step is first traced). A model
+    without ``call`` (its own ``train_step`` calls its parts) is never marked built: its parts are."""
+    own = model.built or type(model).call is keras.Model.call
+    return bool(own and model.variables) and all(
+        layer.built for layer in _flatten(model) if layer is not model
+    )
+
+
+def _has_value(variable: Any) -> bool:
+    """Whether a variable has a value to read (eager): not one made by a ``tf.function`` trace that has
+    not been initialized yet."""
+    return bool(np.shape(keras.ops.convert_to_numpy(variable)) == tuple(variable.shape))
+
+
+def _unattached_step() -> np.bool_:
+    """The host function of a step traced before its model's variables had values (never run when
+    TensorFlow initializes them after that trace and traces the step again, as ``fit`` does)."""
+    raise PSError(
+        "this step was traced before its model's variables were initialized and TensorFlow ran that "
+        "trace: build the model before training (call it on a batch, or model.build(input_shape))"
+    )
 
 
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
@@ -782,13 +801,8 @@ class PSWorker:
         @functools.wraps(original)
         def train_step(data: Any) -> Any:
             if self._pending is not None and self._pending[0] is model and not _is_built(model):
-                with tf.init_scope():
-                    try:
-                        model._symbolic_build(data_batch=data)
-                    except (AttributeError, RuntimeError) as err:  # left to the step (a tape-style error)
-                        log.info("worker %d: could not build %r ahead of its step: %s", self.worker_index,
-                                 model.name, err)  # fmt: skip
-            self._attach_pending()
+                self._build_ahead(model, data)
+            self._attach_pending()  # or, built by the step itself, when it first applies gradients
             return original(data)
 
         model.train_step = train_step
@@ -796,19 +810,42 @@ class PSWorker:
         if getattr(model, "train_function", None) is not None:  # fit made it before on_train_begin
             model.make_train_function(force=True)
 
-    def _attach_pending(self) -> None:
-        """Attaches a model that ``attach`` found unbuilt, now that its first step built it (called
-        while that step is traced: eager here, so the variables get the shards' values before it runs)."""
-        if self._pending is None:
+    def _build_ahead(self, model: keras.Model, data: Any) -> None:
+        """Builds ``model`` eagerly from the batch's shapes, as Keras's other backends do, when its
+        ``call`` can; else leaves the build to the step (a model without ``call``, whose own
+        ``train_step`` calls its parts; a tape-style error)."""
+        if type(model).call is keras.Model.call:  # no call(): only its train_step knows its parts
             return
+        was_built = model.built
+        with tf.init_scope():
+            try:
+                model._symbolic_build(data_batch=data)
+            except (AttributeError, RuntimeError) as err:
+                model.built = was_built  # Keras marked it built before its call failed
+                log.info("worker %d: could not build %r ahead of its step: %s", self.worker_index,
+                         model.name, err)  # fmt: skip
+
+    def _attach_pending(self) -> bool:
+        """Attaches a model that ``attach`` found unbuilt, once it is built; returns whether the worker
+        holds no pending model now.
+
+        Called before ``fit``'s step (a model built ahead of it) and when a step first applies
+        gradients (a model that the step itself builds: a subclassed model whose ``train_step``
+        calls its parts, ``Sequential`` parts without ``Input``). Eager here (``tf.init_scope``),
+        so the variables get the shards' values before the step runs. Variables that the step
+        being traced made have no values yet: TensorFlow initializes them when that trace ends
+        and traces the step again, and the model is attached in that second trace.
+        """
+        if self._pending is None:
+            return True
         model, optimizer = self._pending
         if not model.variables:
-            raise ValueError(
-                f"model {model.name!r} is still not built when its first step applies gradients: "
-                "call it on a batch, or model.build(input_shape), before training"
-            )
+            return False  # the step builds it further on
         with tf.init_scope():
+            if not all(_has_value(v) for v in model.variables):
+                return False
             self.attach(model, optimizer)
+        return self._pending is None
 
     def _require(self) -> None:
         if not self._attached:
@@ -972,7 +1009,17 @@ class PSWorker:
             ValueError: a variable that is not attached, and no optimizer to attach it with.
             PSError: see ``exchange`` (wrapped by TensorFlow inside a graph).
         """
-        self._attach_pending()
+        if not self._attach_pending():
+            if tf.executing_eagerly():
+                model = self._pending[0] if self._pending is not None else None
+                raise ValueError(
+                    f"model {getattr(model, 'name', '?')!r} is still not built when its first step applies "
+                    "gradients: call it on a batch, or model.build(input_shape), before training"
+                )
+            # The first trace of a step that builds the model: TensorFlow traces it again once it
+            # initialized the variables, and that trace attaches the model and exchanges.
+            tf.numpy_function(_unattached_step, [], Tout=tf.bool, stateful=True, name="ps_unattached")
+            return
         self._require()
         if variables is None:
             variables = [v for n, v in self._vars.items() if self._specs[n] is not STATE_OPTIMIZER]

@@ -146,3 +146,94 @@ def test_a_regularizer_the_shards_cannot_run_warns_that_the_table_travels_whole(
         _fit(lambda: Recommender(regularizer=custom, name=var_name), keras.optimizers.SGD(0.1), worker)
     dense = [r.getMessage() for r in caplog.records if "is dense" in r.getMessage()]
     assert len(dense) == 2 and all(var_name in m for m in dense), dense  # once per table, naming it
+
+
+# A retrieval-style recommender as the TensorFlow Recommenders and keras-io tutorials write it: a subclassed
+# model with its own train_step and no call(), whose parts are Sequentials without Input (StringLookup ->
+# Embedding -> Dense). Nothing builds it but its first step (Keras cannot build it ahead from the batch).
+VOCAB = [f"id{i}" for i in range(24)]
+
+
+def _tower(worker: psk.PSWorker | None) -> keras.Model:
+    table = (
+        keras.layers.Embedding(len(VOCAB) + 1, 8)
+        if worker is None
+        else psk.Embedding(len(VOCAB) + 1, 8, worker=worker)
+    )
+    return keras.Sequential([keras.layers.StringLookup(vocabulary=VOCAB), table, keras.layers.Dense(8)])
+
+
+class TwoTowers(keras.Model):
+    def __init__(self, remote: psk.PSWorker | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.user_model, self.item_model = _tower(remote), _tower(remote)
+        self.task = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.accuracy = keras.metrics.BinaryAccuracy(threshold=0.0)
+
+    def train_step(self, data: tuple[dict[str, tf.Tensor], tf.Tensor]) -> dict[str, tf.Tensor]:
+        x, y = data
+        with tf.GradientTape() as tape:
+            logits = tf.reduce_sum(self.user_model(x["user"]) * self.item_model(x["item"]), axis=1)
+            loss = self.task(y, logits)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        self.accuracy.update_state(y, logits)
+        return {"loss": loss, "accuracy": self.accuracy.result()}
+
+
+def _pairs() -> tf.data.Dataset:
+    rng = np.random.default_rng(3)
+    u, i = rng.integers(0, len(VOCAB), 640), rng.integers(0, len(VOCAB), 640)
+    x = {"user": np.array(VOCAB)[u], "item": np.array(VOCAB)[i]}
+    return tf.data.Dataset.from_tensor_slices((x, (u % 3 == i % 3).astype(np.float32))).batch(32)
+
+
+def _fit_towers(
+    optimizer: keras.optimizers.Optimizer, worker: psk.PSWorker | None = None, remote: bool = False
+) -> dict[str, list[float]]:
+    keras.utils.set_random_seed(11)
+    model = TwoTowers(worker if remote else None)
+    model.compile(optimizer=optimizer if worker is None else psk.DistributedOptimizer(optimizer, worker))
+    callbacks = [] if worker is None else [worker.callback()]
+    history = model.fit(_pairs(), epochs=3, shuffle=False, verbose=0, callbacks=callbacks).history
+    return {k: [float(x) for x in v] for k, v in history.items()}
+
+
+def test_a_model_without_call_built_inside_its_own_train_step_trains_as_locally(make_cluster) -> None:
+    cluster = make_cluster(num_shards=2)
+    local = _fit_towers(keras.optimizers.SGD(0.5))
+    with psk.PSWorker(cluster.addresses, overlap=False) as worker:
+        on_ps = _fit_towers(keras.optimizers.SGD(0.5), worker)
+        assert worker.steps_done == 60 and worker.attached
+    # One worker, SGD (no slots: the shards' row-wise update of a table is Keras's dense one): the same run.
+    # The first trace of the step builds the towers; TensorFlow traces it again once it initialized them,
+    # and that trace attaches the model, so even the first step computes on the shards' values.
+    np.testing.assert_allclose(on_ps["loss"], local["loss"], rtol=1e-4)
+    np.testing.assert_allclose(on_ps["accuracy"], local["accuracy"], atol=1e-6)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["keras_embedding", "psk_embedding"])
+def test_a_model_without_call_trains_with_two_workers_as_well_as_locally(make_cluster, remote: bool) -> None:
+    import threading
+
+    cluster = make_cluster(num_shards=2)
+    local = _fit_towers(keras.optimizers.Adam(0.05))
+    results: dict[int, dict[str, list[float]]] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            with psk.PSWorker(cluster.addresses, worker_index=index, num_workers=2, overlap=False) as worker:
+                results[index] = _fit_towers(keras.optimizers.Adam(0.05), worker, remote)
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert sorted(results) == [0, 1]
+    for history in results.values():  # the learnable rule (u % 3 == i % 3) is learned as locally
+        assert history["accuracy"][-1] >= local["accuracy"][-1] - 0.05, (history, local)
