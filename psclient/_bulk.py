@@ -94,24 +94,33 @@ class Uplink:
             lock = self._locks[loop] = asyncio.Lock()
         return lock
 
+    async def take(self, nbytes: int) -> asyncio.Lock | None:
+        """Waits for the uplink (bounded), for an upload of ``nbytes``: returns the lock taken (the caller
+        releases it when its bytes are out), or None (a small upload, or one that waited
+        ``STAGGER_WAIT_S`` and goes out beside the others). A free uplink is taken without a timer."""
+        if nbytes < STAGGER_MIN_BYTES:
+            return None
+        lock = self._lock()
+        if not lock.locked() and not getattr(lock, "_waiters", None):  # free, nobody queued: no wait
+            await lock.acquire()
+            return lock
+        try:
+            async with asyncio.timeout(STAGGER_WAIT_S):
+                await lock.acquire()
+        except TimeoutError:
+            log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
+                      STAGGER_WAIT_S)  # fmt: skip
+            return None
+        return lock
+
     @contextlib.asynccontextmanager
     async def turn(self, nbytes: int) -> AsyncIterator[None]:
-        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit."""
-        lock, got = None, False
-        if nbytes >= STAGGER_MIN_BYTES:
-            lock = self._lock()
-            try:
-                async with asyncio.timeout(STAGGER_WAIT_S):
-                    await lock.acquire()
-                got = True
-            except TimeoutError:
-                log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
-                          STAGGER_WAIT_S)  # fmt: skip
+        """``take`` as a context manager: released on exit."""
+        lock = await self.take(nbytes)
         try:
             yield
         finally:
-            if got:
-                assert lock is not None
+            if lock is not None:
                 lock.release()
 
 
@@ -305,9 +314,13 @@ class DataLink:
                     conn.limit_unsent(unsent_limit(conn.delivery_rate()))
                 if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
                     await conn.send(frame, payload)
-                else:
-                    async with uplink.turn(nbytes):
+                else:  # ``uplink.turn``, without its context manager
+                    lock = await uplink.take(nbytes)
+                    try:
                         await conn.send(frame, payload)
+                    finally:
+                        if lock is not None:
+                            lock.release()
                 reply, _ = await conn.recv(into)
             except BaseException as exc:
                 timer.cancel()

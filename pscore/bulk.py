@@ -161,9 +161,7 @@ class BulkConnection(FrameTransport[Frame]):
             if size <= _SMALL_FRAME:
                 await conn.sendall(b"".join((first, *payload)))
                 return
-            await conn.sendall(first)
-            for part in payload:
-                await conn.sendall(part)
+            await conn.send_views((first, *payload))
         except OSError as err:
             self.reset()
             raise UnavailableError(
@@ -211,9 +209,7 @@ class BulkConnection(FrameTransport[Frame]):
                 return frame, view
             if sum(map(len, targets)) != size:
                 raise codec.CodecError(f"frame announces {size} payload bytes; its head describes others")
-            for target in targets:
-                if len(target):
-                    await conn.recv_exactly(target)
+            await conn.recv_views(targets)
             return frame, None
         except _Refused as refused:
             self.reset()  # the payload was not read

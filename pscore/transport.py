@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -130,6 +131,7 @@ def family_of(host: str) -> socket.AddressFamily:
 
 READ_AHEAD_BYTES = 64 << 10  # a plain connection's read-ahead buffer (see ``Conn.recv_exactly``)
 _MAX_UNSENT_LIMIT = (1 << 31) - 1  # TCP_NOTSENT_LOWAT is a C int
+_MAX_IOV = 512  # views per recvmsg_into at most (the system's IOV_MAX is 1024 on Linux)
 # Linux's struct tcp_info: tcpi_delivery_rate (u64) sits at byte 160 (since 4.9; older kernels return less).
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _TCP_INFO_BYTES = 232
@@ -188,6 +190,36 @@ class Conn:
         if sent < len(view):
             await asyncio.get_running_loop().sock_sendall(self.sock, view[sent:])
 
+    async def send_views(self, parts: Sequence[Buffer]) -> None:
+        """Sends every byte of ``parts``, back to back, not copied: as many as the socket takes in one
+        system call (``sendmsg``); when it has to wait, the task waits once for all of them (a writer
+        callback of the loop sends the rest). Raises: OSError."""
+        rest = []
+        for part in parts:
+            view = memoryview(part).cast("B")
+            if len(view):
+                rest.append(view)
+        if rest and not self._gather(rest):
+            await self._wait_for(functools.partial(self._gather, rest), writer=True)
+
+    def _gather(self, rest: list[memoryview]) -> bool:
+        """Sends what the socket takes of ``rest`` (the views still to send, in order: the sent ones are
+        dropped, a partly sent one cut); True once every one is sent. Raises: OSError."""
+        sock = self.sock
+        while rest:
+            try:
+                k = sock.sendmsg(rest[:_MAX_IOV])
+            except (BlockingIOError, InterruptedError):
+                return False
+            while k:
+                n = len(rest[0])
+                if k < n:
+                    rest[0] = rest[0][k:]
+                    break
+                del rest[0]
+                k -= n
+        return True
+
     async def recv_exactly(self, view: memoryview) -> None:
         """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError.
 
@@ -209,6 +241,9 @@ class Conn:
             try:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
+                if not ahead:  # the rest of a large read: filled by the loop, this task woken once
+                    await self._wait_for(functools.partial(self._scatter, [view[got:]]))
+                    return
                 k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
@@ -218,6 +253,87 @@ class Conn:
                 self._lo, self._hi = take, k
                 k = take
             got += k
+
+    async def recv_views(self, views: Sequence[memoryview]) -> None:
+        """Fills ``views`` in order (a frame's payload, straight into its tensors): from what was read
+        ahead first, then from the socket, as many views as it holds bytes for in one system call
+        (``recvmsg_into``); when it has to wait, the task waits once for all of them (``_wait_for``).
+
+        Raises: ConnectionError (the peer closed first), OSError.
+        """
+        rest: list[memoryview] = []
+        lo, hi = self._lo, self._hi
+        for view in views:
+            n = len(view)
+            if hi > lo and n:
+                take = min(n, hi - lo)
+                view[:take] = self._ahead[lo : lo + take]  # type: ignore[index]
+                lo += take
+                if take == n:
+                    continue
+                view = view[take:]
+            if n:
+                rest.append(view)
+        self._lo = lo
+        if rest and not self._scatter(rest):
+            await self._wait_for(functools.partial(self._scatter, rest))
+
+    def _scatter(self, rest: list[memoryview]) -> bool:
+        """Reads what the socket holds into ``rest`` (the views still to fill, in order: the full ones are
+        dropped, a partly filled one cut to what it lacks); True once every one is full.
+
+        Raises: ConnectionResetError (the peer closed first), OSError.
+        """
+        sock = self.sock
+        while rest:
+            try:
+                k = sock.recvmsg_into(rest[:_MAX_IOV])[0]
+            except (BlockingIOError, InterruptedError):
+                return False
+            if k == 0:
+                raise ConnectionResetError("connection closed by the peer")
+            while k:
+                n = len(rest[0])
+                if k < n:
+                    rest[0] = rest[0][k:]
+                    break
+                del rest[0]
+                k -= n
+        return True
+
+    async def _wait_for(self, step: Callable[[], bool], *, writer: bool = False) -> None:
+        """Waits until ``step()`` (called by a callback of the loop each time the socket turns readable,
+        or writable with ``writer``) returns True: the task wakes once, not once per piece of a large
+        payload (a wake-up resumes every coroutine of the task's chain; a callback is one call).
+
+        Raises: what ``step`` raised (OSError).
+        """
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        fd = self.sock.fileno()
+        remove = loop.remove_writer if writer else loop.remove_reader
+
+        def ready() -> None:
+            try:
+                if not step():
+                    return
+            except OSError as err:
+                remove(fd)
+                if not done.done():
+                    done.set_exception(err)
+                return
+            remove(fd)
+            if not done.done():
+                done.set_result(None)
+
+        if writer:
+            loop.add_writer(fd, ready)
+        else:
+            loop.add_reader(fd, ready)
+        try:
+            await done
+        finally:
+            remove(fd)  # removed already when done; cancelled: the callback must not touch the views any more
 
     def close(self) -> None:
         self.sock.close()
@@ -290,6 +406,17 @@ class TlsConn(Conn):
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
             got += k
+
+    async def send_views(self, parts: Sequence[Buffer]) -> None:
+        """Sends ``parts`` in order, one after the other (records are encrypted one at a time)."""
+        for part in parts:
+            await self.sendall(part)
+
+    async def recv_views(self, views: Sequence[memoryview]) -> None:
+        """Fills ``views`` in order, one after the other (records are decrypted one at a time)."""
+        for view in views:
+            if len(view):
+                await self.recv_exactly(view)
 
 
 def server_context(cert: str, key: str, client_ca: str | None) -> ssl.SSLContext:

@@ -122,6 +122,7 @@ class _Reads:
 
     def __init__(self) -> None:
         self._items: list[tuple[str, np.ndarray | RowRead, int]] = []
+        self._dynamic = False  # whether an item is a dynamic piece's RowRead
 
     def value(self, name: str, value: np.ndarray, version: int) -> None:
         self._items.append((name, value, version))
@@ -131,12 +132,15 @@ class _Reads:
         without a row get their initializer's row), and its version, under ``name``."""
         if var.dyn is not None:
             self._items.append((name, var.dyn.read_begin(var, ids), var.version))
+            self._dynamic = True
         else:
             value, version = var.state
             self._items.append((name, value[tables.local_rows(var.spec, ids)], version))
 
     async def result(self, inline_bytes: int) -> Snapshot:
         """The values and rows; the disk reads in a worker thread when more than ``inline_bytes``."""
+        if not self._dynamic:  # arrays only: nothing to read or to end
+            return self._items  # type: ignore[return-value]
         reads = [read for _, read, _ in self._items if isinstance(read, RowRead)]
         if sum(read.cold_bytes for read in reads) > inline_bytes:
             await asyncio.to_thread(_read_cold, reads)

@@ -80,3 +80,93 @@ async def test_a_peer_that_closes_mid_read_is_a_connection_error() -> None:
                 await conn.recv_exactly(memoryview(bytearray(4)))  # "c", then the end
     finally:
         conn.close()
+
+
+def _views(sizes: list[int]) -> list[memoryview]:
+    return [memoryview(bytearray(n)) for n in sizes]
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_send_views_and_recv_views_move_many_views_in_order_through_waits(loop_kind: str) -> None:
+    """A frame's payload goes out by ``send_views`` and in by ``recv_views`` (scatter/gather system calls,
+    one wait each): more views than one call takes, empty ones, sizes far beyond the socket's buffers
+    (both sides wait), and bytes read ahead before the views."""
+    rng = random.Random(11)
+    sizes = [rng.choice([0, 1, 7, 4096, 70_000]) for _ in range(700)] + [6 << 20, 3, 2 << 20]
+    data = rng.randbytes(sum(sizes))
+    prefix = b"0123456789"
+
+    async def run() -> list[memoryview]:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        sender, receiver = Conn(a), Conn(b)
+        parts, pos = [], 0
+        for n in sizes:
+            parts.append(memoryview(data)[pos : pos + n])
+            pos += n
+        views = _views(sizes)
+
+        async def receive() -> None:
+            head = memoryview(bytearray(4))
+            await receiver.recv_exactly(head)  # reads ahead the rest of the prefix and what follows
+            assert bytes(head) == prefix[:4]
+            rest = memoryview(bytearray(len(prefix) - 4))
+            await receiver.recv_exactly(rest)
+            assert bytes(rest) == prefix[4:]
+            await receiver.recv_views(views)
+
+        try:
+            async with asyncio.timeout(60):
+                await asyncio.gather(receive(), sender.send_views([prefix, *parts]))
+        finally:
+            sender.close()
+            receiver.close()
+        return views
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        views = uvloop.run(run())
+    else:
+        views = asyncio.run(run())
+    assert b"".join(bytes(v) for v in views) == data
+
+
+async def test_a_cancelled_recv_views_writes_nothing_more_into_its_views() -> None:
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    receiver = Conn(b)
+    views = _views([4, 100_000])
+    try:
+        a.sendall(b"abcdef")  # the first view and part of the second, then nothing
+        task = asyncio.ensure_future(receiver.recv_views(views))
+        for _ in range(50):  # bounded: until the task waits for the rest
+            await asyncio.sleep(0.01)
+            if bytes(views[1][:2]) == b"ef":
+                break
+        assert bytes(views[0]) == b"abcd" and bytes(views[1][:2]) == b"ef"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        a.sendall(b"x" * 1000)
+        await asyncio.sleep(0.05)
+        assert bytes(views[1][2:1002]) == bytes(1000)  # the loop no longer reads into it
+    finally:
+        receiver.close()
+        a.close()
+
+
+async def test_a_peer_that_closes_mid_recv_views_is_a_connection_error() -> None:
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    receiver = Conn(b)
+    a.sendall(b"xyz")
+    try:
+        task = asyncio.ensure_future(receiver.recv_views(_views([2, 10])))
+        await asyncio.sleep(0.02)
+        a.close()
+        with pytest.raises(ConnectionError):
+            async with asyncio.timeout(10):
+                await task
+    finally:
+        receiver.close()
