@@ -3,6 +3,8 @@ a log-structured disk tier's id -> record position)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from pscore.placement import mix64
@@ -38,13 +40,14 @@ class HashIndex:
     array([ 1, -1,  0])
     """
 
-    def __init__(self, max_live: int = 0) -> None:
+    def __init__(self, max_live: int = 0, zeros: Callable[[int, type], np.ndarray] | None = None) -> None:
+        self._zeros = zeros or np.zeros  # makes its arrays (a log tier's: in files, the page cache's pages)
         self._alloc(max(_MIN_INDEX, _pow2(2 * max_live)))
 
     def _alloc(self, size: int) -> None:
-        self.keys = np.zeros(size, np.int64)
-        self.vals = np.zeros(size, np.int64)
-        self.state = np.zeros(size, np.uint8)
+        self.keys = self._zeros(size, np.int64)
+        self.vals = self._zeros(size, np.int64)
+        self.state = self._zeros(size, np.uint8)
         self.mask = size - 1
         self.live = 0
         self.tombs = 0
@@ -159,10 +162,16 @@ class HashIndex:
         may run it while nothing updates this one."""
         keys, vals = self.items()
         size = self.keys.size
-        out = HashIndex()
+        out = HashIndex(0, self._zeros)
         out._alloc(size if 2 * live_after <= size else max(_MIN_INDEX, _pow2(2 * live_after)))
         out.insert(keys, vals)
         return out
+
+    def reserve(self, more: int) -> None:
+        """Rebuilds now if inserting ``more`` ids would (``insert`` then changes no array's size): where
+        making the arrays can fail, it fails here, before a change."""
+        if self.needs_rebuild(more):
+            self._rebuild(self.live + more)
 
     def _rebuild(self, live_after: int) -> None:
         new = self.rebuilt(live_after)

@@ -56,7 +56,16 @@ import numpy as np
 
 from pscore.errors import InternalError
 from psserver.hashindex import HashIndex
-from psserver.tier import CHUNK_ROWS, NO_CUT, ColdTier, Cut, TierDirError, TierFullError, TierView
+from psserver.tier import (
+    CHUNK_ROWS,
+    NO_CUT,
+    ColdTier,
+    Cut,
+    TierDirError,
+    TierFullError,
+    TierView,
+    scratch_array,
+)
 
 _OFFSET_BITS = 32  # a position: the segment's number above these bits, the record's offset in it below
 _OFFSET_MASK = (1 << _OFFSET_BITS) - 1
@@ -137,7 +146,7 @@ class LogTier(ColdTier):
                 f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
             ) from None
         self.compaction = CompactionStats()
-        self._index = HashIndex()
+        self._index = HashIndex(0, self._index_zeros)
         self._segs: dict[int, _Segment] = {}  # by number: the current ones and those retired, still mapped
         self._active: _Segment | None = None  # the one appended to
         self._next_no = 0
@@ -423,6 +432,7 @@ class LogTier(ColdTier):
         if not ids.size and not dels:
             return
         with self._writing_now([ids, *dels]), self._writer:
+            self._reserve_index(ids.size)
             placed = self._append(ids, np.ascontiguousarray(records, self.record))
             gone = np.concatenate(dels) if dels else ids[:0]
             self._commit(ids, placed, gone)
@@ -453,9 +463,41 @@ class LogTier(ColdTier):
                 self._rollback(mark)
                 raise
             ids = np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64)
+            try:
+                self._reserve_index(ids.size)
+            except BaseException:
+                self._rollback(mark)
+                raise
             self._forget([ids])
             self._commit(ids, np.concatenate(all_pos) if all_pos else ids, ids[:0])
         self.stats.spilled += count
+
+    def _index_zeros(self, size: int, dtype: type) -> np.ndarray:
+        """The index's arrays: in files of the piece's directory (the page cache's pages, as the LMDB
+        tier's B-tree pages are, not the shard's own memory: ``--table-memory`` bounds the rows in memory).
+
+        Raises:
+            OSError: the disk cannot hold them.
+        """
+        return scratch_array(self.path, (size,), np.dtype(dtype))
+
+    def _reserve_index(self, more: int) -> None:
+        """Grows the index ahead of a write of ``more`` ids, so its commit cannot fail (holds ``_writer``).
+
+        Raises:
+            TierFullError: the disk cannot hold the larger index; nothing changed.
+        """
+        if not self._index.needs_rebuild(more):
+            return
+        try:
+            with self._lock:
+                self._index.reserve(more)
+        except OSError as err:
+            raise TierFullError(
+                f"table {self.table!r}: its disk tier is full (its index cannot grow at {str(self.path)!r}: "
+                f"{err.strerror or err}); nothing was applied. Free disk space, raise --table-memory, or add "
+                "shards"
+            ) from None
 
     def _mark(self) -> tuple[int, int, int]:
         """Where appends are now (``_rollback``): the active segment's number and used records, the next
@@ -533,9 +575,14 @@ class LogTier(ColdTier):
                 plan.append(self._segment_rows(n - free))
                 free += plan[-1]
             nbytes = sum(plan) * self.slot.itemsize
-            headroom = 0 if compacting or not plan else self._segment_rows(0) * self.slot.itemsize
+            # Room for a compaction to move a victim's live records (under half of a segment's).
+            headroom = 0 if compacting or not plan else self._segment_rows(0) // 2 * self.slot.itemsize
             if self._allocated + nbytes + headroom <= self.disk_bytes:
                 return plan
+            if plan:  # near the limit: one segment of just the records needed
+                tight = max(16, n - (free - sum(plan)))
+                if self._allocated + tight * self.slot.itemsize + headroom <= self.disk_bytes:
+                    return [tight]
             if not may_compact or not self._compact_for_room():
                 raise TierFullError(
                     f"table {self.table!r}: its disk tier is full (its segments take "

@@ -16,6 +16,7 @@ from _support import small_disk, table_stats, wait_until
 
 import psclient
 from psclient import ctl
+from psserver.tier import DEFAULT_STORE, STORES
 from trainer.cluster import LocalCluster
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -24,8 +25,18 @@ _DIM = 16
 _IDS = np.arange(3000, dtype=np.int64) * 1_000_003 - 7  # about 1500 rows a shard: 5x what 64 KiB holds
 
 
+_STORE = DEFAULT_STORE  # the store every test of this module runs on (``store``)
+
+
+@pytest.fixture(autouse=True, params=STORES)
+def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs on each disk tier store: the log-structured one and the LMDB one."""
+    monkeypatch.setattr(sys.modules[__name__], "_STORE", request.param)
+    return str(request.param)
+
+
 def _tier(path: Path, memory: str = "64KiB") -> list[str]:
-    return ["--table-memory", memory, "--table-dir", str(path)]
+    return ["--table-memory", memory, "--table-dir", str(path), "--table-tier-store", _STORE]
 
 
 def _train(c: psclient.PSClient, steps: range) -> None:
