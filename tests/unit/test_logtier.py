@@ -1,0 +1,254 @@
+"""The log-structured disk tier on its own: against a model in memory, compaction, instants, a full disk."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _support import small_disk
+
+from psserver import logtier
+from psserver.logtier import LogTier
+from psserver.tier import NO_CUT, TierFullError, record_dtype
+
+_RECORD = record_dtype(4, np.dtype(np.float32), {"accumulator": np.dtype(np.float32)})
+
+
+@pytest.fixture(autouse=True)
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments of 4 KiB (at most 64 KiB) and compaction steps of 2 KiB: many of each in a small test."""
+    monkeypatch.setattr(logtier, "_SEGMENT_MIN_BYTES", 4096)
+    monkeypatch.setattr(logtier, "_SEGMENT_MAX_BYTES", 1 << 16)
+    monkeypatch.setattr(logtier, "_COMPACT_STEP_BYTES", 2048)
+
+
+def _records(ids: np.ndarray, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = np.zeros(ids.size, _RECORD)
+    out["value"] = rng.standard_normal((ids.size, 4)).astype(np.float32)
+    out["slot_accumulator"] = rng.random((ids.size, 4)).astype(np.float32)
+    out["last_step"] = seed
+    out["hits"] = ids
+    out["last_time"] = 1000.0 + seed
+    return out
+
+
+def _assert_holds(tier: LogTier, model: dict[int, np.void], walk: bool = True) -> None:
+    """The tier holds exactly the model's records: by batched reads, by an id-ordered walk, by a scan."""
+    ids = np.array(sorted(model), np.int64)
+    assert len(tier) == ids.size
+    probe = np.concatenate([ids, np.array([-(2**62), 2**62], np.int64)])
+    want = np.array([model[i] for i in ids.tolist()], _RECORD) if ids.size else np.zeros(0, _RECORD)
+    order = np.random.default_rng(0).permutation(probe.size)
+    found, got = tier.get(probe[order])
+    assert found.tolist() == (order < ids.size).tolist()
+    assert got.tobytes() == want[order[order < ids.size]].tobytes()
+    np.testing.assert_array_equal(tier.scan(None, ids.size + 5), ids)
+    if not walk:
+        tier.check()
+        return
+    walked = list(tier.items(chunk=97, cut=NO_CUT))
+    got_ids = np.concatenate([w[0] for w in walked]) if walked else np.zeros(0, np.int64)
+    got_recs = np.concatenate([w[1] for w in walked]) if walked else np.zeros(0, _RECORD)
+    np.testing.assert_array_equal(got_ids, ids)
+    assert got_recs.tobytes() == want.tobytes()  # bit-exact, every field
+    np.testing.assert_array_equal(tier.scan(None, ids.size + 5), ids)
+    tier.check()
+
+
+def test_random_writes_and_deletes_read_back_bit_exact_with_compaction_under_way(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step",))
+    model: dict[int, np.void] = {}
+    rng = np.random.default_rng(1)
+    for step in range(300):
+        ids = np.unique(rng.integers(-500, 1500, rng.integers(1, 120)))
+        gone = np.unique(rng.integers(-500, 1500, rng.integers(0, 30)))
+        gone = np.setdiff1d(gone, ids)
+        records = _records(ids, step)
+        order = rng.permutation(ids.size)  # in no order
+        tier.write(ids[order], records[order], delete=[gone])
+        for i in gone.tolist():
+            model.pop(i, None)
+        for i, r in zip(ids.tolist(), records, strict=True):
+            model[i] = r.copy()
+        if step % 50 == 0:
+            _assert_holds(tier, model)
+    _wait_compacted(tier)
+    assert tier.compaction.segments > 10 and tier.compaction.moved > 0
+    _assert_holds(tier, model)
+    # Compacted, the segments hold at most about twice the live records' bytes (plus the active one).
+    live_bytes = len(tier) * tier.slot.itemsize
+    assert tier.disk_used <= 2 * live_bytes + 2 * (1 << 16)
+    tier.close()
+    assert not (tmp_path / "t").exists()
+
+
+def _wait_compacted(tier: LogTier) -> None:
+    for _ in range(500):  # bounded: the thread's steps are short
+        thread = tier._compactor
+        if thread is None:
+            break
+        thread.join(0.02)
+    tier.compact_now()
+
+
+def test_compaction_keeps_every_live_row_and_gives_the_space_back(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t")
+    ids = np.arange(4000, dtype=np.int64)
+    tier.write(ids, _records(ids, 0))
+    full = tier.disk_used
+    model = {i: r.copy() for i, r in zip(ids.tolist(), _records(ids, 0), strict=True)}
+    for step in range(1, 8):  # most rows rewritten, a few deleted: most records in the early segments die
+        again = ids[(ids % 8) != step]
+        tier.write(again, _records(again, step), delete=[ids[ids % 97 == step]])
+        for i in ids[ids % 97 == step].tolist():  # deleted first, then written
+            model.pop(i, None)
+        model.update(zip(again.tolist(), (r.copy() for r in _records(again, step)), strict=True))
+    _wait_compacted(tier)
+    _assert_holds(tier, model)
+    assert tier.compaction.segments > 0
+    assert tier.disk_used <= 2 * full + 2 * (1 << 16)
+    names = {p.name for p in (tmp_path / "t").iterdir()}
+    assert len([n for n in names if n.startswith("segment-")]) < tier._next_no  # compacted files went
+
+
+def test_a_view_and_a_snapshot_read_their_instant_while_writes_and_compaction_go_on(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t")
+    ids = np.arange(-1000, 1000, dtype=np.int64)
+    first = _records(ids, 0)
+    tier.write(ids, first)
+    view = tier.view()
+    snapshot = tier.reader()
+    before_disk = tier.disk_used
+    for step in range(1, 12):  # every row rewritten many times, half of them deleted at the end
+        tier.write(ids, _records(ids, step))
+    tier.write(ids[:0], first[:0], delete=[ids[::2]])
+    tier.compact_now()
+    assert tier.compaction.segments > 0
+    # The segments the pinned instant may read stay mapped (their space counted) until it is closed.
+    assert tier.disk_used >= before_disk
+    found, got, _, _ = tier.read(ids[::-1], at=view)
+    assert found.all() and got.tobytes() == first[::-1].tobytes()
+    walked = list(tier.items(chunk=333, txn=snapshot, cut=NO_CUT))
+    np.testing.assert_array_equal(np.concatenate([w[0] for w in walked]), ids)
+    assert np.concatenate([w[1] for w in walked]).tobytes() == first.tobytes()
+    snapshot.abort()
+    found, got = tier.get(ids)
+    assert found.tolist() == [bool(i % 2) for i in range(ids.size)]
+    assert got.tobytes() == _records(ids, 11)[1::2].tobytes()
+    tier.compact_now()
+    live_bytes = len(tier) * tier.slot.itemsize
+    assert tier.disk_used <= 2 * live_bytes + 2 * (1 << 16)  # the space came back with the last view
+    tier.close()
+
+
+def test_a_lookup_in_another_thread_reads_one_instant_while_a_writer_rewrites(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t")
+    ids = np.arange(3000, dtype=np.int64)
+    tier.write(ids, _records(ids, 0))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        step = 0
+        try:
+            while not stop.is_set() and step < 400:  # bounded
+                step += 1
+                tier.write(ids, _records(ids, step))
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(60):
+            found, got = tier.get(ids)
+            assert found.all()
+            steps = np.unique(got["last_step"])
+            assert steps.size == 1, f"one read saw the records of writes {steps.tolist()}"
+            assert got.tobytes() == _records(ids, int(steps[0])).tobytes()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors and not thread.is_alive()
+    tier.compact_now()
+    tier.check()
+    tier.close()
+
+
+@pytest.mark.parametrize("limit", ["size-cap", "full-disk"])
+def test_a_full_tier_refuses_a_write_whole_and_compacts_to_make_room_first(
+    tmp_path: Path, limit: str
+) -> None:
+    if limit == "full-disk":  # a 1 MiB tmpfs: the disk refuses a segment's blocks
+        with small_disk(tmp_path / "small", "1m") as disk:
+            _fill(LogTier(disk / "t", _RECORD, 1 << 30, "t"), "No space left on device")
+    else:
+        _fill(LogTier(tmp_path / "t", _RECORD, 1 << 20, "t"), "--table-disk-limit")
+
+
+def _fill(tier: LogTier, why: str) -> None:
+    """Dead records first (rows rewritten, the compaction thread held back), then new rows until the tier
+    is full: the writes near the limit compact the dead records away, and the one that finds no room
+    changes nothing."""
+    tier._start_compaction = lambda: None  # type: ignore[method-assign]
+    base = np.arange(-2000, 0, dtype=np.int64)
+    for step in range(4):
+        tier.write(base, _records(base, step))
+    model = {i: r.copy() for i, r in zip(base.tolist(), _records(base, 3), strict=True)}
+    before = (0, 0)
+    with pytest.raises(TierFullError, match="disk tier is full") as caught:
+        for step in range(1, 10_000):  # new ids each write, a few deleted
+            ids = np.arange(step * 100, step * 100 + 100, dtype=np.int64)
+            before = len(tier), tier.disk_used
+            gone = np.array(sorted(model)[:5], np.int64)
+            tier.write(ids, _records(ids, step), delete=[gone])
+            for i in gone.tolist():
+                del model[i]
+            model.update(zip(ids.tolist(), (r.copy() for r in _records(ids, step)), strict=True))
+    assert why in str(caught.value)
+    assert (len(tier), tier.disk_used) == before  # nothing applied: no record, no segment
+    assert tier.compaction.segments > 0  # dead records were compacted away to make room
+    _assert_holds(tier, model, walk=why == "--table-disk-limit")  # a full disk has no room for a walk's ids
+    if why == "--table-disk-limit":  # the tier filled with live records: more than half of the limit
+        assert len(tier) * tier.slot.itemsize > tier.disk_bytes // 2
+    tier.close()
+
+
+def test_a_restore_of_many_chunks_is_visible_whole_or_not_at_all(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 20, "t")
+    ids = np.arange(20_000, dtype=np.int64)
+
+    def chunks() -> Any:
+        for lo in range(0, ids.size, 1000):
+            yield ids[lo : lo + 1000], _records(ids[lo : lo + 1000], 1)
+
+    with pytest.raises(TierFullError):  # 20,000 records of 56 bytes do not fit in 1 MiB
+        tier.write_chunks(ids.size, chunks())
+    assert len(tier) == 0 and tier.disk_used == 0
+    assert not [p for p in (tmp_path / "t").iterdir() if p.name.startswith("segment-")]
+    small = ids[:5000]
+    recs = _records(small, 1)
+    tier.write_chunks(
+        small.size, ((small[lo : lo + 700], recs[lo : lo + 700]) for lo in range(0, small.size, 700))
+    )
+    _assert_holds(tier, dict(zip(small.tolist(), (r.copy() for r in recs), strict=True)))
+    tier.close()
+
+
+def test_expired_finds_the_live_records_before_a_cut_from_the_stamps_in_memory(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step", "last_time"))
+    ids = np.arange(2000, dtype=np.int64)
+    for step in range(10):
+        part = ids[ids % 10 >= step]  # ids with a larger last digit are rewritten for longer
+        tier.write(part, _records(part, step))
+    tier.compact_now()
+    last = ids % 10  # each id's last write
+    np.testing.assert_array_equal(tier.expired(5, None), ids[last < 5])
+    np.testing.assert_array_equal(tier.expired(None, 1003.0), ids[last < 3])
+    got = tier.expired(5, None, limit=100)
+    assert got.size == 100 and np.all(np.isin(got, ids[last < 5]))
+    tier.close()
