@@ -234,9 +234,11 @@ class DataPortServer:
                 )
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
                     versions, values = response.versions, response.values
+                    wire_of = codec.DTYPE_WIRES
                     for name, value, version in snapshot:
                         versions.append(version)
-                        values.add(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
+                        dtype = wire_of.get(value.dtype) or codec.wire_dtype(value.dtype)  # inline
+                        values.add(name=name, dtype=dtype, shape=value.shape)
                         payload.append(memoryview(value.reshape(-1)).cast("B"))
                 reply = bulk.Frame(bulk.PUSHED, response)
             elif kind == bulk.LOOKUP:

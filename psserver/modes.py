@@ -241,6 +241,9 @@ class AsyncMode(Mode):
 
     name = "async"
 
+    async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
+        """A read never waits in async mode: nothing to wait for, nor for the listener to see."""
+
     async def _push(
         self,
         worker_id: str,

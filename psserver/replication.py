@@ -187,7 +187,7 @@ class Primary:
 
     def check(self, what: str) -> None:
         """Lets a client call through while this primary holds its lease. Raises: UnavailableError."""
-        if self.holds_lease():
+        if not self._released and (not self.required or lease.clock() < self._lease_until):  # holds_lease()
             return
         self._note_lease(False)
         if self._released:

@@ -362,11 +362,11 @@ class ShardService:
             reads.rows(var.name, var, ids)
         rows = await reads.result(self.store.inline_apply_bytes)
         self.store.pulls += 1
-        return codec.WireMessage(
-            ps_pb2.LookupResponse(versions=[version for _, _, version in rows]),
-            "values",
-            [chunk_of(name, value) for name, value, _ in rows],
-        )
+        versions, chunks = [], []  # loops, not comprehensions: no call per lookup
+        for name, value, version in rows:
+            versions.append(version)
+            chunks.append(codec.WireChunk.of(name, value))  # chunk_of, inline
+        return codec.WireMessage(ps_pb2.LookupResponse(versions=versions), "values", chunks)
 
     def scan_rows(self, request: ps_pb2.ScanRowsRequest) -> codec.WireMessage:
         """One page of a table piece's rows after ``request.after``, read in one instant. Raises: PSError."""

@@ -399,8 +399,11 @@ class Store:
         if not grads and not allow_empty:
             raise InvalidArgumentError("push carries no gradients")
         pairs: list[tuple[Variable, tables.Grad]] = []
+        known = self._vars
         for name, grad in grads.items():
-            var = self.get(name)
+            var = known.get(name)
+            if var is None:
+                var = self.get(name)  # raises NotFoundError
             if isinstance(grad, tables.RowGrad):
                 rows = tables.validate(var.spec, var.dtype, grad, allow_non_finite=self.allow_non_finite)
                 pairs.append((var, rows))
@@ -504,11 +507,13 @@ class Store:
         try:
             await gate.enter(key, claims)  # as ``_updates``, without its context managers
             try:
-                update = self._apply_each(pairs, now)
-                if len(pairs) > 1 or (pairs and pairs[0][0].dyn is not None):
-                    versions = await _whole(update)
+                versions = self._apply_now(pairs, now)
+                if versions is not None:  # all of it now, no await: nothing can cut it
+                    pass
+                elif len(pairs) > 1 or (pairs and pairs[0][0].dyn is not None):
+                    versions = await _whole(self._apply_each(pairs, now))
                 else:  # one change, at the end (``_write_rows``, ``var.state``): a cancel lands before it
-                    versions = await update
+                    versions = await self._apply_each(pairs, now)
                 self.pushes += 1
             finally:
                 self.changes += 1
@@ -526,6 +531,38 @@ class Store:
         for var in self._over_share():
             async with var.lock:
                 self._give_back(var)
+
+    def _apply_now(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int] | None:
+        """The common case of ``_apply_each``, with no await (no task of its own, no lock taken): every
+        variable free, none a dynamic table piece, each computation small (a dense update of at most
+        ``inline_apply_bytes``; a fixed table's rows of at most that, on a piece that needs no copy of
+        more, without an every-row regularizer). Returns the versions, or None (nothing done) where one
+        of them is not so."""
+        limit = self.inline_apply_bytes
+        for var, grad in pairs:
+            if var.dyn is not None or var.lock.locked():
+                return None
+            value = var.state[0]
+            if isinstance(grad, tables.RowGrad):
+                if grad.values.nbytes > limit or (value.nbytes > limit and not value.flags.writeable):
+                    return None
+                if var.regularizer is not None and var.regularizer.every_row:  # every row: a pass over all
+                    return None
+            elif value.nbytes > limit:
+                return None
+        versions = []
+        for var, grad in pairs:
+            if isinstance(grad, tables.RowGrad):
+                versions.append(_run_inline(self._update(var, grad, now)))
+                continue
+            value, version = var.state  # ``_update``'s dense branch, without its generator
+            step = var.iterations
+            new = var.optimizer.apply(value, grad, var.slots, step)
+            new.flags.writeable = False
+            var.state = (new, version + 1)
+            var.iterations = step + 1
+            versions.append(version + 1)
+        return versions
 
     async def _apply_each(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
         versions = []

@@ -130,10 +130,6 @@ def table_name(spec: ps_pb2.VariableSpec) -> str:
     return spec.table.table if spec.HasField("table") else ""
 
 
-def _dim(spec: ps_pb2.VariableSpec) -> int:
-    return int(spec.dynamic.dim if spec.HasField("dynamic") else spec.table.dim)
-
-
 def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
     """Pairs the wire tensors of row gradients into ``RowGrad`` s (raw: validated later by ``validate``).
 
@@ -182,24 +178,26 @@ def check_ids(spec: ps_pb2.VariableSpec, ids: np.ndarray, what: str) -> np.ndarr
         InvalidArgumentError: not a table, ids not integers or not 1-D, or an id out of
             range or held by another shard (the message names the table and the first bad id).
     """
-    if not is_table(spec):
+    dynamic = spec.HasField("dynamic")
+    if not (dynamic or spec.HasField("table")):  # is_table(spec), inline
         raise InvalidArgumentError(f"{what}: variable {spec.name!r} is not an embedding table")
-    name = table_name(spec)
     if ids.dtype.kind not in "iu":
         raise InvalidArgumentError(
-            f"{what} for table {name!r}: ids have dtype {ids.dtype.name}, not an integer"
+            f"{what} for table {table_name(spec)!r}: ids have dtype {ids.dtype.name}, not an integer"
         )
     if ids.ndim != 1:
-        raise InvalidArgumentError(f"{what} for table {name!r}: ids have shape {ids.shape}, not [n]")
+        raise InvalidArgumentError(
+            f"{what} for table {table_name(spec)!r}: ids have shape {ids.shape}, not [n]"
+        )
     ids = ids.astype(np.int64, copy=False)
-    if spec.HasField("dynamic"):  # any 64-bit id; only the shard rule is checked
+    if dynamic:  # any 64-bit id; only the shard rule is checked
         d = spec.dynamic
         shard = dynamic_row_shard(ids, d.count)
         bad_shard = shard != d.index
         if np.logical_or.reduce(bad_shard, axis=None):  # bad_shard.any(), without its Python wrapper
             i = int(np.argmax(bad_shard))
             raise InvalidArgumentError(
-                f"{what} for table {name!r}: id {int(ids[i])} is held by shard {int(shard[i])}, "
+                f"{what} for table {d.table!r}: id {int(ids[i])} is held by shard {int(shard[i])}, "
                 f"not by this one (shard {d.index} of {d.count})"
             )
         return ids
@@ -223,7 +221,8 @@ def validate(spec: ps_pb2.VariableSpec, dtype: np.dtype, grad: RowGrad, *, allow
             non-finite values (unless allowed).
     """
     ids = check_ids(spec, grad.ids, "row gradient")
-    name, dim = table_name(spec), _dim(spec)
+    table = spec.dynamic if spec.HasField("dynamic") else spec.table  # table_name and _dim, inline
+    name, dim = table.table, int(table.dim)
     values = grad.values
     if values.dtype != dtype:
         raise InvalidArgumentError(
@@ -234,7 +233,7 @@ def validate(spec: ps_pb2.VariableSpec, dtype: np.dtype, grad: RowGrad, *, allow
             f"row gradient for table {name!r} has values of shape {values.shape} for {ids.size} ids; "
             f"expected {(ids.size, dim)} (one row of dim {dim} per id)"
         )
-    if not allow_non_finite and not np.isfinite(values).all():
+    if not allow_non_finite and not np.logical_and.reduce(np.isfinite(values), axis=None):  # no .all()
         bad = int(np.argmax(~np.isfinite(values).all(axis=1)))
         raise InvalidArgumentError(
             f"row gradient for table {name!r} has non-finite (NaN or Inf) values for id {int(ids[bad])}; "
