@@ -34,7 +34,7 @@ from pscore.optimizers import Adagrad
 from psproto.v1 import ps_pb2
 from psserver import tables
 from psserver.store import Store
-from psserver.tier import TierConfig, parse_bytes
+from psserver.tier import DEFAULT_STORE, TierConfig, parse_bytes
 
 _ZIPF = 0.9
 _IDS_PER_STEP = 256 * 8  # bench_embedding.py's batch of 256 examples of 8 ids
@@ -54,7 +54,10 @@ def _batches(rows: int, steps: int) -> list[np.ndarray]:
 
 
 async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    tier = TierConfig(str(workdir / name), parse_bytes(args.table_memory)) if name == "tiered" else None
+    tier = None
+    if name.startswith("tiered"):  # tiered: the default store; tiered-log, tiered-lmdb: that one
+        store = name.partition("-")[2] or DEFAULT_STORE
+        tier = TierConfig(str(workdir / f"{name}-{time.monotonic_ns()}"), parse_bytes(args.table_memory), store=store)
     store = Store(tier=tier)
     spec = ps_pb2.VariableSpec(
         name="t/rows_0", dtype=ps_pb2.DTYPE_FLOAT32, shape=[0, args.dim], optimizer=Adagrad(0.1).to_proto()

@@ -5,11 +5,13 @@ same interface and guarantees as the LMDB one (``DiskTier``), built the way
 DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
 
 - A record is a row's id and its ``record_dtype`` record (bookkeeping, value,
-  row slots) at a fixed length, appended to the newest of the piece's segment
-  files. A segment's blocks are allocated whole when it is made
-  (``posix_fallocate``), so a full disk is a ``TierFullError`` before a write,
-  never a SIGBUS; it is written and read through a memory map (a batch of records
-  is one numpy gather or scatter).
+  row slots) at a fixed length, appended to the piece's active segment. The
+  segments are fixed-size regions of one sparse file, mapped once (as LMDB maps
+  its file): a batch of records is one numpy gather or scatter, whatever
+  segments it spans (a file and a map per segment made a read loop over them:
+  50 segments for a million rows). Blocks are allocated before records are
+  written into them (``posix_fallocate``, ahead in steps), so a full disk is a
+  ``TierFullError`` before a write, never a SIGBUS.
 - An index in memory maps each id to its record's position (segment and offset:
   ``HashIndex``, numpy arrays, not an object per row). A write appends its
   records first, where no reader looks, then changes the index for all of them
@@ -26,8 +28,9 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   live records fall below ``_COMPACT_BELOW`` of it is compacted in a worker
   thread: its live records are appended again, ``_COMPACT_STEP_BYTES`` at most
   per step (the writer's lock is held for one step at a time, so a push waits
-  for one step at most), then its file is removed, and its space comes back once
-  the views older than that are closed (their reads may still look there). A
+  for one step at most), then it is removed: once the views older than that are
+  closed (their reads may still look there), its region's blocks are punched out
+  (``MADV_REMOVE``) and the region is reused. A
   compaction moves records, never changes one: no reader can tell. A write that
   would pass ``--table-disk-limit`` first compacts what it can, then fails typed.
 - The tier is a spill space, as the LMDB one: wiped when its piece is created,
@@ -35,14 +38,20 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   backups.
 
 Disk space: the live records, plus the dead ones of segments not yet compacted
-(each segment is compacted below half live: at most about 2x the live records'
-bytes), plus one segment of headroom for the compaction itself.
+(each full segment is compacted below half live: at most about 2x the live
+records' bytes), plus the active segment's and half a segment of headroom for
+the compaction itself; a segment is 1/16 of ``--table-disk-limit``, between 64
+KiB and 64 MiB. The index (about 50 bytes a record held: ids and positions in
+a table at most 3/4 full, doubled as it grows) lives in files of the piece's
+directory too (the page cache's pages, like LMDB's B-tree; not counted in the
+limit), and with a TTL each segment keeps its records' stamps in memory (8 bytes
+a record per TTL kind).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import heapq
 import math
 import mmap
 import os
@@ -67,11 +76,11 @@ from psserver.tier import (
     scratch_array,
 )
 
-_OFFSET_BITS = 32  # a position: the segment's number above these bits, the record's offset in it below
-_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
-_SEGMENT_MIN_BYTES = 256 << 10
-_SEGMENT_MAX_BYTES = 64 << 20
-_SEGMENTS_PER_LIMIT = 16  # a segment is at most this fraction of --table-disk-limit
+_REGION_MIN_BYTES = 64 << 10
+_REGION_MAX_BYTES = 64 << 20
+_REGIONS_PER_LIMIT = 16  # a segment's region is at most this fraction of --table-disk-limit
+_ALLOC_STEP_BYTES = 1 << 20  # blocks allocated ahead in a segment at least this much at a time
+_SPARE_REGIONS = 4  # regions mapped beyond the limit's (a new segment while old ones wait for their views)
 _COMPACT_BELOW = 0.5  # a full segment whose live fraction is below this is compacted
 _COMPACT_STEP_BYTES = 4 << 20  # records one compaction step reads and appends at most
 _JOIN_S = 10.0  # how long closing waits for the compaction thread's step
@@ -79,21 +88,17 @@ _JOIN_S = 10.0  # how long closing waits for the compaction thread's step
 
 @dataclasses.dataclass(eq=False, slots=True)
 class _Segment:
-    """One segment file, mapped: ``rows`` fixed-length records, ``used`` of them written."""
+    """One segment: region ``no`` of the records file, ``rows`` fixed-length records, ``used`` written."""
 
     no: int
-    path: Path
+    base: int  # the position (record number in the file) of its first record
     rows: int
-    buf: mmap.mmap
     ids: np.ndarray  # the records' ids (a view of the map)
     recs: np.ndarray  # their records (a view of the map)
     stamps: np.ndarray | None  # with a TTL, a copy in memory of the records' expiry stamps
     used: int = 0
     live: int = 0  # records the index points at
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.buf)
+    reserved: int = 0  # bytes of its region allocated on disk, from its start
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,19 +143,38 @@ class LogTier(ColdTier):
         super().__init__(path, record, table, expiry)
         self.disk_bytes = disk_bytes
         self.slot = np.dtype([("id", "<i8"), ("rec", record)])
+        size = self.slot.itemsize
+        unit = mmap.PAGESIZE // math.gcd(size, mmap.PAGESIZE)  # records whose bytes fill whole pages
+        target = min(_REGION_MAX_BYTES, max(_REGION_MIN_BYTES, disk_bytes // _REGIONS_PER_LIMIT))
+        self.segment_rows = max(unit, target // size // unit * unit)  # a segment's records (its region)
+        regions = disk_bytes // (self.segment_rows * size) + _SPARE_REGIONS
         try:
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True, exist_ok=True)
+            # One sparse file as large as the regions, mapped once (as LMDB maps its file): a batch of
+            # records is one gather or scatter; blocks are allocated before they are written (``_reserve``).
+            self._fd = os.open(path / "records", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(self._fd, regions * self.segment_rows * size)
+                self._map = mmap.mmap(self._fd, regions * self.segment_rows * size)
+            except OSError:
+                os.close(self._fd)
+                raise
         except OSError as err:
             raise TierDirError(
                 f"disk tier of table {table!r} cannot be created at {str(path)!r}: {err}"
             ) from None
+        records = np.frombuffer(self._map, self.slot)
+        self._all_ids = records["id"]
+        self._all_recs = records["rec"]
+        self._free = list(range(regions))  # region numbers not in use (a heap: the lowest first)
+        self._held: dict[int, int] = {}  # bytes still allocated in a free region (its blocks not given back)
         self.compaction = CompactionStats()
         self._index = HashIndex(0, self._index_zeros)
-        self._segs: dict[int, _Segment] = {}  # by number: the current ones and those retired, still mapped
+        self._segs: dict[int, _Segment] = {}  # by region: the current ones and those retired, still pinned
         self._active: _Segment | None = None  # the one appended to
-        self._next_no = 0
-        self._allocated = 0  # bytes of every segment still on disk or mapped
+        self._allocated = 0  # bytes allocated on disk in the regions
+        self._marks: list[list[_Segment]] = []  # the segments made since each open ``_mark``
         self._gen = 0  # the index's generation: one more per write
         self._pins: dict[int, int] = {}  # generation -> views open at it
         # (generation, sorted ids, their positions before that generation's write)
@@ -171,11 +195,13 @@ class LogTier(ColdTier):
 
     @property
     def disk_used(self) -> int:
-        """Bytes the segments take on disk (allocated whole; removed ones until their last view closes)."""
+        """Bytes the segments take on disk (allocated ahead of their records; removed ones until their last
+        view closes)."""
         return self._allocated
 
     def close(self, remove: bool = True) -> None:
-        """Stops the compaction, drops the segments (and removes their files)."""
+        """Stops the compaction, drops the segments (and removes the file; a read still under way reads the
+        map, which goes with its last reference)."""
         self._closed = True
         thread = self._compactor
         if thread is not None and thread is not threading.current_thread():
@@ -185,6 +211,7 @@ class LogTier(ColdTier):
             self._retired.clear()
             self._active = None
             self._index = HashIndex()
+            os.close(self._fd)
         if remove:
             shutil.rmtree(self.path, ignore_errors=True)
 
@@ -222,11 +249,24 @@ class LogTier(ColdTier):
             keep = []
             for gen, seg in self._retired:
                 if oldest is None or gen < oldest:  # every view that may read it is closed: space comes back
-                    self._segs.pop(seg.no, None)
-                    self._allocated -= seg.nbytes
+                    self._release(seg)
                 else:
                     keep.append((gen, seg))
             self._retired = keep
+
+    def _release(self, seg: _Segment) -> None:
+        """Gives a segment's region back (holds ``_lock``): its blocks to the disk, its number to new ones."""
+        if self._segs.get(seg.no) is not seg:
+            return  # given back already (a rollback within a rollback)
+        del self._segs[seg.no]
+        if seg.reserved:
+            start = seg.base * self.slot.itemsize
+            try:
+                self._map.madvise(mmap.MADV_REMOVE, start, seg.reserved)  # punches the blocks out
+                self._allocated -= seg.reserved
+            except (OSError, ValueError):  # a filesystem that cannot: the blocks stay, for the next segment
+                self._held[seg.no] = seg.reserved
+        heapq.heappush(self._free, seg.no)
 
     def _positions(self, ids: np.ndarray, gen: int) -> np.ndarray:
         """Each id's record position as of generation ``gen`` (-1: none); holds ``_lock``."""
@@ -241,23 +281,8 @@ class LogTier(ColdTier):
         return pos
 
     def _gather(self, pos: np.ndarray) -> np.ndarray:
-        """The records at positions ``pos`` (each valid, in pinned segments)."""
-        out = np.empty(pos.size, self.record)
-        if not pos.size:
-            return out
-        nos = pos >> _OFFSET_BITS
-        offs = pos & _OFFSET_MASK
-        first, last = int(nos.min()), int(nos.max())
-        try:
-            if first == last:
-                out[...] = self._segs[first].recs[offs]
-                return out
-            for no in np.unique(nos).tolist():
-                sel = np.flatnonzero(nos == no)
-                out[sel] = self._segs[no].recs[offs[sel]]
-        except KeyError:  # the piece was dropped (its tier closed) meanwhile
-            raise InternalError(f"table {self.table!r}: its disk tier was closed") from None
-        return out
+        """The records at positions ``pos`` (each valid, in pinned segments): one gather from the map."""
+        return self._all_recs[pos]
 
     def _fetch(self, ids: np.ndarray, handle: int) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
@@ -373,7 +398,7 @@ class LogTier(ColdTier):
                         continue
                     ids = np.array(seg.ids[offs])
                     with self._lock:
-                        current = self._index.get(ids) == (seg.no << _OFFSET_BITS) + offs
+                        current = self._index.get(ids) == seg.base + offs
                     ids = ids[current]
                     if limit is not None:
                         ids = ids[: limit - taken]
@@ -398,11 +423,11 @@ class LogTier(ColdTier):
         """
         with self._writer, self._lock:
             ids, pos = self._index.items()
-            nos = pos >> _OFFSET_BITS
+            nos = pos // self.segment_rows
             for seg in self._current():
                 mine = nos == seg.no
                 assert int(np.count_nonzero(mine)) == seg.live, f"segment {seg.no}: live count"
-                offs = pos[mine] & _OFFSET_MASK
+                offs = pos[mine] - seg.base
                 assert np.all(offs < seg.used), f"segment {seg.no}: a position past its records"
                 np.testing.assert_array_equal(seg.ids[offs], ids[mine])
                 if seg.stamps is not None:
@@ -459,15 +484,13 @@ class LogTier(ColdTier):
                         records = np.ascontiguousarray(records, self.record)
                         all_pos.append(self._append(ids, records, may_compact=False))
                         all_ids.append(ids)
-            except BaseException:
-                self._rollback(mark)
-                raise
-            ids = np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64)
-            try:
+                ids = np.concatenate(all_ids) if all_ids else np.zeros(0, np.int64)
                 self._reserve_index(ids.size)
             except BaseException:
                 self._rollback(mark)
                 raise
+            finally:
+                self._unmark(mark)
             self._forget([ids])
             self._commit(ids, np.concatenate(all_pos) if all_pos else ids, ids[:0])
         self.stats.spilled += count
@@ -499,139 +522,159 @@ class LogTier(ColdTier):
                 "shards"
             ) from None
 
-    def _mark(self) -> tuple[int, int, int]:
-        """Where appends are now (``_rollback``): the active segment's number and used records, the next
-        segment number."""
-        a = self._active
-        return (-1 if a is None else a.no, 0 if a is None else a.used, self._next_no)
+    def _mark(self) -> tuple[_Segment | None, int, list[_Segment]]:
+        """Where appends are now (``_rollback``): the active segment, its used records, and a list that
+        collects the segments made from now on, until ``_unmark``."""
+        made: list[_Segment] = []
+        self._marks.append(made)
+        return self._active, 0 if self._active is None else self._active.used, made
 
-    def _rollback(self, mark: tuple[int, int, int]) -> None:
+    def _unmark(self, mark: tuple[_Segment | None, int, list[_Segment]]) -> None:
+        popped = self._marks.pop()  # marks nest: a restore's, then each of its appends'
+        assert popped is mark[2], "marks are undone in the reverse order"
+
+    def _rollback(self, mark: tuple[_Segment | None, int, list[_Segment]]) -> None:
         """Forgets what was appended since ``mark`` (nothing points at it): the segments made since go."""
-        no, used, next_no = mark
-        for n in range(next_no, self._next_no):
-            seg = self._segs.pop(n, None)
-            if seg is not None:
-                self._allocated -= seg.nbytes
-                _unlink(seg.path)
-        self._active = self._segs.get(no)
-        if self._active is not None:
-            self._active.used = used
+        active, used, made = mark
+        with self._lock:
+            for seg in made:
+                self._release(seg)
+        made.clear()
+        self._active = active
+        if active is not None:
+            active.used = used
 
     def _append(
         self, ids: np.ndarray, records: np.ndarray, compacting: bool = False, may_compact: bool = True
     ) -> np.ndarray:
         """Writes records after the last ones (holds ``_writer``); returns their positions. Nothing points
-        at them yet. Makes the segments they need first; a push's write compacts to make room when the
-        limit is near (``may_compact``), before anything of its own is appended.
+        at them yet. First checks the limit (a push's write compacts to make room when it is near:
+        ``may_compact``), then makes the segments and allocates the blocks the records need.
 
         Raises:
             TierFullError: there is no room, even after compacting; nothing was appended.
         """
         n = ids.size
-        plan = self._room(n, compacting, may_compact and not compacting)
-        active = self._active
+        self._room(n, compacting, may_compact and not compacting)
         mark = self._mark()
+        spans: list[tuple[_Segment, int, int]] = []
         try:
-            for rows in plan:
-                self._new_segment(rows)
+            seg, start, left = self._active, 0 if self._active is None else self._active.used, n
+            while left:
+                if seg is None or start == seg.rows:
+                    seg, start = self._new_segment(), 0
+                take = min(left, seg.rows - start)
+                self._reserve(seg, start + take)
+                spans.append((seg, start, start + take))
+                start += take
+                left -= take
         except BaseException:
             self._rollback(mark)
             raise
+        finally:
+            self._unmark(mark)
         out = np.empty(n, np.int64)
         done = 0
-        for seg in ([active] if active is not None else []) + self._made_since(mark):
-            take = min(n - done, seg.rows - seg.used)
-            if take <= 0:
-                continue
-            lo, hi = seg.used, seg.used + take
+        for seg, lo, hi in spans:
+            take = hi - lo
             seg.ids[lo:hi] = ids[done : done + take]
             seg.recs[lo:hi] = records[done : done + take]
             if seg.stamps is not None:
                 for kind in self._expiry_kinds:
                     seg.stamps[kind][lo:hi] = records[kind][done : done + take]
-            out[done : done + take] = (seg.no << _OFFSET_BITS) + np.arange(lo, hi)
+            out[done : done + take] = np.arange(seg.base + lo, seg.base + hi)
             seg.used = hi
             done += take
-            if done == n:
-                break
-        assert done == n, "the segments made room for every record"
         return out
 
-    def _made_since(self, mark: tuple[int, int, int]) -> list[_Segment]:
-        return [self._segs[n] for n in range(mark[2], self._next_no) if n in self._segs]
-
-    def _room(self, n: int, compacting: bool, may_compact: bool) -> list[int]:
-        """The sizes (records) of the segments to make so that ``n`` more records fit after the last
-        (holds ``_writer``). A push's write leaves one segment's headroom for compaction, and compacts
+    def _room(self, n: int, compacting: bool, may_compact: bool) -> None:
+        """Checks that ``n`` more records fit under the limit (holds ``_writer``). A push's write leaves
+        room for a compaction to move a victim's live records (under half a segment's), and compacts
         first when it would need it.
 
         Raises:
             TierFullError: no room (nothing changed but what compaction moved).
         """
+        size = self.slot.itemsize
         while True:
-            free = 0 if self._active is None else self._active.rows - self._active.used
-            plan: list[int] = []
-            while free < n:
-                plan.append(self._segment_rows(n - free))
-                free += plan[-1]
-            nbytes = sum(plan) * self.slot.itemsize
-            # Room for a compaction to move a victim's live records (under half of a segment's).
-            headroom = 0 if compacting or not plan else self._segment_rows(0) // 2 * self.slot.itemsize
-            if self._allocated + nbytes + headroom <= self.disk_bytes:
-                return plan
-            if plan:  # near the limit: one segment of just the records needed
-                tight = max(16, n - (free - sum(plan)))
-                if self._allocated + tight * self.slot.itemsize + headroom <= self.disk_bytes:
-                    return [tight]
+            a = self._active
+            ahead = 0 if a is None else max(0, a.reserved - a.used * size)  # allocated, not yet written
+            need = max(0, n * size - ahead)
+            headroom = 0 if compacting or not need else self.segment_rows // 2 * size
+            if self._allocated + need + headroom <= self.disk_bytes:
+                return
             if not may_compact or not self._compact_for_room():
                 raise TierFullError(
                     f"table {self.table!r}: its disk tier is full (its segments take "
                     f"{self._allocated / 2**20:.1f} MiB of the limit of {self.disk_bytes / 2**20:.4g} MiB "
-                    f"at {str(self.path)!r}, and {nbytes + headroom} more bytes are needed); nothing was "
+                    f"at {str(self.path)!r}, and {need + headroom} more bytes are needed); nothing was "
                     "applied. Free disk space, raise --table-disk-limit or --table-memory, or add shards"
                 )
 
-    def _segment_rows(self, at_least: int) -> int:
-        """A new segment's records: an eighth of the records held, within the bounds (and a sixteenth of
-        the limit at most), and at least ``at_least`` (a large write's records in one segment)."""
-        size = self.slot.itemsize
-        want = max(len(self._index) * size // 8, _SEGMENT_MIN_BYTES)
-        nbytes = min(want, _SEGMENT_MAX_BYTES, max(self.disk_bytes // _SEGMENTS_PER_LIMIT, 4096))
-        return max(16, nbytes // size, min(at_least, _SEGMENT_MAX_BYTES // size))
+    def _reserve(self, seg: _Segment, rows: int) -> None:
+        """Allocates the blocks of ``seg``'s first ``rows`` records, ahead in steps where the limit allows
+        (holds ``_writer``): the map is then written where the disk has room, never a SIGBUS.
 
-    def _new_segment(self, rows: int) -> None:
-        no = self._next_no
-        path = self.path / f"segment-{no:08d}"
-        nbytes = rows * self.slot.itemsize
+        Raises:
+            TierFullError: the disk has no room for them.
+        """
+        size = self.slot.itemsize
+        end = rows * size
+        if end <= seg.reserved:
+            return
+        region = seg.rows * size
+        ahead = min(max(end, seg.reserved + _ALLOC_STEP_BYTES), region)
+        if self._allocated + ahead - seg.reserved > self.disk_bytes:
+            ahead = end  # near the limit: just what the records need
+        start = seg.base * size
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(self._fd, start + seg.reserved, ahead - seg.reserved)
+            except OSError:
+                if ahead == end:
+                    raise
+                ahead = end  # no room ahead: what these records need, or TierFullError
+                os.posix_fallocate(self._fd, start + seg.reserved, ahead - seg.reserved)
         except OSError as err:
             raise TierFullError(
-                f"table {self.table!r}: its disk tier cannot make a segment at {str(path)!r}: "
-                f"{err.strerror or err}; nothing was applied"
-            ) from None
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-            buf = mmap.mmap(fd, nbytes)
-        except OSError as err:
-            _unlink(path)
-            raise TierFullError(
-                f"table {self.table!r}: its disk tier is full (cannot allocate {nbytes} bytes at "
-                f"{str(path)!r}: {err.strerror or err}); nothing was applied. Free disk space, raise "
+                f"table {self.table!r}: its disk tier is full (cannot allocate {ahead - seg.reserved} bytes "
+                f"at {str(self.path)!r}: {err.strerror or err}); nothing was applied. Free disk space, raise "
                 "--table-memory, or add shards"
             ) from None
-        finally:
-            os.close(fd)
-        arr = np.frombuffer(buf, self.slot)
-        stamps = self.stamps
-        seg = _Segment(
-            no, path, rows, buf, arr["id"], arr["rec"], np.zeros(rows, stamps) if stamps is not None else None
-        )
-        self._next_no += 1
-        self._allocated += nbytes
+        self._allocated += ahead - seg.reserved
+        seg.reserved = ahead
+
+    def _new_segment(self) -> _Segment:
+        """A new segment on the lowest free region; the active one from now on (holds ``_writer``).
+
+        Raises:
+            TierFullError: every region is in use (segments removed but still pinned by views).
+        """
         with self._lock:
+            if not self._free:
+                raise TierFullError(
+                    f"table {self.table!r}: its disk tier is full (every region of {str(self.path)!r} is in "
+                    "use, some by views still open); nothing was applied. Raise --table-disk-limit or "
+                    "--table-memory, or add shards"
+                )
+            no = heapq.heappop(self._free)
+            base = no * self.segment_rows
+            end = base + self.segment_rows
+            stamps = self.stamps
+            seg = _Segment(
+                no,
+                base,
+                self.segment_rows,
+                self._all_ids[base:end],
+                self._all_recs[base:end],
+                np.zeros(self.segment_rows, stamps) if stamps is not None else None,
+                reserved=self._held.pop(no, 0),
+            )
             self._segs[no] = seg
+        for made in self._marks:
+            made.append(seg)
         self._active = seg
+        return seg
 
     def _commit(self, ids: np.ndarray, placed: np.ndarray, gone: np.ndarray) -> None:
         """Points the index at the appended records and drops the ``gone`` ids (deleted first): one
@@ -664,7 +707,7 @@ class LogTier(ColdTier):
     def _count_live(self, pos: np.ndarray, sign: int) -> None:
         if not pos.size:
             return
-        nos, counts = np.unique(pos >> _OFFSET_BITS, return_counts=True)
+        nos, counts = np.unique(pos // self.segment_rows, return_counts=True)
         for no, count in zip(nos.tolist(), counts.tolist(), strict=True):
             self._segs[no].live += sign * count
 
@@ -686,7 +729,6 @@ class LogTier(ColdTier):
         space) once the views that may read it are closed."""
         if self._compacting is not None and self._compacting[0] is seg:
             self._compacting = None
-        _unlink(seg.path)
         self._retired.append((self._gen, seg))
         self.compaction.segments += 1
         self._prune()
@@ -739,7 +781,7 @@ class LogTier(ColdTier):
         ids = np.array(seg.ids[start:end])
         offs = np.arange(start, end)
         with self._lock:
-            keep = self._index.get(ids) == (seg.no << _OFFSET_BITS) + offs
+            keep = self._index.get(ids) == seg.base + offs
         if keep.any():
             ids = ids[keep]
             placed = self._append(ids, seg.recs[offs[keep]], compacting=True)
@@ -766,7 +808,7 @@ class LogTier(ColdTier):
             return False
         while True:
             seg = self._compacting[0] if self._compacting is not None else None
-            if not self._compact_step(_SEGMENT_MAX_BYTES):
+            if not self._compact_step(self.segment_rows * self.slot.itemsize):
                 break
             if self._compacting is None or self._compacting[0] is not seg:
                 break
@@ -780,12 +822,7 @@ class LogTier(ColdTier):
                 pass
 
 
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 def segment_bytes_bound(live_bytes: int) -> int:
     """The most disk a log tier of ``live_bytes`` of live records takes once compacted: each full
     segment at least ``_COMPACT_BELOW`` live, plus the active one and the headroom (for the docs' sums)."""
-    return math.ceil(live_bytes / _COMPACT_BELOW) + 2 * _SEGMENT_MAX_BYTES
+    return math.ceil(live_bytes / _COMPACT_BELOW) + 2 * _REGION_MAX_BYTES
