@@ -912,7 +912,7 @@ class _PushAnswers:
 
     def restart(self, shard: int) -> None:
         """Forgets what ``shard`` answered so far: a retried attempt starts over."""
-        if self.into is not None:
+        if self.into is not None and (self.into.arrived or self._row_parts):  # a first attempt: nothing
             self.into.restart(p for group in self._pieces.values() for p in group if p.shard == shard)
             self._row_parts.pop(shard, None)
 
@@ -940,7 +940,8 @@ class _PushAnswers:
         if self.into is None:  # a plain push
             return {}
         values: dict[str, Any] = dict(self.into.result())
-        values.update(returned_rows(plan.returned_tables, plan.known, self._row_parts))
+        if plan.returned_tables:
+            values.update(returned_rows(plan.returned_tables, plan.known, self._row_parts))
         for name, rows in values.items():  # a string-keyed table's rows come back under their keys
             if isinstance(rows, Rows) and plan.known[name][0].keys == "string":
                 keys = np.asarray(grads[name].ids).reshape(-1)

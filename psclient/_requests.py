@@ -175,8 +175,10 @@ class Gather:
         self._alloc = alloc or _empty
         self._by_stored = {p.stored_name: p for group in pieces.values() for p in group}
         self._flat: dict[str, np.ndarray] = {}  # variable -> its whole array, flat
-        self._filled: dict[str, codec.Coverage] = {}  # stored name -> element ranges received
+        # stored name -> element ranges received; ``_WHOLE``: received whole, once (by ``place``)
+        self._filled: dict[str, codec.Coverage | object] = {}
         self._versions: dict[str, int] = {}  # per stored name
+        self.arrived = False  # whether a tensor arrived (``restart`` has anything to forget)
 
     def add_versions(self, versions: Mapping[str, int]) -> None:
         """Records stored tensors' versions (see ``versions_of``)."""
@@ -194,7 +196,7 @@ class Gather:
 
     def restart(self, pieces: Iterable[Piece]) -> None:
         """Forgets what arrived for ``pieces`` (a retried stream sends them again)."""
-        if not self._filled and not self._flat:  # nothing arrived yet (a first attempt): nothing to forget
+        if not self.arrived:  # nothing arrived yet (a first attempt): nothing to forget
             return
         for p in pieces:
             self._filled.pop(p.stored_name, None)
@@ -227,10 +229,11 @@ class Gather:
         flat = self._flat.get(piece.variable)
         if flat is None or not flat.flags.writeable:
             flat = self._flat[piece.variable] = self._alloc(math.prod(piece.full_shape), piece.dtype)
-        coverage = self._filled.get(piece.stored_name)  # ``_covered``, inline
-        if coverage is None:
-            coverage = self._filled[piece.stored_name] = codec.Coverage(piece.size)
-        coverage.add(0, piece.size)
+        self.arrived = True
+        if piece.stored_name in self._filled:  # a second time (a malformed answer): ``result`` says so
+            self._covered(piece).add(0, piece.size)
+        else:  # the common case: no Coverage to make and check
+            self._filled[piece.stored_name] = _WHOLE
         return memoryview(flat[piece.offset : piece.offset + piece.size]).cast("B")
 
     def add(self, chunk: Any) -> None:
@@ -248,6 +251,7 @@ class Gather:
                 f"tensor {chunk.name!r}: got {elems.dtype.name}{list(codec.chunk_shape(chunk))}, "
                 f"expected {piece.dtype.name}{list(piece.stored_shape)}"
             )
+        self.arrived = True
         var = piece.variable
         flat = self._flat.get(var)
         if piece.table and piece.count > 1:  # rows index, index + count, ... of the whole table
@@ -270,9 +274,12 @@ class Gather:
 
     def _covered(self, piece: Piece) -> codec.Coverage:
         coverage = self._filled.get(piece.stored_name)
-        if coverage is None:
-            coverage = self._filled[piece.stored_name] = codec.Coverage(piece.size)
-        return coverage
+        if isinstance(coverage, codec.Coverage):
+            return coverage
+        covered = self._filled[piece.stored_name] = codec.Coverage(piece.size)
+        if coverage is _WHOLE:
+            covered.add(0, piece.size)
+        return covered
 
     def result(self) -> dict[str, np.ndarray]:
         """The whole variables, read-only.
@@ -291,11 +298,16 @@ class Gather:
             if missing:
                 raise NotFoundError(f"variable {name!r}: pieces {missing} were not returned by their shards")
             for p in group:
-                self._filled[p.stored_name].check(p.stored_name)
+                coverage = filled[p.stored_name]
+                if coverage is not _WHOLE:
+                    coverage.check(p.stored_name)  # type: ignore[attr-defined]
             flat = self._flat[name]
             flat.flags.writeable = False
             out[name] = flat.reshape(group[0].full_shape)
         return out
+
+
+_WHOLE = object()  # ``Gather._filled``'s mark of a stored tensor received whole, once
 
 
 def _empty(size: int, dtype: np.dtype) -> np.ndarray:

@@ -409,19 +409,32 @@ class TableMethods:
             group = (await self._known([name]))[name]
         read = RowRead(name, group, ids, len(self._shards), "lookup", distinct)
         batch_rows = max(1, self.config.unary_max_bytes // max(1, read.row_bytes))
+        per_shard = read.per_shard
+        if len(per_shard) == 1:  # one shard, one request (the common case): no task, no closure
+            ((shard, (piece, where)),) = per_shard.items()
+            if where.size <= batch_rows:
+                await self._read_rows(read, shard, piece, where, step)
+                return read.result()
 
         async def lookup_on(shard: int, work: tuple[rq.Piece, np.ndarray]) -> None:
             piece, where = work
             for start in range(0, where.size, batch_rows):
-                part = where[start : start + batch_rows]
-                request = ps_pb2.LookupRequest(
-                    ids=[read.wire_ids(piece, part)], worker_id=self.config.worker_id, step=step
-                )
-                values = await self._lookup_call(shard, request)
-                read.fill(shard, part, values[0] if len(values) == 1 else None)
+                await self._read_rows(read, shard, piece, where[start : start + batch_rows], step)
 
-        await each(lookup_on, read.per_shard) if read.per_shard else None
+        await each(lookup_on, per_shard) if per_shard else None
         return read.result()
+
+    async def _read_rows(
+        self, read: RowRead, shard: int, piece: rq.Piece, part: np.ndarray, step: int
+    ) -> None:
+        """One Lookup of the rows of ``read`` at positions ``part`` (all held by ``piece`` on ``shard``),
+        filled in. Raises: PSError, as the Lookup call."""
+        request = ps_pb2.LookupRequest(
+            ids=[read.wire_ids(piece, part)], worker_id=self.config.worker_id, step=step
+        )
+        rows: list[Any] = []
+        await self._shards[shard].request(Op.LOOKUP, request, (), _link.Sink(rows.append, restart=rows.clear))
+        read.fill(shard, part, rows[0] if len(rows) == 1 else None)
 
     async def _lookup_call(self, shard: int, request: ps_pb2.LookupRequest) -> list[Any]:
         """One Lookup on a shard; returns the answer's tensors, in the order asked.
