@@ -19,6 +19,7 @@ Not thread-safe: used from the client's event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
@@ -83,45 +84,74 @@ class Uplink:
     """
 
     def __init__(self) -> None:
-        self._locks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turns] = weakref.WeakKeyDictionary()
 
-    def _lock(self) -> asyncio.Lock:
+    def turns(self) -> Turns:
+        """The turns of the running event loop's uploads."""
         loop = asyncio.get_running_loop()
-        lock = self._locks.get(loop)
-        if lock is None:
-            lock = self._locks[loop] = asyncio.Lock()
-        return lock
-
-    async def take(self, nbytes: int) -> asyncio.Lock | None:
-        """Waits for the uplink (bounded), for an upload of ``nbytes``: returns the lock taken (the caller
-        releases it when its bytes are out), or None (a small upload, or one that waited
-        ``STAGGER_WAIT_S`` and goes out beside the others). A free uplink is taken without a timer."""
-        if nbytes < STAGGER_MIN_BYTES:
-            return None
-        lock = self._lock()
-        if not lock.locked() and not getattr(lock, "_waiters", None):  # free, nobody queued: no wait
-            await lock.acquire()
-            return lock
-        try:
-            async with asyncio.timeout(STAGGER_WAIT_S):
-                await lock.acquire()
-        except TimeoutError:
-            log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
-                      STAGGER_WAIT_S)  # fmt: skip
-            return None
-        return lock
+        turns = self._turns.get(loop)
+        if turns is None:
+            turns = self._turns[loop] = Turns()
+        return turns
 
     @contextlib.asynccontextmanager
     async def turn(self, nbytes: int) -> AsyncIterator[None]:
-        """``take`` as a context manager: released on exit."""
-        lock = await self.take(nbytes)
+        """Waits for the uplink (bounded), for an upload of ``nbytes``; released on exit (``Turns.take``
+        as a context manager)."""
+        turns = self.turns()
+        got = await turns.take(nbytes)
         try:
             yield
         finally:
-            if lock is not None:
-                lock.release()
+            if got:
+                turns.release()
+
+
+class Turns:
+    """One event loop's turns on the uplink (``Uplink``): first come, first served; a free uplink is
+    taken with no call (``busy``, ``waiting``: the caller tests them and sets ``busy`` itself)."""
+
+    __slots__ = ("busy", "waiting")
+
+    def __init__(self) -> None:
+        self.busy = False  # an upload holds the turn
+        self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()  # in the order they asked
+
+    async def take(self, nbytes: int) -> bool:
+        """Waits for the turn (bounded), for an upload of ``nbytes``: True once taken (the caller then
+        ``release`` s it), False for a small upload, or one that waited ``STAGGER_WAIT_S`` and goes out
+        beside the others."""
+        if nbytes < STAGGER_MIN_BYTES:
+            return False
+        if not self.busy and not self.waiting:
+            self.busy = True
+            return True
+        handed = asyncio.get_running_loop().create_future()
+        self.waiting.append(handed)
+        try:
+            async with asyncio.timeout(STAGGER_WAIT_S):
+                await handed  # ``release`` hands the turn over by its result
+        except TimeoutError:
+            log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
+                      STAGGER_WAIT_S)  # fmt: skip
+            if handed.done() and not handed.cancelled():  # handed over as the time ran out: pass it on
+                self.release()
+            return False
+        except BaseException:
+            if handed.done() and not handed.cancelled():  # handed over to a caller cancelled meanwhile
+                self.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        """Ends the holder's turn: the next waiting upload's now (cancelled ones skipped), or nobody's."""
+        waiting = self.waiting
+        while waiting:
+            handed = waiting.popleft()
+            if not handed.done():
+                handed.set_result(None)  # the turn passes on: busy stays True
+                return
+        self.busy = False
 
 
 _PROCESS_UPLINK = Uplink()
@@ -211,6 +241,7 @@ class DataLink:
         self._data_port = data_port
         self._tls = tls
         self._idle: list[bulk.BulkConnection] = []
+        self._turns: Turns | None = None  # the uplink's turns on this link's event loop (its first upload's)
         self.off_until = 0.0  # time.monotonic() before which the data port is not tried (``usable``)
         self._said = False
         self._closed = False
@@ -314,13 +345,19 @@ class DataLink:
                     conn.limit_unsent(unsent_limit(conn.delivery_rate()))
                 if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
                     await conn.send(frame, payload)
-                else:  # ``uplink.turn``, without its context manager
-                    lock = await uplink.take(nbytes)
+                else:  # ``uplink.turn``, without its context manager; a free turn without a call
+                    turns = self._turns
+                    if turns is None:
+                        turns = self._turns = uplink.turns()
+                    if not turns.busy and not turns.waiting:
+                        turns.busy = got = True
+                    else:
+                        got = await turns.take(nbytes)
                     try:
                         await conn.send(frame, payload)
                     finally:
-                        if lock is not None:
-                            lock.release()
+                        if got:
+                            turns.release()
                 reply, _ = await conn.recv(into)
             except BaseException as exc:
                 timer.cancel()

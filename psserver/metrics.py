@@ -230,8 +230,10 @@ class ShardMetrics:
             if len(seen) > _MAX_TRACKED_WORKERS:
                 seen.popitem(last=False)
             last = self._last_read.get(worker_id)
-            if last is not None:
-                self.staleness.observe(max(0, self._updates() - last))
+            if last is not None:  # staleness.observe(updates - last), inline
+                lag, staleness = max(0, self.store.pushes - last), self.staleness
+                staleness.counts[bisect.bisect_left(staleness.bounds, lag)] += 1
+                staleness.sum += lag
         self.push_bytes.value += nbytes
 
     def push_done(self, request: Any, response: Any, code: grpc.StatusCode, seconds: float, rpc: str) -> None:
@@ -253,8 +255,13 @@ class ShardMetrics:
         tally.value += 1
         if outcome == "stale":
             self.dropped_stale.inc()
-        if request.return_values:
-            self.read_by(request.worker_id)
+        worker_id = request.worker_id
+        if request.return_values and worker_id:  # read_by, inline
+            reads = self._last_read
+            reads[worker_id] = self.store.pushes
+            reads.move_to_end(worker_id)
+            if len(reads) > _MAX_TRACKED_WORKERS:
+                reads.popitem(last=False)
 
     def pull_done(self, request: Any, code: grpc.StatusCode, seconds: float, rpc: str) -> None:
         """A pull ended with ``code`` after ``seconds``."""

@@ -107,6 +107,7 @@ class ServerOptimizer(abc.ABC):
         # ``slot_shapes`` by variable shape, for ``_check`` on every apply (the config is a frozen spec, set
         # once: an optimizer change makes a new ServerOptimizer).
         self._checked_shapes: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._rule_slots = self.slot_names()  # for every apply (the config is set once, as above)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
@@ -346,7 +347,7 @@ class ServerOptimizer(abc.ABC):
         compute = _F32 if dtype == _F16 else dtype
         lr = self.learning_rate(int(iteration))
         v = value[rows]
-        shaped = set(self.slot_names())
+        shaped = set(self._rule_slots)
         gathered = {k: (a[rows] if k in shaped else a) for k, a in slots.items()}
         with np.errstate(all="ignore"):
             if regularizer is not None:
@@ -379,7 +380,7 @@ class ServerOptimizer(abc.ABC):
         flat_out = out.reshape(-1)
         flat_slots = {}
         copied: list[str] = []
-        for slot in self.slot_names():
+        for slot in self._rule_slots:
             arr = slots[slot]
             if arr.flags.c_contiguous:
                 flat_slots[slot] = arr.reshape(-1)

@@ -169,3 +169,43 @@ def test_one_uplink_keeps_the_turns_of_each_event_loop_apart(monkeypatch: pytest
     for t in threads:
         t.join(timeout=10)
     assert errors == [] and all(e.is_set() for e in holding)
+
+
+async def test_a_waiting_upload_that_is_cancelled_passes_the_turn_on_to_the_next() -> None:
+    uplink = _bulk.Uplink()
+    turns = uplink.turns()
+    order: list[str] = []
+    assert await turns.take(BIG)  # held
+
+    async def upload(name: str) -> None:
+        async with uplink.turn(BIG):
+            order.append(name)
+
+    cancelled = asyncio.ensure_future(upload("cancelled"))
+    after = asyncio.ensure_future(upload("after"))
+    await asyncio.sleep(0.01)  # both wait, in this order
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    turns.release()  # skips the cancelled one
+    async with asyncio.timeout(5):
+        await after
+    assert order == ["after"]
+    assert cancelled.cancelled()
+    assert not turns.busy and not turns.waiting  # free again, nobody queued
+
+
+async def test_a_turn_taken_inline_and_one_taken_by_take_exclude_each_other() -> None:
+    """A data link takes a free turn by setting ``busy`` itself (no call); others then wait for it."""
+    uplink = _bulk.Uplink()
+    turns = uplink.turns()
+    assert not turns.busy and not turns.waiting
+    turns.busy = True  # as DataLink.request takes a free turn
+    waiter = asyncio.ensure_future(turns.take(BIG))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    turns.release()
+    async with asyncio.timeout(5):
+        assert await waiter
+    assert turns.busy
+    turns.release()
+    assert not turns.busy
