@@ -420,6 +420,7 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     if variant == "psk-tiered":  # on the machine's disk (not the workdir's tmpfs, if /tmp were one)
         tier_dir = tempfile.TemporaryDirectory(prefix="bench-tier-", dir=cm.REPO)
         server_args += ["--table-memory", args.table_memory, "--table-dir", tier_dir.name]
+        server_args += ["--table-tier-store", args.table_tier_store]
     cluster = LocalCluster(num_shards=2, server_args=server_args).start()
     samples: list[tuple[float, list[float]]] = []
     anon: list[list[float]] = []
@@ -567,10 +568,11 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
         f"{args.rows * args.dim * 8 / mib:.0f} MiB of rows and slots when all exist), {prefilled}"
         f"{args.ids} ids per example by a power law (zipf {args.zipf}); batch {args.batch_size}, "
         f"{args.steps} steps, {args.workers} worker(s), 2 async shards. `psk-tiered`: shards with "
-        f"`--table-memory {args.table_memory}` ({budget / mib:.0f} MiB per shard). "
+        f"`--table-memory {args.table_memory} --table-tier-store {args.table_tier_store}` "
+        f"({budget / mib:.0f} MiB per shard). "
         f"Machine: {json.dumps(cm.machine_note())}",
         "",
-        "| variant | steps/s | vs in memory | shard RSS MiB: peak (VmHWM) / own max (RssAnon) / LMDB pages "
+        "| variant | steps/s | vs in memory | shard RSS MiB: peak (VmHWM) / own max (RssAnon) / tier pages "
         "mapped at end (RssFile) | rows | in memory | on disk | memory MiB | disk MiB | memory hit rate | "
         "spilled | filled | prefill s | loss first -> last |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -723,6 +725,12 @@ def main() -> None:
         help="disk tier: run psk-dynamic (in memory) and psk-tiered (shards with --table-memory BYTES) "
         "on --rows power-law ids (--variants psk-tiered: that one only, for a table past the machine's "
         "memory)",
+    )
+    ap.add_argument(
+        "--table-tier-store",
+        choices=("log", "lmdb"),
+        default="log",
+        help="disk tier: the shards' --table-tier-store for psk-tiered (default log)",
     )
     ap.add_argument(
         "--prefill",

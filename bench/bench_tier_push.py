@@ -56,8 +56,9 @@ def _batches(rows: int, steps: int) -> list[np.ndarray]:
 async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     tier = None
     if name.startswith("tiered"):  # tiered: the default store; tiered-log, tiered-lmdb: that one
-        store = name.partition("-")[2] or DEFAULT_STORE
-        tier = TierConfig(str(workdir / f"{name}-{time.monotonic_ns()}"), parse_bytes(args.table_memory), store=store)
+        kind = name.partition("-")[2] or DEFAULT_STORE
+        where = str(workdir / f"{name}-{time.monotonic_ns()}")  # a variant may run more than once
+        tier = TierConfig(where, parse_bytes(args.table_memory), store=kind)
     store = Store(tier=tier)
     spec = ps_pb2.VariableSpec(
         name="t/rows_0", dtype=ps_pb2.DTYPE_FLOAT32, shape=[0, args.dim], optimizer=Adagrad(0.1).to_proto()

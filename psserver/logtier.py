@@ -142,7 +142,7 @@ class LogTier(ColdTier):
     ) -> None:
         super().__init__(path, record, table, expiry)
         self.disk_bytes = disk_bytes
-        self.slot = np.dtype([("id", "<i8"), ("rec", record)])
+        self.slot = np.dtype([("rec", record), ("id", "<i8")])
         size = self.slot.itemsize
         unit = mmap.PAGESIZE // math.gcd(size, mmap.PAGESIZE)  # records whose bytes fill whole pages
         target = min(_REGION_MAX_BYTES, max(_REGION_MIN_BYTES, disk_bytes // _REGIONS_PER_LIMIT))
@@ -167,6 +167,7 @@ class LogTier(ColdTier):
         records = np.frombuffer(self._map, self.slot)
         self._all_ids = records["id"]
         self._all_recs = records["rec"]
+        self._all_bytes = np.frombuffer(self._map, np.uint8).reshape(-1, size)  # a record a row: ``_gather``
         self._free = list(range(regions))  # region numbers not in use (a heap: the lowest first)
         self._held: dict[int, int] = {}  # bytes still allocated in a free region (its blocks not given back)
         self.compaction = CompactionStats()
@@ -281,8 +282,10 @@ class LogTier(ColdTier):
         return pos
 
     def _gather(self, pos: np.ndarray) -> np.ndarray:
-        """The records at positions ``pos`` (each valid, in pinned segments): one gather from the map."""
-        return self._all_recs[pos]
+        """The records at positions ``pos`` (each valid, in pinned segments): one gather from the map, of
+        whole rows of bytes (a gather of the structured records copied them field by field: 3x slower)."""
+        rows = np.take(self._all_bytes, pos, axis=0)[:, : self.record.itemsize]
+        return np.ascontiguousarray(rows).view(self.record).reshape(-1)
 
     def _fetch(self, ids: np.ndarray, handle: int) -> tuple[np.ndarray, np.ndarray]:
         with self._lock:
@@ -575,10 +578,15 @@ class LogTier(ColdTier):
             self._unmark(mark)
         out = np.empty(n, np.int64)
         done = 0
+        size = self.slot.itemsize
         for seg, lo, hi in spans:
             take = hi - lo
-            seg.ids[lo:hi] = ids[done : done + take]
-            seg.recs[lo:hi] = records[done : done + take]
+            # Written with pwrite, not through the map: a first store to each page of the map faulted it in
+            # (and had the filesystem convert its allocated extent), 3.5 us a record of 288 bytes.
+            buf = np.empty(take, self.slot)
+            buf["id"] = ids[done : done + take]
+            buf["rec"] = records[done : done + take]
+            _pwrite_all(self._fd, memoryview(buf).cast("B"), (seg.base + lo) * size)
             if seg.stamps is not None:
                 for kind in self._expiry_kinds:
                     seg.stamps[kind][lo:hi] = records[kind][done : done + take]
@@ -820,6 +828,17 @@ class LogTier(ColdTier):
         with self._writer:
             while self._compact_step():
                 pass
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Writes all of ``data`` at ``offset`` (into allocated blocks: a short write is not a full disk).
+
+    Raises:
+        OSError: the write failed.
+    """
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def segment_bytes_bound(live_bytes: int) -> int:

@@ -634,7 +634,7 @@ class ColdTier:
             kept = (ids[found][order], records[order]) if keep else (ids[:0], records[:0])
             with self._write_lock:
                 if writes is not None and writes == self._writes and not self._writing:
-                    self._recent = kept  # no write overlapped the read
+                    self._recent = _remembered(self._recent, kept)  # no write overlapped the read
         return found, records, (time.perf_counter() - t0, int(bool(ask.size)))  # 0: remembered records only
 
     def count_read(self, cost: ReadCost) -> None:
@@ -1025,6 +1025,22 @@ class DiskTier(ColdTier):
             for kind, db in self._expiry.items():
                 have = [bytes(k) for k in txn.cursor(db=db).iternext(keys=True, values=False)]
                 assert have == sorted(_stamp_keys(all_records[kind], all_ids)), f"expiry index {kind}"
+
+
+def _remembered(
+    old: tuple[np.ndarray, np.ndarray], new: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The records a remembering read keeps (sorted ids, records): its own, and those the last reads kept
+    while they take at most twice as many bytes. A worker looks up the next batch before it pushes this
+    one, so the push's ids are those of the lookup before the last."""
+    (old_ids, old_recs), (new_ids, new_recs) = old, new
+    if not old_ids.size or not new_ids.size or old_recs.nbytes > min(_REMEMBER_BYTES, 2 * new_recs.nbytes):
+        return new
+    at = np.minimum(np.searchsorted(new_ids, old_ids), new_ids.size - 1)
+    keep = new_ids[at] != old_ids  # the new read's records replace the old of the same ids
+    ids = np.concatenate([old_ids[keep], new_ids])
+    order = np.argsort(ids, kind="stable")
+    return ids[order], np.concatenate([old_recs[keep], new_recs])[order]
 
 
 def record_dtype(dim: int, dtype: np.dtype, slots: dict[str, np.dtype]) -> np.dtype:
