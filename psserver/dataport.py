@@ -243,8 +243,10 @@ class DataPortServer:
                 reply = bulk.Frame(bulk.PUSHED, response)
             elif kind == bulk.LOOKUP:
                 rows = await self._service.lookup_rows(head, None)
-                rows.header.values.extend(_described(rows.chunks))
-                payload = [c.data for c in rows.chunks]
+                described = rows.header.values
+                for c in rows.chunks:  # _described, and the payload, by a loop: no call per lookup
+                    described.add(name=c.name, dtype=c.dtype, shape=c.shape)
+                    payload.append(c.data)
                 reply = bulk.Frame(bulk.LOOKED_UP, rows.header)
             else:
                 if self._metrics is not None:

@@ -335,7 +335,9 @@ class ServerOptimizer(abc.ABC):
         Raises:
             ValueError: see ``check_rows``, or mismatched shapes.
         """
-        self.check_rows()
+        c = self.config
+        if self._WHOLE or c.clipnorm is not None or c.gradient_accumulation_steps:
+            self.check_rows()  # raises
         if grad.shape != (rows.size, *value.shape[1:]):
             raise ValueError(f"{self.name}: row gradient {grad.shape} for {rows.size} rows of {value.shape}")
         dtype = value.dtype
@@ -343,21 +345,26 @@ class ServerOptimizer(abc.ABC):
             grad = grad.astype(dtype)
         if rows.size == 0:
             return np.empty(grad.shape, dtype=dtype)
-        c = self.config
         compute = _F32 if dtype == _F16 else dtype
-        lr = self.learning_rate(int(iteration))
+        lr = c.learning_rate  # type: ignore[attr-defined]
+        lr = lr(int(iteration)) if isinstance(lr, specs.LearningRateSchedule) else float(lr)  # learning_rate
         v = value[rows]
-        shaped = set(self._rule_slots)
-        gathered = {k: (a[rows] if k in shaped else a) for k, a in slots.items()}
-        with np.errstate(all="ignore"):
-            if regularizer is not None:
-                w = v.astype(compute, copy=False)
-                grad = (grad.astype(compute, copy=False) + regularizer.gradient(w)).astype(dtype, copy=False)
-            if c.clipvalue is not None:
-                grad = np.clip(grad, -c.clipvalue, c.clipvalue).astype(dtype, copy=False)
-            if c.weight_decay is not None:
-                w = v.astype(compute, copy=False)
-                v = (w - w * compute.type(c.weight_decay) * compute.type(lr)).astype(dtype, copy=False)
+        shaped = self._rule_slots
+        gathered = {}  # a loop, not a comprehension: no call per push
+        for k, a in slots.items():
+            gathered[k] = a[rows] if k in shaped else a
+        if regularizer is not None or c.clipvalue is not None or c.weight_decay is not None:
+            with np.errstate(all="ignore"):
+                if regularizer is not None:
+                    w = v.astype(compute, copy=False)
+                    grad = (grad.astype(compute, copy=False) + regularizer.gradient(w)).astype(
+                        dtype, copy=False
+                    )
+                if c.clipvalue is not None:
+                    grad = np.clip(grad, -c.clipvalue, c.clipvalue).astype(dtype, copy=False)
+                if c.weight_decay is not None:
+                    w = v.astype(compute, copy=False)
+                    v = (w - w * compute.type(c.weight_decay) * compute.type(lr)).astype(dtype, copy=False)
         new = self._apply_rule(v, grad, gathered, int(iteration), lr)
         for k in shaped:
             slots[k][rows] = gathered[k]
