@@ -1,6 +1,9 @@
 """Keras 3 glue: parameter-server and all-reduce training for ``model.fit`` and ``GradientTape`` loops.
 
-This subpackage is the only part of psclient that imports TensorFlow and Keras.
+This subpackage is the only part of psclient that imports Keras (and TensorFlow, on Keras's TensorFlow
+backend only). It runs on Keras's TensorFlow, JAX and PyTorch backends (``KERAS_BACKEND``): a backend-free
+core plus one thin adapter per backend (``_backend``: how a step runs host code); what a backend cannot
+do yet raises a ``PSError`` that names the backend and the feature (the table in docs/keras.md).
 
 - Parameter server (``_ps``): ``PSWorker``, ``DistributedOptimizer``, ``PSCallback``,
   ``load_from_ps``; variables and optimizer live on the shards. ``Embedding``

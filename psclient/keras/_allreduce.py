@@ -30,8 +30,10 @@ How it works:
   ``Adam``, so a saved model loads without psclient) with one change: ``apply``
   (and so ``apply_gradients``, Keras's ``fit`` and a custom ``train_step``) first
   averages the gradients over all ranks with one fused ring all-reduce
-  (``op="mean"``), in a ``tf.numpy_function`` inside Keras's compiled train step
-  (``fit`` keeps ``tf.function``; XLA ``jit_compile`` must be off). Every rank then
+  (``op="mean"``), host code inside Keras's compiled train step, staged by the
+  backend's adapter (``psclient.keras._backend``: a ``tf.numpy_function`` on
+  TensorFlow, where XLA ``jit_compile`` must be off; an ``io_callback`` in JAX's
+  jitted step; a direct call in PyTorch's eager one). Every rank then
   applies the same averaged gradient to the same weights with the same settings
   (learning-rate schedule, clipping and weight decay of the averaged gradient,
   gradient accumulation, EMA): the replicas stay equal, bit for bit (the ring
@@ -75,10 +77,10 @@ from typing import Any, ClassVar
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from psclient.collective import ALLREDUCE_DTYPES, Ring
-from psclient.keras._common import StepTimer, check_no_jit, model_variables, variable_name
+from psclient.keras import _backend
+from psclient.keras._common import StepTimer, model_variables, variable_name
 from pscore.errors import InternalError
 from pscore.tf_config import read_tf_config
 
@@ -97,9 +99,9 @@ def ring_from_tf_config(environ: Mapping[str, str] = os.environ) -> tuple[list[s
     return cfg.workers, cfg.worker_rank()
 
 
-def _reducible(dtype: tf.DType) -> bool:
+def _reducible(dtype: Any) -> bool:
     try:
-        return np.dtype(dtype.as_numpy_dtype) in ALLREDUCE_DTYPES
+        return np.dtype(keras.backend.standardize_dtype(dtype)) in ALLREDUCE_DTYPES
     except TypeError:
         return False
 
@@ -181,7 +183,7 @@ class AllReduceWorker:
         if self.world == 1 or not variables:
             return
         # NOTE: np.ascontiguousarray makes a 0-d array 1-d; the variable's own shape is restored below.
-        values = [np.ascontiguousarray(v.numpy()) for v in variables]
+        values = [np.ascontiguousarray(keras.ops.convert_to_numpy(v)) for v in variables]
         blob = np.concatenate([a.reshape(-1).view(np.uint8) for a in values])
         blob = self.ring.broadcast(blob, root=root)
         offset = 0
@@ -199,7 +201,7 @@ class AllReduceWorker:
         variables = model_variables(model_or_variables, trainable_only=False)
         crc = 0
         for v in variables:
-            crc = zlib.crc32(np.ascontiguousarray(v.numpy()).tobytes(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(keras.ops.convert_to_numpy(v)).tobytes(), crc)
         return self.ring.allgather(np.array([crc], np.int64))
 
     def weights_in_sync(self, model_or_variables: Any) -> bool:
@@ -249,23 +251,18 @@ class AllReduceWorker:
         index = [i for i, g in enumerate(grads) if g is not None]
         if not index:
             return grads
-        tensors = [tf.convert_to_tensor(grads[i]) for i in index]
-        wire = [t if _reducible(t.dtype) else tf.cast(t, tf.float32) for t in tensors]
-        if tf.executing_eagerly():
-            reduced = [tf.constant(a) for a in self.allreduce_arrays([t.numpy() for t in wire], op=op)]
-        else:
+        tensors = [keras.ops.convert_to_tensor(grads[i]) for i in index]
+        wire = [t if _reducible(t.dtype) else keras.ops.cast(t, "float32") for t in tensors]
 
-            def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-                return self.allreduce_arrays(arrays, op=op)
+        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+            return self.allreduce_arrays(arrays, op=op)
 
-            reduced = tf.numpy_function(
-                fn, wire, Tout=[t.dtype for t in wire], stateful=True, name="ring_allreduce"
-            )
-            for r, t in zip(reduced, wire, strict=True):
-                r.set_shape(t.shape)
+        specs = [(tuple(t.shape), keras.backend.standardize_dtype(t.dtype)) for t in wire]
+        reduced = _backend.adapter().host_call(fn, wire, specs, "ring_allreduce")
         out = list(grads)
         for i, r, t in zip(index, reduced, tensors, strict=True):
-            out[i] = r if r.dtype == t.dtype else tf.cast(r, t.dtype)
+            same = keras.backend.standardize_dtype(r.dtype) == keras.backend.standardize_dtype(t.dtype)
+            out[i] = r if same else keras.ops.cast(r, t.dtype)
         return out
 
     # -- Keras -----------------------------------------------------------------
@@ -319,7 +316,7 @@ def _trainable_layers_stats(model: keras.layers.Layer) -> list[Any]:
 
 
 def _is_float(dtype: Any) -> bool:
-    return bool(tf.as_dtype(keras.backend.standardize_dtype(dtype)).is_floating)
+    return bool(keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype)))
 
 
 class _AveragedState:
@@ -446,7 +443,14 @@ class AllReduceOptimizer(keras.optimizers.Optimizer):
             return super().apply(grads, trainable_variables)
         grads = list(grads)
         state = self._averaged.variables() if self._averaged is not None else []
-        values = [v.value if isinstance(v, keras.Variable) else tf.convert_to_tensor(v) for v in state]
+        backend = _backend.adapter()
+        compiled = backend.tracing(*(g for g in grads if g is not None))
+        if state and not backend.shared_state_in_step and compiled:
+            raise _backend.unsupported(
+                "averaging non-trainable state over the ring in a compiled step (BatchNorm statistics: "
+                f"{', '.join(variable_name(v) for v in state[:3])})"
+            )
+        values = [v.value if isinstance(v, keras.Variable) else keras.ops.convert_to_tensor(v) for v in state]
         reduced = self.allreduce_worker.allreduce_gradients(grads + values)
         for var, mean in zip(state, reduced[len(grads) :], strict=True):
             var.assign(mean)
@@ -500,7 +504,7 @@ class AllReduceCallback(StepTimer):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)
         model = self.model
-        check_no_jit(model, "all-reduce training")
+        _backend.adapter().prepare_fit(self.worker, model, "all-reduce training")
         optimizer = _collective_optimizer(model.optimizer)
         # A custom train_step may apply its own optimizers (a GAN's d_optimizer and g_optimizer).
         own = [o for o in (_collective_optimizer(v) for v in vars(model).values()) if o is not None]

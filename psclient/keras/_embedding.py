@@ -80,9 +80,10 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from psclient._tables import DynamicOptions
+from psclient.keras._backend import require_tensorflow
+from psclient.keras._backend import tensorflow as tf  # imported when first used: on TensorFlow only
 from psclient.keras._ps import PSWorker, server_optimizer
 from pscore.embedding import Initializer
 from pscore.errors import PSError
@@ -175,6 +176,7 @@ class Embedding(keras.layers.Layer):
         ttl_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
+        require_tensorflow("psclient.keras.Embedding")  # a tf.numpy_function lookup and tf.custom_gradient
         super().__init__(**kwargs)
         if not isinstance(worker, PSWorker):
             raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")

@@ -36,9 +36,12 @@ How it works:
   starts from the shards' values. Variables an optimizer sees first in the train
   step (a GAN's two optimizers, a layer unfrozen before a second ``fit``) are
   attached when it first applies them.
-- Each step pushes the gradients and receives new values. The exchange runs
-  outside the graph, in a ``tf.numpy_function`` inside Keras's compiled train
-  step (so ``fit`` keeps ``tf.function``; XLA ``jit_compile`` must be off).
+- Each step pushes the gradients and receives new values. The exchange is host
+  code inside Keras's compiled train step, staged by the backend's adapter
+  (``psclient.keras._backend``): a ``tf.numpy_function`` on TensorFlow (``fit``
+  keeps ``tf.function``; XLA ``jit_compile`` must be off), an ordered
+  ``io_callback`` in the jitted stateless step on JAX (``fit`` stays compiled),
+  a direct call in PyTorch's eager step. This module imports no TensorFlow.
 - ``async`` and ``ssp`` modes can overlap communication with compute
   (``overlap=True``): step ``k``'s fused ``push_pull`` is in flight while step
   ``k + 1`` computes, on the values returned by step ``k - 1``'s ``push_pull``
@@ -67,11 +70,11 @@ from typing import Any, ClassVar
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
-from psclient.keras._common import StepTimer, check_no_jit, variable_name
+from psclient.keras import _backend
+from psclient.keras._common import StepTimer, variable_name
 from psclient.keras._naming import model_variable_names
 from pscore.embedding import Regularizer, Rows
 from pscore.errors import DeadlineExceededError, InvalidArgumentError, PSError
@@ -194,18 +197,9 @@ def _is_built(model: keras.Model) -> bool:
 
 
 def _has_value(variable: Any) -> bool:
-    """Whether a variable has a value to read (eager): not one made by a ``tf.function`` trace that has
-    not been initialized yet."""
+    """Whether a variable has a value to read (eager): not one made by a ``tf.function`` trace that
+    TensorFlow has not initialized yet."""
     return bool(np.shape(keras.ops.convert_to_numpy(variable)) == tuple(variable.shape))
-
-
-def _unattached_step() -> np.bool_:
-    """The host function of a step traced before its model's variables had values (never run when
-    TensorFlow initializes them after that trace and traces the step again, as ``fit`` does)."""
-    raise PSError(
-        "this step was traced before its model's variables were initialized and TensorFlow ran that "
-        "trace: build the model before training (call it on a batch, or model.build(input_shape))"
-    )
 
 
 def _same_but_rate(stored: Any, spec: Optimizer) -> bool:
@@ -310,6 +304,7 @@ class PSWorker:
         else:
             self._owns_client = False
         self.client = client
+        self._backend = _backend.adapter()  # how this Keras backend runs host code in a step
         self.step = 0  # sync: the global step; async/ssp: this worker's clock (steps pushed)
         self.stale_steps = 0  # sync: gradients the shards dropped as stale
         self.steps_done = 0
@@ -391,7 +386,7 @@ class PSWorker:
         if isinstance(model_or_variables, keras.Model) and not _is_built(model_or_variables):
             self._pending = (model_or_variables, optimizer)
             self._watch_set_weights(model_or_variables)
-            self._build_in_first_step(model_or_variables)
+            self._backend.prepare_unbuilt(self, model_or_variables)
             log.info(
                 "worker %d: model %r is not built yet; it is built and attached when fit traces its first "
                 "step (a GradientTape loop: when it first applies gradients)",
@@ -532,7 +527,7 @@ class PSWorker:
             else list(model_or_variables)
         )
         values = {}
-        with tf.init_scope():
+        with self._backend.eager():
             for var in variables:
                 name = self.name_of(var)
                 if name in self._vars and name not in self._remote:
@@ -580,7 +575,7 @@ class PSWorker:
             raise ValueError(f"variable names repeat: {dup}; give the layers unique names")
         if not todo:
             return []
-        with tf.init_scope():  # eager, also when first seen while tracing the train step
+        with self._backend.eager():  # also when first seen while tracing the train step
             values = {n: np.asarray(keras.ops.convert_to_numpy(v)) for n, v, _ in todo}
         unset = [n for n, v, _ in todo if values[n].shape != tuple(v.shape)]
         if unset:  # made inside a tf.function that has not run yet: no value to create or set
@@ -710,7 +705,7 @@ class PSWorker:
         self._drain()
         wanted = [n for n in (list(self._vars) if names is None else names) if n not in self._remote]
         values = self.client.pull(wanted)
-        with tf.init_scope():
+        with self._backend.eager():
             for name in wanted:
                 self._vars[name].assign(values[name])
                 if self._specs[name] is STATE_OPTIMIZER:
@@ -728,8 +723,9 @@ class PSWorker:
         for key, opt in self._optimizers.items():
             if opt.has_schedule:
                 continue
-            rate = opt.learning_rate  # a Variable: .numpy() reads it in half the time of convert_to_numpy
-            lr = float(rate.numpy() if hasattr(rate, "numpy") else keras.ops.convert_to_numpy(rate))
+            lr = self._backend.read_rate(opt.learning_rate)
+            if lr is None:  # not readable now, and so not changed since it was read (JAX's fit)
+                continue
             if self._sent_lr.get(key) == lr:
                 continue
             names = [
@@ -784,54 +780,13 @@ class PSWorker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _build_in_first_step(self, model: keras.Model) -> None:
-        """Makes ``fit``'s train step build an unbuilt model first, eagerly, from the batch's shapes.
-
-        Keras on TensorFlow builds such a model while it traces the train step, and variables made
-        inside a ``tf.function`` have no values until the step first runs: neither the chief's
-        initial values nor the shards' could be read or set before that step computed on them.
-        Built eagerly (``tf.init_scope``, as Keras's other backends build a model from the first
-        batch's shapes) and attached before the step is traced, the first step already computes
-        on the shards' values.
-        """
-        if getattr(model, "_psclient_builds_first", False):
-            return
-        original = model.train_step
-
-        @functools.wraps(original)
-        def train_step(data: Any) -> Any:
-            if self._pending is not None and self._pending[0] is model and not _is_built(model):
-                self._build_ahead(model, data)
-            self._attach_pending()  # or, built by the step itself, when it first applies gradients
-            return original(data)
-
-        model.train_step = train_step
-        model._psclient_builds_first = True
-        if getattr(model, "train_function", None) is not None:  # fit made it before on_train_begin
-            model.make_train_function(force=True)
-
-    def _build_ahead(self, model: keras.Model, data: Any) -> None:
-        """Builds ``model`` eagerly from the batch's shapes, as Keras's other backends do, when its
-        ``call`` can; else leaves the build to the step (a model without ``call``, whose own
-        ``train_step`` calls its parts; a tape-style error)."""
-        if type(model).call is keras.Model.call:  # no call(): only its train_step knows its parts
-            return
-        was_built = model.built
-        with tf.init_scope():
-            try:
-                model._symbolic_build(data_batch=data)
-            except (AttributeError, RuntimeError) as err:
-                model.built = was_built  # Keras marked it built before its call failed
-                log.info("worker %d: could not build %r ahead of its step: %s", self.worker_index,
-                         model.name, err)  # fmt: skip
-
     def _attach_pending(self) -> bool:
         """Attaches a model that ``attach`` found unbuilt, once it is built; returns whether the worker
         holds no pending model now.
 
         Called before ``fit``'s step (a model built ahead of it) and when a step first applies
         gradients (a model that the step itself builds: a subclassed model whose ``train_step``
-        calls its parts, ``Sequential`` parts without ``Input``). Eager here (``tf.init_scope``),
+        calls its parts, ``Sequential`` parts without ``Input``). Eager here (the backend's ``eager``),
         so the variables get the shards' values before the step runs. Variables that the step
         being traced made have no values yet: TensorFlow initializes them when that trace ends
         and traces the step again, and the model is attached in that second trace.
@@ -841,8 +796,10 @@ class PSWorker:
         model, optimizer = self._pending
         if not model.variables:
             return False  # the step builds it further on
-        with tf.init_scope():
-            if not all(_has_value(v) for v in model.variables):
+        with self._backend.eager():
+            if not self._backend.values_in_step(*model.variables) or not all(
+                _has_value(v) for v in model.variables
+            ):
                 return False
             self.attach(model, optimizer)
         return self._pending is None
@@ -1010,15 +967,7 @@ class PSWorker:
             PSError: see ``exchange`` (wrapped by TensorFlow inside a graph).
         """
         if not self._attach_pending():
-            if tf.executing_eagerly():
-                model = self._pending[0] if self._pending is not None else None
-                raise ValueError(
-                    f"model {getattr(model, 'name', '?')!r} is still not built when its first step applies "
-                    "gradients: call it on a batch, or model.build(input_shape), before training"
-                )
-            # The first trace of a step that builds the model: TensorFlow traces it again once it
-            # initialized the variables, and that trace attaches the model and exchanges.
-            tf.numpy_function(_unattached_step, [], Tout=tf.bool, stateful=True, name="ps_unattached")
+            self._backend.pending_step(self._pending[0] if self._pending is not None else None)
             return
         self._require()
         if variables is None:
@@ -1039,7 +988,16 @@ class PSWorker:
                 for n, (_, v) in zip(var_names, pairs, strict=True)
                 if first or self._specs.get(n) != specs[n]
             ]
-            if changed:
+            if changed and not self._backend.values_in_step(*(g for g, _ in pairs)):
+                # A compiled step whose variables have no readable values (JAX's jitted step): the
+                # variables the fit callback attached with this optimizer need nothing more.
+                late = [self.name_of(v) for v, s in changed if self._specs.get(self.name_of(v)) != s]
+                if late:
+                    raise _backend.unsupported(
+                        f"variables an optimizer first applies inside a compiled step ({', '.join(late[:3])}:"
+                        " a second optimizer, a layer unfrozen during fit; attach them before fit)"
+                    )
+            elif changed:
                 new = self._register([([v], s) for v, s in changed], check=first)
                 self.refresh(new)
         elif unknown:
@@ -1055,63 +1013,59 @@ class PSWorker:
             var_names = [n for n, k in zip(var_names, keep, strict=True) if k]
             if not pairs:
                 return
-        tables = [n in self._tables for n in var_names]
-        inputs: list[Any] = []
-        for (g, _), table, name in zip(pairs, tables, var_names, strict=True):
-            if not table:
-                inputs.append(tf.convert_to_tensor(g))
-            elif isinstance(g, tf.IndexedSlices):  # an Embedding's gradient: only the batch's rows
-                keys = (
-                    g.indices if g.indices.dtype == tf.string else tf.cast(g.indices, tf.int64)
-                )  # string keys
-                inputs += [keys, tf.convert_to_tensor(g.values)]
-            else:
-                dense = tf.convert_to_tensor(g)
-                self._warn_dense(name, dense)
-                inputs += [tf.range(tf.shape(dense, out_type=tf.int64)[0]), dense]
+        backend = self._backend
         state_vars = [v for _, v in self._state]
-        fn = _exchange_fn(self, var_names, tables)
-        if tf.executing_eagerly():
-            state = [np.asarray(keras.ops.convert_to_numpy(v)) for v in state_vars]
-            new = fn(*[np.asarray(t) for t in inputs], *state)
-        else:
-            dtypes: list[tf.DType] = []
-            for (_, var), table in zip(pairs, tables, strict=True):
-                dtypes += [tf.int64, tf.as_dtype(var.dtype)] if table else [tf.as_dtype(var.dtype)]
-            new = tf.numpy_function(
-                fn,
-                inputs + [tf.convert_to_tensor(v.value) for v in state_vars],
-                Tout=dtypes + [tf.as_dtype(v.dtype) for v in state_vars],
-                stateful=True,
-                name="ps_exchange",
+        if state_vars and not backend.shared_state_in_step and backend.tracing(*(g for g, _ in pairs)):
+            raise _backend.unsupported(
+                "non-trainable state shared through the parameter server in a compiled step (BatchNorm "
+                f"statistics: {', '.join(n for n, _ in self._state[:3])})"
             )
-        out = iter(new)
-        for (_, var), table, name in zip(pairs, tables, var_names, strict=True):
-            if table:  # the rows that came back: written into the worker's copy of the table
-                ids, rows = next(out), next(out)
-                if name in self._remote:  # none come back: no local copy
-                    continue
-                if not tf.executing_eagerly():
-                    ids.set_shape([None])
-                    rows.set_shape([None, var.shape[1]])
-                var.value.scatter_update(tf.IndexedSlices(rows, ids))
+        # What each gradient is on the wire: "dense" (a variable), "rows" (a table's gradient that holds the
+        # batch's rows: ids and rows in, the ids and their new rows out), "table" (a table's dense gradient:
+        # every row travels; its new value out).
+        kinds: list[str] = []
+        inputs: list[Any] = []
+        outputs: list[_backend.OutputSpec] = []
+        for (g, var), name in zip(pairs, var_names, strict=True):
+            dtype = keras.backend.standardize_dtype(var.dtype)
+            rows = backend.row_gradient(g) if name in self._tables else None
+            if rows is not None:  # an Embedding's gradient: only the batch's rows
+                kinds.append("rows")
+                inputs += list(rows)
+                width = None if name in self._remote else var.shape[1]  # a remote table: none come back
+                outputs += [((None,), "int64"), ((None, width), dtype)]
+            elif name in self._tables:
+                self._warn_dense(name, g)
+                kinds.append("table")
+                inputs.append(g)
+                outputs.append((tuple(var.shape), dtype))
             else:
-                value = next(out)
-                if not tf.executing_eagerly():
-                    value.set_shape(var.shape)
-                var.assign(value)
+                kinds.append("dense")
+                inputs.append(g)
+                outputs.append((tuple(var.shape), dtype))
+        inputs += [v.value for v in state_vars]
+        outputs += [(tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in state_vars]
+        new = backend.host_call(_exchange_fn(self, var_names, kinds), inputs, outputs, "ps_exchange")
+        out = iter(new)
+        for (_, var), kind, name in zip(pairs, kinds, var_names, strict=True):
+            if kind == "rows":  # the rows that came back: written into the worker's copy of the table
+                ids, rows = next(out), next(out)
+                if name not in self._remote:  # none come back: no local copy
+                    backend.scatter_rows(var, ids, rows)
+            else:
+                var.assign(next(out))
         for var in state_vars:
-            value = next(out)
-            if not tf.executing_eagerly():
-                value.set_shape(var.shape)
-            var.assign(value)
+            var.assign(next(out))
 
     def _warn_dense(self, name: str, grad: Any) -> None:
         """Warns once per table whose gradient is dense over the whole table (every row travels)."""
         if name in self._dense_warned:
             return
         self._dense_warned.add(name)
-        nbytes = int(np.prod(grad.shape)) * grad.dtype.size if grad.shape.is_fully_defined() else None
+        shape = tuple(grad.shape)
+        known = all(isinstance(d, int) for d in shape)
+        size = np.dtype(keras.backend.standardize_dtype(grad.dtype)).itemsize
+        nbytes = int(np.prod(shape)) * size if known else None
         log.warning(
             "worker %d: the gradient of table %s is dense (every row, %s each way per step): something "
             "reads the whole table (a regularizer the shards cannot apply, a layer using `embeddings` "
@@ -1128,26 +1082,36 @@ class PSWorker:
         return PSCallback(self)
 
 
-def _exchange_fn(worker: PSWorker, names: list[str], tables: list[bool]) -> Callable[..., list[np.ndarray]]:
-    """The host function of a step: the inputs are each gradient (a table's as ids and rows), then the
-    shared state; the outputs the same shapes back (a table's as the ids and new rows)."""
+def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callable[..., list[np.ndarray]]:
+    """The host function of a step: the inputs are each gradient (a table's batch rows as ids and rows, a
+    table's dense gradient whole), then the shared state; the outputs the new values in the same order
+    (the ids and new rows of a table's batch rows; a table whose gradient was dense, whole)."""
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         grads: list[Any] = []
         k = 0
-        for table in tables:
-            if table:
+        for kind in kinds:
+            if kind == "rows":
                 grads.append(Rows(arrays[k], arrays[k + 1]))
                 k += 2
+            elif kind == "table":
+                grads.append(Rows(np.arange(len(arrays[k]), dtype=np.int64), arrays[k]))
+                k += 1
             else:
                 grads.append(arrays[k])
                 k += 1
+        values = worker.exchange(names, grads, arrays[k:])
         out: list[np.ndarray] = []
-        for value in worker.exchange(names, grads, arrays[k:]):
-            if isinstance(value, Rows):
+        for value, kind, grad in zip(values[: len(kinds)], kinds, grads, strict=True):
+            if kind == "table":  # every row was pushed, so every row came back
+                whole = np.empty_like(grad.values)
+                whole[np.asarray(value.ids, np.int64).reshape(-1)] = np.asarray(value.values)
+                out.append(whole)
+            elif isinstance(value, Rows):
                 out += [np.asarray(value.ids, np.int64).reshape(-1), np.asarray(value.values)]
             else:
                 out.append(value)
+        out += [np.asarray(v) for v in values[len(kinds) :]]  # the shared state
         return out
 
     return fn
@@ -1283,7 +1247,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return
         averages = worker.client.pull([n for n, _ in named], ema=True)
         worker.client.assign(averages)
-        with tf.init_scope():
+        with worker._backend.eager():
             for name, var in named:
                 var.assign(averages[name])
         log.info(
@@ -1315,7 +1279,7 @@ class PSCallback(StepTimer):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_begin(logs)
         model = self.model
-        check_no_jit(model, "parameter-server training")
+        self.worker._backend.prepare_fit(self.worker, model, "parameter-server training")
         optimizer = _unwrap_loss_scale(model.optimizer)
         if not isinstance(optimizer, DistributedOptimizer):
             optimizer = None  # a custom train_step may apply its own DistributedOptimizers (a GAN)
