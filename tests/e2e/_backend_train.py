@@ -1,0 +1,72 @@
+"""The README's ``train.py`` (digits, a two-layer MLP, ``psk.from_env()``) with held-out test images, run by
+tests/e2e/test_keras_backends.py on each Keras backend (``KERAS_BACKEND``), unchanged between them.
+
+Worker 0 prints ``RESULT {json}``: the backend, the mode, test accuracy, steps per second after the
+first execution, whether the glue imported TensorFlow (``psclient.keras``, ``from_env``, the optimizer
+and the callbacks: before Keras's ``set_random_seed``, which imports it to seed it), and in the
+parameter-server modes the accuracy of a fresh copy of the model loaded from the shards.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import psclient.keras as psk
+
+EPOCHS = int(os.environ.get("EPOCHS", "8"))
+
+
+def make_model() -> keras.Model:
+    return keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)], name="mlp"
+    )
+
+
+def main() -> None:
+    dist = psk.from_env()
+    optimizer = dist.optimizer(keras.optimizers.Adam(2e-3 * dist.lr_scale))
+    callbacks = dist.callbacks()
+    glue_imported_tensorflow = "tensorflow" in sys.modules
+    keras.utils.set_random_seed(0)  # (which imports TensorFlow, when installed, to seed it too)
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x / 16, y, test_size=0.2, random_state=0, stratify=y)
+    mine = slice(dist.index, None, dist.num_workers)
+    model = make_model()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=optimizer, metrics=["accuracy"], loss=loss)
+    timer = callbacks[-1] if callbacks else None
+    started = time.perf_counter()
+    model.fit(x_train[mine], y_train[mine], batch_size=32, epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    seconds = time.perf_counter() - started
+
+    def accuracy(m: keras.Model) -> float:
+        scores = keras.ops.convert_to_numpy(m.predict(x_test, verbose=0))
+        return float(np.mean(scores.argmax(axis=1) == y_test))
+
+    result = {
+        "backend": keras.backend.backend(),
+        "mode": dist.mode,
+        "test_accuracy": accuracy(model),
+        "train_seconds": seconds,
+        "steps_per_second": timer.steps_per_second if timer is not None else None,
+        "glue_imported_tensorflow": glue_imported_tensorflow,
+    }
+    if dist.mode in psk.MODES:
+        fresh = make_model()
+        psk.load_from_ps(fresh, dist.worker.client)
+        result["loaded_accuracy"] = accuracy(fresh)
+    if dist.is_chief:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.close()
+
+
+if __name__ == "__main__":
+    main()
