@@ -745,3 +745,30 @@ def test_parse_bytes() -> None:
     assert parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="not a size"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"eviction": ps_pb2.EVICTION_LFU}, {"ttl_steps": 30}], ids=["lru", "lfu", "lru-ttl"]
+)
+def test_a_spill_evicts_exactly_the_rows_the_policy_orders_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+) -> None:
+    """An LRU piece takes its spills' victims from a queue chosen several spills ahead: each spill's rows
+    are still the ones a selection over every row in memory picks."""
+    chosen = DynamicRows._spill_victims
+    spills = []
+
+    def checked(self: DynamicRows, candidates: np.ndarray, n: int) -> np.ndarray:
+        got = chosen(self, candidates, n)
+        want = self.victims(np.flatnonzero(candidates), n)
+        np.testing.assert_array_equal(np.sort(got), np.sort(want))
+        spills.append(n)
+        return got
+
+    monkeypatch.setattr(DynamicRows, "_spill_victims", checked)
+    t = _Table(_tier(str(tmp_path), 96 << 10), **kw)
+    for step, ids in enumerate(_stream(150, 150, 6000, seed=3)):
+        if step % 2:
+            t.rows.read(t.var, ids)
+        t.push(ids, seed=step)
+    assert len(spills) > 50
