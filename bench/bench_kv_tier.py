@@ -33,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,13 +108,38 @@ class _Rocks:
         self.db.close()
 
 
+class _Tier:
+    """A disk tier store as a shard uses it (``tier-lmdb``: ``psserver.tier.DiskTier``, ``tier-log``:
+    ``psserver.logtier.LogTier``): numpy records of the tier's own dtype, written and read in batches."""
+
+    def __init__(self, path: Path, kind: str, dim: int) -> None:
+        from psserver.tier import TierConfig, record_dtype
+
+        self.record = record_dtype(dim, np.dtype(np.float32), {"accumulator": np.dtype(np.float32)})
+        config = TierConfig(str(path), 1 << 20, store=kind)
+        self.tier = config.open_piece("t", self.record, "t")
+
+    def put(self, ids: np.ndarray, payload: np.ndarray) -> None:
+        self.tier.write(ids, payload.view(self.record).reshape(-1))
+
+    def get(self, ids: np.ndarray) -> np.ndarray:
+        found, records = self.tier.get(ids)
+        assert found.all()
+        return records
+
+    def close(self) -> None:
+        self.tier.close(remove=False)
+
+
 def run_one(
     store: str, dim: int, rows: int, batch: int, read_batch: int, reads: int, seed: int
 ) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     ids = rng.choice(1 << 40, rows, replace=False)
     rec = 2 * dim * 4 + _META_BYTES
-    tmp = Path(tempfile.mkdtemp(prefix=f"kvtier-{store}-"))
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvtier-{store}-", dir=os.environ.get("BENCH_DIR")))
+    if store.startswith("tier-"):
+        return _run_tier(store, dim, rows, batch, read_batch, reads, rng, ids, rec, tmp)
     try:
         db = _Rocks(tmp) if store == "rocksdict" else _Lmdb(tmp, writemap=store == "lmdb-writemap")
         io0 = _io()
@@ -154,6 +181,59 @@ def run_one(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _run_tier(
+    store: str,
+    dim: int,
+    rows: int,
+    batch: int,
+    read_batch: int,
+    reads: int,
+    rng: np.random.Generator,
+    ids: np.ndarray,
+    rec: int,
+    tmp: Path,
+) -> dict[str, Any]:
+    """``run_one`` for a tier store (``_Tier``): the same writes and reads, in the tier's own terms."""
+    try:
+        db = _Tier(tmp, store.removeprefix("tier-"), dim)
+        io0 = _io()
+        t0 = time.perf_counter()
+        for _ in range(2):  # the first spill, then every row spilled again
+            order = rng.permutation(rows)
+            for s in range(0, rows, batch):
+                chunk = ids[order[s : s + batch]]
+                payload = rng.standard_normal((chunk.size, rec // 4), dtype=np.float32)
+                db.put(chunk, payload)
+        write_s = time.perf_counter() - t0
+        lat = []
+        for _ in range(reads):
+            want = rng.choice(ids, read_batch, replace=False)
+            t = time.perf_counter()
+            db.get(want)
+            lat.append(time.perf_counter() - t)
+        db.close()
+        io1 = _io()
+        logical = 2 * rows * (rec + 8)
+        disk = _du(tmp)
+        lat.sort()
+        return {
+            "store": store,
+            "dim": dim,
+            "rows": rows,
+            "record_bytes": rec,
+            "write_rows_per_s": 2 * rows / write_s,
+            "read_batch_median_ms": statistics.median(lat) * 1e3,
+            "read_batch_p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
+            "read_us_per_row": statistics.median(lat) / read_batch * 1e6,
+            "disk_bytes": disk,
+            "disk_over_logical": disk / (rows * (rec + 8)),
+            "write_amp_wchar": (io1["wchar"] - io0["wchar"]) / logical,
+            "write_amp_device": (io1["write_bytes"] - io0["write_bytes"]) / logical,
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=200_000, help="records per store and dim")
@@ -163,21 +243,27 @@ def main() -> None:
     ap.add_argument("--reads", type=int, default=300, help="batched reads timed")
     ap.add_argument("--stores", default="lmdb,lmdb-writemap,rocksdict")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every store, interleaved (medians)")
     ap.add_argument("--out", help="write OUT.md and OUT.json")
     args = ap.parse_args()
-    results = []
+    runs = []
     for dim in (int(d) for d in args.dims.split(",")):
-        for store in args.stores.split(","):
-            r = run_one(store, dim, args.rows, args.batch, args.read_batch, args.reads, args.seed)
-            results.append(r)
-            print(json.dumps(r), flush=True)
+        for rep in range(args.repeats):
+            for store in args.stores.split(","):
+                r = run_one(store, dim, args.rows, args.batch, args.read_batch, args.reads, args.seed + rep)
+                runs.append(r)
+                print(json.dumps(r), flush=True)
+    results = _medians(runs)
     lines = [
-        "# Disk tier store: LMDB vs RocksDB (rocksdict)",
+        "# Disk tier store: LMDB, RocksDB (rocksdict), and the tier's own stores (log, LMDB)",
         "",
-        f"`python bench/bench_kv_tier.py{' --out ' + args.out if args.out else ''}` "
+        f"`python bench/bench_kv_tier.py {shlex.join(sys.argv[1:])}` "
         f"({args.rows:,} records per store and dim, spilled twice in batches of {args.batch}, "
         f"read back in batches of {args.read_batch} distinct random ids; page cache warm; "
-        f"{os.cpu_count()} CPUs, loaded by other jobs: timings are noisy).",
+        f"{os.cpu_count()} CPUs, loaded by other jobs: timings are noisy; medians of {args.repeats} "
+        f"rounds, the stores interleaved in each; load average {os.getloadavg()[0]:.1f} at the end). "
+        "`tier-lmdb` and `tier-log`: the shard's `DiskTier` and `LogTier` (`--table-tier-store`), "
+        "with their records (bookkeeping, row, Adagrad slot) and all their own work per batch.",
         "",
         "| store | dim | record B | read batch ms (p50 / p99) | us per row | write rows/s "
         "| disk / logical | write amp (wchar) | write amp (device) |",
@@ -200,7 +286,22 @@ def main() -> None:
     print(text)
     if args.out:
         Path(args.out + ".md").write_text(text)
-        Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        record = {"args": vars(args), "results": results, "runs": runs}
+        Path(args.out + ".json").write_text(json.dumps(record, indent=1))
+
+
+def _medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per store and dim: the median of each figure over its rounds."""
+    out: list[dict[str, Any]] = []
+    for key in dict.fromkeys((r["store"], r["dim"]) for r in runs):
+        mine = [r for r in runs if (r["store"], r["dim"]) == key]
+        row = dict(mine[0])
+        for k, v in row.items():
+            if isinstance(v, float):
+                row[k] = statistics.median(r[k] for r in mine)
+        row["rounds"] = len(mine)
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":

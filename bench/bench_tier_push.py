@@ -8,7 +8,11 @@ move it much. It is first filled with every id (zero gradients, ``--batch`` at a
 (zipf 0.9) over twice ``--rows`` ids, the half that hash to this shard. Variants:
 
 - ``memory``: the piece in memory (the shard without ``--table-memory``);
-- ``tiered``: the same piece with ``--table-memory`` (its hot rows in memory, the others in LMDB).
+- ``tiered``: the same piece with ``--table-memory`` (its hot rows in memory, the others on disk in the
+  default store); ``tiered-log``, ``tiered-lmdb``: in that store (``--table-tier-store``).
+
+A variant listed more than once runs that often, in the order listed (interleave them: ``memory,
+tiered-log,tiered-lmdb,memory,...``), and the medians are reported.
 
 Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads), wall ms per
 step, and for the tier the rows filled and spilled and the rows in memory at the end.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -135,10 +140,19 @@ def _markdown(
             f"| {c['variant']} | {c['cpu_ms_per_step']} | {c['wall_ms_per_step']} | {c['ids_per_step']} | "
             f"{c['rows_in_memory']:,} | {c['filled']:,} | {c['spilled']:,} |"
         )
-    by = {c["variant"]: c for c in cells}
-    if "memory" in by and "tiered" in by:
-        extra = by["tiered"]["cpu_ms_per_step"] - by["memory"]["cpu_ms_per_step"]
-        lines += ["", f"The tier's own cost: {extra:.3f} ms of CPU per step."]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for c in cells:
+        runs.setdefault(c["variant"], []).append(c)
+    med = {v: statistics.median(c["cpu_ms_per_step"] for c in cs) for v, cs in runs.items()}
+    if any(len(cs) > 1 for cs in runs.values()):  # variants repeated (interleaved): their medians
+        lines += ["", "Medians (the variants interleaved, each run as often as listed):", ""]
+        lines += ["| variant | runs | CPU ms / step (median) | vs memory |", "|---|---|---|---|"]
+        for v, cs in runs.items():
+            ratio = f"{med[v] / med['memory']:.2f}x" if "memory" in med else "-"
+            lines.append(f"| {v} | {len(cs)} | {med[v]:.3f} | {ratio} |")
+    for v in med:
+        if v.startswith("tiered") and "memory" in med:
+            lines += ["", f"The tier's own cost ({v}): {med[v] - med['memory']:.3f} ms of CPU per step."]
     lines.append("")
     return "\n".join(lines)
 
