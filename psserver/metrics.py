@@ -642,7 +642,16 @@ def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
     ]
     labels = ["shard", "table", "tier"]
     rows = GaugeMetricFamily(
-        "psserver_table_tier_rows", "Rows of a dynamic table in each tier", labels=labels
+        "psserver_table_tier_rows",
+        "Rows of a dynamic table in each tier (disk: the rows that live only there, as ListVariables' "
+        "rows_on_disk and psctl status count them)",
+        labels=labels,
+    )
+    records = GaugeMetricFamily(
+        "psserver_table_tier_disk_records",
+        "Records in a dynamic table's disk tier: its rows on disk, the older copies of rows filled back "
+        "into memory (replaced when spilled again), and expired records not yet deleted",
+        labels=["shard", "table"],
     )
     size = GaugeMetricFamily(
         "psserver_table_tier_bytes",
@@ -679,7 +688,8 @@ def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
     for table, var, tier in pieces:
         dyn = var.dyn
         rows.add_metric([shard, table, "memory"], dyn.hot_len)
-        rows.add_metric([shard, table, "disk"], len(tier))
+        rows.add_metric([shard, table, "disk"], dyn.cold_len)  # one count with ListVariables
+        records.add_metric([shard, table], len(tier))
         size.add_metric([shard, table, "memory"], piece_memory_bytes(var))
         size.add_metric([shard, table, "disk"], tier.disk_used)
         budget.add_metric([shard, table], dyn.limit)
@@ -689,7 +699,7 @@ def _tier_families(shard: str, variables: list[Any]) -> Iterator[Any]:
         filled.add_metric([shard, table], tier.stats.filled)
         reads.add_metric([shard, table], tier.stats.reads)
         read_s.add_metric([shard, table], tier.stats.read_seconds)
-    yield from (rows, size, budget, lookups, spilled, filled, reads, read_s)
+    yield from (rows, records, size, budget, lookups, spilled, filled, reads, read_s)
 
 
 def _chunk_bytes(chunks: Iterable[ps_pb2.TensorChunk]) -> int:

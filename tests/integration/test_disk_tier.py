@@ -220,3 +220,30 @@ def test_the_tables_of_a_shard_share_one_budget(tmp_path: Path) -> None:
         # The budget, and the pushes' buffers that malloc keeps (pscore.memory.tune_malloc: 16-20 MiB
         # here); not four budgets (141 MiB with a budget per table).
         assert grown < 2 * budget_mib, f"the shard's own memory grew by {grown:.0f} MiB"
+
+
+def test_the_rows_on_disk_are_one_count_in_the_metrics_list_variables_and_psctl(tmp_path: Path) -> None:
+    """Ids 0-19,999 pushed in chunks of 2,000 to one shard with a 1 MiB budget, then 0-1,999 again (filled
+    back into memory: their older copies stay on disk until spilled again). The rows on disk are the rows
+    that live only there, in the metric as in ``ListVariables`` (``psctl status``); the disk's records,
+    older copies included, are a metric of their own."""
+    from test_metrics import scrape, value
+
+    args = [*_tier(tmp_path / "tier", "1MiB"), "--metrics-port", "0"]
+    with (
+        LocalCluster(1, args, workdir=tmp_path) as one,
+        psclient.PSClient(one.addresses, "w0", timeout=TIMEOUT_S) as c,
+    ):
+        _create(c)
+        ids = np.arange(20_000, dtype=np.int64)
+        for chunk in [*np.split(ids, 10), ids[:2000]]:
+            c.push({"emb": psclient.Rows(chunk, np.ones((chunk.size, _DIM), np.float32))})
+        stats = table_stats(c, "emb")
+        samples = scrape((tmp_path / "ps0.addr.metrics").read_text().strip())
+    labels = {"shard": "0", "table": "emb"}
+    memory = value(samples, "psserver_table_tier_rows", tier="memory", **labels)
+    disk = value(samples, "psserver_table_tier_rows", tier="disk", **labels)
+    assert (memory, disk) == (stats["rows_in_memory"], stats["rows_on_disk"])
+    assert memory + disk == stats["rows"] == 20_000
+    records = value(samples, "psserver_table_tier_disk_records", **labels)
+    assert records > disk  # the older copies of the rows filled back
