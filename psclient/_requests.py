@@ -173,7 +173,10 @@ class Gather:
     ) -> None:
         self._pieces = pieces
         self._alloc = alloc or _empty
-        self._by_stored = {p.stored_name: p for group in pieces.values() for p in group}
+        self._by_stored: dict[str, Piece] = {}  # a loop, not a comprehension: no call per request
+        for group in pieces.values():
+            for p in group:
+                self._by_stored[p.stored_name] = p
         self._flat: dict[str, np.ndarray] = {}  # variable -> its whole array, flat
         # stored name -> element ranges received; ``_WHOLE``: received whole, once (by ``place``)
         self._filled: dict[str, codec.Coverage | object] = {}

@@ -86,6 +86,9 @@ def as_wire_array(x: object, dtype: np.dtype | None = None) -> np.ndarray:
 
 def encode(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
     """Encodes a whole array as one chunk."""
+    wire = _TO_WIRE.get(value.dtype) if type(value) is np.ndarray and value.flags.c_contiguous else None
+    if wire is not None:  # a wire array already (as_wire_array and wire_dtype, without their calls)
+        return ps_pb2.TensorChunk(name=name, dtype=wire, shape=value.shape, offset=0, data=value.tobytes())
     arr = as_wire_array(value)
     return ps_pb2.TensorChunk(
         name=name, dtype=wire_dtype(arr.dtype), shape=arr.shape, offset=0, data=arr.tobytes()
@@ -143,7 +146,15 @@ def decode(chunk: ps_pb2.TensorChunk) -> np.ndarray:
         CodecError: the chunk is malformed or does not carry the whole tensor.
     """
     data = chunk.data
-    flat = chunk_elements(chunk, data)
+    dtype, shape = _FROM_WIRE.get(chunk.dtype), tuple(chunk.shape)
+    if (  # the common case, checked inline: a known dtype, the whole tensor, no negative dimension
+        dtype is not None
+        and chunk.offset == 0
+        and len(data) == math.prod(shape) * dtype.itemsize
+        and (not shape or min(shape) >= 0)
+    ):
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+    flat = chunk_elements(chunk, data)  # their errors
     shape = chunk_shape(chunk)
     if chunk.offset != 0 or flat.size != math.prod(shape):
         raise CodecError(f"tensor {chunk.name!r}: chunk does not carry the whole tensor of shape {shape}")

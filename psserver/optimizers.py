@@ -104,7 +104,7 @@ class ServerOptimizer(abc.ABC):
 
     def __init__(self, config: specs.Optimizer) -> None:
         self.config = config
-        # ``slot_shapes`` by variable shape, for ``_check`` on every apply (the config is a frozen spec, set
+        # ``slot_shapes`` by variable shape, for the checks of every apply (the config is a frozen spec, set
         # once: an optimizer change makes a new ServerOptimizer).
         self._checked_shapes: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self._rule_slots = self.slot_names()  # for every apply (the config is set once, as above)
@@ -202,7 +202,28 @@ class ServerOptimizer(abc.ABC):
             ValueError: mismatched shapes, a missing, misshapen or read-only slot,
                 or a negative iteration.
         """
-        self._check(value, grad, slots, iteration)
+        # The checks, inline (a method of their own was one call more a variable):
+        if not _floating(value.dtype):
+            raise TypeError(f"{self.name}: variables of dtype {value.dtype.name} are not trainable")
+        if not _floating(grad.dtype):
+            raise TypeError(f"{self.name}: gradient dtype {grad.dtype.name} is not floating point")
+        if grad.shape != value.shape:
+            raise ValueError(f"{self.name}: gradient shape {grad.shape} != variable shape {value.shape}")
+        if isinstance(iteration, bool) or not isinstance(iteration, int | np.integer) or iteration < 0:
+            raise ValueError(f"{self.name}: iteration must be an int >= 0, got {iteration!r}")
+        shapes = self._checked_shapes.get(value.shape)
+        if shapes is None:
+            shapes = self._checked_shapes[value.shape] = self.slot_shapes(value.shape)
+        for slot, shape in shapes.items():
+            arr = slots.get(slot)
+            if arr is None:
+                raise ValueError(f"{self.name}: slot {slot!r} is missing (have {sorted(slots)})")
+            if arr.shape != shape:
+                raise ValueError(f"{self.name}: slot {slot!r} has shape {arr.shape}, expected {shape}")
+            if not _floating(arr.dtype):
+                raise ValueError(f"{self.name}: slot {slot!r} has non-float dtype {arr.dtype.name}")
+            if not arr.flags.writeable:
+                raise ValueError(f"{self.name}: slot {slot!r} is read-only")
         dtype = value.dtype
         if value.size == 0:
             return np.empty(value.shape, dtype=dtype)
@@ -425,31 +446,6 @@ class ServerOptimizer(abc.ABC):
         for slot in copied:
             slots[slot][...] = flat_slots[slot].reshape(slots[slot].shape)
         return out
-
-    def _check(
-        self, value: np.ndarray, grad: np.ndarray, slots: dict[str, np.ndarray], iteration: int
-    ) -> None:
-        if not _floating(value.dtype):
-            raise TypeError(f"{self.name}: variables of dtype {value.dtype.name} are not trainable")
-        if not _floating(grad.dtype):
-            raise TypeError(f"{self.name}: gradient dtype {grad.dtype.name} is not floating point")
-        if grad.shape != value.shape:
-            raise ValueError(f"{self.name}: gradient shape {grad.shape} != variable shape {value.shape}")
-        if isinstance(iteration, bool) or not isinstance(iteration, int | np.integer) or iteration < 0:
-            raise ValueError(f"{self.name}: iteration must be an int >= 0, got {iteration!r}")
-        shapes = self._checked_shapes.get(value.shape)
-        if shapes is None:
-            shapes = self._checked_shapes[value.shape] = self.slot_shapes(value.shape)
-        for slot, shape in shapes.items():
-            arr = slots.get(slot)
-            if arr is None:
-                raise ValueError(f"{self.name}: slot {slot!r} is missing (have {sorted(slots)})")
-            if arr.shape != shape:
-                raise ValueError(f"{self.name}: slot {slot!r} has shape {arr.shape}, expected {shape}")
-            if not _floating(arr.dtype):
-                raise ValueError(f"{self.name}: slot {slot!r} has non-float dtype {arr.dtype.name}")
-            if not arr.flags.writeable:
-                raise ValueError(f"{self.name}: slot {slot!r} is read-only")
 
     def _constants(
         self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
