@@ -67,9 +67,10 @@ import numpy as np
 
 from pscore.embedding import check_initializer, init_rows
 from pscore.errors import InternalError, ResourceExhaustedError
-from pscore.placement import dynamic_capacity, mix64
+from pscore.placement import dynamic_capacity
 from psproto.v1 import ps_pb2
 from psserver.hashindex import HashIndex
+from psserver.sketch import MAX_MIN_COUNT, SKETCH_ROWS, CountMinSketch
 from psserver.tables import row_initializer
 from psserver.tier import (
     CHUNK_ROWS,
@@ -88,10 +89,8 @@ from psserver.tier import (
 
 _INITIAL_ROWS = 1024  # an unbounded table's first allocation (rows per shard); it doubles when full
 # hash seeds: the shard rule uses seed 0, the index (``psserver.hashindex``) 1; the sketch rows their own
-_SKETCH_SEEDS = (2, 3, 4, 5)
 _SKETCH_MIN_WIDTH = 1 << 16
 _SKETCH_UNBOUNDED_WIDTH = 1 << 20
-MAX_MIN_COUNT = (1 << 16) - 1  # sketch counters are uint16
 _EVICT_SLACK = 64  # a full shard evicts capacity // 64 rows more than it needs at once
 _VICTIM_QUEUE = 8  # a tiered piece chooses the victims of this many spills at once (``_spill_victims``)
 _SWEEPS_PER_TTL = 8  # expiry sweeps per TTL period
@@ -109,63 +108,6 @@ _RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-class CountMinSketch:
-    """Approximate counts of int64 ids (count-min, 4 rows, conservative update, uint16 counters).
-
-    Never under-counts an id added since the last halving; ``age`` halves every
-    counter once ``width`` ids were added since the last halving.
-
-    >>> s = CountMinSketch(1024)
-    >>> s.add(np.array([5, 9])), s.add(np.array([5]))
-    (array([1, 1], dtype=uint16), array([2], dtype=uint16))
-    """
-
-    def __init__(self, width: int) -> None:
-        self.width = _pow2(width)
-        self.table = np.zeros((len(_SKETCH_SEEDS), self.width), np.uint16)
-        self.added = 0  # ids added since the last halving
-
-    @property
-    def nbytes(self) -> int:
-        return self.table.nbytes
-
-    def _cols(self, ids: np.ndarray) -> np.ndarray:
-        mask = np.uint64(self.width - 1)
-        return np.stack([(mix64(ids, seed) & mask).astype(np.int64) for seed in _SKETCH_SEEDS])
-
-    def estimate(self, ids: np.ndarray) -> np.ndarray:
-        cols = self._cols(ids)
-        return self.table[np.arange(cols.shape[0])[:, None], cols].min(axis=0)
-
-    def add(self, ids: np.ndarray) -> np.ndarray:
-        """Counts one more occurrence of each (distinct) id; returns their counts, this one included."""
-        ids = np.asarray(ids, np.int64).reshape(-1)
-        if not ids.size:
-            return np.zeros(0, np.uint16)
-        cols = self._cols(ids)
-        rows = np.arange(cols.shape[0])[:, None]
-        est = self.table[rows, cols].min(axis=0)
-        new = np.minimum(est.astype(np.int64) + 1, MAX_MIN_COUNT).astype(np.uint16)
-        for r in range(cols.shape[0]):  # conservative update: raise each counter to the new estimate
-            np.maximum.at(self.table[r], cols[r], new)
-        self.added += ids.size
-        if self.added >= self.width:
-            self.table >>= 1
-            self.added = 0
-        return new
-
-    def merged(self, others: list[CountMinSketch]) -> None:
-        """Adds ``others``' counters into this one (columns folded or tiled to this width)."""
-        for other in others:
-            t = other.table
-            if t.shape[1] > self.width:  # fold: id column h % w is the sum of its old columns h % W, ...
-                t = t.reshape(t.shape[0], -1, self.width).sum(axis=1, dtype=np.int64)
-            elif t.shape[1] < self.width:  # tile: h % W == (h % w) for every old column
-                t = np.tile(t, (1, self.width // t.shape[1]))
-            self.table = np.minimum(self.table.astype(np.int64) + t, MAX_MIN_COUNT).astype(np.uint16)
-            self.added = min(self.width - 1, self.added + other.added)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -407,7 +349,7 @@ class DynamicRows:
         slots = optimizer.init_slots(row)
         per_row = row.nbytes + sum(a.nbytes for a in slots.values() if a.shape == (1, dim))
         per_row += _ROW_BOOKKEEPING_BYTES + 8 * (bool(config.ttl_steps) + bool(config.ttl_seconds))
-        sketch = len(_SKETCH_SEEDS) * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
+        sketch = SKETCH_ROWS * _pow2(config.sketch_width) * 2 if config.min_count > 1 else 0
         return per_row, sketch
 
     @staticmethod
