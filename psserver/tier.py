@@ -620,18 +620,22 @@ class ColdTier:
             got, fetched = self._fetch(ids[ask], view.handle)
         found[known] = True
         found[ask[got]] = True
+        # Records are moved as opaque bytes (a void dtype): numpy copies a structured record field by field.
+        raw = np.dtype((np.void, self.record.itemsize))
         if not known.any():
             records = fetched
         else:
-            records = np.empty(int(np.count_nonzero(found)), self.record)
+            out = np.empty(int(np.count_nonzero(found)), raw)
             slot = np.cumsum(found) - 1
-            records[slot[known]] = recent[at[known]]
+            out[slot[known]] = _raw(recent, raw)[at[known]]
             if got.any():
-                records[slot[ask[got]]] = fetched
+                out[slot[ask[got]]] = _raw(fetched, raw)
+            records = out.view(self.record)
         if remember:
             order = np.argsort(ids[found], kind="stable")
             keep = records.nbytes <= _REMEMBER_BYTES
-            kept = (ids[found][order], records[order]) if keep else (ids[:0], records[:0])
+            kept_recs = _raw(records, raw)[order].view(self.record) if keep else records[:0]
+            kept = (ids[found][order], kept_recs) if keep else (ids[:0], records[:0])
             with self._write_lock:
                 if writes is not None and writes == self._writes and not self._writing:
                     self._recent = _remembered(self._recent, kept)  # no write overlapped the read
@@ -1040,7 +1044,14 @@ def _remembered(
     keep = new_ids[at] != old_ids  # the new read's records replace the old of the same ids
     ids = np.concatenate([old_ids[keep], new_ids])
     order = np.argsort(ids, kind="stable")
-    return ids[order], np.concatenate([old_recs[keep], new_recs])[order]
+    raw = np.dtype((np.void, new_recs.dtype.itemsize))  # moved as opaque bytes (``ColdTier._read``)
+    recs = np.concatenate([_raw(old_recs, raw)[keep], _raw(new_recs, raw)])[order]
+    return ids[order], recs.view(new_recs.dtype)
+
+
+def _raw(records: np.ndarray, raw: np.dtype) -> np.ndarray:
+    """Structured records as opaque bytes of their size (a copy only where they are not contiguous)."""
+    return np.ascontiguousarray(records).view(raw)
 
 
 def record_dtype(dim: int, dtype: np.dtype, slots: dict[str, np.dtype]) -> np.dtype:
