@@ -316,7 +316,7 @@ class AsyncPSClient(TableMethods):
         for group in pieces.values():
             for piece in group:
                 per_shard.setdefault(piece.shard, []).append(piece)
-        into = rq.Gather(pieces, self._pool.take)
+        into = rq.Gather(pieces, self._pool.take, self._pool.min_bytes)
 
         async def pull_from(shard: int, wanted: list[rq.Piece]) -> None:
             request = ps_pb2.PullRequest(
@@ -477,7 +477,7 @@ class AsyncPSClient(TableMethods):
         # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
         shards = sorted(per_shard) if len(per_shard) > 1 else []
         answers = (  # a plain push keeps nothing of its answers
-            _PushAnswers(plan.pieces, reading, self._pool.take if return_values else None)
+            _PushAnswers(plan.pieces, reading, self._pool if return_values else None)
             if return_values or reading
             else None
         )
@@ -881,16 +881,16 @@ class _PushAnswers:
     Args:
         pieces: the variables pushed as arrays, whose values push_pull returns.
         reading: the wire name of each set of rows read with the push -> its read and positions.
-        take: ``ArrayPool.take`` for push_pull's arrays; None: a plain push (its values are dropped).
+        pool: the ``ArrayPool`` of push_pull's arrays; None: a plain push (its values are dropped).
     """
 
     def __init__(
         self,
         pieces: dict[str, list[rq.Piece]],
         reading: dict[str, tuple[RowRead, np.ndarray]],
-        take: Callable[[int, np.dtype], np.ndarray] | None,
+        pool: rq.ArrayPool | None,
     ) -> None:
-        self.into = rq.Gather(pieces, take) if take is not None else None
+        self.into = rq.Gather(pieces, pool.take, pool.min_bytes) if pool is not None else None
         self._pieces = pieces
         self._reading = reading
         self._row_parts: dict[int, codec.Assembler] = {}  # per shard: the rows it returned (push_pull)

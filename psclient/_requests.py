@@ -169,10 +169,14 @@ class Gather:
     """
 
     def __init__(
-        self, pieces: Mapping[str, list[Piece]], alloc: Callable[[int, np.dtype], np.ndarray] | None = None
+        self,
+        pieces: Mapping[str, list[Piece]],
+        alloc: Callable[[int, np.dtype], np.ndarray] | None = None,
+        alloc_min_bytes: int = 0,
     ) -> None:
         self._pieces = pieces
         self._alloc = alloc or _empty
+        self._alloc_min_bytes = alloc_min_bytes  # smaller arrays: np.empty, without calling ``alloc``
         self._by_stored: dict[str, Piece] = {}  # a loop, not a comprehension: no call per request
         for group in pieces.values():
             for p in group:
@@ -231,7 +235,11 @@ class Gather:
             return None
         flat = self._flat.get(piece.variable)
         if flat is None or not flat.flags.writeable:
-            flat = self._flat[piece.variable] = self._alloc(math.prod(piece.full_shape), piece.dtype)
+            size = math.prod(piece.full_shape)
+            if size * piece.dtype.itemsize < self._alloc_min_bytes:
+                flat = self._flat[piece.variable] = np.empty(size, dtype=piece.dtype)
+            else:
+                flat = self._flat[piece.variable] = self._alloc(size, piece.dtype)
         self.arrived = True
         if piece.stored_name in self._filled:  # a second time (a malformed answer): ``result`` says so
             self._covered(piece).add(0, piece.size)

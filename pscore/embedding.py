@@ -141,7 +141,10 @@ def sum_duplicates(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
         return ids, np.asarray(values).reshape(0, *np.shape(values)[1:])
     order = ids.argsort(kind="stable")  # ndarray methods, not numpy's Python wrappers (np.argsort...)
     sorted_ids = ids[order]
-    starts = np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])).nonzero()[0]
+    first = np.empty(sorted_ids.shape, dtype=bool)  # where a run of equal ids starts (no np.concatenate)
+    first[:1] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    starts = first.nonzero()[0]
     unique = sorted_ids[starts]
     if unique.size == ids.size:
         return unique, values[order]

@@ -581,8 +581,8 @@ class Primary:
             UnavailableError: see ``_await_ack``.
         """
         link = self._link
-        if link is None:
-            if (error := self._unreplicated()) is not None:
+        if link is None:  # no backup attached
+            if self.required and (error := self._unreplicated()) is not None:
                 raise error
             return
         header = ps_pb2.ReplicateResponse(
