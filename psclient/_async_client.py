@@ -583,7 +583,10 @@ class AsyncPSClient(TableMethods):
         if every_shard:
             for shard in range(self.num_shards):
                 per_shard.setdefault(shard, [])
-        returned = [n for n in row_tables if n not in omitted] if row_tables else row_tables
+        returned = []  # a loop, not a comprehension: no call per push
+        for n in row_tables:
+            if n not in omitted:
+                returned.append(n)
         return _PushPlan(known=known, pieces=pieces, returned_tables=returned, omit=omit, per_shard=per_shard)
 
     async def _create_piece(self, shard: int, spec: ps_pb2.VariableSpec, value: np.ndarray | None) -> bool:

@@ -706,7 +706,9 @@ def row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list[
             f"so values must have shape {(*ids.shape, dim)} (one row of dim {dim} per id)"
         )
     unique, summed = embedding.sum_duplicates(ids.reshape(-1), values.reshape(-1, dim))
-    summed = codec.as_wire_array(summed.astype(group[0].dtype, copy=False))
+    summed = summed.astype(group[0].dtype, copy=False)
+    if summed.dtype.byteorder == ">" or not summed.flags.c_contiguous:  # a wire array already, mostly
+        summed = codec.as_wire_array(summed)
     out = {}
     shard_of = dynamic_row_shard(unique, group[0].count) if group[0].keys else unique % group[0].count
     for piece in group:
@@ -715,9 +717,9 @@ def row_tensors(name: str, group: list[rq.Piece], grad: Rows) -> dict[int, list[
         else:
             mask = shard_of == piece.index
             mine_ids, mine = unique[mask], summed[mask]
-        out[piece.shard] = [
-            (embedding.ids_name(piece.stored_name), _wire_ids(mine_ids, piece)),
-            (embedding.values_name(piece.stored_name), np.ascontiguousarray(mine)),
+        out[piece.shard] = [  # embedding.ids_name and values_name, inline
+            (piece.stored_name + embedding.IDS_SUFFIX, _wire_ids(mine_ids, piece)),
+            (piece.stored_name + embedding.VALUES_SUFFIX, np.ascontiguousarray(mine)),
         ]
     return out
 

@@ -142,7 +142,7 @@ def pair(tensors: Mapping[str, np.ndarray]) -> dict[str, Grad]:
         if "\x00" not in name:  # a dense gradient (``embedding.split_wire_name``'s "" part), the common case
             out[name] = t
             continue
-        stored, part = embedding.split_wire_name(name)
+        stored, _, part = name.partition("\x00")  # embedding.split_wire_name, inline
         if not part:
             out[name] = t
         elif part in ("ids", "values"):
