@@ -19,6 +19,13 @@ per worker, in the same run:
   installed, so the custom loop is the path measured. Throughput: steps
   completed by both workers per second, after a warm-up.
 
+Backends (``--backends tensorflow,jax,torch``; default tensorflow): every system but ``tf-ps`` runs on
+each Keras backend (``KERAS_BACKEND``), so a backend's PS and all-reduce throughput sits next to its own
+``local`` in the same run (``vs local``). On JAX ``fit`` is jitted (the exchange is an ``io_callback`` in
+the step); ``ps-async-eager`` is the same run with ``PSTRAIN_JIT_COMPILE=0`` (the step un-jitted, the
+exchange called directly) for comparison. PyTorch runs with ``OMP_NUM_THREADS=1`` (its CPU kernels
+otherwise start a thread per core in every process: 4 processes on 2 cores ran 50x slower).
+
 Usage:
     python bench/bench_training.py --out bench/results/training       # writes training.md / training.json
     python bench/bench_training.py --models mlp --systems local,ps-async --steps 100   # a quick look
@@ -43,11 +50,18 @@ import _common as cm
 import _tfps
 
 SYSTEMS = ("local", "ps-async", "ps-async-nooverlap", "ps-sync", "allreduce", "tf-ps")
+EXTRA_SYSTEMS = ("ps-async-eager",)  # JAX: the step un-jitted
+BACKENDS = ("tensorflow", "jax", "torch")
+_BACKEND = "tensorflow"  # the backend of the runs being made (main sets it)
 _RUN_TIMEOUT_S = 600
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    env["KERAS_BACKEND"] = _BACKEND
+    if _BACKEND == "torch":
+        env["OMP_NUM_THREADS"] = "1"
+    return {**env, **extra}
 
 
 def _data_flags(args: argparse.Namespace, workers: int) -> list[str]:
@@ -68,7 +82,9 @@ def run_local(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return {"steps_per_second": r["steps_per_second"], "steps": r["steps"]}
 
 
-def run_ps(args: argparse.Namespace, model: str, mode: str, overlap: bool) -> dict[str, Any]:
+def run_ps(
+    args: argparse.Namespace, model: str, mode: str, overlap: bool, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     from trainer.cluster import LocalCluster
 
     server_args = (
@@ -84,11 +100,9 @@ def run_ps(args: argparse.Namespace, model: str, mode: str, overlap: bool) -> di
                    *_data_flags(args, 2), "--result-json", str(out)]  # fmt: skip
             if not overlap:
                 cmd.append("--no-overlap")
-            procs.append(
-                subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(), cwd=cm.REPO
-                )
-            )
+            run_env = _env(**(env or {}))
+            pipe, both = subprocess.PIPE, subprocess.STDOUT
+            procs.append(subprocess.Popen(cmd, stdout=pipe, stderr=both, env=run_env, cwd=cm.REPO))
         for p in procs:
             stdout, _ = p.communicate(timeout=_RUN_TIMEOUT_S)
             if p.returncode != 0:
@@ -216,32 +230,38 @@ def render(results: dict[str, Any]) -> str:
         f"batch {results['batch_size']} per worker, {results['steps']} steps per worker; 2 ps shards and "
         "2 workers as processes on this one machine (they share its CPUs).",
         "",
-        "| model | params | system | steps/s | vs tf-ps | notes |",
-        "| --- | ---: | --- | ---: | ---: | --- |",
+        "| model | params | backend | system | steps/s | vs local | vs tf-ps | notes |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for model, rows in results["models"].items():
         tf_rate = rows.get("tf-ps", {}).get("steps_per_second")
-        for system, r in rows.items():
+        for key, r in rows.items():
+            system, _, backend = key.partition("@")
+            backend = backend or "tensorflow"
+            head = f"| {model} | {results['params'][model]:,} | {backend} | {system}"
             if "error" in r:
-                lines.append(
-                    f"| {model} | {results['params'][model]:,} | {system} | - | - | failed: {r['error']} |"
-                )
+                lines.append(f"{head} | - | - | - | failed: {r['error']} |")
                 continue
             rate = r["steps_per_second"]
+            local_rate = rows.get("local" if backend == "tensorflow" else f"local@{backend}", {})
+            local_rate = local_rate.get("steps_per_second")
             ratio = f"{rate / tf_rate:.2f}x" if tf_rate else "-"
+            vs_local = f"{rate / local_rate:.2f}x" if local_rate and system != "local" else "-"
             note = f"per worker {r['per_worker']}" if "per_worker" in r else ""
-            lines.append(
-                f"| {model} | {results['params'][model]:,} | {system} | {rate:.1f} | {ratio} | {note} |"
-            )
+            lines.append(f"{head} | {rate:.1f} | {vs_local} | {ratio} | {note} |")
     lines += [
         "",
         "Systems: `local` = one process, Keras `fit` (no PS); `ps-async` = 2 `pstrain worker` processes, "
         "Keras `fit` with `psclient.keras` (fused push_pull of step k overlapped with step k+1's compute); "
-        "`ps-async-nooverlap` = the same without the overlap; `ps-sync` = N = M = 2 barrier; `allreduce` = "
+        "`ps-async-nooverlap` = the same without the overlap; `ps-async-eager` (JAX) = `ps-async` with the "
+        "step un-jitted (`PSTRAIN_JIT_COMPILE=0`; `ps-async` on JAX is jitted, the exchange an `io_callback` "
+        "in the step); `ps-sync` = N = M = 2 barrier; `allreduce` = "
         "2 `pstrain worker --mode allreduce` processes, Keras `fit` with `psclient.keras.AllReduceOptimizer` "
         "(gradients averaged over a 2-rank `psclient.collective` ring each step, no shards); `tf-ps` = "
         "TensorFlow ParameterServerStrategy + ClusterCoordinator custom loop (Keras 3 model and optimizer "
-        "under the strategy's scope; Keras 3 `fit` does not run on this strategy; no tf_keras installed).",
+        "under the strategy's scope; Keras 3 `fit` does not run on this strategy; no tf_keras installed). "
+        "`vs local`: against the same backend's `local` in this run (the PS and all-reduce rates are the sum "
+        "of two workers'). PyTorch runs with `OMP_NUM_THREADS=1`.",
         "",
     ]
     return "\n".join(lines)
@@ -250,7 +270,8 @@ def render(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="cnn,mlp")
-    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"of {', '.join(SYSTEMS + EXTRA_SYSTEMS)}")
+    p.add_argument("--backends", default="tensorflow", help=f"Keras backends, of {', '.join(BACKENDS)}")
     p.add_argument("--steps", type=int, default=200, help="training steps per worker")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--out", help="write OUT.md and OUT.json")
@@ -275,23 +296,35 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
         "params": {},
     }
+    global _BACKEND
+    results["backends"] = args.backends.split(",")
     for model in args.models.split(","):
         results["params"][model] = _param_count(model)
         rows: dict[str, Any] = {}
-        for system in args.systems.split(","):
-            runner = {
-                "local": lambda m=model: run_local(args, m),
-                "ps-async": lambda m=model: run_ps(args, m, "async", True),
-                "ps-async-nooverlap": lambda m=model: run_ps(args, m, "async", False),
-                "ps-sync": lambda m=model: run_ps(args, m, "sync", False),
-                "allreduce": lambda m=model: run_allreduce(args, m),
-                "tf-ps": lambda m=model: run_tf_ps(args, m),
-            }[system]
-            try:
-                rows[system] = runner()
-            except Exception as err:  # a failed system is reported, the others still run
-                rows[system] = {"error": f"{type(err).__name__}: {str(err)[-300:]}"}
-            print(model, system, rows[system], flush=True)
+        for backend in results["backends"]:
+            _BACKEND = backend
+            for system in args.systems.split(","):
+                if system == "tf-ps" and backend != "tensorflow":
+                    continue
+                if system == "ps-async-eager" and backend != "jax":
+                    continue
+                runner = {
+                    "local": lambda m=model: run_local(args, m),
+                    "ps-async": lambda m=model: run_ps(args, m, "async", True),
+                    "ps-async-nooverlap": lambda m=model: run_ps(args, m, "async", False),
+                    "ps-async-eager": lambda m=model: run_ps(
+                        args, m, "async", True, {"PSTRAIN_JIT_COMPILE": "0"}
+                    ),
+                    "ps-sync": lambda m=model: run_ps(args, m, "sync", False),
+                    "allreduce": lambda m=model: run_allreduce(args, m),
+                    "tf-ps": lambda m=model: run_tf_ps(args, m),
+                }[system]
+                key = system if backend == "tensorflow" else f"{system}@{backend}"
+                try:
+                    rows[key] = runner()
+                except Exception as err:  # a failed system is reported, the others still run
+                    rows[key] = {"error": f"{type(err).__name__}: {str(err)[-300:]}"}
+                print(model, key, rows[key], flush=True)
         results["models"][model] = rows
     results["top_processes_after"] = cm.top_processes()
     text = render(results)

@@ -7,6 +7,7 @@ has parsed its flags.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -118,12 +119,16 @@ class EpochPrinter(keras.callbacks.Callback):
 
 
 def build_model(config: TrainConfig, split: data.Split, optimizer: Any) -> keras.Model:
-    """The named model for ``split``'s input, compiled (no XLA: the PS exchange runs on the host)."""
+    """The named model for ``split``'s input, compiled: on TensorFlow without XLA (the PS exchange is a
+    ``tf.numpy_function``), on JAX jitted (the exchange is an ``io_callback`` in the step) unless
+    ``PSTRAIN_JIT_COMPILE=0`` (the eager step, for comparison)."""
     keras.utils.set_random_seed(config.seed)
     model = models.build(config.model, split.input_shape, split.num_classes)
+    jit = keras.backend.backend() != "tensorflow" and os.environ.get("PSTRAIN_JIT_COMPILE", "1") != "0"
     model.compile(
-        optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=False
-    )
+        optimizer=optimizer, loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+        jit_compile="auto" if jit else False,
+    )  # fmt: skip
     return model
 
 
