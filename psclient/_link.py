@@ -560,6 +560,8 @@ class ShardLink:
         head = reply.head
         if op is Op.PUSH:  # ``Answer.read``'s, inline
             return Answer(bool(head.applied), max(0, head.checkpoint_step))
+        if op is Op.LOOKUP:  # nothing besides its rows to read
+            return Answer()
         answer = Answer()
         answer.read(op, head)
         return answer

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import functools
 import logging
 import os
 import socket
@@ -153,6 +152,8 @@ class Conn:
         self._ahead: memoryview | None = None  # bytes read past what was asked (made on first use)
         self._lo = self._hi = 0  # ``_ahead[_lo:_hi]`` is read and not yet taken
         self._unsent_limit = 0  # the TCP_NOTSENT_LOWAT set on the socket (0: none, the system's default)
+        # The loop's reader or writer callback of a move in progress (``_moved``): (loop, fd, writer).
+        self._watch: tuple[asyncio.AbstractEventLoop, int, bool] | None = None
 
     def limit_unsent(self, nbytes: int) -> None:
         """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
@@ -190,34 +191,53 @@ class Conn:
         if sent < len(view):
             await asyncio.get_running_loop().sock_sendall(self.sock, view[sent:])
 
-    async def send_views(self, parts: Sequence[Buffer]) -> None:
+    def send_views(self, parts: Sequence[Buffer]) -> Awaitable[None]:
         """Sends every byte of ``parts``, back to back, not copied: as many as the socket takes in one
-        system call (``sendmsg``); when it has to wait, the task waits once for all of them (a writer
-        callback of the loop sends the rest). Raises: OSError."""
+        system call (``sendmsg``). Returns what to await: a future done at once when the socket took all
+        of it, else one a writer callback of the loop finishes once it has sent the rest (the awaiting
+        task wakes once, and no coroutine of this connection is on its chain).
+
+        Raises: OSError (at once, or from the future).
+        """
         rest = []
         for part in parts:
             view = memoryview(part).cast("B")
             if len(view):
                 rest.append(view)
-        if rest and not self._gather(rest):
-            await self._wait_for(functools.partial(self._gather, rest), writer=True)
+        if not rest or self._gather(rest):  # all taken at once (the common case): no callback
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._moved(self._gather, rest, writer=True)
 
-    def _gather(self, rest: list[memoryview]) -> bool:
+    def _gather(self, rest: list[memoryview], done: asyncio.Future[None] | None = None) -> bool:
         """Sends what the socket takes of ``rest`` (the views still to send, in order: the sent ones are
-        dropped, a partly sent one cut); True once every one is sent. Raises: OSError."""
+        dropped, a partly sent one cut); True once every one is sent. As the loop's writer callback
+        (``done`` given), finishes ``done`` then (see ``_settle``). Raises (without ``done``): OSError."""
+        if done is not None and done.cancelled():  # its waiter is gone (and dropped the connection)
+            self._unwatch()
+            return True
         sock = self.sock
-        while rest:
-            try:
-                k = sock.sendmsg(rest[:_MAX_IOV])
-            except (BlockingIOError, InterruptedError):
-                return False
-            while k:
-                n = len(rest[0])
-                if k < n:
-                    rest[0] = rest[0][k:]
-                    break
-                del rest[0]
-                k -= n
+        try:
+            while rest:
+                try:
+                    k = sock.sendmsg(rest[:_MAX_IOV])
+                except (BlockingIOError, InterruptedError):
+                    return False
+                while k:
+                    n = len(rest[0])
+                    if k < n:
+                        rest[0] = rest[0][k:]
+                        break
+                    del rest[0]
+                    k -= n
+        except OSError as err:
+            if done is None:
+                raise
+            self._settle(done, err)
+            return True
+        if done is not None:
+            self._settle(done, None)
         return True
 
     async def recv_exactly(self, view: memoryview) -> None:
@@ -242,7 +262,7 @@ class Conn:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
                 if not ahead:  # the rest of a large read: filled by the loop, this task woken once
-                    await self._wait_for(functools.partial(self._scatter, [view[got:]]))
+                    await self._moved(self._scatter, [view[got:]], writer=False)
                     return
                 k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
             if k == 0:
@@ -254,12 +274,14 @@ class Conn:
                 k = take
             got += k
 
-    async def recv_views(self, views: Sequence[memoryview]) -> None:
+    def recv_views(self, views: Sequence[memoryview]) -> Awaitable[None]:
         """Fills ``views`` in order (a frame's payload, straight into its tensors): from what was read
         ahead first, then from the socket, as many views as it holds bytes for in one system call
-        (``recvmsg_into``); when it has to wait, the task waits once for all of them (``_wait_for``).
+        (``recvmsg_into``). Returns what to await: a future done at once when every view is full, else one
+        a reader callback of the loop finishes once it has filled the rest (the awaiting task wakes once,
+        and no coroutine of this connection is on its chain).
 
-        Raises: ConnectionError (the peer closed first), OSError.
+        Raises: ConnectionError (the peer closed first), OSError (at once, or from the future).
         """
         rest: list[memoryview] = []
         lo, hi = self._lo, self._hi
@@ -275,67 +297,90 @@ class Conn:
             if n:
                 rest.append(view)
         self._lo = lo
-        if rest and not self._scatter(rest):
-            await self._wait_for(functools.partial(self._scatter, rest))
+        if not rest or self._scatter(rest):  # all here at once: no callback
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._moved(self._scatter, rest, writer=False)
 
-    def _scatter(self, rest: list[memoryview]) -> bool:
+    def _scatter(self, rest: list[memoryview], done: asyncio.Future[None] | None = None) -> bool:
         """Reads what the socket holds into ``rest`` (the views still to fill, in order: the full ones are
-        dropped, a partly filled one cut to what it lacks); True once every one is full.
+        dropped, a partly filled one cut to what it lacks); True once every one is full. As the loop's
+        reader callback (``done`` given), finishes ``done`` then (see ``_settle``).
 
-        Raises: ConnectionResetError (the peer closed first), OSError.
+        Raises (without ``done``): ConnectionResetError (the peer closed first), OSError.
         """
+        if done is not None and done.cancelled():  # its waiter is gone (and dropped the connection)
+            self._unwatch()
+            return True
         sock = self.sock
-        while rest:
-            try:
-                k = sock.recvmsg_into(rest[:_MAX_IOV])[0]
-            except (BlockingIOError, InterruptedError):
-                return False
-            if k == 0:
-                raise ConnectionResetError("connection closed by the peer")
-            while k:
-                n = len(rest[0])
-                if k < n:
-                    rest[0] = rest[0][k:]
-                    break
-                del rest[0]
-                k -= n
+        try:
+            while rest:
+                try:
+                    k = sock.recvmsg_into(rest[:_MAX_IOV])[0]
+                except (BlockingIOError, InterruptedError):
+                    return False
+                if k == 0:
+                    raise ConnectionResetError("connection closed by the peer")
+                while k:
+                    n = len(rest[0])
+                    if k < n:
+                        rest[0] = rest[0][k:]
+                        break
+                    del rest[0]
+                    k -= n
+        except OSError as err:
+            if done is None:
+                raise
+            self._settle(done, err)
+            return True
+        if done is not None:
+            self._settle(done, None)
         return True
 
-    async def _wait_for(self, step: Callable[[], bool], *, writer: bool = False) -> None:
-        """Waits until ``step()`` (called by a callback of the loop each time the socket turns readable,
-        or writable with ``writer``) returns True: the task wakes once, not once per piece of a large
-        payload (a wake-up resumes every coroutine of the task's chain; a callback is one call).
-
-        Raises: what ``step`` raised (OSError).
-        """
+    def _moved(
+        self,
+        move: Callable[[list[memoryview], asyncio.Future[None] | None], bool],
+        rest: list[memoryview],
+        *,
+        writer: bool,
+    ) -> asyncio.Future[None]:
+        """A future of ``rest`` moved by ``move`` (``_scatter`` or ``_gather``, which moved what it could
+        already), finished by ``move`` itself, called by the loop each time the socket turns readable
+        (writable with ``writer``): one call an event, and the waiting task is woken once."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        done: asyncio.Future[None] = loop.create_future()
         fd = self.sock.fileno()
-        remove = loop.remove_writer if writer else loop.remove_reader
-
-        def ready() -> None:
-            try:
-                if not step():
-                    return
-            except OSError as err:
-                remove(fd)
-                if not done.done():
-                    done.set_exception(err)
-                return
-            remove(fd)
-            if not done.done():
-                done.set_result(None)
-
+        self._watch = (loop, fd, writer)
         if writer:
-            loop.add_writer(fd, ready)
+            loop.add_writer(fd, move, rest, done)
         else:
-            loop.add_reader(fd, ready)
-        try:
-            await done
-        finally:
-            remove(fd)  # removed already when done; cancelled: the callback must not touch the views any more
+            loop.add_reader(fd, move, rest, done)
+        return done
+
+    def _settle(self, done: asyncio.Future[None], err: OSError | None) -> None:
+        """Ends a callback's watch and finishes ``done`` (with ``err``, if any; a cancelled one stays so)."""
+        self._unwatch()
+        if done.done():
+            return
+        if err is None:
+            done.set_result(None)
+        else:
+            done.set_exception(err)
+
+    def _unwatch(self) -> None:
+        """Removes the loop's reader or writer callback of a move in progress (none: nothing)."""
+        watch = self._watch
+        if watch is not None:
+            self._watch = None
+            loop, fd, writer = watch
+            if writer:
+                loop.remove_writer(fd)
+            else:
+                loop.remove_reader(fd)
 
     def close(self) -> None:
+        self._unwatch()  # a move cancelled with its caller: the loop no longer watches the socket
         self.sock.close()
 
 

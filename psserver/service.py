@@ -491,10 +491,13 @@ class ShardService:
         """What push_pull returns, into ``reads``: dense variables' values; a row gradient's distinct ids
         and their rows; nothing for the names in ``omit``."""
         skip = set(omit)
-        for name, grad in grads.items():
-            if name in skip:
-                continue
-            var = self.store.get(name)
+        names = []
+        for name in grads:
+            if name not in skip:
+                names.append(name)
+        found = self.store.lookup(names) if names else []  # one look-up for them all (none: not every one)
+        for name, var in zip(names, found, strict=True):
+            grad = grads[name]
             if isinstance(grad, tables.RowGrad):
                 ids = np.unique(grad.ids.astype(np.int64))
                 reads.value(embedding.ids_name(name), ids, var.version)

@@ -225,10 +225,14 @@ class Store:
         names = list(names)
         if not names:
             return self.variables()
-        missing = [n for n in names if n not in self._vars]
-        if missing:
-            raise NotFoundError(f"variables {missing} do not exist on this shard")
-        return [self._vars[n] for n in names]
+        known, found = self._vars, []
+        for n in names:  # a loop, not comprehensions: no call per look-up
+            var = known.get(n)
+            if var is None:
+                missing = [m for m in names if m not in known]
+                raise NotFoundError(f"variables {missing} do not exist on this shard")
+            found.append(var)
+        return found
 
     # -- create -------------------------------------------------------------
 
