@@ -204,41 +204,11 @@ class Conn:
             view = memoryview(part).cast("B")
             if len(view):
                 rest.append(view)
-        if not rest or self._gather(rest):  # all taken at once (the common case): no callback
+        if not rest or self._move(rest, None, True):  # all taken at once (the common case): no callback
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
-        return self._moved(self._gather, rest, writer=True)
-
-    def _gather(self, rest: list[memoryview], done: asyncio.Future[None] | None = None) -> bool:
-        """Sends what the socket takes of ``rest`` (the views still to send, in order: the sent ones are
-        dropped, a partly sent one cut); True once every one is sent. As the loop's writer callback
-        (``done`` given), finishes ``done`` then (see ``_settle``). Raises (without ``done``): OSError."""
-        if done is not None and done.cancelled():  # its waiter is gone (and dropped the connection)
-            self._unwatch()
-            return True
-        sock = self.sock
-        try:
-            while rest:
-                try:
-                    k = sock.sendmsg(rest[:_MAX_IOV])
-                except (BlockingIOError, InterruptedError):
-                    return False
-                while k:
-                    n = len(rest[0])
-                    if k < n:
-                        rest[0] = rest[0][k:]
-                        break
-                    del rest[0]
-                    k -= n
-        except OSError as err:
-            if done is None:
-                raise
-            self._settle(done, err)
-            return True
-        if done is not None:
-            self._settle(done, None)
-        return True
+        return self._moved(rest, writer=True)
 
     async def recv_exactly(self, view: memoryview) -> None:
         """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError.
@@ -262,7 +232,7 @@ class Conn:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
                 if not ahead:  # the rest of a large read: filled by the loop, this task woken once
-                    await self._moved(self._scatter, [view[got:]], writer=False)
+                    await self._moved([view[got:]], writer=False)
                     return
                 k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
             if k == 0:
@@ -297,16 +267,19 @@ class Conn:
             if n:
                 rest.append(view)
         self._lo = lo
-        if not rest or self._scatter(rest):  # all here at once: no callback
+        if not rest or self._move(rest):  # all here at once: no callback
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             return done
-        return self._moved(self._scatter, rest, writer=False)
+        return self._moved(rest, writer=False)
 
-    def _scatter(self, rest: list[memoryview], done: asyncio.Future[None] | None = None) -> bool:
-        """Reads what the socket holds into ``rest`` (the views still to fill, in order: the full ones are
-        dropped, a partly filled one cut to what it lacks); True once every one is full. As the loop's
-        reader callback (``done`` given), finishes ``done`` then (see ``_settle``).
+    def _move(
+        self, rest: list[memoryview], done: asyncio.Future[None] | None = None, writer: bool = False
+    ) -> bool:
+        """Reads what the socket holds into ``rest`` (the views still to fill, in order), or with ``writer``
+        sends what it takes of them: the views done are dropped, a partly done one cut to what is left.
+        True once every one is done. As the loop's reader or writer callback (``done`` given), finishes
+        ``done`` then (see ``_settle``).
 
         Raises (without ``done``): ConnectionResetError (the peer closed first), OSError.
         """
@@ -317,10 +290,10 @@ class Conn:
         try:
             while rest:
                 try:
-                    k = sock.recvmsg_into(rest[:_MAX_IOV])[0]
+                    k = sock.sendmsg(rest[:_MAX_IOV]) if writer else sock.recvmsg_into(rest[:_MAX_IOV])[0]
                 except (BlockingIOError, InterruptedError):
                     return False
-                if k == 0:
+                if k == 0 and not writer:
                     raise ConnectionResetError("connection closed by the peer")
                 while k:
                     n = len(rest[0])
@@ -338,24 +311,18 @@ class Conn:
             self._settle(done, None)
         return True
 
-    def _moved(
-        self,
-        move: Callable[[list[memoryview], asyncio.Future[None] | None], bool],
-        rest: list[memoryview],
-        *,
-        writer: bool,
-    ) -> asyncio.Future[None]:
-        """A future of ``rest`` moved by ``move`` (``_scatter`` or ``_gather``, which moved what it could
-        already), finished by ``move`` itself, called by the loop each time the socket turns readable
-        (writable with ``writer``): one call an event, and the waiting task is woken once."""
+    def _moved(self, rest: list[memoryview], *, writer: bool) -> asyncio.Future[None]:
+        """A future of ``rest`` moved (``_move`` did what it could already), finished by ``_move`` itself,
+        called by the loop each time the socket turns readable (writable with ``writer``): one call an
+        event, and the waiting task is woken once."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         fd = self.sock.fileno()
         self._watch = (loop, fd, writer)
         if writer:
-            loop.add_writer(fd, move, rest, done)
+            loop.add_writer(fd, self._move, rest, done, True)
         else:
-            loop.add_reader(fd, move, rest, done)
+            loop.add_reader(fd, self._move, rest, done, False)
         return done
 
     def _settle(self, done: asyncio.Future[None], err: OSError | None) -> None:
