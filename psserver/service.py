@@ -358,8 +358,8 @@ class ShardService:
         await self.mode.before_pull(request.worker_id, request.step, deadline)
         self.check_serving("Lookup")
         reads = _Reads()
-        for var, ids in checked:
-            reads.rows(var.name, var, ids)
+        for chunk, (var, ids) in zip(request.ids, checked, strict=True):
+            reads.rows(chunk.name, var, ids)  # the piece's name (var.name, without its property)
         rows = await reads.result(self.store.inline_apply_bytes)
         self.store.pulls += 1
         versions, chunks = [], []  # loops, not comprehensions: no call per lookup

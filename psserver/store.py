@@ -657,7 +657,7 @@ class Store:
         rows, values = tables.rows_to_update(
             var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
         )
-        value = var.value
+        value = var.state[0]  # var.value, without its property
         work = functools.partial(
             var.optimizer.apply_rows, value, rows, values, var.slots, var.iterations, reg
         )
@@ -682,7 +682,7 @@ class Store:
     def _write_rows(self, var: Variable, value: np.ndarray, rows: np.ndarray, new: np.ndarray) -> int:
         # No await from here on: readers on the event loop see the rows and the version change together.
         value[rows] = new
-        version = var.version + 1
+        version = var.state[1] + 1  # var.version, without its property
         var.state = (value, version)
         var.iterations += 1
         return version
