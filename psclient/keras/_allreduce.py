@@ -443,11 +443,9 @@ class AllReduceOptimizer(keras.optimizers.Optimizer):
             return super().apply(grads, trainable_variables)
         grads = list(grads)
         state = self._averaged.variables() if self._averaged is not None else []
-        backend = _backend.adapter()
-        compiled = backend.tracing(*(g for g in grads if g is not None))
-        if state and not backend.shared_state_in_step and compiled:
+        if state and not _backend.adapter().shared_state_in_step:
             raise _backend.unsupported(
-                "averaging non-trainable state over the ring in a compiled step (BatchNorm statistics: "
+                "averaging non-trainable state over the ring in the optimizer's step (BatchNorm statistics: "
                 f"{', '.join(variable_name(v) for v in state[:3])})"
             )
         values = [v.value if isinstance(v, keras.Variable) else keras.ops.convert_to_tensor(v) for v in state]

@@ -63,7 +63,8 @@ class EagerAdapter:
     name = "torch"
     # what the shards and the ring can do only on some backends (the Keras guide's table)
     row_sparse_gradients = False  # Embedding tables: only the batch's rows travel
-    shared_state_in_step = True  # non-trainable state (BatchNorm statistics) exchanged with the gradients
+    # non-trainable state (BatchNorm statistics) read and assigned where the optimizer applies the gradients
+    shared_state_in_step = True
 
     def eager(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which variables are read and assigned eagerly, also while a step is traced."""

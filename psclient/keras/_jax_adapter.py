@@ -7,9 +7,9 @@ compiled step as an ordered ``jax.experimental.io_callback`` that takes the step
 returns the shards' new values, which the step assigns (recorded by Keras's stateless scope and
 handed back as the step's new state). So ``fit`` stays compiled (``jit_compile=True``, Keras's
 default on JAX) and nothing leaves the step but the callback. Shapes in a jitted step are static:
-an Embedding table's gradient is dense on JAX (the whole table travels), and the non-trainable state
-that the TensorFlow glue shares through the shards (BatchNorm statistics) is refused with a clear
-error (the optimizer's stateless scope does not hand it back).
+an Embedding table's gradient is dense on JAX (the whole table travels). The non-trainable state that
+the TensorFlow glue shares through the shards (BatchNorm statistics) is refused with a clear error:
+the optimizer's stateless scope sees it as it was before the forward pass and does not hand it back.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Adapter(EagerAdapter):
     """JAX: jitted stateless steps, host code in an ordered ``io_callback``."""
 
     name = "jax"
+    # Keras's JAX step (jitted or not) is stateless: the optimizer's ``stateless_apply`` sees the
+    # non-trainable state as it was before the forward pass and hands back only its own assignments.
     shared_state_in_step = False
 
     def tracing(self, *tensors: Any) -> bool:

@@ -1015,9 +1015,9 @@ class PSWorker:
                 return
         backend = self._backend
         state_vars = [v for _, v in self._state]
-        if state_vars and not backend.shared_state_in_step and backend.tracing(*(g for g, _ in pairs)):
+        if state_vars and not backend.shared_state_in_step:
             raise _backend.unsupported(
-                "non-trainable state shared through the parameter server in a compiled step (BatchNorm "
+                "non-trainable state shared through the parameter server in the optimizer's step (BatchNorm "
                 f"statistics: {', '.join(n for n, _ in self._state[:3])})"
             )
         # What each gradient is on the wire: "dense" (a variable), "rows" (a table's gradient that holds the
