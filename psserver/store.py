@@ -556,8 +556,16 @@ class Store:
                 return None
         versions = []
         for var, grad in pairs:
-            if isinstance(grad, tables.RowGrad):
-                versions.append(_run_inline(self._update(var, grad, now)))
+            if isinstance(grad, tables.RowGrad):  # ``_update``'s fixed-table branch, without its generator
+                reg = var.regularizer
+                rows, values = tables.rows_to_update(
+                    var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
+                )
+                value = var.state[0]
+                new = var.optimizer.apply_rows(value, rows, values, var.slots, var.iterations, reg)
+                versions.append(
+                    self._write_rows(var, value if value.flags.writeable else value.copy(), rows, new)
+                )
                 continue
             value, version = var.state  # ``_update``'s dense branch, without its generator
             step = var.iterations
