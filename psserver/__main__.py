@@ -34,8 +34,9 @@ and the backup takes over once that lease has expired, in a newer term; it serve
 acknowledged is on one process only (--serve-alone: at once; see the docs, "Replication and leases").
 Disk tier: with --table-memory and --table-dir, the dynamic tables without a capacity keep their hot
 rows (values, optimizer slots, bookkeeping) in memory under one budget for the shard, shared as they
-grow (each may hold an equal share), and spill the others to an LMDB environment under --table-dir
-(rebuilt from checkpoints, wiped at start); see the docs, "Disk tier".
+grow (each may hold an equal share), and spill the others to a store under --table-dir
+(--table-tier-store: log-structured segments or LMDB; rebuilt from checkpoints, wiped at start); see the
+docs, "Disk tier".
 Exit status: 0 after SIGTERM/SIGINT; 2 for bad flags, an address that cannot be bound or a --table-dir
 that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").

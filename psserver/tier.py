@@ -1,14 +1,20 @@
-"""The disk tier of a dynamic table piece: its cold rows in a local LMDB environment.
+"""The disk tier of a dynamic table piece: its cold rows in a local store, log-structured or LMDB.
 
 A shard started with ``--table-memory BYTES`` keeps the hot rows (values,
 optimizer slots, bookkeeping) of its dynamic table pieces in memory under that
 budget, all pieces together (``TierBudget``: each piece claims a share as it
-grows; ``psserver.dynamic``), and their cold rows here, one LMDB environment
-per piece under ``--table-dir``. LMDB was picked by
-measurement against RocksDB (``bench/results/kv_tier.md``): 5-9x faster
-batched random reads (a fill is on a push's critical path), single-writer
-transactions that commit all or nothing, and no background compaction threads
-competing with the event loop; it uses about 2x the records' bytes on disk.
+grows; ``psserver.dynamic``), and their cold rows on disk, one store per piece
+under ``--table-dir`` (``TierConfig.open_piece``). ``--table-tier-store``
+picks it: ``log`` (``psserver.logtier.LogTier``: fixed-length records appended
+to segments, an index in memory, compaction in a thread) or ``lmdb``
+(``DiskTier``, here: an LMDB environment, picked in issue 21 by measurement
+against RocksDB, ``bench/results/kv_tier.md``: 5-9x faster batched random
+reads, transactions all or nothing, no compaction threads). Both are a
+``ColdTier``: the same reads, writes, instants and guarantees, and every test of
+the tier runs on both (``tests/unit/test_tier.py``,
+``tests/integration/test_disk_tier.py``); ``bench/results/tier_stores.md``
+compares them. What follows is the LMDB store's; ``psserver.logtier`` says how
+the log does the same.
 
 A record is one row: its bookkeeping (``last_step``, ``hits``, ``last_time``),
 its value and its row slots, as one numpy structured record; the key is the
@@ -93,7 +99,7 @@ _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 EXPIRY_KINDS = ("last_step", "last_time")
 _ROWS_DB = b"rows"
 STORES = ("log", "lmdb")  # ``--table-tier-store``: append-only segment files, or an LMDB environment
-DEFAULT_STORE = "lmdb"
+DEFAULT_STORE = "log"  # measured: bench/results/tier_stores.md
 _MAP_NORESERVE = 0x4000  # Linux's mmap flag (the mmap module names it from Python 3.13 on)
 
 
