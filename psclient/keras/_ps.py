@@ -723,6 +723,10 @@ class PSWorker:
         for key, opt in self._optimizers.items():
             if opt.has_schedule:
                 continue
+            if key not in self._sent_lr:  # what the shards hold: the rate it attached its variables with
+                held = opt.server_optimizer.params().get("learning_rate")
+                if isinstance(held, int | float):
+                    self._sent_lr[key] = float(np.float32(held))  # as the Keras variable holds it
             lr = self._backend.read_rate(opt.learning_rate)
             if lr is None:  # not readable now, and so not changed since it was read (JAX's fit)
                 continue
@@ -952,7 +956,8 @@ class PSWorker:
         *,
         optimizer: DistributedOptimizer | None = None,
     ) -> None:
-        """Exchanges gradients with the shards and assigns the new values; eager or inside ``tf.function``.
+        """Exchanges gradients with the shards and assigns the new values; eager or inside a compiled step
+        (``tf.function``, a jitted JAX step: the backend's adapter stages the exchange).
 
         The shared non-trainable state of the attached model goes with them.
 

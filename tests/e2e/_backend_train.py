@@ -44,6 +44,9 @@ def main() -> None:
     model.compile(optimizer=optimizer, metrics=["accuracy"], loss=loss)
     timer = callbacks[-1] if callbacks else None
     started = time.perf_counter()
+    if os.environ.get("LR_SCHEDULE") == "1":  # a callback that sets the rate: halved every epoch
+        rate = 2e-3 * dist.lr_scale
+        callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: rate * 0.5**epoch), *callbacks]
     model.fit(x_train[mine], y_train[mine], batch_size=32, epochs=EPOCHS, verbose=0, callbacks=callbacks)
     seconds = time.perf_counter() - started
 
@@ -63,6 +66,10 @@ def main() -> None:
         fresh = make_model()
         psk.load_from_ps(fresh, dist.worker.client)
         result["loaded_accuracy"] = accuracy(fresh)
+        name = dist.worker.name_of(model.trainable_variables[0])
+        (piece, *_) = dist.worker.client.list_variables([name])[name]
+        result["shard_learning_rate"] = float(piece.spec.optimizer.params["learning_rate"])
+        result["learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
     if dist.is_chief:
         print("RESULT " + json.dumps(result), flush=True)
     dist.close()

@@ -88,6 +88,17 @@ def test_the_readme_script_trains_on_the_backend_as_locally(
         assert result["loaded_accuracy"] == pytest.approx(result["test_accuracy"], abs=1e-6), result
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rate_set_by_a_callback_reaches_the_shards(backend: str) -> None:
+    """A ``LearningRateScheduler`` halves the rate every epoch; each change goes to the shards before the
+    next step (on JAX too, where ``fit`` keeps the optimizer's variables out of Python while it runs)."""
+    pytest.importorskip(backend)
+    result = run(backend, "async", LR_SCHEDULE="1", EPOCHS="3")
+    assert result["learning_rate"] == pytest.approx(2e-3 * 0.25, rel=1e-6), result
+    assert result["shard_learning_rate"] == pytest.approx(result["learning_rate"], rel=1e-6), result
+    assert result["test_accuracy"] >= 0.8, result  # an untrained model scores ~0.1
+
+
 _REFUSED = """
 import keras, psclient.keras as psk
 from pscore.errors import PSError
