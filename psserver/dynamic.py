@@ -856,6 +856,51 @@ class DynamicRows:
             found[cold_pos[on_disk]] = rows  # ``index.get``'s own array
         return found  # rows spilled or expired were none of the push's: only the filled ids' rows changed
 
+    def update(
+        self,
+        holder: Holder,
+        ids: np.ndarray,
+        values: np.ndarray,
+        now: float,
+        optimizer: Any,
+        step: int,
+        regularizer: Any,
+    ) -> Generator[Work, Any, tuple[np.ndarray, np.ndarray]]:
+        """A push of rows ``values`` to ``ids``: its heavy steps yielded as ``Work`` (``Store._update`` runs
+        the large ones in a worker thread), their results sent back; returns the rows the push updates and
+        their new values, for the caller to write (with the version, at once). The caller holds the
+        piece's lock.
+
+        In order: with a disk tier, its cold rows filled and room made (``tier_step``: disk reads, a
+        write); the push's plan (its ids' rows, its sweep's expired rows: a pass over all rows when due);
+        an unbounded table's growth (a copy of all its rows) or its id index's rebuild (its tombstones
+        dropped); a full table's choice of the rows it evicts (a pass over them); the rows made
+        (``prepare``); the optimizer's rule on them (only those rows are touched meanwhile).
+
+        Raises:
+            TierFullError: the disk tier cannot take the spilled rows (nothing changed).
+            ResourceExhaustedError: the push has more rows than memory holds (nothing changed).
+        """
+        filled = None
+        if self.tier is not None:
+            filled = yield from self.tier_step(holder, ids, now)
+        plan = yield self.plan_bytes(ids, now), functools.partial(self.plan, ids, now, filled)
+        if plan.grow_to:  # before the push changes it
+            grow = functools.partial(self.grown, holder, optimizer, plan.grow_to)
+            grown = yield holder.state[0].nbytes, grow
+            self.adopt(holder, grown)
+        elif self.reindex_due(ids.size):
+            self.index = yield self.index.nbytes, functools.partial(self.reindexed, ids.size)
+        victims = None
+        if plan.evict:
+            victims = yield self.last_step.nbytes, functools.partial(self.victims_ahead, plan)
+        rows, keep = self.prepare(holder, ids, now, optimizer, plan, victims)
+        kept = values[keep]
+        value = holder.state[0]
+        work = functools.partial(optimizer.apply_rows, value, rows, kept, holder.slots, step, regularizer)
+        new = yield kept.nbytes, work
+        return rows, new
+
     def _tier_reads(
         self, ids: np.ndarray, batch_cut: Cut | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray | None]:

@@ -640,27 +640,9 @@ class Store:
             var.iterations = step + 1
             return version + 1
         reg = var.regularizer
-        if var.dyn is not None:
-            dyn, ids = var.dyn, grad.ids
-            filled = None
-            if dyn.tier is not None:  # its cold rows filled, room made: disk reads, a write (in a thread)
-                filled = yield from dyn.tier_step(var, ids, now)
-            # what the push does (its ids' rows, its sweep's expired rows: a pass over all rows when due)
-            plan = yield dyn.plan_bytes(ids, now), functools.partial(dyn.plan, ids, now, filled)
-            if plan.grow_to:  # an unbounded table grows (a copy of all its rows) before the push changes it
-                grown = yield var.value.nbytes, functools.partial(dyn.grown, var, var.optimizer, plan.grow_to)
-                dyn.adopt(var, grown)
-            elif dyn.reindex_due(ids.size):  # its id index drops its tombstones (evicted rows)
-                dyn.index = yield dyn.index.nbytes, functools.partial(dyn.reindexed, ids.size)
-            victims = None
-            if plan.evict:  # a full table picks the rows it evicts (a pass over all of them) first
-                victims = yield dyn.last_step.nbytes, functools.partial(dyn.victims_ahead, plan)
-            rows, keep = dyn.prepare(var, ids, now, var.optimizer, plan, victims)
-            values = grad.values[keep]
-            work = functools.partial(
-                var.optimizer.apply_rows, var.value, rows, values, var.slots, var.iterations, reg
-            )
-            new = yield values.nbytes, work  # only ``rows`` are touched meanwhile
+        if var.dyn is not None:  # a dynamic table's push: its rows found, made or filled, then updated
+            dyn_update = var.dyn.update(var, grad.ids, grad.values, now, var.optimizer, var.iterations, reg)
+            rows, new = yield from dyn_update
             return self._write_rows(var, var.value, rows, new)
         rows, values = tables.rows_to_update(
             var.spec, tables.local_rows(var.spec, grad.ids), grad.values, reg
