@@ -232,7 +232,11 @@ class Conn:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
                 if not ahead:  # the rest of a large read: filled by the loop, this task woken once
-                    await self._moved([view[got:]], writer=False)
+                    try:
+                        await self._moved([view[got:]], writer=False)
+                    except BaseException:  # cancelled (or failed): the loop stops reading into ``view``
+                        self._unwatch()
+                        raise
                     return
                 k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
             if k == 0:
