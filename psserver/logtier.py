@@ -186,6 +186,9 @@ class LogTier(ColdTier):
         self._writer = threading.Lock()  # one writer at a time: writes, compaction steps, ``expired``
         self._compactor: threading.Thread | None = None
         self._compacting: tuple[_Segment, int] | None = None  # the segment under compaction, next offset
+        # Per TTL kind, the ids an expiry's first ``expired`` found before its cut, and how far later calls
+        # have checked them: (cut, ids, next); records written since with older stamps are added.
+        self._expiring: dict[str, tuple[float, np.ndarray, int]] = {}
         self._closed = False
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -378,39 +381,71 @@ class LogTier(ColdTier):
         self, before_step: int | None, before_time: float | None, limit: int | None = None
     ) -> np.ndarray:
         """Ids of the records on disk last updated before push ``before_step`` or time ``before_time``
-        (sorted, distinct), at most ``limit`` of each kind: from the stamps each segment keeps in memory,
-        the live records' only.
+        (sorted, distinct), at most ``limit`` of each kind.
+
+        The first call for a cut scans the stamps each segment keeps in memory once (numpy over every
+        record on disk) and keeps the ids it finds; the calls after it for the same cut (a push each while
+        an expiry drains) check the next of those ids (still there, still before the cut) and the records
+        written since with older stamps: a bounded batch, whatever the records on disk.
 
         Raises:
             InternalError: a cut without its stamps (the piece was made without that TTL).
         """
         found: list[np.ndarray] = []
         kinds = 0
-        with self._writer:  # no compaction moves records meanwhile
+        with self._writer:  # no write or compaction meanwhile
             for kind, cut in (("last_step", before_step), ("last_time", before_time)):
                 if cut is None:
                     continue
                 if kind not in self._expiry_kinds:
                     raise InternalError(f"table {self.table!r}: its disk tier has no expiry index by {kind}")
                 kinds += 1
-                taken = 0
-                for seg in self._current():
-                    assert seg.stamps is not None
-                    offs = np.flatnonzero(seg.stamps[kind][: seg.used] < cut)
-                    if not offs.size:
-                        continue
-                    ids = np.array(seg.ids[offs])
-                    with self._lock:
-                        current = self._index.get(ids) == seg.base + offs
-                    ids = ids[current]
-                    if limit is not None:
-                        ids = ids[: limit - taken]
-                    found.append(ids)
-                    taken += ids.size
-                    if limit is not None and taken >= limit:
-                        break
+                found.append(self._expired_batch(kind, cut, limit))
         ids = np.sort(np.concatenate(found)) if found else np.zeros(0, np.int64)
         return np.unique(ids) if kinds > 1 else ids
+
+    def _expired_batch(self, kind: str, cut: float, limit: int | None) -> np.ndarray:
+        """``expired`` of one kind (holds ``_writer``): from the candidates of ``cut`` (``_expiring``)."""
+        cands = self._expiring.get(kind)
+        if cands is None or cands[0] != cut:
+            cands = (cut, self._scan_stamps(kind, cut), 0)
+        _, ids, start = cands
+        out: list[np.ndarray] = []
+        taken, i, first = 0, start, None
+        step = max(limit or ids.size, 1024)
+        while i < ids.size and (limit is None or taken < limit):
+            part = ids[i : i + step]
+            with self._lock:
+                pos = self._index.get(part)
+            have = pos >= 0
+            ok = np.zeros(part.size, bool)
+            ok[have] = self._all_recs[kind][pos[have]] < cut  # still there, still before the cut
+            good = np.flatnonzero(ok)
+            if limit is not None:
+                good = good[: limit - taken]
+            if first is None and good.size:
+                first = i + int(good[0])
+            out.append(part[good])
+            taken += good.size
+            i += part.size
+        # The candidates before the first one returned are gone (deleted, or rewritten later: a record
+        # written since with an older stamp is added at the end); those returned are checked again.
+        self._expiring[kind] = (cut, ids, i if first is None else first)
+        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+    def _scan_stamps(self, kind: str, cut: float) -> np.ndarray:
+        """The ids of the current records stamped before ``cut`` (holds ``_writer``): every segment's."""
+        found = []
+        for seg in self._current():
+            assert seg.stamps is not None
+            offs = np.flatnonzero(seg.stamps[kind][: seg.used] < cut)
+            if not offs.size:
+                continue
+            ids = np.array(seg.ids[offs])
+            with self._lock:
+                current = self._index.get(ids) == seg.base + offs
+            found.append(ids[current])
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
 
     def _current(self) -> list[_Segment]:
         """The segments the index may point at (not retired), oldest first."""
@@ -593,6 +628,10 @@ class LogTier(ColdTier):
             out[done : done + take] = np.arange(seg.base + lo, seg.base + hi)
             seg.used = hi
             done += take
+        for kind, (cut, cands, start) in list(self._expiring.items()):  # an expiry under way
+            late = ids[records[kind] < cut]
+            if late.size:
+                self._expiring[kind] = (cut, np.concatenate([cands, late]), start)
         return out
 
     def _room(self, n: int, compacting: bool, may_compact: bool) -> None:

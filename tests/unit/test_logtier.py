@@ -252,3 +252,23 @@ def test_expired_finds_the_live_records_before_a_cut_from_the_stamps_in_memory(t
     got = tier.expired(5, None, limit=100)
     assert got.size == 100 and np.all(np.isin(got, ids[last < 5]))
     tier.close()
+
+
+def test_an_expiry_drains_in_batches_and_finds_records_written_meanwhile(tmp_path: Path) -> None:
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step",))
+    ids = np.arange(5000, dtype=np.int64)
+    tier.write(ids, _records(ids, 1))
+    fresh = ids[ids % 5 == 0]
+    tier.write(fresh, _records(fresh, 9))  # rewritten after the cut: not expired
+    batches = [tier.expired(5, None, limit=300)]
+    late = np.array([10**6, 10**6 + 1], np.int64)
+    tier.write(late, _records(late, 2))  # written while the expiry drains, stamped before its cut
+    while batches[-1].size:  # bounded: each batch is deleted, as a push does
+        tier.write(ids[:0], _records(ids[:0], 0), delete=[batches[-1]])
+        batches.append(tier.expired(5, None, limit=300))
+        assert len(batches) < 30
+    gone = np.concatenate(batches)
+    np.testing.assert_array_equal(np.sort(gone), np.union1d(ids[ids % 5 != 0], late))
+    assert len(tier) == fresh.size
+    tier.check()
+    tier.close()
