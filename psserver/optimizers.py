@@ -423,29 +423,46 @@ class ServerOptimizer(abc.ABC):
         for a in flat_slots.values():
             direct = direct and a.dtype == dtype
         out_block = None if direct else np.empty(block, dtype=compute)
-        with np.errstate(all="ignore"):
-            for start in range(0, value.size, block):
-                stop = min(start + block, value.size)
-                n = stop - start
-                v = flat_value[start:stop]
-                g = flat_grad[start:stop]
-                s = {}
-                for k, a in flat_slots.items():
-                    s[k] = a[start:stop]
-                tmp = scratch if n == block else [t[:n] for t in scratch]
-                if direct:
-                    self._update(v, g, s, flat_out[start:stop], tmp, consts)
-                    continue
-                # float16 (or slots of another dtype): compute on compute-dtype copies.
-                s_work = {k: a.astype(compute) for k, a in s.items()}
-                o = out_block[:n]
-                self._update(v.astype(compute), g.astype(compute, copy=False), s_work, o, tmp, consts)
-                for k, a in s.items():
-                    a[...] = s_work[k]
-                flat_out[start:stop] = o
+        self._blocks(flat_value, flat_grad, flat_out, flat_slots, scratch, out_block, block, compute, consts)
         for slot in copied:
             slots[slot][...] = flat_slots[slot].reshape(slots[slot].shape)
         return out
+
+    @np.errstate(all="ignore")  # as a decorator: one Python call an update, where a ``with`` makes three
+    def _blocks(
+        self,
+        flat_value: np.ndarray,
+        flat_grad: np.ndarray,
+        flat_out: np.ndarray,
+        flat_slots: dict[str, np.ndarray],
+        scratch: list[np.ndarray],
+        out_block: np.ndarray | None,
+        block: int,
+        compute: np.dtype,
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        """``_apply_rule``'s walk over the blocks, floating-point errors ignored; ``out_block`` None: the
+        variable, its gradient and slots are of the compute dtype (no copies)."""
+        size = flat_value.size
+        for start in range(0, size, block):
+            stop = min(start + block, size)
+            n = stop - start
+            v = flat_value[start:stop]
+            g = flat_grad[start:stop]
+            s = {}
+            for k, a in flat_slots.items():
+                s[k] = a[start:stop]
+            tmp = scratch if n == block else [t[:n] for t in scratch]
+            if out_block is None:
+                self._update(v, g, s, flat_out[start:stop], tmp, consts)
+                continue
+            # float16 (or slots of another dtype): compute on compute-dtype copies.
+            s_work = {k: a.astype(compute) for k, a in s.items()}
+            o = out_block[:n]
+            self._update(v.astype(compute), g.astype(compute, copy=False), s_work, o, tmp, consts)
+            for k, a in s.items():
+                a[...] = s_work[k]
+            flat_out[start:stop] = o
 
     def _constants(
         self, dtype: np.dtype, step: int, lr: np.floating, slots: dict[str, np.ndarray]
