@@ -138,78 +138,33 @@ def run_one(
     ids = rng.choice(1 << 40, rows, replace=False)
     rec = 2 * dim * 4 + _META_BYTES
     tmp = Path(tempfile.mkdtemp(prefix=f"kvtier-{store}-", dir=os.environ.get("BENCH_DIR")))
-    if store.startswith("tier-"):
-        return _run_tier(store, dim, rows, batch, read_batch, reads, rng, ids, rec, tmp)
     try:
-        db = _Rocks(tmp) if store == "rocksdict" else _Lmdb(tmp, writemap=store == "lmdb-writemap")
-        io0 = _io()
-        t0 = time.perf_counter()
-        for _ in range(2):  # the first spill, then every row spilled again
-            order = rng.permutation(rows)
-            for s in range(0, rows, batch):
-                chunk = ids[order[s : s + batch]]
-                payload = rng.standard_normal((chunk.size, rec // 4), dtype=np.float32)
+        if store.startswith("tier-"):  # the tier's own store, in its own terms (ids and records)
+            db: Any = _Tier(tmp, store.removeprefix("tier-"), dim)
+            put, get = db.put, db.get
+        else:  # a key-value store: keys and values as bytes
+            db = _Rocks(tmp) if store == "rocksdict" else _Lmdb(tmp, writemap=store == "lmdb-writemap")
+
+            def put(chunk: np.ndarray, payload: np.ndarray) -> None:
                 db.put(_key(chunk), [r.tobytes() for r in payload])
-        write_s = time.perf_counter() - t0
-        lat = []
-        for _ in range(reads):
-            want = _key(rng.choice(ids, read_batch, replace=False))
-            t = time.perf_counter()
-            got = db.get(want)
-            lat.append(time.perf_counter() - t)
-            assert all(g is not None and len(g) == rec for g in got)
-        db.close()
-        io1 = _io()
-        logical = 2 * rows * (rec + 8)
-        disk = _du(tmp)
-        lat.sort()
-        return {
-            "store": store,
-            "dim": dim,
-            "rows": rows,
-            "record_bytes": rec,
-            "write_rows_per_s": 2 * rows / write_s,
-            "read_batch_median_ms": statistics.median(lat) * 1e3,
-            "read_batch_p99_ms": lat[int(0.99 * (len(lat) - 1))] * 1e3,
-            "read_us_per_row": statistics.median(lat) / read_batch * 1e6,
-            "disk_bytes": disk,
-            "disk_over_logical": disk / (rows * (rec + 8)),
-            "write_amp_wchar": (io1["wchar"] - io0["wchar"]) / logical,
-            "write_amp_device": (io1["write_bytes"] - io0["write_bytes"]) / logical,
-        }
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
+            def get(want: np.ndarray) -> None:
+                got = db.get(_key(want))
+                assert all(g is not None and len(g) == rec for g in got)
 
-def _run_tier(
-    store: str,
-    dim: int,
-    rows: int,
-    batch: int,
-    read_batch: int,
-    reads: int,
-    rng: np.random.Generator,
-    ids: np.ndarray,
-    rec: int,
-    tmp: Path,
-) -> dict[str, Any]:
-    """``run_one`` for a tier store (``_Tier``): the same writes and reads, in the tier's own terms."""
-    try:
-        db = _Tier(tmp, store.removeprefix("tier-"), dim)
         io0 = _io()
         t0 = time.perf_counter()
         for _ in range(2):  # the first spill, then every row spilled again
             order = rng.permutation(rows)
             for s in range(0, rows, batch):
                 chunk = ids[order[s : s + batch]]
-                payload = rng.standard_normal((chunk.size, rec // 4), dtype=np.float32)
-                db.put(chunk, payload)
+                put(chunk, rng.standard_normal((chunk.size, rec // 4), dtype=np.float32))
         write_s = time.perf_counter() - t0
         lat = []
         for _ in range(reads):
             want = rng.choice(ids, read_batch, replace=False)
             t = time.perf_counter()
-            db.get(want)
+            get(want)
             lat.append(time.perf_counter() - t)
         db.close()
         io1 = _io()

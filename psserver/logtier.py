@@ -59,14 +59,12 @@ import shutil
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from pscore.errors import InternalError
 from psserver.hashindex import HashIndex
 from psserver.tier import (
-    CHUNK_ROWS,
     NO_CUT,
     ColdTier,
     Cut,
@@ -336,17 +334,6 @@ class LogTier(ColdTier):
             raise
         out[...] = ids
         return _Snapshot(self, view, out)
-
-    def items(
-        self, chunk: int | None = None, txn: Any = None, cut: Cut | None = None
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Every record in ascending id order but the expired ones, ``chunk`` (default ``CHUNK_ROWS``) at
-        a time: ``(ids, records)``.
-
-        ``txn``: read as of that ``reader``, else as of now. ``cut``: the records before it are expired
-        (default: the tier's cut now; ``NO_CUT``: every record).
-        """
-        return self._items(chunk or CHUNK_ROWS, txn, self.cut if cut is None else cut)
 
     def _items(self, chunk: int, snap: _Snapshot | None, cut: Cut) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if snap is None:

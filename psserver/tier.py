@@ -523,6 +523,10 @@ class ColdTier:
         ``txn``: read as of that ``reader``, else as of now. ``cut``: the records before it are expired
         (default: the tier's cut now; ``NO_CUT``: every record).
         """
+        return self._items(chunk or CHUNK_ROWS, txn, self.cut if cut is None else cut)
+
+    def _items(self, chunk: int, txn: Any, cut: Cut) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``items`` with its defaults filled in."""
         raise NotImplementedError
 
     def expired(
@@ -779,10 +783,7 @@ class DiskTier(ColdTier):
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: one transaction.
-
-        ``older``: with an expiry index, the ids among ``ids`` that have an older copy on disk and that
-        copy's stamps (``stamps``), whose index entries go; the others have none.
+        """``ColdTier.write`` in one transaction; ``older``'s index entries go.
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -946,17 +947,6 @@ class DiskTier(ColdTier):
             return self.env.begin(buffers=False)
         except lmdb.Error as err:
             raise InternalError(f"table {self.table!r}: cannot read its disk tier: {err}") from None
-
-    def items(
-        self, chunk: int | None = None, txn: lmdb.Transaction | None = None, cut: Cut | None = None
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Every record in ascending id order but the expired ones, ``chunk`` (default ``CHUNK_ROWS``) at
-        a time: ``(ids, records)``.
-
-        ``txn``: read in that transaction (``reader``), else in a new one. ``cut``: the records before it
-        are expired (default: the tier's cut now; ``NO_CUT``: every record).
-        """
-        return self._items(chunk or CHUNK_ROWS, txn, self.cut if cut is None else cut)
 
     def _items(
         self, chunk: int, txn: lmdb.Transaction | None, cut: Cut, start: bytes | None = None
