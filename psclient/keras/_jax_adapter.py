@@ -8,8 +8,10 @@ returns the shards' new values, which the step assigns (recorded by Keras's stat
 handed back as the step's new state). So ``fit`` stays compiled (``jit_compile=True``, Keras's
 default on JAX) and nothing leaves the step but the callback. Shapes in a jitted step are static:
 an Embedding table's gradient is dense on JAX (the whole table travels). The non-trainable state that
-the TensorFlow glue shares through the shards (BatchNorm statistics) is refused with a clear error:
-the optimizer's stateless scope sees it as it was before the forward pass and does not hand it back.
+the glue shares through the shards (BatchNorm statistics) is not in the optimizer's stateless scope
+(it sees it as it was before the forward pass and does not hand it back): the parameter server's
+``fit`` wraps the train step, and the step's one exchange runs after it with its gradients and its
+new state (``PSWorker.defer_state``). All-reduce training refuses such state with a clear error.
 """
 
 from __future__ import annotations
@@ -45,6 +47,36 @@ class Adapter(EagerAdapter):
             f"a model that only its own jitted train_step builds ({getattr(model, 'name', '?')!r}): build it "
             "before fit (call it on a batch, or model.build(input_shape))"
         )
+
+    def prepare_fit(self, worker: Any, model: Any, what: str) -> None:
+        """Wraps the model's (stateless) train step so that a ``PSWorker``'s exchange carries the shared
+        non-trainable state the step computed (``PSWorker.defer_state``): the exchange runs after the
+        step, with its gradients and new state, and its values replace those in the state it returns."""
+        defer = getattr(worker, "defer_state", None)
+        if defer is None or getattr(model, "_psclient_state_step", False):
+            return
+        original = model.train_step
+
+        def train_step(state: Any, data: Any) -> Any:
+            with defer() as deferred:
+                logs, (trainable, non_trainable, optimizer, metrics) = original(state, data)
+            if not deferred:
+                return logs, (trainable, non_trainable, optimizer, metrics)
+            where = {id(v): i for i, v in enumerate(model.trainable_variables)}
+            state_where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+            trainable, non_trainable = list(trainable), list(non_trainable)
+            for exchange in deferred:
+                new_trainable, new_state = exchange(lambda v: non_trainable[state_where[id(v)]])
+                for var, value in new_trainable:
+                    trainable[where[id(var)]] = value
+                for var, value in new_state:
+                    non_trainable[state_where[id(var)]] = value
+            return logs, (trainable, non_trainable, optimizer, metrics)
+
+        model.train_step = train_step
+        model._psclient_state_step = True
+        if getattr(model, "train_function", None) is not None:  # fit made it before on_train_begin
+            model.make_train_function(force=True)
 
     def read_rate(self, rate: Any) -> float | None:
         # Keras's JAX fit keeps the state in the step's arguments and empties the variables until a

@@ -65,7 +65,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import keras
@@ -325,6 +325,9 @@ class PSWorker:
         self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
         self._sent_lr: dict[int, float] = {}
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
+        # A stateless step (JAX): exchanges that wait for the step's new non-trainable state (see
+        # ``defer_state``); None outside such a step.
+        self._deferred: list[Callable[..., Any]] | None = None
         self._attached = False
         self._pending: tuple[keras.Model, Any] | None = None  # attached once its first step builds it
         self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
@@ -1020,7 +1023,7 @@ class PSWorker:
                 return
         backend = self._backend
         state_vars = [v for _, v in self._state]
-        if state_vars and not backend.shared_state_in_step:
+        if state_vars and not backend.shared_state_in_step and self._deferred is None:
             raise _backend.unsupported(
                 "non-trainable state shared through the parameter server in the optimizer's step (BatchNorm "
                 f"statistics: {', '.join(n for n, _ in self._state[:3])})"
@@ -1048,9 +1051,19 @@ class PSWorker:
                 kinds.append("dense")
                 inputs.append(g)
                 outputs.append((tuple(var.shape), dtype))
-        inputs += [v.value for v in state_vars]
         outputs += [(tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in state_vars]
-        new = backend.host_call(_exchange_fn(self, var_names, kinds), inputs, outputs, "ps_exchange")
+        fn = _exchange_fn(self, var_names, kinds)
+        if state_vars and not backend.shared_state_in_step:  # the step's wrapper exchanges, with its state
+
+            def exchange(state_of: Callable[[Any], Any]) -> tuple[list[Any], list[Any]]:
+                state = [state_of(v) for v in state_vars]
+                new = iter(backend.host_call(fn, inputs + state, outputs, "ps_exchange"))
+                return [(var, next(new)) for _, var in pairs], [(var, next(new)) for var in state_vars]
+
+            self._deferred.append(exchange)  # type: ignore[union-attr]
+            return
+        inputs += [v.value for v in state_vars]
+        new = backend.host_call(fn, inputs, outputs, "ps_exchange")
         out = iter(new)
         for (_, var), kind, name in zip(pairs, kinds, var_names, strict=True):
             if kind == "rows":  # the rows that came back: written into the worker's copy of the table
@@ -1061,6 +1074,23 @@ class PSWorker:
                 var.assign(next(out))
         for var in state_vars:
             var.assign(next(out))
+
+    @contextlib.contextmanager
+    def defer_state(self) -> Iterator[list[Callable[..., Any]]]:
+        """A stateless step (JAX) in which the exchange waits for the step's new non-trainable state.
+
+        The optimizer's ``stateless_apply`` sees the shared state (BatchNorm statistics) as it was before the
+        forward pass and hands back only its own variables, so the step's wrapper (the backend's adapter)
+        collects the step's exchanges here and, once the step returned its state, calls each with
+        ``state_of(variable) -> its new value``; each returns ``[(trainable variable, new value)]`` and
+        ``[(state variable, new value)]`` for the wrapper to put into the step's returned state. One push
+        per step, as elsewhere (sync mode counts it as the step).
+        """
+        self._deferred = []
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
 
     def _warn_dense(self, name: str, grad: Any) -> None:
         """Warns once per table whose gradient is dense over the whole table (every row travels)."""
