@@ -1,7 +1,7 @@
 """A dynamic table's housekeeping in memory (growth, evictions): how long its shard stops answering.
 
 A dynamic table without a ``capacity`` doubles its storage when full, copying
-every row and slot (``psserver.dynamic``); a full one evicts, and its id index
+every row and slot (``psserver.rows``); a full one evicts, and its id index
 is rebuilt when the evicted ids' tombstones fill it. One shard (a real ``psserver``
 process) holds the table, ``--rows`` ids x ``--dim`` (float32, Adagrad), filled
 by one client's pushes of ``--batch`` new ids, while a second client pulls a

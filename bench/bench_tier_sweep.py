@@ -1,7 +1,7 @@
 """Expiry sweeps of a dynamic table past memory: the push that runs one, against the pushes that do not.
 
 A dynamic table with a TTL sweeps its expired rows every 1/8 of the TTL, from
-the push that is due (``psserver.dynamic``), over both tiers when the shard has
+the push that is due (``psserver.rows``), over both tiers when the shard has
 a disk tier. One shard (a real ``psserver`` process, ``--table-memory BUDGET
 --table-dir``) holds one table of ``--rows`` ids x ``--dim`` (float32, Adagrad),
 filled by pushes of ``--batch`` new ids; then a client pushes ``--ids`` ids of
@@ -138,7 +138,7 @@ def _markdown(
         "A push holds the shard's event loop for its whole time, its share of a sweep included: every "
         "client of the shard waits. A sweep expires the rows in memory at once and raises the disk "
         "tier's cut (reads skip the records before it); then each push deletes at most a batch of the "
-        "expired records (`_EXPIRE_BATCH` in `psserver.dynamic`), so the longest push is the figure "
+        "expired records (`_EXPIRE_BATCH` in `psserver.rows.tiering`), so the longest push is the figure "
         "to read in the expiring row, and its median counts the pushes that deleted a batch.",
         "",
     ]

@@ -178,7 +178,7 @@ class TableMethods:
         initializer's row for that id; before that a lookup returns the
         initializer's row. With a ``capacity`` the shards evict rows (LRU or
         LFU) to stay within it, and rows not updated for ``ttl_steps`` pushes or
-        ``ttl_seconds`` are removed (see ``psserver.dynamic``). Admission,
+        ``ttl_seconds`` are removed (see ``psserver.rows``). Admission,
         eviction and expiry follow the pushes applied (lookups change nothing),
         so a retried push, a backup and a restored checkpoint agree.
 

@@ -44,8 +44,8 @@ from psserver.ckptfile import (
     reshard,
     write,
 )
-from psserver.dynamic import Export
 from psserver.modes import Mode
+from psserver.rows import Export
 from psserver.store import Store, Variable
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ an uncompressed numpy ``.npz`` (a zip of ``.npy`` arrays, loaded with
 A dynamic table piece (spec ``dynamic``, stored shape ``[0, dim]``) is saved
 compact: ``value`` and its row slots hold its ``n`` live rows ``[n, dim]`` in
 ascending id order, and its entry's ``"dynamic"`` names the bookkeeping arrays
-(``psserver.dynamic.DynamicRows.export``): ``ids`` ``[n]``, ``last_step``,
+(``psserver.rows.DynamicRows.export``): ``ids`` ``[n]``, ``last_step``,
 ``hits``, ``last_time``, ``clock``, ``last_sweep`` and, with admission, the
 count-min ``sketch`` and ``sketch_added``.
 
@@ -80,8 +80,10 @@ from pscore import codec
 from pscore.errors import InternalError
 from pscore.placement import DEFAULT_PARTITION_BYTES, dynamic_row_shard, plan, table_piece_name, table_rows
 from psproto.v1 import ps_pb2
-from psserver import dynamic, optimizers
+from psserver import optimizers
 from psserver.ledger import SessionState
+from psserver.rows import Config
+from psserver.sketch import CountMinSketch
 from psserver.tier import CHUNK_ROWS
 
 log = logging.getLogger(__name__)
@@ -560,13 +562,13 @@ def _reshard_dynamic(
     meta["last_sweep"] = np.max(np.stack([np.asarray(r["last_sweep"], np.float64) for r in rows]), axis=0)
     if all("sketch" in r for r in rows):
         try:
-            width = dynamic.Config.of(spec).sketch_width
+            width = Config.of(spec).sketch_width
         except ValueError as err:
             raise CheckpointError(f"dynamic table {name!r}: {err}") from None
-        sketch = dynamic.CountMinSketch(width)
+        sketch = CountMinSketch(width)
         parts = []
         for r in rows:
-            part = dynamic.CountMinSketch(r["sketch"].shape[1])
+            part = CountMinSketch(r["sketch"].shape[1])
             part.table = np.asarray(r["sketch"], np.uint16)
             part.added = int(r.get("sketch_added", 0))
             parts.append(part)

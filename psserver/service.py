@@ -36,9 +36,9 @@ from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer
 from psserver.ckptfile import CheckpointError
 from psserver.cut import CutHolds, StepCuts
-from psserver.dynamic import RowRead
 from psserver.modes import Mode
 from psserver.replication import Primary
+from psserver.rows import RowRead
 from psserver.store import Store, Variable
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # 4 MiB per streamed message: large enough to amortise per-message cost

@@ -45,15 +45,16 @@ from pscore.errors import (
 )
 from pscore.placement import table_rows
 from psproto.v1 import ps_pb2
-from psserver import dynamic, optimizers, tables
+from psserver import optimizers, tables
 from psserver.gate import UpdateGate
 from psserver.ledger import PushKey, PushLedger
+from psserver.rows import Config, DynamicRows, Work
 from psserver.tier import TierBudget, TierConfig, TierDirError, TierFullError
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_Work = dynamic.Work  # a heavy step of one variable's update (``Store._update``): its bytes, its computation
+_Work = Work  # a heavy step of one variable's update (``Store._update``): its bytes, its computation
 
 
 @dataclass(slots=True)
@@ -73,7 +74,7 @@ class Variable:
     iterations: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # A dynamic table piece: its id -> row map and bookkeeping (the rows are ``state[0]``).
-    dyn: dynamic.DynamicRows | None = None
+    dyn: DynamicRows | None = None
     # A table piece's regularizer (from its spec, checked at creation), applied with each row update.
     regularizer: Regularizer | None = None
 
@@ -999,7 +1000,7 @@ def _build_dynamic(
     if value is not None and value.size:
         raise InvalidArgumentError(f"{what}: takes no initial value (rows are created on their first push)")
     try:
-        config = dynamic.Config.of(spec)
+        config = Config.of(spec)
     except ValueError as err:
         raise InvalidArgumentError(f"{what}: {err}") from None
     if dtype.kind != "f":
@@ -1013,7 +1014,7 @@ def _build_dynamic(
     hot_rows = 0
     if tier is not None and not config.capacity:
         try:
-            hot_rows = dynamic.DynamicRows.hot_rows_for(config, dtype, optimizer, tier.memory_bytes)
+            hot_rows = DynamicRows.hot_rows_for(config, dtype, optimizer, tier.memory_bytes)
         except ValueError as err:
             raise InvalidArgumentError(f"{what}: {err}") from None
     elif tier is not None:
@@ -1023,7 +1024,7 @@ def _build_dynamic(
             config.table,
             config.capacity,
         )
-    rows = dynamic.DynamicRows(config, dtype, hot_rows)
+    rows = DynamicRows(config, dtype, hot_rows)
     storage, slots = rows.new_storage(optimizer)
     var = Variable(
         spec=spec,

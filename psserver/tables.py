@@ -3,7 +3,7 @@
 A table piece is a stored variable of shape ``[rows, dim]`` whose spec has a
 ``TableRows`` (see ``pscore.placement`` for the row rule), or one shard's
 piece of a dynamic table (spec ``DynamicTable``: rows in a hash table,
-``psserver.dynamic``). A row gradient
+``psserver.rows``). A row gradient
 (``RowGrad``) arrives as two wire tensors (``pscore.embedding.ids_name`` /
 ``values_name``) and is paired here; the store validates it (``validate``)
 before anything is claimed or applied, and applies it in place, row by row

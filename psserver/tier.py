@@ -3,7 +3,7 @@
 A shard started with ``--table-memory BYTES`` keeps the hot rows (values,
 optimizer slots, bookkeeping) of its dynamic table pieces in memory under that
 budget, all pieces together (``TierBudget``: each piece claims a share as it
-grows; ``psserver.dynamic``), and their cold rows on disk, one store per piece
+grows; ``psserver.rows``), and their cold rows on disk, one store per piece
 under ``--table-dir`` (``TierConfig.open_piece``). ``--table-tier-store``
 picks it: ``log`` (``psserver.logtier.LogTier``: fixed-length records appended
 to segments, an index in memory, compaction in a thread) or ``lmdb``

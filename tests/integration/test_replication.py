@@ -27,7 +27,7 @@ from psclient._retry import RetryPolicy
 from psload.chaos import ChaosCluster
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from psserver.config import ConfigError, ServerConfig
-from psserver.dynamic import DynamicRows
+from psserver.rows import DynamicRows
 from psserver.server import start
 from trainer.cluster import LocalCluster, backups_of
 

@@ -13,13 +13,16 @@ from pscore import embedding, placement
 from pscore.errors import InvalidArgumentError
 from pscore.optimizers import SGD, Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
-from psserver import dynamic, tables
+from psserver import tables
+from psserver.hashindex import HashIndex
+from psserver.rows import DynamicRows, PushPlan, select
+from psserver.sketch import CountMinSketch
 from psserver.store import Store, Variable
 
 
 def test_hash_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds() -> None:
     rng = np.random.default_rng(0)
-    index = dynamic.HashIndex(64)
+    index = HashIndex(64)
     ref: dict[int, int] = {}
     for step in range(300):
         if ref and step % 3 == 2:  # remove some present ids
@@ -43,7 +46,7 @@ def test_hash_index_agrees_with_a_dict_through_inserts_removals_and_rebuilds() -
 
 
 def test_hash_index_grows_when_asked_for_more() -> None:
-    index = dynamic.HashIndex(4)
+    index = HashIndex(4)
     ids = np.arange(10_000, dtype=np.int64) * 7919
     index.insert(ids, ids + 1)
     np.testing.assert_array_equal(index.get(ids), ids + 1)
@@ -52,7 +55,7 @@ def test_hash_index_grows_when_asked_for_more() -> None:
 
 def test_sketch_never_undercounts_and_halves_with_age() -> None:
     rng = np.random.default_rng(1)
-    sketch = dynamic.CountMinSketch(1 << 10)
+    sketch = CountMinSketch(1 << 10)
     truth: dict[int, int] = {}
     for _ in range(50):  # 500 ids added: below the width, so no halving yet
         ids = np.unique(rng.integers(0, 300, 10))
@@ -71,11 +74,11 @@ def test_sketch_never_undercounts_and_halves_with_age() -> None:
 @pytest.mark.parametrize("other_width", [1 << 8, 1 << 10, 1 << 12])
 def test_sketches_merge_into_any_width_without_undercounting(other_width: int) -> None:
     ids = np.arange(0, 700, 7, dtype=np.int64)  # 100 ids: no halving in any of the widths
-    a, b = dynamic.CountMinSketch(other_width), dynamic.CountMinSketch(other_width)
+    a, b = CountMinSketch(other_width), CountMinSketch(other_width)
     a.add(ids[::2])
     a.add(ids[::2])
     b.add(ids[1::2])
-    merged = dynamic.CountMinSketch(1 << 10)
+    merged = CountMinSketch(1 << 10)
     merged.merged([a, b])
     est = merged.estimate(ids)
     assert (est[::2] >= 2).all() and (est[1::2] >= 1).all()
@@ -115,7 +118,7 @@ class _Table:
         self.now = 1000.0
 
     @property
-    def rows(self) -> dynamic.DynamicRows:
+    def rows(self) -> DynamicRows:
         assert self.var.dyn is not None
         return self.var.dyn
 
@@ -275,17 +278,17 @@ def test_an_unbounded_table_grows_in_a_worker_thread_before_the_push_changes_it(
     before the push changes anything, and the push then finds room. Ids that admission drops, and rows
     a due sweep frees, are not grown for."""
     threads: list[bool] = []
-    grown = dynamic.DynamicRows.grown
+    grown = DynamicRows.grown
 
-    def spy(self: dynamic.DynamicRows, *args: Any) -> Any:
+    def spy(self: DynamicRows, *args: Any) -> Any:
         threads.append(threading.current_thread() is threading.main_thread())
         return grown(self, *args)
 
     def never(*args: Any) -> None:
         raise AssertionError("the push grew the table itself, on the event loop")
 
-    monkeypatch.setattr(dynamic.DynamicRows, "grown", spy)
-    monkeypatch.setattr(dynamic.DynamicRows, "_grow", never)
+    monkeypatch.setattr(DynamicRows, "grown", spy)
+    monkeypatch.setattr(DynamicRows, "_grow", never)
     t = _Table(Store(inline_apply_bytes=0), dim=4, opt=Adagrad(0.1))  # offload every computation
     twin = _Table(dim=4, opt=Adagrad(0.1), capacity=1 << 16)  # room for every row from the start
     ids = np.arange(20_000, dtype=np.int64) * 7
@@ -319,9 +322,9 @@ def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
     t = _Table(Store(inline_apply_bytes=0), capacity=4096, dim=4, opt=Adagrad(0.1))
     twin = _Table(capacity=4096, dim=4, opt=Adagrad(0.1))  # its rebuilds run inline: the same rows
     threads: list[bool] = []
-    rebuilt = dynamic.HashIndex.rebuilt
+    rebuilt = HashIndex.rebuilt
 
-    def spy(self: dynamic.HashIndex, live_after: int) -> dynamic.HashIndex:
+    def spy(self: HashIndex, live_after: int) -> HashIndex:
         if self is t.rows.index:
             threads.append(threading.current_thread() is threading.main_thread())
         return rebuilt(self, live_after)
@@ -329,8 +332,8 @@ def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
     def never(*args: Any) -> None:
         raise AssertionError("a push rebuilt the id index in place, on the event loop")
 
-    monkeypatch.setattr(dynamic.HashIndex, "rebuilt", spy)
-    monkeypatch.setattr(dynamic.HashIndex, "_rebuild", never)
+    monkeypatch.setattr(HashIndex, "rebuilt", spy)
+    monkeypatch.setattr(HashIndex, "_rebuild", never)
     size = t.rows.index.keys.size
     rng = np.random.default_rng(4)
     for _ in range(80):
@@ -345,14 +348,12 @@ def test_a_full_tables_id_index_drops_its_tombstones_in_a_worker_thread(
 
 def _plan_nothing_ahead(monkeypatch: pytest.MonkeyPatch, twin: _Table) -> None:
     """``twin``'s pushes work everything out inside the push, on the event loop, as before plans."""
-    plan = dynamic.DynamicRows.plan
+    plan = DynamicRows.plan
 
-    def bare(
-        self: dynamic.DynamicRows, ids: np.ndarray, now: float, filled: np.ndarray | None = None
-    ) -> dynamic.PushPlan:
-        return dynamic.PushPlan(self.clock) if self is twin.rows else plan(self, ids, now, filled)
+    def bare(self: DynamicRows, ids: np.ndarray, now: float, filled: np.ndarray | None = None) -> PushPlan:
+        return PushPlan(self.clock) if self is twin.rows else plan(self, ids, now, filled)
 
-    monkeypatch.setattr(dynamic.DynamicRows, "plan", bare)
+    monkeypatch.setattr(DynamicRows, "plan", bare)
 
 
 @pytest.mark.parametrize("capacity", [0, 8192], ids=["unbounded", "capacity"])
@@ -366,14 +367,14 @@ def test_a_due_sweep_finds_the_expired_rows_before_the_push_in_a_worker_thread(
     t = _Table(Store(inline_apply_bytes=0), **kw)
     twin = _Table(**kw)
     threads: list[bool] = []
-    expired = dynamic.DynamicRows._expired
+    expired = DynamicRows._expired
 
-    def spy(self: dynamic.DynamicRows, clock: int, now: float, protect: np.ndarray) -> np.ndarray:
+    def spy(self: DynamicRows, clock: int, now: float, protect: np.ndarray) -> np.ndarray:
         if self is t.rows:
             threads.append(threading.current_thread() is threading.main_thread())
         return expired(self, clock, now, protect)
 
-    monkeypatch.setattr(dynamic.DynamicRows, "_expired", spy)
+    monkeypatch.setattr(DynamicRows, "_expired", spy)
     _plan_nothing_ahead(monkeypatch, twin)
     rng = np.random.default_rng(8)
     old = rng.integers(0, 1 << 40, 3000)
@@ -400,14 +401,14 @@ def test_a_full_table_picks_the_rows_it_evicts_in_a_worker_thread(
     t = _Table(Store(inline_apply_bytes=0), **kw)
     twin = _Table(**kw)  # picks its victims inside the push, as before
     threads: list[bool] = []
-    victims = dynamic.DynamicRows.victims
+    victims = DynamicRows.victims
 
-    def spy(self: dynamic.DynamicRows, candidates: np.ndarray, n: int) -> np.ndarray:
+    def spy(self: DynamicRows, candidates: np.ndarray, n: int) -> np.ndarray:
         if self is t.rows:
             threads.append(threading.current_thread() is threading.main_thread())
         return victims(self, candidates, n)
 
-    monkeypatch.setattr(dynamic.DynamicRows, "victims", spy)
+    monkeypatch.setattr(DynamicRows, "victims", spy)
     _plan_nothing_ahead(monkeypatch, twin)
     rng = np.random.default_rng(6)
     hot = np.arange(40)
@@ -534,14 +535,14 @@ def test_the_rows_a_restore_keeps_in_memory_are_chosen_in_chunks_as_one_selectio
 ) -> None:
     # A tiered restore picks the rows the policy keeps longest a chunk of positions at a time (the
     # bookkeeping may be a checkpoint's memory map, larger than memory): the same rows as one selection.
-    monkeypatch.setattr(dynamic, "_SELECT_CHUNK", 1 << 14)  # chunks of 16,384 positions (2**20 in use)
+    monkeypatch.setattr(select, "_SELECT_CHUNK", 1 << 14)  # chunks of 16,384 positions (2**20 in use)
     rng = np.random.default_rng(3)
     total, n = 36_000, 4_700  # three chunks
     ids = rng.permutation(total).astype(np.int64) * 3 - total
     last_step = rng.integers(0, 50, total)  # many ties, broken by the next key
     hits = rng.integers(0, 4, total)
     for keys in ([last_step, ids], [hits, last_step, ids]):
-        dropped = dynamic._smallest(np.arange(total), keys, total - n)
+        dropped = select.smallest(np.arange(total), keys, total - n)
         want = np.setdiff1d(np.arange(total), dropped)
-        np.testing.assert_array_equal(dynamic._largest(total, keys, n), want)
-    assert dynamic._largest(10, [ids[:10]], 20).size == 10  # fewer rows than the room: all of them
+        np.testing.assert_array_equal(select.largest(total, keys, n), want)
+    assert select.largest(10, [ids[:10]], 20).size == 10  # fewer rows than the room: all of them

@@ -19,9 +19,10 @@ from _support import small_disk as mounted_tmpfs
 from pscore.errors import InternalError, InvalidArgumentError, ResourceExhaustedError
 from pscore.optimizers import Adagrad, Adam, Optimizer
 from psproto.v1 import ps_pb2
-from psserver import ckptfile, dynamic, tables
+from psserver import ckptfile, tables
 from psserver import tier as tier_module
-from psserver.dynamic import DynamicRows
+from psserver.rows import DynamicRows, tiering
+from psserver.rows import export as export_module
 from psserver.store import Store, Variable
 from psserver.tier import CHUNK_ROWS, TierConfig, TierDirError, TierFullError, parse_bytes
 
@@ -361,7 +362,7 @@ def test_a_mass_expiry_leaves_the_disk_a_batch_a_push_and_reads_skip_it_at_once(
     per push, and meanwhile reads, scans, pushes and exports skip them: bit for bit the in-memory twin,
     which drops them at once. Once the batches are done, the counts agree too."""
     batch = 64
-    monkeypatch.setattr(dynamic, "_EXPIRE_BATCH", batch)
+    monkeypatch.setattr(tiering, "_EXPIRE_BATCH", batch)
     tiered = _Table(_tier(str(tmp_path), 256 << 10), **kw)
     plain = _Table(None, **kw)
     early = np.arange(3000, dtype=np.int64) * 13 - 9000  # pushed once, early: they expire together
@@ -522,7 +523,7 @@ def test_an_export_begun_at_an_instant_gives_that_instants_rows_in_files_while_p
     # reads the cold ones while pushes spill and fill again; its arrays live in files, not in the process.
     # With chunks of 7 rows, the merge interleaves many chunks of rows in memory and on disk.
     if chunk:
-        monkeypatch.setattr(dynamic, "CHUNK_ROWS", chunk)
+        monkeypatch.setattr(export_module, "CHUNK_ROWS", chunk)
         monkeypatch.setattr(tier_module, "CHUNK_ROWS", chunk)
     pushes = _stream(90, 120, 4000, seed=9)
     tiered = _Table(_tier(str(tmp_path), 64 << 10), opt=Adam(0.01))
