@@ -217,9 +217,11 @@ def test_the_tables_of_a_shard_share_one_budget(tmp_path: Path) -> None:
         stats = [table_stats(c, n) for n in names]
         assert all(s["rows"] == 200_000 and s["rows_on_disk"] > 150_000 for s in stats)
         assert sum(s["memory_bytes"] for s in stats) <= budget_mib << 20
-        # The budget, and the pushes' buffers that malloc keeps (pscore.memory.tune_malloc: 16-20 MiB
-        # here); not four budgets (141 MiB with a budget per table).
-        assert grown < 2 * budget_mib, f"the shard's own memory grew by {grown:.0f} MiB"
+        # The budget, and the pushes' and the tier's buffers that malloc keeps (pscore.memory.tune_malloc):
+        # 57 MiB in all on an idle machine at b134878, 60-63 MiB with the tier's records kept for the next
+        # push (2026-12-06), more when a loaded machine lets pushes overlap; not four budgets (141 MiB with
+        # a budget per table).
+        assert grown < budget_mib + 48, f"the shard's own memory grew by {grown:.0f} MiB"
 
 
 def test_the_rows_on_disk_are_one_count_in_the_metrics_list_variables_and_psctl(tmp_path: Path) -> None:
