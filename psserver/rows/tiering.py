@@ -25,9 +25,9 @@ class TierSteps:
     def attach_tier(
         self, tier: TierConfig, name: str, holder: Holder, budget: TierBudget, optimizer: Any
     ) -> None:
-        """Gives this (new, empty) piece its disk tier, an LMDB environment named after piece ``name``, and
-        its first claim on the shard's ``budget``: its sketch and ``MIN_HOT_ROWS`` rows (overdrawn if
-        the budget is spent: the pieces over an equal share give it back at the next update).
+        """Gives this (new, empty) piece its disk tier (the configured store: the log or LMDB) named after
+        piece ``name``, and its first claim on the shard's ``budget``: its sketch and ``MIN_HOT_ROWS`` rows
+        (overdrawn if the budget is spent: the pieces over an equal share give it back at the next update).
 
         Raises:
             ValueError: an equal share of the budget, this piece counted, is less than that (the message
