@@ -133,6 +133,16 @@ def _freeze(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+def _set_dense(var: Variable, new: np.ndarray) -> int:
+    """A dense update's end (no await: readers see the value and its version change together): ``new``,
+    frozen, in place of the value; the version and the step counted. Returns the new version."""
+    new.flags.writeable = False  # _freeze, inline
+    version = var.state[1] + 1
+    var.state = (new, version)
+    var.iterations += 1
+    return version
+
+
 async def _whole(update: Coroutine[Any, Any, _T]) -> _T:
     """Runs ``update`` in a task of its own and returns (or raises) what it does, however often the
     caller is cancelled meanwhile: each cancellation is taken back (``uncancel``), and the caller goes on
@@ -512,13 +522,11 @@ class Store:
         try:
             await gate.enter(key, claims)  # as ``_updates``, without its context managers
             try:
-                versions = self._apply_now(pairs, now)
-                if versions is not None:  # all of it now, no await: nothing can cut it
-                    pass
-                elif len(pairs) > 1 or (pairs and pairs[0][0].dyn is not None):
+                versions = self._apply_now(pairs, now)  # all of it now, no await: nothing can cut it
+                if versions is None and (len(pairs) > 1 or (pairs and pairs[0][0].dyn is not None)):
                     versions = await _whole(self._apply_each(pairs, now))
-                else:  # one change, at the end (``_write_rows``, ``var.state``): a cancel lands before it
-                    versions = await self._apply_each(pairs, now)
+                elif versions is None:  # one change, at the end (``_write_rows``, ``var.state``): a cancel
+                    versions = await self._apply_each(pairs, now)  # lands before it
                 self.pushes += 1
             finally:
                 self.changes += 1
@@ -568,13 +576,8 @@ class Store:
                     self._write_rows(var, value if value.flags.writeable else value.copy(), rows, new)
                 )
                 continue
-            value, version = var.state  # ``_update``'s dense branch, without its generator
-            step = var.iterations
-            new = var.optimizer.apply(value, grad, var.slots, step)
-            new.flags.writeable = False
-            var.state = (new, version + 1)
-            var.iterations = step + 1
-            versions.append(version + 1)
+            value = var.state[0]  # ``_update``'s dense branch, without its generator
+            versions.append(_set_dense(var, var.optimizer.apply(value, grad, var.slots, var.iterations)))
         return versions
 
     async def _apply_each(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
@@ -633,13 +636,9 @@ class Store:
         way. Returns the new version.
         """
         if not isinstance(grad, tables.RowGrad):
-            value, version = var.state
-            step = var.iterations
-            new = yield value.nbytes, functools.partial(var.optimizer.apply, value, grad, var.slots, step)
-            new.flags.writeable = False  # _freeze, inline
-            var.state = (new, version + 1)
-            var.iterations = step + 1
-            return version + 1
+            value = var.state[0]
+            work = functools.partial(var.optimizer.apply, value, grad, var.slots, var.iterations)
+            return _set_dense(var, (yield value.nbytes, work))
         reg = var.regularizer
         if var.dyn is not None:  # a dynamic table's push: its rows found, made or filled, then updated
             dyn_update = var.dyn.update(var, grad.ids, grad.values, now, var.optimizer, var.iterations, reg)
