@@ -16,6 +16,9 @@ count divided by ``--ops``. What the shard does on its own meanwhile (timers) is
 Operations (one shard; async mode unless said):
 
 * ``push 1KiB``: ``push`` of one variable of 256 float32 (SGD).
+* ``push 1KiB x64``: that push by 64 ``AsyncPSClient`` s at once on the client's event loop (psload's
+  simulated workers, the 64-caller case of ``bench_ps.py --concurrency 64``), counted per push: where
+  concurrent small requests share frames, the calls per push fall.
 * ``pull 1KiB``: ``pull`` of that variable.
 * ``push_pull 1KiB``: ``push_pull`` of it.
 * ``push_pull 1MiB``: ``push_pull`` of 4 variables of 256 KiB (SGD).
@@ -35,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
 import contextlib
 import datetime
@@ -212,6 +216,7 @@ def _operations(async_addr: str, sync_addr: str) -> Iterator[tuple[str, Callable
         client.push({"emb": psclient.Rows(ids, row_grads)})
 
     yield "push 1KiB", lambda: client.push({"v1k": small}), None
+    yield "push 1KiB x64", _concurrent_pushes(client, async_addr, small), None
     yield "pull 1KiB", lambda: client.pull(["v1k"]), None
     yield "push_pull 1KiB", lambda: client.push_pull({"v1k": small}), None
     yield "push_pull 1MiB", lambda: client.push_pull(big), None
@@ -228,7 +233,49 @@ def _operations(async_addr: str, sync_addr: str) -> Iterator[tuple[str, Callable
     yield "sync step", sync_step, worker
 
 
-OPS = ("push 1KiB", "pull 1KiB", "push_pull 1KiB", "push_pull 1MiB", "embedding step", "sync step")
+def _concurrent_pushes(client: Any, address: str, grad: np.ndarray) -> Callable[[], Any]:
+    """``push 1KiB x64``: one operation is a round of ``CONCURRENT`` pushes of ``v1k`` at once, one by each of
+    as many ``AsyncPSClient`` s on the client's event loop (psload's simulated workers; counted per push).
+    The clients are made on first use and closed with ``client``."""
+    import psclient
+
+    clients: list[Any] = []
+
+    async def start() -> None:
+        for i in range(CONCURRENT):
+            c = psclient.AsyncPSClient([address], worker_id=f"calls-c{i}")
+            await c.list_variables(["v1k"])
+            clients.append(c)
+
+    async def close() -> None:
+        for c in clients:
+            await c.close()
+
+    async def round_() -> None:
+        await asyncio.gather(*(c.push({"v1k": grad}) for c in clients))
+
+    def op() -> None:
+        if not clients:
+            client._loop.run(start())
+            _CLOSERS.append(lambda: client._loop.run(close()))
+        client._loop.run(round_())
+
+    return op
+
+
+CONCURRENT = 64  # callers of ``push 1KiB x64``
+_PER_OP = {"push 1KiB x64": CONCURRENT}  # pushes in one of its operations
+_CLOSERS: list[Callable[[], Any]] = []  # run before the client they use closes
+
+OPS = (
+    "push 1KiB",
+    "push 1KiB x64",
+    "pull 1KiB",
+    "push_pull 1KiB",
+    "push_pull 1MiB",
+    "embedding step",
+    "sync step",
+)
 
 
 def measure(ops: int, only: list[str] | None = None, top: int = 0, warmup: int = 20) -> list[dict[str, Any]]:
@@ -244,6 +291,8 @@ def measure(ops: int, only: list[str] | None = None, top: int = 0, warmup: int =
                     shard = shards[1] if name == "sync step" else shards[0]
                     rows.append(_count(name, op, shard, ops, top, warmup))
                 if done is not None:
+                    while _CLOSERS:
+                        _CLOSERS.pop()()
                     done.close()
         finally:
             for shard in shards:
@@ -261,6 +310,7 @@ def _count(name: str, op: Callable[[], Any], shard: Shard, ops: int, top: int, w
         op()
     client_calls, client_top = _end()
     shard_calls, shard_top = shard.off()
+    ops *= _PER_OP.get(name, 1)
     row = {
         "op": name,
         "client": round(client_calls / ops),

@@ -5,6 +5,14 @@ costs a ``DataPort`` call (over the shard's authenticated gRPC channel: port and
 one-time nonce), a TCP connection to that port on the shard's host (TLS with
 the client's TLS settings) and the nonce handshake.
 
+The clients on one event loop with the same credentials (psload's simulated
+workers, the threads of one ``PSClient``, a Keras worker's tables) share their
+``DataLink`` s (``shared_link``), and their small requests share frames: a small
+request goes alone while fewer than ``SMALL_IN_FLIGHT`` small frames are in
+flight; those that come meanwhile leave together in one BATCH frame
+(``pscore.bulk``) when the loop's turn ends, and the shard answers each (its
+own result or its own error).
+
 A failed request raises a ``RequestError`` with the status the gRPC call would
 have had, so the client's retries (UNAVAILABLE: pushes are idempotent), fail
 over and error types apply unchanged. ``Unusable`` means "use gRPC for this
@@ -32,7 +40,7 @@ from typing import Final
 
 import grpc
 
-from pscore import bulk, transport
+from pscore import bulk, codec, transport
 from pscore.errors import ERROR_REASON_KEY, PSError, error_reason, status_from_number
 from pscore.transport import Buffer, Into
 from psproto.v1 import ps_pb2
@@ -60,6 +68,14 @@ UNSENT_S: Final[float] = 0.002
 # 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
 STAGGER_MIN_BYTES: Final[int] = 64 << 10
 STAGGER_WAIT_S: Final[float] = 2.0  # an upload that waited this long for its turn goes out beside the others
+# Small requests (a request of at most BATCH_MAX_BYTES that expects an answer of at most as much) leave
+# alone while fewer than SMALL_IN_FLIGHT of their frames are in flight on a link; the ones that arrive
+# meanwhile wait, and leave together in one BATCH frame once the event loop's turn in which they came is
+# over (no timer: a lone request never waits; and never for an answer: requests waiting for each other at
+# a sync barrier would wait for ever).
+BATCH_MAX_BYTES: Final[int] = 64 << 10
+SMALL_IN_FLIGHT: Final[int] = 2
+BATCH_MAX_REQUESTS: Final[int] = 256  # requests in one BATCH frame (the rest leave in the next)
 
 
 class Uplink:
@@ -220,8 +236,39 @@ class RequestError(grpc.RpcError):
         return ((ERROR_REASON_KEY, self._reason),) if self._reason else ()
 
 
+class _Waiting:
+    """A small request waiting to leave in a batch (``DataLink.request``), and its answer's future."""
+
+    __slots__ = ("deadline", "frame", "future", "into", "payload")
+
+    def __init__(
+        self,
+        frame: bulk.Frame,
+        payload: Sequence[Buffer],
+        into: Into[bulk.Frame] | None,
+        deadline: float,
+        future: asyncio.Future[bulk.Frame],
+    ) -> None:
+        self.frame = frame
+        self.payload = payload
+        self.into = into
+        self.deadline = deadline
+        self.future = future
+
+
+def _give_up(future: asyncio.Future[bulk.Frame], timeout: float) -> None:
+    """A waiting request's deadline passed (its timer): it fails, whether its batch left or not."""
+    if not future.done():
+        future.set_exception(
+            RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data port within {timeout:.3g} s"
+            )
+        )
+
+
 class DataLink:
-    """The data connections to one shard replica.
+    """The data connections to one shard replica, shared by the clients on one event loop with the same
+    credentials (``shared_link``): their small requests meet here and share frames (``request``).
 
     Args:
         address: the replica's ``HOST:PORT`` (gRPC); the data port is on the same host.
@@ -238,13 +285,19 @@ class DataLink:
     ) -> None:
         self.address = address
         self._host = address.rpartition(":")[0]
-        self._data_port = data_port
+        self._data_port = data_port  # the DataPort call that opens connections (the last client's to share)
         self._tls = tls
         self._idle: list[bulk.BulkConnection] = []
         self._turns: Turns | None = None  # the uplink's turns on this link's event loop (its first upload's)
         self.off_until = 0.0  # time.monotonic() before which the data port is not tried (``usable``)
         self._said = False
         self._closed = False
+        self._ports = [data_port]  # the DataPort calls of the clients sharing the link
+        self._forget: Callable[[], None] | None = None  # takes the link out of ``shared_link`` 's registry
+        self._small = 0  # small requests' frames in flight (alone or batched)
+        self._waiting: collections.deque[_Waiting] = collections.deque()  # small requests to batch
+        self._batches: set[asyncio.Task[None]] = set()
+        self.batches = 0  # BATCH frames sent (for tests and benchmarks)
 
     @property
     def usable(self) -> bool:
@@ -313,11 +366,17 @@ class DataLink:
         into: Into[bulk.Frame] | None,
         timeout: float,
         uplink: Uplink | None = None,
+        *,
+        small: bool = False,
     ) -> bulk.Frame:
         """Sends one request and receives its answer (its tensors through ``into``; None: an answer with no
         tensors to keep).
 
-        With ``uplink``, the request's bytes go out in their turn (``Uplink.turn``).
+        With ``uplink``, the request's bytes go out in their turn (``Uplink.turn``). A ``small`` request
+        (at most ``BATCH_MAX_BYTES`` each way) may share a frame: it goes alone while fewer than
+        ``SMALL_IN_FLIGHT`` small frames are in flight on the link and none waits; else it waits and
+        leaves with the others that came in the same turn of the event loop, in one BATCH frame
+        (``_send_waiting``).
 
         Raises:
             Unusable: use gRPC for this request.
@@ -331,70 +390,280 @@ class DataLink:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        if small:
+            if self._small >= SMALL_IN_FLIGHT or self._waiting:
+                return await self._wait_for_batch(frame, payload, into, timeout)
+            self._small += 1
+        try:
+            while True:
+                reused = bool(self._idle)
+                left = max(deadline - time.monotonic(), 0.001)
+                conn = self._idle.pop() if reused else await self._connect(left)
+                # asyncio.timeout's work without its context manager and state machine (six Python calls a
+                # request): a timer cancels the task at the deadline; a cancel it made ends as a timeout.
+                cancelling = task.cancelling()
+                expired: list[bool] = []
+                timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
+                try:
+                    if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
+                        conn.limit_unsent(unsent_limit(conn.delivery_rate()))
+                    if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
+                        await conn.send(frame, payload)
+                    else:  # ``uplink.turn``, without its context manager; a free turn without a call
+                        turns = self._turns
+                        if turns is None:
+                            turns = self._turns = uplink.turns()
+                        if not turns.busy and not turns.waiting:
+                            turns.busy = got = True
+                        else:
+                            got = await turns.take(nbytes)
+                        try:
+                            await conn.send(frame, payload)
+                        finally:
+                            if got:
+                                turns.release()
+                    reply, _ = await conn.recv(into)
+                except BaseException as exc:
+                    timer.cancel()
+                    timed_out = isinstance(exc, TimeoutError)
+                    if expired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
+                        timed_out = True  # the timer's cancel, not the caller's
+                    if timed_out:
+                        conn.reset()
+                        raise RequestError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer from the data port within {timeout:.3g} s",
+                        ) from None
+                    if isinstance(exc, bulk.Closed):
+                        if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
+                            continue
+                        raise RequestError(
+                            grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
+                        ) from None
+                    conn.reset()
+                    if isinstance(exc, PSError):
+                        raise RequestError(exc.code, exc.details) from None
+                    raise
+                timer.cancel()
+                if expired:  # it fired as the answer came: its cancel is taken back, as asyncio.timeout does
+                    task.uncancel()
+                if len(self._idle) < MAX_IDLE and not self._closed:
+                    self._idle.append(conn)
+                else:
+                    conn.reset()
+                if reply.kind == bulk.ERROR:
+                    code = status_from_number(reply.head.code)
+                    raise RequestError(code, reply.head.message, reply.head.reason)
+                return reply
+        finally:
+            if small:
+                self._small -= 1
+
+    async def _wait_for_batch(
+        self, frame: bulk.Frame, payload: Sequence[Buffer], into: Into[bulk.Frame] | None, timeout: float
+    ) -> bulk.Frame:
+        """``request`` of a small request that waits to leave in a batch; its answer, or its error."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bulk.Frame] = loop.create_future()
+        if not self._waiting:  # the first to wait: the batch leaves once this turn of the loop is over
+            loop.call_soon(self._send_waiting)
+        self._waiting.append(_Waiting(frame, payload, into, time.monotonic() + timeout, future))
+        timer = loop.call_later(timeout, _give_up, future, timeout)
+        try:
+            reply = await future  # cancelled: its batch, if it left, goes on for the others
+        finally:
+            timer.cancel()
+        if reply.kind == bulk.ERROR:
+            raise RequestError(status_from_number(reply.head.code), reply.head.message, reply.head.reason)
+        return reply
+
+    def _send_waiting(self) -> None:
+        """Sends the waiting requests (those given up skipped) in BATCH frames of up to
+        ``BATCH_MAX_REQUESTS``, each by a task of its own (their callers' cancellations do not touch the
+        others)."""
+        waiting = self._waiting
+        while waiting:
+            batch: list[_Waiting] = []
+            while waiting and len(batch) < BATCH_MAX_REQUESTS:
+                w = waiting.popleft()
+                if not w.future.done():
+                    batch.append(w)
+            if batch:
+                self._small += 1
+                task = asyncio.get_running_loop().create_task(self._batch(batch))
+                self._batches.add(task)
+                task.add_done_callback(self._batches.discard)
+
+    async def _batch(self, batch: list[_Waiting]) -> None:
+        """One BATCH frame's exchange: every request of ``batch`` gets its answer, or an error."""
+        try:
+            await self._exchange_batch(batch)
+        except BaseException as exc:  # the frame failed: each request not yet answered fails with it
+            if isinstance(exc, Unusable):
+                failure: BaseException = exc  # each goes over gRPC (its caller's ShardLink)
+            elif isinstance(exc, grpc.RpcError):
+                failure = exc
+            elif isinstance(exc, PSError):
+                failure = RequestError(exc.code, exc.details)
+            elif isinstance(exc, asyncio.CancelledError):
+                failure = RequestError(grpc.StatusCode.CANCELLED, "the client closed the data connection")
+            else:
+                failure = RequestError(grpc.StatusCode.INTERNAL, f"a data port batch failed: {exc!r}")
+                log.exception("shard %s: a data port batch failed", self.address)
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(failure)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._small -= 1
+
+    async def _exchange_batch(self, batch: list[_Waiting]) -> None:
+        """``_batch`` 's frame out on a connection and its answers in, each to its request.
+
+        Raises:
+            Unusable, RequestError, grpc.RpcError: no connection to send it on.
+        """
+        payload = bulk.entries((i, w.frame, w.payload) for i, w in enumerate(batch))
+        frame = bulk.Frame(bulk.BATCH, ps_pb2.DataPortBatch(count=len(batch)))
+        deadline = max(w.deadline for w in batch)
+        self.batches += 1
         while True:
             reused = bool(self._idle)
-            left = max(deadline - time.monotonic(), 0.001)
-            conn = self._idle.pop() if reused else await self._connect(left)
-            # asyncio.timeout's work without its context manager and state machine (six Python calls a
-            # request): a timer cancels the task at the deadline; a cancel it made ends as a timeout.
-            cancelling = task.cancelling()
-            expired: list[bool] = []
-            timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
+            conn = (
+                self._idle.pop() if reused else await self._connect(max(deadline - time.monotonic(), 0.001))
+            )
+            answered = 0
             try:
-                if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
-                    conn.limit_unsent(unsent_limit(conn.delivery_rate()))
-                if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
+                async with asyncio.timeout_at(
+                    asyncio.get_running_loop().time() + deadline - time.monotonic()
+                ):
                     await conn.send(frame, payload)
-                else:  # ``uplink.turn``, without its context manager; a free turn without a call
-                    turns = self._turns
-                    if turns is None:
-                        turns = self._turns = uplink.turns()
-                    if not turns.busy and not turns.waiting:
-                        turns.busy = got = True
-                    else:
-                        got = await turns.take(nbytes)
-                    try:
-                        await conn.send(frame, payload)
-                    finally:
-                        if got:
-                            turns.release()
-                reply, _ = await conn.recv(into)
-            except BaseException as exc:
-                timer.cancel()
-                timed_out = isinstance(exc, TimeoutError)
-                if expired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
-                    timed_out = True  # the timer's cancel, not the caller's
-                if timed_out:
-                    conn.reset()
-                    raise RequestError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no answer from the data port within {timeout:.3g} s",
-                    ) from None
-                if isinstance(exc, bulk.Closed):
-                    if reused:  # an idle connection the shard closed meanwhile (a restart): a fresh one
-                        continue
-                    raise RequestError(
-                        grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
-                    ) from None
+                    while answered < len(batch):
+                        reply, view = await conn.recv(None)
+                        if reply.kind != bulk.BATCHED:
+                            raise RequestError(
+                                grpc.StatusCode.INTERNAL,
+                                f"a batch was answered by a frame of kind {reply.kind}",
+                            )
+                        for index, item, data in bulk.read_entries(view, reply.head.count, bulk.ANSWERS):
+                            answered += 1
+                            self._deliver(batch, index, item, data)
+            except bulk.Closed:
+                if reused and not answered:  # an idle connection the shard closed meanwhile: a fresh one
+                    continue
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the shard closed the data connection"
+                ) from None
+            except TimeoutError:
                 conn.reset()
-                if isinstance(exc, PSError):
-                    raise RequestError(exc.code, exc.details) from None
+                raise RequestError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "no answer from the data port by the batch's deadline"
+                ) from None
+            except codec.CodecError as err:
+                conn.reset()
+                raise RequestError(grpc.StatusCode.INTERNAL, f"a malformed batch answer: {err}") from None
+            except BaseException:
+                conn.reset()
                 raise
-            timer.cancel()
-            if expired:  # it fired as the answer came: its cancel is taken back, as asyncio.timeout does
-                task.uncancel()
             if len(self._idle) < MAX_IDLE and not self._closed:
                 self._idle.append(conn)
             else:
                 conn.reset()
-            if reply.kind == bulk.ERROR:
-                code = status_from_number(reply.head.code)
-                raise RequestError(code, reply.head.message, reply.head.reason)
-            return reply
+            return
+
+    @staticmethod
+    def _deliver(
+        batch: list[_Waiting], index: int, item: bulk.Frame | codec.CodecError, data: memoryview
+    ) -> None:
+        """One answer of a batch to its request's future: its tensors through its ``into`` (copied out of
+        the frame's buffer, which the next frame reuses)."""
+        if not 0 <= index < len(batch):
+            raise codec.CodecError(f"an answer to request {index} of a batch of {len(batch)}")
+        w = batch[index]
+        if w.future.done():  # given up (or answered twice: ignored)
+            return
+        if isinstance(item, codec.CodecError):
+            w.future.set_exception(RequestError(grpc.StatusCode.INTERNAL, f"a malformed answer: {item}"))
+            return
+        try:
+            if w.into is not None:
+                targets = w.into(item, len(data))
+                if targets is not None:
+                    at = 0
+                    for target in targets:
+                        n = len(target)
+                        target[:] = data[at : at + n]
+                        at += n
+                    if at != len(data):
+                        raise codec.CodecError(
+                            f"an answer of {len(data)} payload bytes; its head describes others"
+                        )
+        except BaseException as err:  # what ``into`` raised is this request's error only
+            w.future.set_exception(
+                RequestError(grpc.StatusCode.INTERNAL, str(err)) if isinstance(err, codec.CodecError) else err
+            )
+            return
+        w.future.set_result(item)
+
+    def share(self, data_port: Callable[[float], Awaitable[ps_pb2.ShardDataPortResponse]]) -> None:
+        """Another client uses this link (``shared_link``); its ``DataPort`` call opens connections next."""
+        self._ports.append(data_port)
+        self._data_port = data_port
+
+    def release(self, data_port: Callable[[float], Awaitable[ps_pb2.ShardDataPortResponse]]) -> None:
+        """A client that shared this link is done with it; the last one closes it."""
+        with contextlib.suppress(ValueError):
+            self._ports.remove(data_port)
+        if not self._ports:
+            self.close()
+        elif self._data_port is data_port:  # a client that is closing opens no more connections
+            self._data_port = self._ports[-1]
 
     def close(self) -> None:
         """Closes the idle connections, and the busy ones once their request ends (idempotent)."""
         self._closed = True
+        if self._forget is not None:
+            self._forget()
+            self._forget = None
         for conn in self._idle:
             conn.reset()
         self._idle.clear()
+
+
+# The data links of the clients on each event loop, by (replica address, credentials): ``shared_link``.
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, object], DataLink]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def shared_link(
+    address: str,
+    credentials: object,
+    data_port: Callable[[float], Awaitable[ps_pb2.ShardDataPortResponse]],
+    tls: ssl.SSLContext | None,
+) -> DataLink:
+    """The data link to ``address`` of the clients on the running event loop that have the same
+    ``credentials`` (a hashable key: the auth token and TLS files): made by the first, shared by the
+    others (``DataLink.share``; each ``release`` s it), so that their small requests meet in its batches.
+    Outside a running loop, a link of its own."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return DataLink(address, data_port, tls)
+    links = _SHARED.get(loop)
+    if links is None:
+        links = _SHARED[loop] = {}
+    key = (address, credentials)
+    link = links.get(key)
+    if link is not None and not link._closed:
+        link.share(data_port)
+        return link
+    link = links[key] = DataLink(address, data_port, tls)
+
+    def forget() -> None:
+        if links.get(key) is link:
+            del links[key]
+
+    link._forget = forget
+    return link

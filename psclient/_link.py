@@ -172,7 +172,8 @@ class ShardLink:
         self._uplink = uplink
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[rpc.Stub] = []
-        self._data: dict[int, _bulk.DataLink] = {}  # replica -> its data port
+        self._data: dict[int, _bulk.DataLink] = {}  # replica -> its data port (shared: ``_bulk.shared_link``)
+        self._data_ports: dict[int, Callable[[float], Any]] = {}  # replica -> this client's DataPort call
         self._session: _session.PushSession | None = None  # small pushes over gRPC, to the replica in use
         self._closing: set[asyncio.Future[None]] = set()  # sessions of replicas failed over from
         self._watches: dict[int, _reach.Watch] = {}  # replica -> its reachability
@@ -402,9 +403,14 @@ class ShardLink:
                 _DATA_PORT_REQUEST, timeout=timeout, metadata=self.metadata(), wait_for_ready=wait
             )
 
-        link = self._data[replica] = _bulk.DataLink(
-            self.replicas[replica], data_port, self._credentials.data()
+        cfg = self._config
+        link = self._data[replica] = _bulk.shared_link(
+            self.replicas[replica],
+            (cfg.auth_token, cfg.tls_ca, cfg.tls_cert, cfg.tls_key),
+            data_port,
+            self._credentials.data(),
         )
+        self._data_ports[replica] = data_port
         return link
 
     @property
@@ -469,7 +475,7 @@ class ShardLink:
             wire = self.wire(op, size)
         while True:
             if wire is Wire.DATA_PORT:  # the common case: one frame each way
-                attempt = functools.partial(self._over_data_port, op, header, tensors, into)
+                attempt = functools.partial(self._over_data_port, op, header, tensors, into, size)
             else:
                 attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
             try:
@@ -513,10 +519,11 @@ class ShardLink:
         return answer
 
     async def _over_data_port(
-        self, op: Op, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink
+        self, op: Op, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink, size: int
     ) -> Answer:
         """One attempt of ``request`` over the data port: the tensors straight from their arrays to the
-        socket, and the answer's straight into ``sink``'s buffers.
+        socket, and the answer's straight into ``sink``'s buffers (``size``: the request's, as ``request``
+        measured it; a small one may share a frame with others, ``_bulk.DataLink.request``).
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
@@ -548,13 +555,14 @@ class ShardLink:
         into = functools.partial(_receive, sink.place, spare)
         if op is Op.PUSH and not (header.return_values or header.lookup_ids):
             into = None  # a plain push: its answer carries no tensors (none to place, none kept)
-        reply = await link.request(
-            bulk.Frame(kind, head),
-            payload,
-            into,
-            timeout,
-            uplink=self._uplink if op is Op.PUSH else None,
-        )
+        # Small requests may share a frame (a push_pull's values are as big as its gradients; a lookup's
+        # rows and a push's looked-up rows are not known in advance: those go alone).
+        if size <= _bulk.BATCH_MAX_BYTES and (op is Op.PULL or (op is Op.PUSH and not header.lookup_ids)):
+            reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=True)
+        else:
+            reply = await link.request(
+                bulk.Frame(kind, head), payload, into, timeout, uplink=self._uplink if op is Op.PUSH else None
+            )
         for chunk in spare:
             sink.add(chunk)
         head = reply.head
@@ -573,8 +581,8 @@ class ShardLink:
         if session is not None:
             await session.close()
         links, self._data = self._data, {}
-        for link in links.values():
-            link.close()
+        for replica, link in links.items():
+            link.release(self._data_ports.pop(replica))
         channels, self._channels, self._stubs = self._channels, [], []
         await asyncio.gather(*(ch.close() for ch in channels), *self._closing, return_exceptions=True)
 

@@ -9,7 +9,8 @@ the port and a one-time nonce (``pscore.transport``).
 A frame (the full description is in ``ps.proto``, above ``ShardDataPortRequest``)
 is a 16-byte prefix (kind, head length, payload length), a head (a ``ps.proto``
 message) and a payload: the raw bytes of the head's ``TensorChunk`` s, each a
-whole tensor whose ``data`` is left empty, in order.
+whole tensor whose ``data`` is left empty, in order. A BATCH frame carries
+several requests as ``entries``, a BATCHED frame answers to some of them.
 
 >>> import numpy as np
 >>> head = ps_pb2.PushRequest(worker_id="w0", grads=[describe("w", np.zeros((2, 3), np.float32))])
@@ -41,6 +42,8 @@ PULLED: Final[int] = 4
 ERROR: Final[int] = 5
 LOOKUP: Final[int] = 6
 LOOKED_UP: Final[int] = 7
+BATCH: Final[int] = 8  # requests that travel together (``entries``)
+BATCHED: Final[int] = 9  # answers to some of a BATCH's requests
 HEADS: Final[dict[int, type]] = {
     PUSH: ps_pb2.PushRequest,
     PULL: ps_pb2.PullRequest,
@@ -49,6 +52,8 @@ HEADS: Final[dict[int, type]] = {
     ERROR: ps_pb2.DataPortError,
     LOOKUP: ps_pb2.LookupRequest,
     LOOKED_UP: ps_pb2.LookupResponse,
+    BATCH: ps_pb2.DataPortBatch,
+    BATCHED: ps_pb2.DataPortBatch,
 }
 REQUESTS: Final[dict[int, str]] = {PUSH: "Push", PULL: "Pull", LOOKUP: "Lookup"}  # kind -> the RPC it is
 TENSOR_FIELDS: Final[dict[int, str]] = {
@@ -62,6 +67,8 @@ _PREFIX: Final = struct.Struct("<BxxxIQ")  # kind, head bytes, payload bytes
 PREFIX_BYTES: Final[int] = _PREFIX.size
 MAX_HEAD_BYTES: Final[int] = 64 << 20  # a head holds names, shapes and versions only
 _SMALL_FRAME: Final[int] = 64 << 10  # a frame up to this is sent in one write
+_ENTRY: Final = struct.Struct("<IBxxxIQ")  # a BATCH(ED) entry: index, kind, head bytes, payload bytes
+ANSWERS: Final[frozenset[int]] = frozenset({PUSHED, PULLED, ERROR, LOOKED_UP})  # the kinds of a BATCHED entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +82,65 @@ class Frame:
         """The head's tensors (described, their bytes are the payload); none for a kind without."""
         field = TENSOR_FIELDS.get(self.kind)
         return getattr(self.head, field) if field is not None else ()
+
+
+def entries(items: Iterable[tuple[int, Frame, Sequence[Buffer]]]) -> list[Buffer]:
+    """The payload of a BATCH or BATCHED frame: each ``(index, frame, its payload)`` as an entry
+    (``ps.proto``, above ``ShardDataPortRequest``), not copied.
+
+    >>> entry = entries([(3, Frame(PULL, ps_pb2.PullRequest(names=["w"])), ())])
+    >>> [(i, f.kind, list(f.head.names), bytes(p)) for i, f, p in read_entries(b"".join(entry), 1, REQUESTS)]
+    [(3, 2, ['w'], b'')]
+    """
+    out: list[Buffer] = []
+    pack = _ENTRY.pack
+    for index, frame, payload in items:
+        head = frame.head.SerializeToString()
+        size = 0
+        for part in payload:
+            size += len(part)
+        out.append(pack(index, frame.kind, len(head), size))
+        out.append(head)
+        out += payload
+    return out
+
+
+def read_entries(
+    payload: Buffer, count: int, kinds: Iterable[int]
+) -> list[tuple[int, Frame | codec.CodecError, memoryview]]:
+    """The ``count`` entries of a BATCH or BATCHED frame's payload: ``(index, frame, its payload)`` each (a
+    view of ``payload``), in order; an entry whose kind is not one of ``kinds`` or whose head does not
+    parse is a ``CodecError`` in place of its frame (its neighbours are read on).
+
+    Raises:
+        CodecError: the entries do not fill the payload exactly (the frame is not one).
+    """
+    view = memoryview(payload)
+    end = len(view)
+    out: list[tuple[int, Frame | codec.CodecError, memoryview]] = []
+    unpack = _ENTRY.unpack_from
+    at = 0
+    for _ in range(count):
+        if at + _ENTRY.size > end:
+            raise codec.CodecError(f"a batch of {count} entries ends after {len(out)}")
+        index, kind, head_len, size = unpack(view, at)
+        start = at + _ENTRY.size
+        at = start + head_len + size
+        if at > end:
+            raise codec.CodecError(f"a batch's entry {index} runs past the frame's payload")
+        message = HEADS.get(kind) if kind in kinds else None
+        item: Frame | codec.CodecError
+        if message is None:
+            item = codec.CodecError(f"a batch's entry cannot be a frame of kind {kind}")
+        else:
+            try:
+                item = Frame(kind, message.FromString(bytes(view[start : start + head_len])))
+            except Exception as err:  # protobuf's DecodeError
+                item = codec.CodecError(f"malformed {message.__name__} head: {err}")
+        out.append((index, item, view[start + head_len : at]))
+    if at != end:
+        raise codec.CodecError(f"{end - at} bytes after a batch's {count} entries")
+    return out
 
 
 class _Refused(Exception):

@@ -19,6 +19,12 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
 - A lookup is ``ShardService.lookup_rows``, as ``Lookup``; its ids travel in
   the head, the rows are sent straight from the copy it read.
 - Metrics count these requests as ``Push``, ``Pull`` and ``Lookup`` RPCs.
+- A BATCH frame carries several small requests of one client process (its
+  concurrent callers met, ``psclient._bulk``): each is served as if it had
+  come alone, all at once (a task each: a push waiting at a sync barrier holds
+  back none of the others), and answered once, in BATCHED frames: those
+  served at once together, the others as they end. A bad entry gets its own
+  ERROR answer; the others are served as usual.
 
 Shutdown (``stop``): the port stops accepting; connections waiting for a
 request are closed, and a request in progress is answered (up to the grace
@@ -183,7 +189,17 @@ class DataPortServer:
                     self._idle.discard(task)
                 self._busy.add(task)
                 try:
-                    await self._answer(link, frame, *received)
+                    if frame.kind == bulk.BATCH:
+                        await self._answer_batch(link, frame, *received)
+                        continue
+                    reply, payload = await self._reply(frame, *received)
+                    try:
+                        await link.send(reply, payload)
+                    except PSError as err:  # the client went away; its retry (a push: idempotent) is answered
+                        log.info("shard %d: data port answer not delivered: %s", self._shard, err.details)
+                        continue
+                    if self._metrics is not None and payload and frame.kind != bulk.LOOKUP:
+                        self._metrics.pull_bytes.inc(sum(map(len, payload)))
                 finally:
                     self._busy.discard(task)
                     if self._quiet is not None and not self._busy:  # stopping: the last one ended
@@ -199,22 +215,103 @@ class DataPortServer:
     def _receive_into(self, frame: bulk.Frame, nbytes: int, received: list[Any]) -> list[memoryview]:
         """Where a request's payload goes: a push's gradients into a pooled buffer (appended to ``received``
         with the tensors' sizes). Raises: CodecError."""
-        if frame.kind not in bulk.REQUESTS:
-            raise codec.CodecError(f"a request cannot be a frame of kind {frame.kind}")
-        sizes = bulk.tensor_sizes(frame.head.grads) if frame.kind == bulk.PUSH else []  # frame.tensors()
-        if sum(sizes) != nbytes:
+        kind = frame.kind
+        if kind not in bulk.REQUESTS and kind != bulk.BATCH:
+            raise codec.CodecError(f"a request cannot be a frame of kind {kind}")
+        sizes = bulk.tensor_sizes(frame.head.grads) if kind == bulk.PUSH else []  # frame.tensors()
+        if kind == bulk.BATCH:  # its entries are read and checked one by one (``_answer_batch``)
+            sizes = [nbytes]
+        elif sum(sizes) != nbytes:
             raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
         buf = self.pool.take(nbytes) if nbytes else None
         received += (buf, sizes)
         return [memoryview(buf)[:nbytes]] if buf is not None else []
 
-    async def _answer(
-        self,
-        link: bulk.BulkConnection,
-        frame: bulk.Frame,
-        buf: np.ndarray | None = None,
-        sizes: list[int] | tuple[()] = (),
+    async def _answer_batch(
+        self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None, sizes: list[int]
     ) -> None:
+        """Serves a BATCH frame's requests, each as if it had come alone and at the same time (a task each:
+        one waiting on a barrier holds back none of the others), and answers each once: those served at
+        once in one BATCHED frame, the others in BATCHED frames as they end. A bad entry is answered by
+        its own ERROR; entries that do not fill the frame (``sizes``: its payload's bytes) drop the
+        connection."""
+        view = memoryview(buf if buf is not None else b"")[: sizes[0]]  # the pooled buffer may be longer
+        try:
+            items = bulk.read_entries(view, frame.head.count, bulk.REQUESTS)
+        except codec.CodecError as err:  # not a frame: the stream is out of step
+            log.warning("shard %d: data port connection dropped: bad batch frame: %s", self._shard, err)
+            link.reset()
+            return
+        loop = asyncio.get_running_loop()
+        done: list[tuple[int, bulk.Frame, list[memoryview]]] = []
+        wake: list[asyncio.Future[None]] = []
+        tasks = []
+        for index, item, payload in items:
+            if isinstance(item, codec.CodecError):
+                done.append((index, self._refusal(item), []))
+                continue
+            tasks.append(loop.create_task(self._entry(index, item, payload, done, wake)))
+        try:
+            answered = 0
+            while True:
+                if len(done) == answered and answered < len(items):  # none ended since the last answer
+                    woken = loop.create_future()
+                    wake.append(woken)
+                    await woken
+                ready, answered = done[answered:], len(done)
+                await link.send(
+                    bulk.Frame(bulk.BATCHED, ps_pb2.DataPortBatch(count=len(ready))), bulk.entries(ready)
+                )
+                if self._metrics is not None:
+                    sent = sum(len(p) for i, f, payload in ready if f.kind != bulk.LOOKED_UP for p in payload)
+                    if sent:
+                        self._metrics.pull_bytes.inc(sent)
+                if answered == len(items):
+                    return
+        except PSError as err:  # the client went away; its retries get new answers
+            log.info("shard %d: data port answers not delivered: %s", self._shard, err.details)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _entry(
+        self,
+        index: int,
+        frame: bulk.Frame,
+        payload: memoryview,
+        done: list[tuple[int, bulk.Frame, list[memoryview]]],
+        wake: list[asyncio.Future[None]],
+    ) -> None:
+        """One request of a batch: its answer to ``done``, and ``_answer_batch`` woken."""
+        try:
+            sizes = bulk.tensor_sizes(frame.head.grads) if frame.kind == bulk.PUSH else []
+            if sum(sizes) != len(payload):
+                raise codec.CodecError(
+                    f"the head describes other tensors than the {len(payload)} payload bytes"
+                )
+        except codec.CodecError as err:
+            reply, values = self._refusal(err), []
+        else:
+            reply, values = await self._reply(
+                frame, np.frombuffer(payload, np.uint8) if sizes else None, sizes
+            )
+        done.append((index, reply, values))
+        if wake:
+            woken = wake.pop()
+            if not woken.done():
+                woken.set_result(None)
+
+    def _refusal(self, err: codec.CodecError) -> bulk.Frame:
+        """The ERROR answer to a malformed request of a batch (as ``_reply`` answers a bad request)."""
+        code, message, reason = self._service.failure(err)
+        return bulk.Frame(
+            bulk.ERROR, ps_pb2.DataPortError(code=status_number(code), message=message, reason=reason)
+        )
+
+    async def _reply(
+        self, frame: bulk.Frame, buf: np.ndarray | None = None, sizes: list[int] | tuple[()] = ()
+    ) -> tuple[bulk.Frame, list[memoryview]]:
+        """Serves one request: its answer frame and payload (an ERROR frame for a failure)."""
         started = time.perf_counter()
         head = frame.head
         kind, rpc = frame.kind, bulk.REQUESTS[frame.kind]
@@ -282,14 +379,7 @@ class DataPortServer:
                     self._metrics.pull_done(head, code, seconds, rpc)
                 else:  # as the Lookup call is counted
                     self._metrics.rpc_done(rpc, seconds, code)
-        sent = sum(map(len, payload))
-        try:
-            await link.send(reply, payload)
-        except PSError as err:  # the client went away; its retry (a push: idempotent) gets a new answer
-            log.info("shard %d: data port answer not delivered: %s", self._shard, err.details)
-            return
-        if self._metrics is not None and sent and kind != bulk.LOOKUP:
-            self._metrics.pull_bytes.inc(sent)
+        return reply, payload
 
 
 def _gradients(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int]) -> dict[str, np.ndarray]:

@@ -1,0 +1,258 @@
+"""Small requests that meet in one process share data-port frames (``psclient._bulk.DataLink``, BATCH
+frames), with real shard processes: each request gets its own answer or its own typed error, and is
+applied exactly once; a bad request fails none of its neighbours and is applied in no part.
+
+The clients of one event loop with the same credentials share their data links (``_bulk.shared_link``);
+with more small requests at once than ``SMALL_IN_FLIGHT``, the others wait and leave in one frame. A
+``gather`` of requests starts them all in one turn of the loop, so that those after the first
+``SMALL_IN_FLIGHT`` are batched every time (asserted by the link's count of BATCH frames).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from _support import CALL_TIMEOUT_S
+
+import psclient
+from psclient import _bulk
+from pscore import bulk, codec
+from psproto.v1 import ps_pb2
+from trainer.cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+CALLERS = 24  # clients on one loop (more than SMALL_IN_FLIGHT, so most requests are batched)
+ROUNDS = 4
+WIRE = {"data_port_min_bytes": 0, "timeout": CALL_TIMEOUT_S}
+
+
+def _links(clients: list[psclient.AsyncPSClient]) -> set[_bulk.DataLink]:
+    """The data links the clients use (private: not part of the API)."""
+    return {data for c in clients for link in c._shards for data in link.data_links.values()}
+
+
+async def _clients(addresses: list[str], n: int, names: list[str]) -> list[psclient.AsyncPSClient]:
+    clients = [psclient.AsyncPSClient(addresses, f"b{i}", **WIRE) for i in range(n)]
+    for c in clients:
+        await c.list_variables(names)
+    return clients
+
+
+async def test_concurrent_small_requests_share_frames_and_each_gets_its_own_answer(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    names = [f"own/{i}" for i in range(CALLERS)]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
+    clients = await _clients(cluster.addresses, CALLERS, names)
+    try:
+        for r in range(1, ROUNDS + 1):
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                # Each caller pushes its own gradient and reads its own variable back in the same frame
+                # as the others' (push_pull), then pulls it alone among the others' pulls.
+                got = await asyncio.gather(
+                    *(
+                        c.push_pull({n: np.full(8, i + 1.0, np.float32)})
+                        for i, (c, n) in enumerate(zip(clients, names, strict=True))
+                    )
+                )
+                pulled = await asyncio.gather(*(c.pull([n]) for c, n in zip(clients, names, strict=True)))
+            for i, n in enumerate(names):
+                np.testing.assert_array_equal(got[i][n], np.full(8, -r * (i + 1.0), np.float32))
+                np.testing.assert_array_equal(pulled[i][n], got[i][n])
+        (link,) = _links(clients)  # one link, shared by every client of the loop
+        assert link.batches >= 2 * ROUNDS  # the push_pulls and the pulls of every round met in frames
+        values, versions = await clients[0].pull_with_versions(names)
+    finally:
+        for c in clients:
+            await c.close()
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(values[n], np.full(8, -ROUNDS * (i + 1.0), np.float32))
+        assert versions[n] == ROUNDS  # each push applied exactly once
+
+
+async def test_a_bad_request_in_a_batch_gets_its_typed_error_and_the_others_apply_once(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    names = [f"own/{i}" for i in range(CALLERS)]
+    bad = CALLERS // 2  # after the first SMALL_IN_FLIGHT: in a batch
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many(
+            {n: np.zeros(8, np.float32) for n in [*names, "shared"]}, optimizer=psclient.SGD(1.0)
+        )
+    clients = await _clients(cluster.addresses, CALLERS, [*names, "shared"])
+    nan = np.full(8, np.nan, np.float32)
+
+    async def push(i: int) -> bool:
+        grads = {names[i]: np.ones(8, np.float32)}
+        if i == bad:  # its own variable and a non-finite gradient: the shard refuses the whole push
+            grads["shared"] = nan
+        return await clients[i].push(grads)
+
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            results = await asyncio.gather(*(push(i) for i in range(CALLERS)), return_exceptions=True)
+        (link,) = _links(clients)
+        assert link.batches >= 1
+        values, versions = await clients[0].pull_with_versions([*names, "shared"])
+    finally:
+        for c in clients:
+            await c.close()
+    err = results[bad]
+    assert isinstance(err, psclient.InvalidArgumentError), err
+    assert "non-finite" in str(err) and "shared" in str(err)
+    assert results[:bad] + results[bad + 1 :] == [True] * (CALLERS - 1)
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(values[n], np.full(8, 0.0 if i == bad else -1.0, np.float32))
+        assert versions[n] == (0 if i == bad else 1)
+    np.testing.assert_array_equal(values["shared"], np.zeros(8, np.float32))  # nothing half-applied
+    assert versions["shared"] == 0
+
+
+async def test_sync_mode_pushes_in_one_batch_meet_at_the_barrier(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The shard serves a batch's requests at once: pushes waiting at the sync barrier for one another
+    in the same frame are not served one after the other (they would wait for each other forever)."""
+    workers = 6
+    cluster = make_cluster(
+        num_shards=1,
+        server_args=["--mode", "sync", "--replicas-to-aggregate", str(workers), "--total-replicas",
+                     str(workers), "--barrier-timeout", "30"],
+    )  # fmt: skip
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+    clients = await _clients(cluster.addresses, workers, ["v"])
+    try:
+        for step in range(2):
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                applied = await asyncio.gather(
+                    *(
+                        c.push({"v": np.full(4, i + 1.0, np.float32)}, step=step)
+                        for i, c in enumerate(clients)
+                    )
+                )
+            assert applied == [True] * workers
+        (link,) = _links(clients)
+        assert link.batches >= 2
+        values, versions = await clients[0].pull_with_versions(["v"])
+    finally:
+        for c in clients:
+            await c.close()
+    assert versions == {"v": 2}
+    np.testing.assert_array_equal(
+        values["v"], np.full(4, -2 * np.mean(np.arange(1, workers + 1)), np.float32)
+    )
+
+
+def test_threads_sharing_one_client_each_get_their_own_answers(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    threads, pushes = 12, 25
+    names = [f"t/{i}" for i in range(threads)]
+    with psclient.PSClient(cluster.addresses, "threads", **WIRE) as c:
+        c.create_many({n: np.zeros(4, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
+        errors: list[BaseException] = []
+        seen: list[list[float]] = [[] for _ in range(threads)]
+
+        def work(i: int) -> None:
+            try:
+                for _ in range(pushes):
+                    seen[i].append(
+                        float(c.push_pull({names[i]: np.full(4, i + 1.0, np.float32)})[names[i]][0])
+                    )
+            except BaseException as err:  # reported below
+                errors.append(err)
+
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=CALL_TIMEOUT_S * 2)
+        assert not any(t.is_alive() for t in ts)
+        assert not errors, errors
+        values = c.pull(names)
+    for i, n in enumerate(names):
+        assert seen[i] == [-(k + 1) * (i + 1.0) for k in range(pushes)]  # each its own value, in order
+        np.testing.assert_array_equal(values[n], np.full(4, -pushes * (i + 1.0), np.float32))
+
+
+# -- the frame by hand ------------------------------------------------------------------------
+
+
+async def test_a_batch_frame_by_hand_is_answered_entry_by_entry(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(num_shards=1)
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as c:
+        await c.create("v", np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+        link = c._shards[0].data_link()
+        assert link is not None
+        conn = await link._connect(CALL_TIMEOUT_S)
+        try:
+            ones = np.ones(4, np.float32)
+            good = ps_pb2.PushRequest(worker_id="h", seq=1, session=3, grads=[bulk.describe("v", ones)])
+            wrong = ps_pb2.PushRequest(
+                worker_id="h", seq=2, session=3, grads=[bulk.describe("v", np.ones(5, np.float32))]
+            )
+            items = bulk.entries(
+                [
+                    (0, bulk.Frame(bulk.PUSH, good), bulk.payload_of([ones])),
+                    (1, bulk.Frame(bulk.PUSH, wrong), bulk.payload_of([np.ones(5, np.float32)])),
+                    (2, bulk.Frame(bulk.PULL, ps_pb2.PullRequest(names=["nope"], worker_id="h")), ()),
+                    (3, bulk.Frame(bulk.PUSHED, ps_pb2.PushResponse()), ()),  # not a request
+                    (4, bulk.Frame(bulk.PUSH, good), bulk.payload_of([ones])),  # the same push again
+                ]
+            )
+            # Entry 5: a head that does not parse (a PushRequest's field 1 announcing more bytes than follow).
+            items += [bulk._ENTRY.pack(5, bulk.PUSH, 2, 0), b"\x0a\x09"]
+            answers: dict[int, bulk.Frame | codec.CodecError] = {}
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await conn.send(bulk.Frame(bulk.BATCH, ps_pb2.DataPortBatch(count=6)), items)
+                while len(answers) < 6:
+                    frame, view = await conn.recv()
+                    assert frame.kind == bulk.BATCHED
+                    for index, item, _ in bulk.read_entries(view, frame.head.count, bulk.ANSWERS):
+                        assert index not in answers
+                        answers[index] = item
+                # The connection serves on: a lone pull after the batch.
+                await conn.send(bulk.Frame(bulk.PULL, ps_pb2.PullRequest(names=["v"], worker_id="h")))
+                pulled, payload = await conn.recv()
+            assert pulled.kind == bulk.PULLED
+            np.testing.assert_array_equal(np.frombuffer(bytes(payload), np.float32), -ones)  # applied once
+            assert list(pulled.head.versions) == [1]
+        finally:
+            conn.reset()
+    kinds = {i: a.kind for i, a in answers.items() if isinstance(a, bulk.Frame)}
+    assert kinds == {i: bulk.PUSHED if i in (0, 4) else bulk.ERROR for i in range(6)}
+    assert answers[0].head.applied and not answers[4].head.applied  # the retry: not applied twice
+    codes = {i: answers[i].head.code for i in (1, 2, 3, 5)}
+    assert codes == {1: 3, 2: 5, 3: 3, 5: 3}  # INVALID_ARGUMENT, NOT_FOUND, INVALID_ARGUMENT x2
+    assert "shape" in answers[1].head.message
+    assert "nope" in answers[2].head.message
+
+
+async def test_a_batch_whose_entries_do_not_fill_it_drops_the_connection_and_the_shard_serves_on(
+    cluster: LocalCluster, var_name: str
+) -> None:
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as c:
+        await c.create(var_name, np.zeros(4, np.float32), optimizer=psclient.SGD(1.0))
+        shard = c.registry.pieces[var_name][0].shard
+        link = c._shards[shard].data_link()
+        assert link is not None
+        conn = await link._connect(CALL_TIMEOUT_S)
+        pull = bulk.entries([(0, bulk.Frame(bulk.PULL, ps_pb2.PullRequest(names=[var_name])), ())])
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            await conn.send(bulk.Frame(bulk.BATCH, ps_pb2.DataPortBatch(count=2)), pull)  # one entry of 2
+            with pytest.raises(psclient.UnavailableError):
+                await conn.recv()
+        values = await c.pull([var_name])  # the shard serves on
+    np.testing.assert_array_equal(values[var_name], np.zeros(4, np.float32))
