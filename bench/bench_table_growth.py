@@ -1,8 +1,8 @@
 """A dynamic table's housekeeping in memory (growth, evictions): how long its shard stops answering.
 
 A dynamic table without a ``capacity`` doubles its storage when full, copying
-every row and slot (``psserver.rows``); a full one evicts, and its id index
-is rebuilt when the evicted ids' tombstones fill it. One shard (a real ``psserver``
+every row and slot (``psserver.rows``); a full one evicts (its id index has no
+tombstones, so it is never rebuilt as rows come and go). One shard (a real ``psserver``
 process) holds the table, ``--rows`` ids x ``--dim`` (float32, Adagrad), filled
 by one client's pushes of ``--batch`` new ids, while a second client pulls a
 small variable of the same shard every ``--ping-ms`` and records how long each
@@ -13,8 +13,7 @@ each on a fresh shard:
 - ``preallocated``: the peer: a ``capacity`` of ``--rows`` from the start, so it
   never grows (the same pushes, the same rows);
 - ``evicting``: a ``capacity`` of a quarter of the rows: once full, every push evicts
-  rows (LRU), whose ids leave tombstones in the table's id index until it is
-  rebuilt.
+  rows (LRU).
 
 Reported per variant: the fill's seconds, the pushes' median and longest time,
 the pulls' median, p99 and longest time, and how many pulls took over 100 ms

@@ -9,17 +9,12 @@ import numpy as np
 
 from pscore.placement import mix64
 
-_MIN_INDEX = 16
+_MIN_INDEX = 16  # places
 _INDEX_SEED = 1  # hash seeds: the shard rule uses seed 0, the index 1, a dynamic table's sketch rows 2-5
-
-_EMPTY, _FULL, _TOMB = 0, 1, 2
-_PROBE_WINDOW = 16  # places a probe reads per round (``HashIndex.positions``, ``insert``)
-_NARROW_ABOVE = 4096  # a later round of more ids than this reads one place each, as every first round
-
-
-def _next_width(probing: int) -> int:
-    """A later probe round's window for ``probing`` ids (``HashIndex.positions``)."""
-    return 1 if probing > _NARROW_ABOVE else _PROBE_WINDOW
+_BUCKET = 8  # places per bucket: 64 bytes of keys, one cache line
+_HIGH = np.uint64(32)  # an id's second bucket comes from its hash's high bits
+# The key of an empty place. The id of that value has a place of its own, after the buckets (``_alloc``).
+EMPTY = np.iinfo(np.int64).min
 
 
 def _pow2(n: int) -> int:
@@ -27,12 +22,24 @@ def _pow2(n: int) -> int:
 
 
 class HashIndex:
-    """A hash map from int64 ids to int64 values (open addressing, linear probing, tombstones).
+    """A hash map from int64 ids to int64 values: buckets of 8 places, two buckets an id, no tombstones.
 
-    Each operation takes a batch of ids and runs in probe rounds, each round a
-    few numpy operations over the ids still probing; the table is kept at most
-    3/4 full (live entries and tombstones), so rounds are few. Rebuilt (and
-    grown as needed) when it would pass that.
+    Each id may live in either of two buckets (from the high and low bits of
+    its hash), and an insert puts it in the emptier one, so buckets fill
+    evenly; a lookup of a batch of ids is then one round of a few numpy
+    operations: a gather of each id's two buckets (16 places) and a compare.
+    A removed entry's place is empty at once (no tombstones: a table that
+    churns, a tiered piece's rows filled and spilled every step, probes no
+    further than one that does not). In the rare case that both of an id's
+    buckets are full it goes to the first bucket after its second one with
+    room, and each bucket it passed counts it in ``overflow``; a lookup that
+    misses goes on past its second bucket only while the buckets it passes
+    count such ids (a removal uncounts them). Kept at most 3/4 full; grown
+    (rebuilt) when an insert would pass that. An empty place holds the key
+    ``EMPTY`` (so a lookup reads keys only); the id ``EMPTY`` itself has the
+    place after the buckets.
+
+    Not thread-safe: the caller serializes changes, and reads beside them.
 
     >>> index = HashIndex(4)
     >>> index.insert(np.array([10, -7]), np.array([0, 1]))
@@ -45,123 +52,175 @@ class HashIndex:
         self._alloc(max(_MIN_INDEX, _pow2(2 * max_live)))
 
     def _alloc(self, size: int) -> None:
-        self.keys = self._zeros(size, np.int64)
-        self.vals = self._zeros(size, np.int64)
-        self.state = self._zeros(size, np.uint8)
-        self.mask = size - 1
+        self.keys = self._zeros(size + 1, np.int64)  # the buckets' places, then the place of id ``EMPTY``
+        self.keys.fill(EMPTY)
+        self.vals = self._zeros(size + 1, np.int64)
+        # Per bucket: entries placed after it whose second bucket is it or a bucket before it (see the class)
+        self.overflow = self._zeros(size // _BUCKET, np.int64)
+        self.mask = size // _BUCKET - 1  # of bucket numbers
+        self._keys2 = self.keys[:size].reshape(-1, _BUCKET)
         self.live = 0
-        self.tombs = 0
+        self.overflowed = 0  # live entries in neither of their buckets
+        self.has_empty_id = False  # whether id ``EMPTY`` is in (at place ``size``)
+
+    @property
+    def size(self) -> int:
+        """Places in the buckets."""
+        return self._keys2.size
 
     def __len__(self) -> int:
         return self.live
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.vals.nbytes + self.state.nbytes
+        return self.keys.nbytes + self.vals.nbytes + self.overflow.nbytes
 
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (mix64(ids, _INDEX_SEED) & np.uint64(self.mask)).astype(np.int64)
-
-    def _window(self, p: np.ndarray, width: int) -> np.ndarray:
-        """A probe round's places: the ``width`` places from each of ``p`` on (wrapping), a row per id."""
-        return (p[:, None] + np.arange(width)) & self.mask
+    def _buckets(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's two buckets, a row ``(first, second)`` per id."""
+        h = mix64(ids, _INDEX_SEED)
+        mask = np.uint64(self.mask)
+        out = np.empty((ids.size, 2), np.int64)
+        np.bitwise_and(h, mask, out=out[:, 0], casting="unsafe")
+        h >>= _HIGH
+        np.bitwise_and(h, mask, out=out[:, 1], casting="unsafe")
+        return out
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
-        """Where each id is in the table (-1: absent).
-
-        Each round reads a window of ``_PROBE_WINDOW`` places per id still probing (a 2-D gather):
-        a probe ends at its id or at an empty place, the first of either in its window. Probes run
-        long when a table that churns (a tiered piece's fills and spills) holds many tombstones: one
-        place per round took 14-35 rounds and 330-700 us for 400 ids in a 262,144-place table. The
-        first round, and a round of more than ``_NARROW_ABOVE`` ids (a rebuild, a restore), read one
-        place each: in a table without many tombstones most probes end at their home place, and a
-        window would read 16 places for each (a piece in memory took 10-30 % longer a step so).
-        """
+        """Where each id is in the table (-1: absent): one gather of each id's two buckets, then, for the
+        few ids missing there whose second bucket counts overflowed entries, a bucket at a time after it.
+        (A batch's cost is its numpy calls, about 15 for a few thousand ids: no more per call than a
+        linear probe's first round.)"""
         ids = np.asarray(ids, np.int64).reshape(-1)
-        found = np.full(ids.size, -1, np.int64)
-        todo = np.arange(ids.size)
-        p = self._home(ids)
-        want = ids
-        width = 1  # the first round: most probes end at their home place
-        while todo.size:
-            window = self._window(p, width)
-            st = self.state[window]
-            hit = (st == _FULL) & (self.keys[window] == want[:, None])
-            stop = hit | (st == _EMPTY)
-            first = stop.argmax(axis=1)  # the first place the probe ends at (0 where none in the window)
-            rows = np.arange(todo.size)
-            ended = stop[rows, first]
-            got = hit[rows, first]
-            found[todo[got]] = window[rows[got], first[got]]
-            go_on = ~ended
-            todo, want = todo[go_on], want[go_on]
-            p = (p[go_on] + width) & self.mask
-            width = _next_width(todo.size)
+        n = ids.size
+        both = self._buckets(ids)
+        hit = (np.take(self._keys2, both, axis=0) == ids[:, None, None]).reshape(n, 2 * _BUCKET)
+        first = hit.argmax(axis=1)
+        rows = np.arange(n)
+        found = both[rows, first >> 3] * _BUCKET + (first & (_BUCKET - 1))
+        missed = ~hit[rows, first]
+        found[missed] = -1
+        if n and ids.min() == EMPTY:  # it matched the empty places: it has its own
+            missed[ids == EMPTY] = False
+            found[ids == EMPTY] = self.size if self.has_empty_id else -1
+        if self.overflowed and n:
+            todo = np.flatnonzero(missed)
+            at = both[todo, 1]
+            for _ in range(self.mask + 1):
+                go_on = np.take(self.overflow, at) > 0
+                todo, at = todo[go_on], (at[go_on] + 1) & self.mask
+                if not todo.size:
+                    break
+                hit = np.take(self._keys2, at, axis=0) == ids[todo, None]
+                first = hit.argmax(axis=1)
+                got = hit[np.arange(todo.size), first]
+                found[todo[got]] = at[got] * _BUCKET + first[got]
+                todo, at = todo[~got], at[~got]
         return found
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The value of each id (-1: absent)."""
         pos = self.positions(ids)
-        out = np.full(pos.size, -1, np.int64)
-        have = pos >= 0
-        out[have] = self.vals[pos[have]]
+        out = np.take(self.vals, pos)
+        out[pos < 0] = -1
         return out
 
     def insert(self, ids: np.ndarray, vals: np.ndarray) -> None:
-        """Adds distinct ids that are absent, with their values."""
+        """Adds distinct ids that are absent, with their values: each in the emptier of its two buckets (the
+        other if the batch's own ids fill that one first; past the second if both are full)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         vals = np.asarray(vals, np.int64).reshape(-1)
         if not ids.size:
             return
-        if (self.live + self.tombs + ids.size) * 4 > self.keys.size * 3:
+        if self.needs_rebuild(ids.size):
             self._rebuild(self.live + ids.size)
-        todo = np.arange(ids.size)
-        p = self._home(ids)
-        width = 1
-        while todo.size:  # each round: the first free place in each id's window (as ``positions``)
-            window = self._window(p, width)
-            free = self.state[window] != _FULL
-            first = free.argmax(axis=1)
-            rows = np.arange(todo.size)
-            has = free[rows, first]
-            cand = rows[has]
-            taken, pick = np.unique(window[cand, first[cand]], return_index=True)  # one id per free place
-            winners = cand[pick]
-            self.tombs -= int(np.count_nonzero(self.state[taken] == _TOMB))
-            self.state[taken] = _FULL
-            self.keys[taken] = ids[todo[winners]]
-            self.vals[taken] = vals[todo[winners]]
-            placed = np.zeros(todo.size, bool)
-            placed[winners] = True
-            # An id that lost its place to another looks at the same window again; one whose window
-            # had no free place, at the next window.
-            p = np.where(has, p, (p + width) & self.mask)
-            todo, p = todo[~placed], p[~placed]
-            width = _next_width(todo.size)
         self.live += ids.size
+        if ids.min() == EMPTY:
+            at = ids == EMPTY
+            self.vals[self.size] = vals[at][0]
+            self.has_empty_id = True
+            ids, vals = ids[~at], vals[~at]
+            if not ids.size:
+                return
+        both = self._buckets(ids)
+        b1, b2 = both[:, 0], both[:, 1]
+        fill = np.count_nonzero(np.take(self._keys2, both, axis=0) != EMPTY, axis=2)
+        first = np.where(fill[:, 1] < fill[:, 0], b2, b1)
+        todo = np.arange(ids.size)[self._place(ids, vals, np.arange(ids.size), first)]
+        if todo.size:  # the emptier bucket filled up: the other one
+            other = np.where(first[todo] == b1[todo], b2[todo], b1[todo])
+            todo = todo[self._place(ids, vals, todo, other)]
+        at = b2[todo]
+        for _ in range(self.mask + 1):  # both full: the buckets after the second, each passed counting it
+            if not todo.size:
+                break
+            np.add.at(self.overflow, at, 1)
+            at = (at + 1) & self.mask
+            left = self._place(ids, vals, todo, at)
+            self.overflowed += todo.size - left.size
+            todo, at = todo[left], at[left]
+        assert not todo.size, "a table at most 3/4 full has room in some bucket"
+
+    def _place(self, ids: np.ndarray, vals: np.ndarray, todo: np.ndarray, bucket: np.ndarray) -> np.ndarray:
+        """Puts ``ids[todo]`` (with their values) in the free places of their ``bucket`` (one each), as many
+        as a bucket has free places; returns the indices into ``todo`` of those left out."""
+        m = bucket.size
+        order = np.argsort(bucket, kind="stable")
+        b = bucket[order]
+        free = np.take(self._keys2, b, axis=0) == EMPTY  # (m, 8)
+        new = np.empty(m, bool)
+        new[0] = True
+        np.not_equal(b[1:], b[:-1], out=new[1:])
+        if new.all():  # one id a bucket: its first free place
+            first = free.argmax(axis=1)
+            fits = free[np.arange(m), first]
+        else:  # the k-th id of a bucket takes its k-th free place
+            seq = np.arange(m)
+            rank = seq - np.maximum.accumulate(np.where(new, seq, 0))
+            count = np.cumsum(free, axis=1)  # free places up to and including each place
+            fits = rank < count[:, -1]
+            first = (count > rank[:, None]).argmax(axis=1)
+        place = b[fits] * _BUCKET + first[fits]
+        who = todo[order[fits]]
+        self.keys[place] = ids[who]
+        self.vals[place] = vals[who]
+        return order[~fits]
 
     def remove(self, positions: np.ndarray) -> None:
         """Removes the entries at ``positions`` (from ``positions``; each present, distinct)."""
         positions = np.asarray(positions, np.int64).reshape(-1)
-        self.state[positions] = _TOMB
         self.live -= positions.size
-        self.tombs += positions.size
+        if self.has_empty_id and positions.size and positions.max() == self.size:
+            self.has_empty_id = False
+            positions = positions[positions != self.size]
+        if self.overflowed and positions.size:  # an entry placed past its second bucket is uncounted
+            both = self._buckets(self.keys[positions])
+            b2 = both[:, 1]
+            at = positions // _BUCKET
+            far = (at != both[:, 0]) & (at != b2)
+            if far.any():
+                start, steps = b2[far], (at[far] - b2[far]) & self.mask  # the buckets passed: 1 or more
+                ends = np.cumsum(steps)
+                passed = start.repeat(steps) + np.arange(ends[-1]) - (ends - steps).repeat(steps)
+                np.subtract.at(self.overflow, passed & self.mask, 1)
+                self.overflowed -= int(np.count_nonzero(far))
+        self.keys[positions] = EMPTY
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         """The live ``(ids, values)``."""
-        full = self.state == _FULL
+        full = self.keys != EMPTY
+        full[-1] = self.has_empty_id
         return self.keys[full], self.vals[full]
 
     def needs_rebuild(self, more: int) -> bool:
-        """Whether inserting ``more`` ids would rebuild the table first (``insert``)."""
-        return (self.live + self.tombs + more) * 4 > self.keys.size * 3
+        """Whether inserting ``more`` ids would rebuild (grow) the table first (``insert``)."""
+        return (self.live + more) * 4 > self.size * 3
 
     def rebuilt(self, live_after: int) -> HashIndex:
-        """A new table of this one's entries without its tombstones, sized for ``live_after`` live entries
-        (the same size while half of it holds them). Reads this one and changes nothing: another thread
-        may run it while nothing updates this one."""
+        """A new table of this one's entries, sized for ``live_after`` live entries (the same size while
+        half of it holds them). Reads this one and changes nothing: another thread may run it while
+        nothing updates this one."""
         keys, vals = self.items()
-        size = self.keys.size
+        size = self.size
         out = HashIndex(0, self._zeros)
         out._alloc(size if 2 * live_after <= size else max(_MIN_INDEX, _pow2(2 * live_after)))
         out.insert(keys, vals)
@@ -175,5 +234,6 @@ class HashIndex:
 
     def _rebuild(self, live_after: int) -> None:
         new = self.rebuilt(live_after)
-        self.keys, self.vals, self.state, self.mask = new.keys, new.vals, new.state, new.mask
-        self.live, self.tombs = new.live, new.tombs
+        self.keys, self.vals, self.overflow, self.mask = new.keys, new.vals, new.overflow, new.mask
+        self._keys2, self.live, self.overflowed = new._keys2, new.live, new.overflowed
+        self.has_empty_id = new.has_empty_id

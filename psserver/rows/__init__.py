@@ -6,8 +6,8 @@ One shard's piece of a dynamic table (``ps_pb2.DynamicTable``; see
 - row storage preallocated for the shard's capacity (``ceil(capacity / S)``
   rows; an unbounded table starts small and doubles), with the optimizer's
   slots beside it, so memory is bounded by the capacity whatever ids arrive;
-- an id -> slot map (``HashIndex``: open addressing with linear probing,
-  vectorised over a batch of ids in probe rounds), and per slot its id, the
+- an id -> slot map (``HashIndex``: buckets of 8 places, two buckets an id,
+  no tombstones; a batch of ids looked up in one gather), and per slot its id, the
   table's push count at its last update (``last_step``), its number of
   updates (``hits``) and the time of its last update;
 - with ``min_count > 1``, a count-min sketch (``CountMinSketch``) that counts

@@ -55,8 +55,8 @@ class PushSteps:
 
         In order: with a disk tier, its cold rows filled and room made (``tier_step``: disk reads, a
         write); the push's plan (its ids' rows, its sweep's expired rows: a pass over all rows when due);
-        an unbounded table's growth (a copy of all its rows) or its id index's rebuild (its tombstones
-        dropped); a full table's choice of the rows it evicts (a pass over them); the rows made
+        an unbounded table's growth (a copy of all its rows) or its id index's growth (a tiered piece's,
+        as it holds more rows); a full table's choice of the rows it evicts (a pass over them); the rows made
         (``prepare``); the optimizer's rule on them (only those rows are touched meanwhile).
 
         Raises:
@@ -134,14 +134,14 @@ class PushSteps:
         return self.victims(self._candidates(protect), plan.evict)
 
     def reindex_due(self, pushed: int) -> bool:
-        """Whether a push of ``pushed`` distinct ids could make the id index rebuild itself: ``reindexed``
+        """Whether a push of ``pushed`` distinct ids could make the id index grow itself: ``reindexed``
         first. The push inserts at most that many ids (new rows, and with a disk tier the rows it fills);
-        the rows it evicts, expires or spills turn live entries into tombstones, which leaves the count
-        the index rebuilds by (``HashIndex.needs_rebuild``) as it was."""
+        counting the rows it evicts, expires or spills out too would only lower the count the index grows
+        by (``HashIndex.needs_rebuild``)."""
         return self.index.needs_rebuild(pushed)
 
     def reindexed(self, pushed: int) -> HashIndex:
-        """The id index rebuilt (tombstones dropped, grown if need be) for a push of ``pushed`` ids. Reads
+        """The id index rebuilt (grown if need be) for a push of ``pushed`` ids. Reads
         the piece and changes nothing, like ``grown``."""
         return self.index.rebuilt(min(self.index.live + pushed, self.limit))  # never more rows than that
 

@@ -1,0 +1,131 @@
+"""The id index (``psserver.hashindex``): against a dict through random inserts and removals, its
+invariants (each entry in one of its two buckets, or counted by the buckets it passed), and a churn that
+never grows it."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pscore.placement import mix64
+from psserver.hashindex import _BUCKET, _INDEX_SEED, EMPTY, HashIndex
+
+
+def _check(index: HashIndex, ref: dict[int, int]) -> None:
+    """The index holds exactly ``ref``; no id twice; each entry in one of its buckets, or past its second
+    one with every bucket from there to its own counting it in ``overflow``, and nothing else counted."""
+    ids, vals = index.items()
+    assert len(index) == len(ref) == ids.size == np.unique(ids).size
+    assert dict(zip(ids.tolist(), vals.tolist(), strict=True)) == ref
+    pos = np.flatnonzero(index.keys[: index.size] != EMPTY)
+    h = mix64(index.keys[pos], _INDEX_SEED)
+    buckets = index.mask + 1
+    b1 = (h & np.uint64(index.mask)).astype(np.int64)
+    b2 = ((h >> np.uint64(32)) & np.uint64(index.mask)).astype(np.int64)
+    at = pos // _BUCKET
+    far = (at != b1) & (at != b2)
+    want = np.zeros(buckets, np.int64)
+    for start, end in zip(b2[far].tolist(), at[far].tolist(), strict=True):
+        b = start
+        while b != end:
+            want[b] += 1
+            b = (b + 1) % buckets
+    np.testing.assert_array_equal(index.overflow, want)
+    assert index.overflowed == int(np.count_nonzero(far))
+    assert index.has_empty_id == (EMPTY in ref)
+    probe = np.concatenate([np.array(list(ref), np.int64), np.arange(-3, 3), [EMPTY]])
+    np.testing.assert_array_equal(index.get(probe), [ref.get(i, -1) for i in probe.tolist()])
+
+
+def _colliding(buckets: int, n: int) -> np.ndarray:
+    """``n`` ids whose two buckets (in a table of ``buckets`` buckets) are both bucket 0: they overflow."""
+    cand = np.arange(1, 400_000 * buckets, dtype=np.int64)
+    h = mix64(cand, _INDEX_SEED)
+    mask = np.uint64(buckets - 1)
+    hit = cand[((h & mask) == 0) & (((h >> np.uint64(32)) & mask) == 0)]
+    assert hit.size >= n
+    return hit[:n]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 2**32 - 1)), min_size=1, max_size=40)
+)
+def test_hash_index_matches_a_dict_and_keeps_its_invariants(ops: list[tuple[bool, int, int]]) -> None:
+    """Random batches of inserts (wide, negative and crowded ids) and removals, each followed by the
+    invariants' check."""
+    index = HashIndex(8)
+    ref: dict[int, int] = {}
+    for insert, n, seed in ops:
+        rng = np.random.default_rng(seed)
+        if insert or not ref:
+            fresh = np.concatenate([rng.integers(-(2**63), 2**63 - 1, n), rng.integers(-50, 50, n), [EMPTY]])
+            fresh = np.array([i for i in np.unique(fresh).tolist() if i not in ref], np.int64)
+            vals = rng.integers(0, 1 << 40, fresh.size)
+            index.insert(fresh, vals)
+            ref.update(zip(fresh.tolist(), vals.tolist(), strict=True))
+        else:
+            gone = rng.choice(np.array(list(ref), np.int64), size=min(n, len(ref)), replace=False)
+            index.remove(index.positions(gone))
+            for g in gone.tolist():
+                del ref[g]
+        _check(index, ref)
+
+
+def test_ids_whose_buckets_are_full_overflow_and_are_uncounted_when_removed() -> None:
+    """Ids that all share both buckets fill them and go on to the buckets after; lookups find them, and
+    removals (in any order, with reinserts) leave the counts exactly those of the entries left."""
+    index = HashIndex(64)  # 256 places: 32 buckets
+    buckets = index.mask + 1
+    crowd = _colliding(buckets, 3 * _BUCKET + 3)
+    ref: dict[int, int] = {}
+    for part in np.array_split(crowd, 3):  # in batches: conflicts inside a batch and across them
+        index.insert(part, part * 2)
+        ref.update(zip(part.tolist(), (part * 2).tolist(), strict=True))
+        _check(index, ref)
+    assert index.overflowed == crowd.size - _BUCKET and index.overflow[0] == crowd.size - _BUCKET
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        gone = rng.choice(np.array(list(ref), np.int64), size=min(5, len(ref)), replace=False)
+        index.remove(index.positions(gone))
+        for g in gone.tolist():
+            del ref[g]
+        _check(index, ref)
+        back = gone[:3]
+        index.insert(back, back + 1)
+        ref.update(zip(back.tolist(), (back + 1).tolist(), strict=True))
+        _check(index, ref)
+
+
+def test_a_churning_index_never_grows_and_never_rebuilds() -> None:
+    """A tiered piece's rows fill and spill every step: as many ids removed as inserted. Without
+    tombstones the table keeps its size, and a lookup stays one round (no overflow at its load)."""
+    rng = np.random.default_rng(2)
+    index = HashIndex(10_000)
+    live = rng.choice(1 << 50, 10_000, replace=False).astype(np.int64)
+    index.insert(live, np.arange(live.size))
+    size = index.size
+    ref = dict(zip(live.tolist(), range(live.size), strict=True))
+    for step in range(200):
+        out = rng.choice(live.size, 300, replace=False)
+        index.remove(index.positions(live[out]))
+        for i in live[out].tolist():
+            del ref[i]
+        new = (1 << 51) + step * 300 + np.arange(300, dtype=np.int64)
+        index.insert(new, new)
+        ref.update(zip(new.tolist(), new.tolist(), strict=True))
+        live[out] = new
+    assert index.size == size
+    _check(index, ref)
+
+
+def test_a_rebuilt_index_is_another_table_with_the_same_entries() -> None:
+    index = HashIndex(16)
+    ids = np.arange(12, dtype=np.int64) * 1_000_003
+    index.insert(ids, ids + 5)
+    bigger = index.rebuilt(1000)
+    assert bigger.size >= 2000 and index.size == 32
+    _check(bigger, dict(zip(ids.tolist(), (ids + 5).tolist(), strict=True)))
+    _check(index, dict(zip(ids.tolist(), (ids + 5).tolist(), strict=True)))
+    assert not index.needs_rebuild(12) and index.needs_rebuild(13)
