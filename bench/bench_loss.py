@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     for host in net.hosts:
                         net.drop(host, drop)
                     for system in SYSTEMS:
-                        cell = run_ps_cell(net, args, system, args.workers, args.shards)
+                        cell = run_ps_cell(net, args, system, args.workers, args.shards, args.rate_mbit)
                         cells.append({**cell, "size_kib": size, "mode": mode, "drop": drop})
                         print(
                             f"{size} KiB {mode} loss {drop:g} %: {cell_line(cell)}",

@@ -18,8 +18,16 @@ while the push arrives: what the link can carry). Beside each cell: the machine'
 cores, from /proc/stat) and the busiest process of the cell (cores), to show the links were the limit.
 
     sudo python bench/bench_scaling.py --quick                       # n in 1,2; k in 1,2; ring n=2
+    sudo python bench/bench_scaling.py --workers 16,32 --shards 8,16,32 --ring 16 --rate-mbit auto
     sudo python bench/bench_scaling.py --workers 1,2,4 --shards 1,2,4 --ring 2,4,8 \\
         --size-mib 8 --rate-mbit 200 --out bench/results/scaling
+
+``--rate-mbit auto`` picks each cell's rate (at most ``--max-rate-mbit``) so that the cell's own
+processes use at most ``--cpu-share`` of the machine's cores: what is measured is achieved / bound,
+and a link's bound scales with its rate, so a cell of 32 hosts at 25 Mbit/s asks of the CPU what a
+cell of 4 asks at 200 Mbit/s and its ratio is the network's, not the cores'. The cost of a Mbit/s
+(cores per Mbit/s sent) is learnt from the cells run so far; a cell that used more than its share is
+run again at a lower rate (at most twice), and every row names its rate and its share.
 
 Needs root, iproute2 and nftables (``trainer.netns.netns_available``). Every wait is bounded.
 """
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -156,7 +165,73 @@ class Cell:
             proc.communicate(timeout=30)
 
 
-def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int, k: int) -> dict[str, Any]:
+class CellRates:
+    """Each cell's link rate: ``fixed`` Mbit/s, or (``fixed`` None) the highest rate up to ``max_mbit``
+    at which the cell's own processes should use at most ``share`` of the machine's ``cpus`` cores.
+
+    The cell's CPU grows with the bytes it moves: at its bound a push_pull cell sends
+    2 min(n, k) B (the workers' uplinks and the shards' downlinks, or the other way round) and a ring of n
+    sends n B. ``cost`` (cores per Mbit/s sent) is the highest seen so far; the first cell runs at
+    ``max_mbit`` to learn it.
+    """
+
+    SAFETY = 0.8  # aim below the share: a cell's CPU varies by ~20 % from run to run
+    MIN_MBIT = 2.0
+
+    def __init__(self, fixed: float | None, max_mbit: float, share: float, cpus: int) -> None:
+        self.fixed, self.max_mbit, self.share, self.cpus = fixed, max_mbit, share, cpus
+        self.cost: float | None = None
+
+    def pick(self, links: int) -> float:
+        """The rate for a cell whose bound sends ``links`` x B Mbit/s in all."""
+        if self.fixed is not None:
+            return self.fixed
+        if self.cost is None:
+            return self.max_mbit
+        rate = self.SAFETY * self.share * self.cpus / (self.cost * links)
+        return float(max(self.MIN_MBIT, min(self.max_mbit, round(rate, 1))))
+
+    def learn(self, cell: dict[str, Any], sent_bytes_per_round: float) -> bool:
+        """Learns the cost of a Mbit/s from a measured cell; True when it used more than its share
+        and should run again at the lower rate ``pick`` now gives."""
+        sent_mbit_s = sent_bytes_per_round * 8 / 1e6 / cell["round_s"]
+        cell["cpu_share"] = round(cell["cell_cores"] / self.cpus, 2)
+        if sent_mbit_s > 0:
+            self.cost = max(self.cost or 0.0, cell["cell_cores"] / sent_mbit_s)
+        return self.fixed is None and cell["cpu_share"] > self.share and cell["rate_mbit"] > self.MIN_MBIT
+
+
+def shape_cell(net: NetnsCluster, hosts: list[Host], rate_mbit: float) -> None:
+    """Shapes the links of a cell's ``hosts`` to ``rate_mbit`` (those already at that rate are left)."""
+    for host in hosts:
+        if host.rate_mbit != rate_mbit:
+            net.shape(host, rate_mbit, net.burst_kib)
+
+
+def measured(
+    net: NetnsCluster, rates: CellRates, links: int, hosts: list[Host], sent_per_round: float, run: Any
+) -> dict[str, Any]:
+    """Runs a cell (``run(rate_mbit)``) at the rate ``rates`` picks for it, again at a lower one (at
+    most twice) while it used more than its share of the machine."""
+    for _attempt in range(3):
+        rate = rates.pick(links)
+        shape_cell(net, hosts, rate)
+        cell = run(rate)
+        cell["rate_mbit"] = rate
+        if not rates.learn(cell, sent_per_round) or rates.pick(links) >= rate:
+            return cell
+        print(
+            f"  {cell['system']} n={cell['n']} k={cell['k']}: the cell used {cell['cpu_share']:.0%} of the "
+            f"machine at {rate:g} Mbit/s; again at {rates.pick(links):g}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return cell
+
+
+def run_ps_cell(
+    net: NetnsCluster, args: argparse.Namespace, system: str, n: int, k: int, rate_mbit: float
+) -> dict[str, Any]:
     shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]
     cell = Cell(net, args, f"{system}-n{n}-k{k}")
     shards = None
@@ -203,7 +278,7 @@ def run_ps_cell(net: NetnsCluster, args: argparse.Namespace, system: str, n: int
         cell.close()
         if shards is not None:
             shards.stop()
-    bound = max(cell.size, n * cell.size / k) / (args.rate_mbit * 1e6 / 8)
+    bound = max(cell.size, n * cell.size / k) / (rate_mbit * 1e6 / 8)
     return {"system": system, "n": n, "k": k, "bound_s": bound, "ratio": bound / out["round_s"], **out}
 
 
@@ -217,7 +292,7 @@ def cell_line(c: dict[str, Any]) -> str:
     )
 
 
-def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[str, Any]:
+def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int, rate_mbit: float) -> dict[str, Any]:
     hosts = net.hosts[args.max_shards : args.max_shards + n]
     addresses = [f"{h.address}:{_RING_PORT}" for h in hosts]
     cell = Cell(net, args, f"ring-n{n}")
@@ -230,8 +305,23 @@ def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int) -> dict[s
         out = cell.run()
     finally:
         cell.close()
-    bound = 2 * (n - 1) / n * cell.size / (args.rate_mbit * 1e6 / 8)
+    bound = 2 * (n - 1) / n * cell.size / (rate_mbit * 1e6 / 8)
     return {"system": "ring", "n": n, "k": 0, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def rate_text(args: argparse.Namespace) -> str:
+    """The links' rate as a report names it."""
+    if args.rate_mbit is not None:
+        return f"{args.rate_mbit:g} Mbit/s each way"
+    return (
+        f"a rate per cell, each way (at most {args.max_rate_mbit:g} Mbit/s), at which the cell's own "
+        f"processes use at most {args.cpu_share:.0%} of the machine's cores"
+    )
+
+
+def rate_arg(text: str) -> float | None:
+    """``--rate-mbit``: a number, or ``auto`` (None)."""
+    return None if text == "auto" else float(text)
 
 
 def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str, Any], command: str) -> str:
@@ -242,7 +332,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"Command: `{command}`",
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{args.rate_mbit:g} Mbit/s each way (htb), {cm.congestion_text(args)}; "
+        f"{rate_text(args)} (htb), {cm.congestion_text(args)}; "
         f"model M = {args.size_mib} MiB in 16 float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
         f"{args.inflight} push_pull round(s) in flight per ps worker. "
@@ -251,12 +341,13 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         "Cells are achieved / bound (bound of a round: max(M/B, n M/(k B)), B the link rate); "
         "CPU, during the ps cell: the machine's busy % (all its cores, other tenants included), the cores "
-        "the cell's own processes used (shards and workers) and its busiest process's.",
+        "the cell's own processes used (shards and workers), that as a share of the machine's cores, and "
+        "its busiest process's cores; the cell's link rate.",
         "",
         "| workers n | shards k | ps | ps, uploads to every shard at once "
         "| raw TCP (whole push, whole answer) | raw TCP streamed | ps round ms | bound ms | machine CPU % "
-        "| cell cores | busiest process, cores |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| cell cores | cell's share | busiest process, cores | rate Mbit/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def ratio(system: str, n: int, k: int) -> str:
@@ -272,7 +363,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
                 f"| {n} | {k} | {ratio('ps', n, k)} | {ratio('ps-together', n, k)} | {ratio('raw', n, k)} "
                 f"| {ratio('raw-stream', n, k)} | "
                 f"{ps['round_s'] * 1e3:.0f} | {ps['bound_s'] * 1e3:.0f} | {ps['machine_cpu_pct']} | "
-                f"{ps['cell_cores']} | {ps['busiest_proc_cores']} |"
+                f"{ps['cell_cores']} | {ps.get('cpu_share', '-')} | {ps['busiest_proc_cores']} "
+                f"| {ps.get('rate_mbit', args.rate_mbit):g} |"
             )
     rings = [c for c in cells if c["system"] == "ring"]
     if rings:
@@ -280,13 +372,14 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
             "",
             "Ring all-reduce (`psclient.collective.Ring`), bound 2 (n-1)/n x M/B per all-reduce:",
             "",
-            "| ranks n | achieved / bound | ms | bound ms | machine CPU % | cell cores "
-            "| busiest process, cores |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| ranks n | achieved / bound | ms | bound ms | machine CPU % | cell cores | cell's share "
+            "| busiest process, cores | rate Mbit/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         lines += [
             f"| {c['n']} | {c['ratio']:.2f} | {c['round_s'] * 1e3:.0f} | {c['bound_s'] * 1e3:.0f} | "
-            f"{c['machine_cpu_pct']} | {c['cell_cores']} | {c['busiest_proc_cores']} |"
+            f"{c['machine_cpu_pct']} | {c['cell_cores']} | {c.get('cpu_share', '-')} "
+            f"| {c['busiest_proc_cores']} | {c.get('rate_mbit', args.rate_mbit):g} |"
             for c in rings
         ]
     return "\n".join(lines) + "\n"
@@ -346,7 +439,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--size-mib", type=int, default=8, help="model size M in MiB (default 8)")
     parser.add_argument(
-        "--rate-mbit", type=float, default=200, help="every link's rate each way, Mbit/s (default 200)"
+        "--rate-mbit",
+        type=rate_arg,
+        default=200.0,
+        help="every link's rate each way, Mbit/s (default 200), or 'auto': a rate per cell, at most "
+        "--max-rate-mbit, at which the cell's own processes use at most --cpu-share of the cores",
+    )
+    parser.add_argument(
+        "--max-rate-mbit", type=float, default=200.0, help="with --rate-mbit auto: the top rate (default 200)"
+    )
+    parser.add_argument(
+        "--cpu-share",
+        type=float,
+        default=0.6,
+        help="with --rate-mbit auto: the share of the machine's cores a cell may use (default 0.6)",
     )
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
     parser.add_argument(
@@ -382,26 +488,48 @@ def main(argv: list[str] | None = None) -> int:
     command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
+    rates = CellRates(args.rate_mbit, args.max_rate_mbit, args.cpu_share, os.cpu_count() or 1)
+    size = args.size_mib * MIB
     with NetnsCluster(
-        num_hosts, rate_mbit=args.rate_mbit, congestion=cm.congestion_of(args), sysctls=cm.sysctls_of(args)
+        num_hosts,
+        rate_mbit=args.rate_mbit or args.max_rate_mbit,
+        congestion=cm.congestion_of(args),
+        sysctls=cm.sysctls_of(args),
     ) as net:
         cm.note_congestion(args, net, net.hosts[0])
+        shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]
         for n in args.workers:
             for k in args.shards:
                 for system in systems:
-                    cells.append(run_ps_cell(net, args, system, n, k))
+                    cells.append(
+                        measured(
+                            net, rates, 2 * min(n, k), shard_hosts[:k] + worker_hosts[:n], 2 * n * size,
+                            lambda rate, system=system, n=n, k=k: run_ps_cell(net, args, system, n, k, rate),
+                        )
+                    )  # fmt: skip
                     print(cell_line(cells[-1]), file=sys.stderr, flush=True)
         for n in args.ring:
-            cells.append(run_ring_cell(net, args, n))
+            cells.append(
+                measured(
+                    net, rates, n, worker_hosts[:n], 2 * (n - 1) * size,
+                    lambda rate, n=n: run_ring_cell(net, args, n, rate),
+                )
+            )  # fmt: skip
             c = cells[-1]
-            print(f"ring n={n}: {c['ratio']:.2f} of bound, CPU {c['machine_cpu_pct']} %", file=sys.stderr)
+            print(
+                f"ring n={n}: {c['ratio']:.2f} of bound at {c['rate_mbit']:g} Mbit/s, CPU "
+                f"{c['machine_cpu_pct']} %, the cell {c['cpu_share']:.0%} of the machine",
+                file=sys.stderr,
+            )
     text = render(args, cells, note, command)
     print(text)
     results = cm.results_record(
         command,
         note,
         cells,
-        rate_mbit=args.rate_mbit,
+        rate_mbit=args.rate_mbit if args.rate_mbit is not None else "auto",
+        max_rate_mbit=args.max_rate_mbit,
+        cpu_share=args.cpu_share,
         size_mib=args.size_mib,
         seconds=args.seconds,
         congestion=cm.congestion_text(args),
