@@ -12,8 +12,8 @@ framework over a framework-free core:
 - ``jax`` (``psclient.keras._jax_adapter``): ``jax.experimental.io_callback`` (ordered) inside the
   jitted, stateless train step: ``fit`` stays compiled; the callback takes the gradients as
   arguments and returns the new values, which the optimizer's stateless apply hands back to Keras.
-- ``torch``: eager steps (this module's ``EagerAdapter``): numpy in and out of the optimizer's
-  ``apply``.
+- ``torch`` (``psclient.keras._torch_adapter``): eager steps (this module's ``EagerAdapter``): numpy
+  in and out of the optimizer's ``apply``.
 
 TensorFlow is imported only by its adapter, so the glue does not import it on the other backends.
 What a backend cannot do yet raises ``unsupported(feature)``: a ``PSError`` that names the backend
@@ -37,6 +37,8 @@ BACKENDS = ("tensorflow", "jax", "torch")
 # (shape, numpy dtype) of a host function's output; None in a shape: known only when it runs
 OutputSpec = tuple[tuple[int | None, ...], Any]
 HostFn = Callable[..., list[np.ndarray]]  # numpy arrays in, numpy arrays out
+RowLookup = Callable[[np.ndarray], np.ndarray]  # 1-D ids -> their rows, (len(ids), width)
+RowKeeper = Callable[[np.ndarray, np.ndarray], None]  # (1-D ids, their rows' gradient): kept for the push
 
 
 def backend_name() -> str:
@@ -65,6 +67,10 @@ class EagerAdapter:
     row_sparse_gradients = False  # Embedding tables: only the batch's rows travel
     # non-trainable state (BatchNorm statistics) read and assigned where the optimizer applies the gradients
     shared_state_in_step = True
+    # psclient.keras.Embedding: the backward pass hands the looked-up rows' gradient to host code
+    # (``lookup_rows``), which the step's exchange pushes; else (TensorFlow) the layer's gradient is
+    # an IndexedSlices that the step's exchange takes as an input.
+    host_row_gradients = False
 
     def eager(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which variables are read and assigned eagerly, also while a step is traced."""
@@ -84,6 +90,16 @@ class EagerAdapter:
         """Runs ``fn`` (numpy arrays in and out) as part of the step; returns its outputs as tensors."""
         arrays = [np.asarray(keras.ops.convert_to_numpy(t)) for t in inputs]
         return [keras.ops.convert_to_tensor(a) for a in fn(*arrays)]
+
+    def lookup_rows(
+        self, ids: Any, anchor: Any, lookup: RowLookup, keep: RowKeeper, width: int, dtype: str
+    ) -> Any:
+        """Rows of the 1-D integer ``ids`` as a tensor ``(len(ids), width)``, read in the step by the host
+        function ``lookup(ids) -> rows`` (numpy), and differentiable: the backward pass hands
+        ``keep(ids, the rows' gradient)`` (numpy) the rows' gradient and gives ``anchor`` (a
+        trainable variable's value) a zero gradient, so that the optimizer's step applies the
+        anchor and the exchange pushes the rows (``psclient.keras.Embedding``)."""
+        raise unsupported("psclient.keras.Embedding's lookup", self.name)
 
     def row_gradient(self, grad: Any) -> tuple[Any, Any] | None:
         """``(ids, rows)`` of a gradient that holds only some rows of a table, else None (a dense one)."""
@@ -119,10 +135,8 @@ class EagerAdapter:
 
 @functools.cache
 def _adapter_for(name: str) -> EagerAdapter:
-    if name == "torch":
-        return EagerAdapter()
-    if name in ("tensorflow", "jax"):
-        module = importlib.import_module(f"psclient.keras._{'tf' if name == 'tensorflow' else 'jax'}_adapter")
+    if name in BACKENDS:
+        module = importlib.import_module(f"psclient.keras._{'tf' if name == 'tensorflow' else name}_adapter")
         adapter: EagerAdapter = module.Adapter()
         return adapter
     raise unsupported("psclient.keras", name)
@@ -154,6 +168,6 @@ def require_tensorflow(feature: str) -> None:
 
 
 __all__ = [
-    "BACKENDS", "EagerAdapter", "HostFn", "OutputSpec", "adapter", "backend_name", "require_tensorflow",
-    "tensorflow", "unsupported",
+    "BACKENDS", "EagerAdapter", "HostFn", "OutputSpec", "RowKeeper", "RowLookup", "adapter", "backend_name",
+    "require_tensorflow", "tensorflow", "unsupported",
 ]  # fmt: skip

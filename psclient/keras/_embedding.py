@@ -25,6 +25,14 @@ Design (why it trains correctly in every mode):
   ``psclient.Rows`` *in the same exchange* as the dense gradients. So sync mode
   keeps one push (one global step) per batch, and async/ssp keep their overlap;
   nothing is pulled back for the table (the next lookup reads the rows).
+- On JAX and PyTorch (the backend's adapter, ``lookup_rows``): the batch's ids come as they are
+  (static shapes: JAX's jitted ``fit`` stays compiled), the host reads each distinct id's row once
+  (in the step: an ``io_callback`` on JAX, a direct call on PyTorch), and the backward pass hands
+  the rows' gradient to the layer (JAX: a ``custom_vjp`` whose backward runs a host callback;
+  PyTorch: a hook on the rows, a leaf tensor that requires grad). The step's exchange takes them
+  (``take_rows``: summed per distinct id) and pushes them as ``psclient.Rows``, as above. Ids are
+  int32 on JAX unless ``jax_enable_x64`` is set (a dynamic table's raw ids then must be below 2**31);
+  string keys are TensorFlow's only.
 - The server-side optimizer is the model's ``DistributedOptimizer``'s, or
   ``optimizer=`` (a Keras optimizer or a psclient spec), applied row by row; an
   optimizer the shards cannot apply by row (Adafactor, Lamb, clipnorm) is refused.
@@ -82,10 +90,10 @@ import keras
 import numpy as np
 
 from psclient._tables import DynamicOptions
-from psclient.keras._backend import require_tensorflow
+from psclient.keras._backend import backend_name, unsupported
 from psclient.keras._backend import tensorflow as tf  # imported when first used: on TensorFlow only
 from psclient.keras._ps import PSWorker, server_optimizer
-from pscore.embedding import Initializer
+from pscore.embedding import Initializer, Rows
 from pscore.errors import PSError
 from pscore.optimizers import Optimizer
 
@@ -176,7 +184,8 @@ class Embedding(keras.layers.Layer):
         ttl_seconds: float | None = None,
         **kwargs: Any,
     ) -> None:
-        require_tensorflow("psclient.keras.Embedding")  # a tf.numpy_function lookup and tf.custom_gradient
+        if key_type == "string" and backend_name() != "tensorflow":
+            raise unsupported("psclient.keras.Embedding with key_type='string' (string tensors)")
         super().__init__(**kwargs)
         if not isinstance(worker, PSWorker):
             raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")
@@ -204,6 +213,9 @@ class Embedding(keras.layers.Layer):
         # L1 / L2 / L1L2, applied by the shards to the rows (PSWorker's table_regularization)
         self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self._pending: list[tuple[Any, Any, Any]] = []  # (graph, ids, row gradients) of backward passes
+        # JAX, PyTorch: (ids, row gradients) that backward passes handed to the host, for the next push
+        self._host_rows: list[tuple[np.ndarray, np.ndarray]] = []
+        self._host_lock = threading.Lock()  # JAX's callbacks may run on another thread than the exchange's
         self._prefetched = _Prefetched()
 
     def build(self, input_shape: Any = None) -> None:
@@ -293,6 +305,8 @@ class Embedding(keras.layers.Layer):
         return np.asarray(rows, dtype)
 
     def call(self, inputs: Any) -> Any:
+        if backend_name() != "tensorflow":
+            return self._call_host(inputs)
         ids = tf.convert_to_tensor(inputs)
         if self.key_type == "string" and ids.dtype != tf.string:
             raise ValueError(
@@ -325,6 +339,45 @@ class Embedding(keras.layers.Layer):
         out = tf.gather(rows, where)
         out = tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
         return tf.cast(out, self.compute_dtype)
+
+    def _call_host(self, inputs: Any) -> Any:
+        """JAX, PyTorch: the batch's rows through the adapter's ``lookup_rows`` (static shapes: the ids as
+        they come; the host reads each distinct id once), gradients caught for the push (``take_rows``)."""
+        ids = keras.ops.convert_to_tensor(inputs)
+        if "int" not in keras.backend.standardize_dtype(ids.dtype):
+            ids = keras.ops.cast(ids, "int32")
+        flat = keras.ops.reshape(ids, (-1,))
+        rows = self.worker._backend.lookup_rows(
+            flat, self.anchor.value, self._lookup_all, self._keep_rows, self.output_dim, self.variable_dtype
+        )
+        out = keras.ops.reshape(rows, (*tuple(ids.shape), self.output_dim))
+        return keras.ops.cast(out, self.compute_dtype)
+
+    def _lookup_all(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ids with repeats: each distinct id read once (``_lookup``; in first-seen order, as
+        ``tf.unique`` gives them, so that a prefetch of the batch matches)."""
+        unique, inverse = _first_seen_unique(self._ids(ids).reshape(-1))
+        return self._lookup(unique)[inverse]
+
+    def _keep_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
+        with self._host_lock:
+            self._host_rows.append(
+                (self._ids(ids).reshape(-1), np.asarray(grads).reshape(-1, self.output_dim))
+            )
+
+    def take_rows(self) -> Rows | None:
+        """JAX, PyTorch: the row gradients the step's backward passes handed over, summed per distinct id
+        (what the step pushes), or None when none did."""
+        with self._host_lock:
+            kept, self._host_rows = self._host_rows, []
+        if not kept:
+            return None
+        ids = np.concatenate([i for i, _ in kept])
+        grads = np.concatenate([g for _, g in kept]).astype(np.dtype(self.variable_dtype), copy=False)
+        unique, inverse = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(unique), self.output_dim), grads.dtype)
+        np.add.at(summed, inverse.reshape(-1), grads)
+        return Rows(unique, summed)
 
     def take_gradient(self) -> tf.IndexedSlices:
         """The row gradients of this graph's (or the eager step's) backward passes, as IndexedSlices."""
@@ -407,6 +460,19 @@ class _Prefetched:
                 return np.asarray(rows)
         self.misses += 1
         return None
+
+
+def _first_seen_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct ids in first-seen order, index of each id in them)``, as ``tf.unique``.
+
+    >>> _first_seen_unique(np.array([5, 3, 5, 1]))
+    (array([5, 3, 1]), array([0, 1, 0, 2]))
+    """
+    sorted_ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return sorted_ids[order], rank[inverse.reshape(-1)]
 
 
 def _key(ids: np.ndarray) -> Any:

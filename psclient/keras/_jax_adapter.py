@@ -7,11 +7,15 @@ compiled step as an ordered ``jax.experimental.io_callback`` that takes the step
 returns the shards' new values, which the step assigns (recorded by Keras's stateless scope and
 handed back as the step's new state). So ``fit`` stays compiled (``jit_compile=True``, Keras's
 default on JAX) and nothing leaves the step but the callback. Shapes in a jitted step are static:
-an Embedding table's gradient is dense on JAX (the whole table travels). The non-trainable state that
-the glue shares through the shards (BatchNorm statistics) is not in the optimizer's stateless scope
-(it sees it as it was before the forward pass and does not hand it back): the parameter server's
-``fit`` wraps the train step, and the step's one exchange runs after it with its gradients and its
-new state (``PSWorker.defer_state``). All-reduce training refuses such state with a clear error.
+a ``keras.layers.Embedding`` table's gradient is dense on JAX (the whole table travels);
+``psclient.keras.Embedding`` reads its rows through an unordered ``io_callback`` in a ``custom_vjp``
+whose backward pass hands the rows' gradient to host code through another (its output, the anchor's
+zero gradient, is an input of the exchange's callback, which so runs after it and pushes the rows).
+The non-trainable state that the glue shares through the shards (BatchNorm statistics) is not in the
+optimizer's stateless scope (it sees it as it was before the forward pass and does not hand it
+back): the parameter server's ``fit`` wraps the train step, and the step's one exchange runs after
+it with its gradients and its new state (``PSWorker.defer_state``). All-reduce training refuses such
+state with a clear error.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from psclient.keras._backend import EagerAdapter, HostFn, OutputSpec, unsupported
+from psclient.keras._backend import EagerAdapter, HostFn, OutputSpec, RowKeeper, RowLookup, unsupported
 
 
 class Adapter(EagerAdapter):
@@ -33,6 +37,7 @@ class Adapter(EagerAdapter):
     # Keras's JAX step (jitted or not) is stateless: the optimizer's ``stateless_apply`` sees the
     # non-trainable state as it was before the forward pass and hands back only its own assignments.
     shared_state_in_step = False
+    host_row_gradients = True
 
     def tracing(self, *tensors: Any) -> bool:
         return any(isinstance(t, jax.core.Tracer) for t in tensors)
@@ -65,12 +70,17 @@ class Adapter(EagerAdapter):
             where = {id(v): i for i, v in enumerate(model.trainable_variables)}
             state_where = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
             trainable, non_trainable = list(trainable), list(non_trainable)
+
+            def state_of(v: Any) -> Any:  # another model's state (one worker, two models): as it is
+                return non_trainable[state_where[id(v)]] if id(v) in state_where else v.value
+
             for exchange in deferred:
-                new_trainable, new_state = exchange(lambda v: non_trainable[state_where[id(v)]])
+                new_trainable, new_state = exchange(state_of)
                 for var, value in new_trainable:
                     trainable[where[id(var)]] = value
                 for var, value in new_state:
-                    non_trainable[state_where[id(var)]] = value
+                    if id(var) in state_where:
+                        non_trainable[state_where[id(var)]] = value
             return logs, (trainable, non_trainable, optimizer, metrics)
 
         model.train_step = train_step
@@ -84,6 +94,36 @@ class Adapter(EagerAdapter):
         if getattr(rate, "_value", 0) is None:
             return None
         return super().read_rate(rate)
+
+    def lookup_rows(
+        self, ids: Any, anchor: Any, lookup: RowLookup, keep: RowKeeper, width: int, dtype: str
+    ) -> Any:
+        # Static shapes: the batch's ids as they come (not deduplicated: the host does that), their rows.
+        rows_spec = jax.ShapeDtypeStruct((ids.shape[0], width), np.dtype(dtype))
+        anchor_spec = jax.ShapeDtypeStruct(anchor.shape, anchor.dtype)
+
+        def read(i: Any) -> np.ndarray:
+            return np.asarray(lookup(np.asarray(i)), rows_spec.dtype).reshape(rows_spec.shape)
+
+        def caught(i: Any, grad: Any) -> np.ndarray:
+            keep(np.asarray(i), np.asarray(grad))
+            return np.zeros(anchor_spec.shape, anchor_spec.dtype)
+
+        # NOTE: unordered callbacks (jax 0.10 accepts ordered ones in a custom_vjp too; older releases
+        # refused them): the lookup's output is the step's input, and the backward's callback runs
+        # before the exchange's by data (its output, the anchor's gradient, is an input of the exchange).
+        @jax.custom_vjp
+        def rows(a: Any, i: Any) -> Any:
+            return io_callback(read, rows_spec, i, ordered=False)
+
+        def forward(a: Any, i: Any) -> tuple[Any, Any]:
+            return rows(a, i), i
+
+        def backward(i: Any, grad: Any) -> tuple[Any, None]:
+            return io_callback(caught, anchor_spec, i, grad, ordered=False), None
+
+        rows.defvjp(forward, backward)
+        return rows(anchor, ids)
 
     def host_call(
         self, fn: HostFn, inputs: Sequence[Any], outputs: Sequence[OutputSpec], name: str

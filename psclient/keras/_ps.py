@@ -90,6 +90,8 @@ _ATTACH_POLL_S = 0.2
 STATE_OPTIMIZER = SGD(learning_rate=1.0)
 # Keras optimizer settings the worker applies itself (they are not per-variable rules).
 _WORKER_SIDE_KEYS = ("global_clipnorm", "gradient_accumulation_steps")
+# No rows of a psclient.keras.Embedding (what comes back for its table; what a step's backward pass gave none)
+_NO_ROWS = Rows(np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
 
 
 def _keras_optimizer(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -851,7 +853,11 @@ class PSWorker:
             PSError: a shard failed, rejected the gradients, or a barrier timed out.
         """
         self._require()
-        gmap = {n: g if isinstance(g, Rows) else np.asarray(g) for n, g in zip(names, grads, strict=True)}
+        gmap = {
+            n: g if isinstance(g, Rows) else np.asarray(g)
+            for n, g in zip(names, grads, strict=True)
+            if g is not _NO_ROWS
+        }
         state_names = [n for n, _ in self._state] if len(state) else []
         for name, value in zip(state_names, state, strict=True):
             delta = np.subtract(value, self._base[name])
@@ -860,8 +866,7 @@ class PSWorker:
         values = self._exchange(gmap)
         self.bytes_pushed += sum(_nbytes(g) for g in gmap.values())
         self.bytes_pulled += sum(_nbytes(v) for v in values.values())
-        none = Rows(np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
-        out = [none if n in self._remote else values[n] for n in names]
+        out = [_NO_ROWS if n in self._remote else values[n] for n in names]
         for name in state_names:
             if name in values:
                 self._base[name] = np.array(values[name])
@@ -1013,7 +1018,9 @@ class PSWorker:
                 f"variables {sorted(self.name_of(v) for v in unknown)} were not attached to the "
                 "parameter server: attach the model (worker.attach(model, optimizer)) first"
             )
-        if any(n in self._remote for n in var_names):  # the anchor's gradient: the layer's row gradients
+        backend = self._backend
+        if not backend.host_row_gradients and any(n in self._remote for n in var_names):
+            # TensorFlow: the anchor's gradient is replaced by the layer's row gradients (IndexedSlices)
             swapped = [(self._remote[n].take_gradient(), v) if n in self._remote else (g, v)
                        for n, (g, v) in zip(var_names, pairs, strict=True)]  # fmt: skip
             keep = [g is not None for g, _ in swapped]
@@ -1021,7 +1028,6 @@ class PSWorker:
             var_names = [n for n, k in zip(var_names, keep, strict=True) if k]
             if not pairs:
                 return
-        backend = self._backend
         state_vars = [v for _, v in self._state]
         if state_vars and not backend.shared_state_in_step and self._deferred is None:
             raise _backend.unsupported(
@@ -1030,14 +1036,18 @@ class PSWorker:
             )
         # What each gradient is on the wire: "dense" (a variable), "rows" (a table's gradient that holds the
         # batch's rows: ids and rows in, the ids and their new rows out), "table" (a table's dense gradient:
-        # every row travels; its new value out).
+        # every row travels; its new value out), "host" (a psclient.keras.Embedding's rows that the backward
+        # pass handed to the host, JAX and PyTorch: its anchor's gradient in, to order the two; none out).
         kinds: list[str] = []
         inputs: list[Any] = []
         outputs: list[_backend.OutputSpec] = []
         for (g, var), name in zip(pairs, var_names, strict=True):
             dtype = keras.backend.standardize_dtype(var.dtype)
             rows = backend.row_gradient(g) if name in self._tables else None
-            if rows is not None:  # an Embedding's gradient: only the batch's rows
+            if name in self._remote and backend.host_row_gradients:
+                kinds.append("host")
+                inputs.append(g)
+            elif rows is not None:  # an Embedding's gradient: only the batch's rows
                 kinds.append("rows")
                 inputs += list(rows)
                 width = None if name in self._remote else var.shape[1]  # a remote table: none come back
@@ -1058,7 +1068,8 @@ class PSWorker:
             def exchange(state_of: Callable[[Any], Any]) -> tuple[list[Any], list[Any]]:
                 state = [state_of(v) for v in state_vars]
                 new = iter(backend.host_call(fn, inputs + state, outputs, "ps_exchange"))
-                return [(var, next(new)) for _, var in pairs], [(var, next(new)) for var in state_vars]
+                assigned = [var for (_, var), kind in zip(pairs, kinds, strict=True) if kind != "host"]
+                return [(var, next(new)) for var in assigned], [(var, next(new)) for var in state_vars]
 
             self._deferred.append(exchange)  # type: ignore[union-attr]
             return
@@ -1066,6 +1077,8 @@ class PSWorker:
         new = backend.host_call(fn, inputs, outputs, "ps_exchange")
         out = iter(new)
         for (_, var), kind, name in zip(pairs, kinds, var_names, strict=True):
+            if kind == "host":  # nothing comes back: the layer's next lookup reads the rows
+                continue
             if kind == "rows":  # the rows that came back: written into the worker's copy of the table
                 ids, rows = next(out), next(out)
                 if name not in self._remote:  # none come back: no local copy
@@ -1125,8 +1138,11 @@ def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callab
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         grads: list[Any] = []
         k = 0
-        for kind in kinds:
-            if kind == "rows":
+        for kind, name in zip(kinds, names, strict=True):
+            if kind == "host":  # the rows the backward pass handed over (none: an empty push of the table)
+                grads.append(worker._remote[name].take_rows() or _NO_ROWS)
+                k += 1
+            elif kind == "rows":
                 grads.append(Rows(arrays[k], arrays[k + 1]))
                 k += 2
             elif kind == "table":
@@ -1138,6 +1154,8 @@ def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callab
         values = worker.exchange(names, grads, arrays[k:])
         out: list[np.ndarray] = []
         for value, kind, grad in zip(values[: len(kinds)], kinds, grads, strict=True):
+            if kind == "host":
+                continue
             if kind == "table":  # every row was pushed, so every row came back
                 whole = np.empty_like(grad.values)
                 whole[np.asarray(value.ids, np.int64).reshape(-1)] = np.asarray(value.values)

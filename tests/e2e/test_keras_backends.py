@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytestmark = [pytest.mark.e2e]
@@ -106,7 +107,7 @@ import keras, psclient.keras as psk
 from pscore.errors import PSError
 worker = psk.PSWorker(["127.0.0.1:1"], worker_index=0, num_workers=1)
 try:
-    psk.Embedding(10, 4, worker=worker)
+    psk.Embedding(None, 4, worker=worker, key_type="string")
 except PSError as err:
     print("REFUSED", err)
 worker.client.close()
@@ -126,7 +127,44 @@ def test_what_a_backend_cannot_do_yet_is_a_ps_error_naming_backend_and_feature(b
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED")]
-    assert "psclient.keras.Embedding" in line and repr(backend) in line, line
+    assert "psclient.keras.Embedding with key_type='string'" in line and repr(backend) in line, line
+
+
+EMBEDDING = HERE / "_backend_embedding.py"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_table_on_the_shards_trains_as_a_local_embedding(backend: str, make_cluster) -> None:
+    """``psclient.keras.Embedding`` (rows only on the shards) on JAX (``fit`` jitted: the rows come in through
+    an ``io_callback``, their gradient goes out through a ``custom_vjp``) and PyTorch (a hook on the rows):
+    one sync worker with SGD trains, epoch by epoch, as Keras's own Embedding trains locally from the same
+    rows (with BatchNorm: on JAX the step's exchange runs after the step, ``PSWorker.defer_state``); only
+    the touched rows change; a dynamic table of raw ids trains; a bad id is a clear error. One subprocess
+    (``_backend_embedding.py``)."""
+    pytest.importorskip(backend)
+    cluster = make_cluster(
+        num_shards=2, server_args=("--mode", "sync", "--replicas-to-aggregate", "1", "--total-replicas", "1")
+    )
+    proc = subprocess.run(
+        [sys.executable, str(EMBEDDING), ",".join(cluster.addresses)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line)
+    print(f"\n{backend} embedding: {line}")
+    np.testing.assert_allclose(result["remote_losses"], result["local_losses"], rtol=1e-4)
+    assert result["remote_losses"][-1] < 0.7 * result["remote_losses"][0], result
+    steps = 3 * 256 // 32
+    assert result["steps_done"] == steps and result["stale_steps"] == 0, result  # one sync step a batch
+    assert result["touched_rows_max_error"] < 1e-4 and result["untouched_rows_unchanged"], result
+    assert result["predict_max_error"] < 1e-4, result
+    assert result["largest_weight"] < 1000, result  # no 5,000 x 8 table on the worker
+    # a step moves at most its batch's rows (ids and values out; none back) and the small dense variables
+    assert result["bytes_per_step"] < 32 * 4 * (8 + 8 * 4) + 4096, result
+    assert "out of range" in (result["bad_id_error"] or ""), result
+    assert result["dynamic_losses"][-1] < 0.7 * result["dynamic_losses"][0], result
+    assert result["dynamic_rows_on_shards"] == result["distinct_raw_ids"], result
 
 
 BATCHNORM_CNN = ROOT / "examples" / "batchnorm_cnn.py"
