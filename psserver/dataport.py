@@ -21,10 +21,11 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
 - Metrics count these requests as ``Push``, ``Pull`` and ``Lookup`` RPCs.
 - A BATCH frame carries several small requests of one client process (its
   concurrent callers met, ``psclient._bulk``): each is served as if it had
-  come alone, all at once (a task each: a push waiting at a sync barrier holds
-  back none of the others), and answered once, in BATCHED frames: those
-  served at once together, the others as they end. A bad entry gets its own
-  ERROR answer; the others are served as usual.
+  come alone and answered once, in BATCHED frames. In sync and ssp modes, or
+  with a backup, all at once (a task each: a push waiting at a sync barrier
+  holds back none of the others), those served at once answered together and
+  the others as they end; in async mode one after the other, answered in one
+  frame. A bad entry gets its own ERROR answer; the others are served as usual.
 
 Shutdown (``stop``): the port stops accepting; connections waiting for a
 request are closed, and a request in progress is answered (up to the grace
@@ -230,11 +231,13 @@ class DataPortServer:
     async def _answer_batch(
         self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None, sizes: list[int]
     ) -> None:
-        """Serves a BATCH frame's requests, each as if it had come alone and at the same time (a task each:
-        one waiting on a barrier holds back none of the others), and answers each once: those served at
-        once in one BATCHED frame, the others in BATCHED frames as they end. A bad entry is answered by
-        its own ERROR; entries that do not fill the frame (``sizes``: its payload's bytes) drop the
-        connection."""
+        """Serves a BATCH frame's requests, each as if it had come alone, and answers each once. Where a
+        request may wait for another one (sync and ssp modes) or for a backup, they are served at the same
+        time (a task each: one waiting on a barrier holds back none of the others): those served at once
+        are answered in one BATCHED frame, the others in BATCHED frames as they end; else (async mode, no
+        backup: ``ShardService.serves_alone``) one after the other, all answered in one frame. A bad entry
+        is answered by its own ERROR; entries that do not fill the frame (``sizes``: its payload's bytes)
+        drop the connection."""
         view = memoryview(buf if buf is not None else b"")[: sizes[0]]  # the pooled buffer may be longer
         try:
             items = bulk.read_entries(view, frame.head.count, bulk.REQUESTS)
@@ -242,9 +245,17 @@ class DataPortServer:
             log.warning("shard %d: data port connection dropped: bad batch frame: %s", self._shard, err)
             link.reset()
             return
-        loop = asyncio.get_running_loop()
         done: list[tuple[int, bulk.Frame, list[memoryview]]] = []
         wake: list[asyncio.Future[None]] = []
+        if self._service.serves_alone():  # the common case: one after the other, no task each
+            for index, item, payload in items:
+                if isinstance(item, codec.CodecError):
+                    done.append((index, self._refusal(item), []))
+                else:
+                    await self._entry(index, item, payload, done, wake)
+            await self._send_answers(link, done)
+            return
+        loop = asyncio.get_running_loop()
         tasks = []
         for index, item, payload in items:
             if isinstance(item, codec.CodecError):
@@ -259,20 +270,29 @@ class DataPortServer:
                     wake.append(woken)
                     await woken
                 ready, answered = done[answered:], len(done)
-                await link.send(
-                    bulk.Frame(bulk.BATCHED, ps_pb2.DataPortBatch(count=len(ready))), bulk.entries(ready)
-                )
-                if self._metrics is not None:
-                    sent = sum(len(p) for i, f, payload in ready if f.kind != bulk.LOOKED_UP for p in payload)
-                    if sent:
-                        self._metrics.pull_bytes.inc(sent)
-                if answered == len(items):
+                if not await self._send_answers(link, ready) or answered == len(items):
                     return
-        except PSError as err:  # the client went away; its retries get new answers
-            log.info("shard %d: data port answers not delivered: %s", self._shard, err.details)
         finally:
             for t in tasks:
                 t.cancel()
+
+    async def _send_answers(
+        self, link: bulk.BulkConnection, ready: list[tuple[int, bulk.Frame, list[memoryview]]]
+    ) -> bool:
+        """Sends answers to a batch's requests in one BATCHED frame; False: the client went away (its
+        retries get new answers)."""
+        try:
+            await link.send(
+                bulk.Frame(bulk.BATCHED, ps_pb2.DataPortBatch(count=len(ready))), bulk.entries(ready)
+            )
+        except PSError as err:
+            log.info("shard %d: data port answers not delivered: %s", self._shard, err.details)
+            return False
+        if self._metrics is not None:
+            sent = sum(len(p) for _, f, payload in ready if f.kind != bulk.LOOKED_UP for p in payload)
+            if sent:
+                self._metrics.pull_bytes.inc(sent)
+        return True
 
     async def _entry(
         self,

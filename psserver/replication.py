@@ -166,6 +166,11 @@ class Primary:
         return link.peer if link is not None and link.confirmed else ""
 
     @property
+    def forwarding(self) -> bool:
+        """Whether a backup is attached (an update is answered once it acknowledged it)."""
+        return self._link is not None
+
+    @property
     def unacknowledged(self) -> int:
         """Updates forwarded to the attached backup and not acknowledged yet (0 without a backup)."""
         link = self._link

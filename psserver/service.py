@@ -227,6 +227,15 @@ class ShardService:
         if self.primary is not None:
             self.primary.close("this shard is shutting down")
 
+    def serves_alone(self) -> bool:
+        """Whether a request is served now without waiting for another request or a peer (async mode, no
+        backup attached): requests that came together may then be served one after the other
+        (``psserver.dataport``'s batches)."""
+        primary = self.primary
+        return (
+            self.mode.name == "async" and self.backup is None and (primary is None or not primary.forwarding)
+        )
+
     def check_serving(self, what: str) -> None:
         """Raises UnavailableError unless this process may serve a client now.
 

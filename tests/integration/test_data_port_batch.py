@@ -22,7 +22,7 @@ import psclient
 from psclient import _bulk
 from pscore import bulk, codec
 from psproto.v1 import ps_pb2
-from trainer.cluster import LocalCluster
+from trainer.cluster import LocalCluster, backups_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -150,6 +150,48 @@ async def test_sync_mode_pushes_in_one_batch_meet_at_the_barrier(
     np.testing.assert_array_equal(
         values["v"], np.full(4, -2 * np.mean(np.arange(1, workers + 1)), np.float32)
     )
+
+
+def test_batched_pushes_to_a_replicated_shard_reach_the_backup_each_once() -> None:
+    """With a backup attached the shard serves a batch's pushes at once (each waits for the backup's
+    acknowledgement); after failover the backup holds every push exactly once."""
+    names = [f"r/{i}" for i in range(CALLERS)]
+
+    async def push_all(addresses: list[str]) -> tuple[dict[str, np.ndarray], dict[str, int], int]:
+        async with psclient.AsyncPSClient(addresses, "setup", **WIRE) as setup:
+            await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.Adam(0.1))
+        clients = await _clients(addresses, CALLERS, names)
+        try:
+            for _ in range(ROUNDS):
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    assert all(
+                        await asyncio.gather(
+                            *(
+                                c.push({n: np.full(8, i + 1.0, np.float32)})
+                                for i, (c, n) in enumerate(zip(clients, names, strict=True))
+                            )
+                        )
+                    )
+            (link,) = _links(clients)
+            values, versions = await clients[0].pull_with_versions(names)
+        finally:
+            for c in clients:
+                await c.close()
+        return values, versions, link.batches
+
+    async def pull_all(addresses: list[str]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        async with psclient.AsyncPSClient(addresses, "reader", **WIRE) as c:
+            return await c.pull_with_versions(names)
+
+    with LocalCluster(1) as primary, backups_of(primary, ["--serve-alone"]) as backup:
+        addresses = [f"{primary.addresses[0]}|{backup.addresses[0]}"]
+        on_primary, versions, batches = asyncio.run(push_all(addresses))
+        primary.kill_shard(0)
+        on_backup, backup_versions = asyncio.run(pull_all(addresses))  # fails over to the backup
+    assert batches >= ROUNDS
+    assert backup_versions == versions == dict.fromkeys(names, ROUNDS)
+    for n in names:
+        np.testing.assert_array_equal(on_backup[n], on_primary[n])
 
 
 def test_threads_sharing_one_client_each_get_their_own_answers(
