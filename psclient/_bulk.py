@@ -236,24 +236,9 @@ class RequestError(grpc.RpcError):
         return ((ERROR_REASON_KEY, self._reason),) if self._reason else ()
 
 
-class _Waiting:
-    """A small request waiting to leave in a batch (``DataLink.request``), and its answer's future."""
-
-    __slots__ = ("deadline", "frame", "future", "into", "payload")
-
-    def __init__(
-        self,
-        frame: bulk.Frame,
-        payload: Sequence[Buffer],
-        into: Into[bulk.Frame] | None,
-        deadline: float,
-        future: asyncio.Future[bulk.Frame],
-    ) -> None:
-        self.frame = frame
-        self.payload = payload
-        self.into = into
-        self.deadline = deadline
-        self.future = future
+# A small request waiting to leave in a batch (``DataLink.request``): its frame, payload, ``into``, deadline
+# (time.monotonic()) and its answer's future (a tuple: made per request, without a call).
+_Waiting = tuple[bulk.Frame, Sequence[Buffer], "Into[bulk.Frame] | None", float, "asyncio.Future[bulk.Frame]"]
 
 
 def _give_up(future: asyncio.Future[bulk.Frame], timeout: float) -> None:
@@ -391,8 +376,23 @@ class DataLink:
         assert task is not None
         loop = asyncio.get_running_loop()
         if small:
-            if self._small >= SMALL_IN_FLIGHT or self._waiting:
-                return await self._wait_for_batch(frame, payload, into, timeout)
+            if self._small >= SMALL_IN_FLIGHT or self._waiting:  # it waits, to leave in a BATCH frame
+                loop = asyncio.get_running_loop()
+                future: asyncio.Future[bulk.Frame] = loop.create_future()
+                if (
+                    not self._waiting
+                ):  # the first to wait: the batch leaves once this turn of the loop is over
+                    loop.call_soon(self._send_waiting)
+                self._waiting.append((frame, payload, into, time.monotonic() + timeout, future))
+                timer = loop.call_later(timeout, _give_up, future, timeout)
+                try:
+                    reply = await future  # cancelled: its batch, if it left, goes on for the others
+                finally:
+                    timer.cancel()
+                if reply.kind == bulk.ERROR:
+                    code = status_from_number(reply.head.code)
+                    raise RequestError(code, reply.head.message, reply.head.reason)
+                return reply
             self._small += 1
         try:
             while True:
@@ -459,24 +459,6 @@ class DataLink:
             if small:
                 self._small -= 1
 
-    async def _wait_for_batch(
-        self, frame: bulk.Frame, payload: Sequence[Buffer], into: Into[bulk.Frame] | None, timeout: float
-    ) -> bulk.Frame:
-        """``request`` of a small request that waits to leave in a batch; its answer, or its error."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[bulk.Frame] = loop.create_future()
-        if not self._waiting:  # the first to wait: the batch leaves once this turn of the loop is over
-            loop.call_soon(self._send_waiting)
-        self._waiting.append(_Waiting(frame, payload, into, time.monotonic() + timeout, future))
-        timer = loop.call_later(timeout, _give_up, future, timeout)
-        try:
-            reply = await future  # cancelled: its batch, if it left, goes on for the others
-        finally:
-            timer.cancel()
-        if reply.kind == bulk.ERROR:
-            raise RequestError(status_from_number(reply.head.code), reply.head.message, reply.head.reason)
-        return reply
-
     def _send_waiting(self) -> None:
         """Sends the waiting requests (those given up skipped) in BATCH frames of up to
         ``BATCH_MAX_REQUESTS``, each by a task of its own (their callers' cancellations do not touch the
@@ -486,7 +468,7 @@ class DataLink:
             batch: list[_Waiting] = []
             while waiting and len(batch) < BATCH_MAX_REQUESTS:
                 w = waiting.popleft()
-                if not w.future.done():
+                if not w[4].done():  # not given up
                     batch.append(w)
             if batch:
                 self._small += 1
@@ -510,9 +492,9 @@ class DataLink:
             else:
                 failure = RequestError(grpc.StatusCode.INTERNAL, f"a data port batch failed: {exc!r}")
                 log.exception("shard %s: a data port batch failed", self.address)
-            for w in batch:
-                if not w.future.done():
-                    w.future.set_exception(failure)
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(failure)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -524,9 +506,9 @@ class DataLink:
         Raises:
             Unusable, RequestError, grpc.RpcError: no connection to send it on.
         """
-        payload = bulk.entries((i, w.frame, w.payload) for i, w in enumerate(batch))
+        payload = bulk.entries((i, w[0], w[1]) for i, w in enumerate(batch))
         frame = bulk.Frame(bulk.BATCH, ps_pb2.DataPortBatch(count=len(batch)))
-        deadline = max(w.deadline for w in batch)
+        deadline = max(w[3] for w in batch)
         self.batches += 1
         while True:
             reused = bool(self._idle)
@@ -580,15 +562,15 @@ class DataLink:
         the frame's buffer, which the next frame reuses)."""
         if not 0 <= index < len(batch):
             raise codec.CodecError(f"an answer to request {index} of a batch of {len(batch)}")
-        w = batch[index]
-        if w.future.done():  # given up (or answered twice: ignored)
+        _, _, into, _, future = batch[index]
+        if future.done():  # given up (or answered twice: ignored)
             return
         if isinstance(item, codec.CodecError):
-            w.future.set_exception(RequestError(grpc.StatusCode.INTERNAL, f"a malformed answer: {item}"))
+            future.set_exception(RequestError(grpc.StatusCode.INTERNAL, f"a malformed answer: {item}"))
             return
         try:
-            if w.into is not None:
-                targets = w.into(item, len(data))
+            if into is not None:
+                targets = into(item, len(data))
                 if targets is not None:
                     at = 0
                     for target in targets:
@@ -600,11 +582,11 @@ class DataLink:
                             f"an answer of {len(data)} payload bytes; its head describes others"
                         )
         except BaseException as err:  # what ``into`` raised is this request's error only
-            w.future.set_exception(
+            future.set_exception(
                 RequestError(grpc.StatusCode.INTERNAL, str(err)) if isinstance(err, codec.CodecError) else err
             )
             return
-        w.future.set_result(item)
+        future.set_result(item)
 
     def share(self, data_port: Callable[[float], Awaitable[ps_pb2.ShardDataPortResponse]]) -> None:
         """Another client uses this link (``shared_link``); its ``DataPort`` call opens connections next."""

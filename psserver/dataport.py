@@ -251,8 +251,8 @@ class DataPortServer:
             for index, item, payload in items:
                 if isinstance(item, codec.CodecError):
                     done.append((index, self._refusal(item), []))
-                else:
-                    await self._entry(index, item, payload, done, wake)
+                    continue
+                done.append((index, *await self._reply(item, payload, None)))
             await self._send_answers(link, done)
             return
         loop = asyncio.get_running_loop()
@@ -303,19 +303,7 @@ class DataPortServer:
         wake: list[asyncio.Future[None]],
     ) -> None:
         """One request of a batch: its answer to ``done``, and ``_answer_batch`` woken."""
-        try:
-            sizes = bulk.tensor_sizes(frame.head.grads) if frame.kind == bulk.PUSH else []
-            if sum(sizes) != len(payload):
-                raise codec.CodecError(
-                    f"the head describes other tensors than the {len(payload)} payload bytes"
-                )
-        except codec.CodecError as err:
-            reply, values = self._refusal(err), []
-        else:
-            reply, values = await self._reply(
-                frame, np.frombuffer(payload, np.uint8) if sizes else None, sizes
-            )
-        done.append((index, reply, values))
+        done.append((index, *await self._reply(frame, payload, None)))
         if wake:
             woken = wake.pop()
             if not woken.done():
@@ -329,9 +317,14 @@ class DataPortServer:
         )
 
     async def _reply(
-        self, frame: bulk.Frame, buf: np.ndarray | None = None, sizes: list[int] | tuple[()] = ()
+        self,
+        frame: bulk.Frame,
+        buf: np.ndarray | memoryview | None = None,
+        sizes: list[int] | tuple[()] | None = (),
     ) -> tuple[bulk.Frame, list[memoryview]]:
-        """Serves one request: its answer frame and payload (an ERROR frame for a failure)."""
+        """Serves one request: its answer frame and payload (an ERROR frame for a failure). ``buf``: the
+        request's payload; ``sizes``: its tensors' sizes (``_receive_into`` checked them), or None: a
+        batch's entry, checked here."""
         started = time.perf_counter()
         head = frame.head
         kind, rpc = frame.kind, bulk.REQUESTS[frame.kind]
@@ -340,6 +333,13 @@ class DataPortServer:
         code = grpc.StatusCode.OK
         response = None
         try:
+            if sizes is None:
+                sizes = bulk.tensor_sizes(head.grads) if kind == bulk.PUSH else []
+                nbytes = len(buf) if buf is not None else 0
+                if sum(sizes) != nbytes:
+                    raise codec.CodecError(
+                        f"the head describes other tensors than the {nbytes} payload bytes"
+                    )
             if self.stopping:
                 raise UnavailableError("the shard is shutting down; retry on its restart")
             if kind == bulk.PUSH:
@@ -402,7 +402,9 @@ class DataPortServer:
         return reply, payload
 
 
-def _gradients(head: ps_pb2.PushRequest, buf: np.ndarray | None, sizes: list[int]) -> dict[str, np.ndarray]:
+def _gradients(
+    head: ps_pb2.PushRequest, buf: np.ndarray | memoryview | None, sizes: list[int] | tuple[()]
+) -> dict[str, np.ndarray]:
     """The push's gradients as ``ShardService.push_one`` assembles those of ``Push``: by name, each a
     read-only view of the buffer (of ``sizes`` bytes, whole tensors: ``bulk.tensor_sizes`` checked their
     dtypes and shapes). Raises: CodecError (a tensor named twice)."""
