@@ -225,6 +225,11 @@ class RequestError(grpc.RpcError):
         self._details = details
         self._reason = reason
 
+    @classmethod
+    def answered(cls, head: ps_pb2.DataPortError) -> RequestError:
+        """The failure the shard answered (an ERROR frame's head)."""
+        return cls(status_from_number(head.code), head.message, head.reason)
+
     def code(self) -> grpc.StatusCode:
         return self._code
 
@@ -386,13 +391,9 @@ class DataLink:
                 self._waiting.append((frame, payload, into, time.monotonic() + timeout, future))
                 timer = loop.call_later(timeout, _give_up, future, timeout)
                 try:
-                    reply = await future  # cancelled: its batch, if it left, goes on for the others
+                    return await future  # cancelled: its batch, if it left, goes on for the others
                 finally:
                     timer.cancel()
-                if reply.kind == bulk.ERROR:
-                    code = status_from_number(reply.head.code)
-                    raise RequestError(code, reply.head.message, reply.head.reason)
-                return reply
             self._small += 1
         try:
             while True:
@@ -452,8 +453,7 @@ class DataLink:
                 else:
                     conn.reset()
                 if reply.kind == bulk.ERROR:
-                    code = status_from_number(reply.head.code)
-                    raise RequestError(code, reply.head.message, reply.head.reason)
+                    raise RequestError.answered(reply.head)
                 return reply
         finally:
             if small:
@@ -567,6 +567,9 @@ class DataLink:
             return
         if isinstance(item, codec.CodecError):
             future.set_exception(RequestError(grpc.StatusCode.INTERNAL, f"a malformed answer: {item}"))
+            return
+        if item.kind == bulk.ERROR:
+            future.set_exception(RequestError.answered(item.head))
             return
         try:
             if into is not None:
