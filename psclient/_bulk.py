@@ -76,6 +76,8 @@ STAGGER_WAIT_S: Final[float] = 2.0  # an upload that waited this long for its tu
 BATCH_MAX_BYTES: Final[int] = 64 << 10
 SMALL_IN_FLIGHT: Final[int] = 2
 BATCH_MAX_REQUESTS: Final[int] = 256  # requests in one BATCH frame (the rest leave in the next)
+# A batch's tensor bytes (each request's larger way), at most: about what a large request may leave unsent.
+BATCH_FRAME_BYTES: Final[int] = NOTSENT_LOWAT
 
 
 class Uplink:
@@ -242,8 +244,10 @@ class RequestError(grpc.RpcError):
 
 
 # A small request waiting to leave in a batch (``DataLink.request``): its frame, payload, ``into``, deadline
-# (time.monotonic()) and its answer's future (a tuple: made per request, without a call).
-_Waiting = tuple[bulk.Frame, Sequence[Buffer], "Into[bulk.Frame] | None", float, "asyncio.Future[bulk.Frame]"]
+# (time.monotonic()), its answer's future and its bytes (a tuple: made per request, without a call).
+_Waiting = tuple[
+    bulk.Frame, Sequence[Buffer], "Into[bulk.Frame] | None", float, "asyncio.Future[bulk.Frame]", int
+]
 
 
 def _give_up(future: asyncio.Future[bulk.Frame], timeout: float) -> None:
@@ -357,13 +361,14 @@ class DataLink:
         timeout: float,
         uplink: Uplink | None = None,
         *,
-        small: bool = False,
+        small: int | None = None,
     ) -> bulk.Frame:
         """Sends one request and receives its answer (its tensors through ``into``; None: an answer with no
         tensors to keep).
 
         With ``uplink``, the request's bytes go out in their turn (``Uplink.turn``). A ``small`` request
-        (at most ``BATCH_MAX_BYTES`` each way) may share a frame: it goes alone while fewer than
+        (``small``: its bytes, at most ``BATCH_MAX_BYTES``, the larger way) may share a frame: it goes
+        alone while fewer than
         ``SMALL_IN_FLIGHT`` small frames are in flight on the link and none waits; else it waits and
         leaves with the others that came in the same turn of the event loop, in one BATCH frame
         (``_send_waiting``).
@@ -380,15 +385,12 @@ class DataLink:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        if small:
+        if small is not None:
             if self._small >= SMALL_IN_FLIGHT or self._waiting:  # it waits, to leave in a BATCH frame
-                loop = asyncio.get_running_loop()
                 future: asyncio.Future[bulk.Frame] = loop.create_future()
-                if (
-                    not self._waiting
-                ):  # the first to wait: the batch leaves once this turn of the loop is over
+                if not self._waiting:  # the first to wait: the batches leave once this loop turn is over
                     loop.call_soon(self._send_waiting)
-                self._waiting.append((frame, payload, into, time.monotonic() + timeout, future))
+                self._waiting.append((frame, payload, into, deadline, future, small))
                 timer = loop.call_later(timeout, _give_up, future, timeout)
                 try:
                     return await future  # cancelled: its batch, if it left, goes on for the others
@@ -456,20 +458,24 @@ class DataLink:
                     raise RequestError.answered(reply.head)
                 return reply
         finally:
-            if small:
+            if small is not None:
                 self._small -= 1
 
     def _send_waiting(self) -> None:
         """Sends the waiting requests (those given up skipped) in BATCH frames of up to
-        ``BATCH_MAX_REQUESTS``, each by a task of its own (their callers' cancellations do not touch the
-        others)."""
+        ``BATCH_MAX_REQUESTS`` requests and ``BATCH_FRAME_BYTES`` (more only for a lone request), each by
+        a task of its own (their callers' cancellations do not touch the others)."""
         waiting = self._waiting
         while waiting:
             batch: list[_Waiting] = []
+            nbytes = 0
             while waiting and len(batch) < BATCH_MAX_REQUESTS:
+                if batch and nbytes + waiting[0][5] > BATCH_FRAME_BYTES:
+                    break
                 w = waiting.popleft()
                 if not w[4].done():  # not given up
                     batch.append(w)
+                    nbytes += w[5]
             if batch:
                 self._small += 1
                 task = asyncio.get_running_loop().create_task(self._batch(batch))
@@ -492,7 +498,7 @@ class DataLink:
             else:
                 failure = RequestError(grpc.StatusCode.INTERNAL, f"a data port batch failed: {exc!r}")
                 log.exception("shard %s: a data port batch failed", self.address)
-            for *_, future in batch:
+            for _, _, _, _, future, _ in batch:
                 if not future.done():
                     future.set_exception(failure)
             if isinstance(exc, asyncio.CancelledError):
@@ -562,7 +568,7 @@ class DataLink:
         the frame's buffer, which the next frame reuses)."""
         if not 0 <= index < len(batch):
             raise codec.CodecError(f"an answer to request {index} of a batch of {len(batch)}")
-        _, _, into, _, future = batch[index]
+        _, _, into, _, future, _ = batch[index]
         if future.done():  # given up (or answered twice: ignored)
             return
         if isinstance(item, codec.CodecError):

@@ -558,7 +558,7 @@ class ShardLink:
         # Small requests may share a frame (a push_pull's values are as big as its gradients; a lookup's
         # rows and a push's looked-up rows are not known in advance: those go alone).
         if size <= _bulk.BATCH_MAX_BYTES and (op is Op.PULL or (op is Op.PUSH and not header.lookup_ids)):
-            reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=True)
+            reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=size)
         else:
             reply = await link.request(
                 bulk.Frame(kind, head), payload, into, timeout, uplink=self._uplink if op is Op.PUSH else None

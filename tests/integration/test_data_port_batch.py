@@ -77,6 +77,35 @@ async def test_concurrent_small_requests_share_frames_and_each_gets_its_own_answ
         assert versions[n] == ROUNDS  # each push applied exactly once
 
 
+async def test_a_batch_frame_holds_at_most_its_bytes_the_rest_leave_in_the_next(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    n = _bulk.BATCH_MAX_BYTES // 4 - 256  # float32s: each push just below the bound of a small request
+    callers = (
+        _bulk.SMALL_IN_FLIGHT + 2 * (_bulk.BATCH_FRAME_BYTES // (4 * n)) + 1
+    )  # waiting: over 2 frames' worth
+    cluster = make_cluster(num_shards=1)
+    names = [f"big/{i}" for i in range(callers)]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({k: np.zeros(n, np.float32) for k in names}, optimizer=psclient.SGD(1.0))
+    clients = await _clients(cluster.addresses, callers, names)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            got = await asyncio.gather(
+                *(
+                    c.push_pull({k: np.full(n, i + 1.0, np.float32)})
+                    for i, (c, k) in enumerate(zip(clients, names, strict=True))
+                )
+            )
+        (link,) = _links(clients)
+        assert link.batches >= 3  # the waiting requests did not fit in two frames
+    finally:
+        for c in clients:
+            await c.close()
+    for i, k in enumerate(names):
+        np.testing.assert_array_equal(got[i][k], np.full(n, -(i + 1.0), np.float32))
+
+
 async def test_a_bad_request_in_a_batch_gets_its_typed_error_and_the_others_apply_once(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
