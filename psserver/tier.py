@@ -436,6 +436,7 @@ class ColdTier:
     def __init__(self, path: Path, record: np.dtype, table: str, expiry: Iterable[str]) -> None:
         self.path = path
         self.record = record
+        self._raw = np.dtype((np.void, record.itemsize))  # a record as opaque bytes (``_read``)
         self.table = table
         self.stats = TierStats()
         self._expiry_kinds = tuple(kind for kind in EXPIRY_KINDS if kind in tuple(expiry))
@@ -612,40 +613,42 @@ class ColdTier:
     def _read(
         self, ids: np.ndarray, remember: bool, view: TierView
     ) -> tuple[np.ndarray, np.ndarray, ReadCost]:
-        found = np.zeros(ids.size, bool)
         if not ids.size or view.handle is None:
-            return found, np.zeros(0, self.record), (0.0, 0)
+            return np.zeros(ids.size, bool), np.zeros(0, self.record), (0.0, 0)
         t0 = time.perf_counter()
         writes = view.writes
         recent_ids, recent = view.recent
-        known = np.zeros(ids.size, bool)
-        at = np.zeros(ids.size, np.int64)
+        # Records are moved as opaque bytes (a void dtype): numpy copies a structured record field by field.
+        raw = self._raw
         if recent_ids.size:
-            at = np.minimum(np.searchsorted(recent_ids, ids), recent_ids.size - 1)
+            at = np.searchsorted(recent_ids, ids)
+            np.minimum(at, recent_ids.size - 1, out=at)
             known = recent_ids[at] == ids
-        ask = np.flatnonzero(~known)
-        got = np.zeros(0, bool)
-        fetched = np.zeros(0, self.record)
+            ask = np.flatnonzero(~known)
+        else:
+            known, ask = None, np.arange(ids.size)
         if ask.size:
             got, fetched = self._fetch(ids[ask], view.handle)
-        found[known] = True
-        found[ask[got]] = True
-        # Records are moved as opaque bytes (a void dtype): numpy copies a structured record field by field.
-        raw = np.dtype((np.void, self.record.itemsize))
-        if not known.any():
+        if known is None or not known.any():  # all fetched
+            found = np.zeros(ids.size, bool)
+            found[ask[got]] = True
             records = fetched
         else:
+            found = known.copy()
+            if ask.size:
+                found[ask[got]] = True
             out = np.empty(int(np.count_nonzero(found)), raw)
             slot = np.cumsum(found) - 1
             out[slot[known]] = _raw(recent, raw)[at[known]]
-            if got.any():
+            if ask.size and got.any():
                 out[slot[ask[got]]] = _raw(fetched, raw)
             records = out.view(self.record)
         if remember:
-            order = np.argsort(ids[found], kind="stable")
+            kept_ids = ids[found]
+            order = np.argsort(kept_ids, kind="stable")
             keep = records.nbytes <= _REMEMBER_BYTES
             kept_recs = _raw(records, raw)[order].view(self.record) if keep else records[:0]
-            kept = (ids[found][order], kept_recs) if keep else (ids[:0], records[:0])
+            kept = (kept_ids[order], kept_recs) if keep else (ids[:0], records[:0])
             with self._write_lock:
                 if writes is not None and writes == self._writes and not self._writing:
                     self._recent = _remembered(self._recent, kept)  # no write overlapped the read

@@ -50,11 +50,9 @@ class RowReads:
         worth one), then ``read_end`` gives the rows. Lookups change nothing, so a push meanwhile changes
         none of them. Call ``read_begin`` and ``read_end`` on the event loop."""
         slots = self.index.get(ids)
-        have = slots >= 0
-        out = holder.state[0][slots] if have.all() else np.empty((ids.size, self.config.dim), self.dtype)
-        cold = np.flatnonzero(~have)
-        if cold.size:
-            out[have] = holder.state[0][slots[have]]
+        # One gather: the rows of ids not in memory (-1, clipped to row 0) are overwritten by ``read_end``.
+        out = np.take(holder.state[0], slots, axis=0, mode="clip")
+        cold = np.flatnonzero(slots < 0)
         if self.tier is None:
             return RowRead(self, ids, out, cold, None)
         self.tier.stats.hot_hits += ids.size - cold.size
