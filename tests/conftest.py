@@ -38,6 +38,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _cpu_report import pytest_addoption, pytest_configure  # noqa: F401  (--cpu-report N: the plugin's hooks)
 from _support import CALL_TIMEOUT_S
 
 from psproto.v1 import ps_pb2_grpc
