@@ -10,6 +10,9 @@ import numpy as np
 from pscore.placement import mix64
 
 _MIN_INDEX = 16  # places
+# Ids a lookup or an insert works on at once: each takes ~150 bytes of temporaries (its two buckets' keys
+# among them), so a rebuild or a restore of millions of ids runs in chunks, not in gigabytes at once.
+_CHUNK = 1 << 16
 _INDEX_SEED = 1  # hash seeds: the shard rule uses seed 0, the index 1, a dynamic table's sketch rows 2-5
 _BUCKET = 8  # places per bucket: 64 bytes of keys, one cache line
 _HIGH = np.uint64(32)  # an id's second bucket comes from its hash's high bits
@@ -113,6 +116,8 @@ class HashIndex:
         linear probe's first round.)"""
         ids = np.asarray(ids, np.int64).reshape(-1)
         n = ids.size
+        if n > _CHUNK:
+            return np.concatenate([self.positions(ids[i : i + _CHUNK]) for i in range(0, n, _CHUNK)])
         both = self._buckets(ids)
         hit = (np.take(self._keys2, both, axis=0) == ids[:, None, None]).reshape(n, 2 * _BUCKET)
         first = hit.argmax(axis=1)
@@ -154,6 +159,10 @@ class HashIndex:
             return
         if self.needs_rebuild(ids.size):
             self._rebuild(self.live + ids.size)
+        if ids.size > _CHUNK:  # distinct ids: one chunk after the other is the same
+            for i in range(0, ids.size, _CHUNK):
+                self.insert(ids[i : i + _CHUNK], vals[i : i + _CHUNK])
+            return
         self.live += ids.size
         if ids.min() == EMPTY:
             at = ids == EMPTY

@@ -5,10 +5,12 @@ never grows it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pscore.placement import mix64
+from psserver import hashindex
 from psserver.hashindex import _BUCKET, _INDEX_SEED, EMPTY, HashIndex
 
 
@@ -129,3 +131,21 @@ def test_a_rebuilt_index_is_another_table_with_the_same_entries() -> None:
     _check(bigger, dict(zip(ids.tolist(), (ids + 5).tolist(), strict=True)))
     _check(index, dict(zip(ids.tolist(), (ids + 5).tolist(), strict=True)))
     assert not index.needs_rebuild(12) and index.needs_rebuild(13)
+
+
+def test_large_batches_run_in_chunks_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch over ``_CHUNK`` ids (a rebuild, a restore) is looked up and inserted a chunk at a time (its
+    temporaries bounded), with the same entries as one batch."""
+    monkeypatch.setattr(hashindex, "_CHUNK", 64)
+    rng = np.random.default_rng(3)
+    ids = np.unique(rng.integers(-(2**40), 2**40, 1000))
+    index = HashIndex(8)
+    index.insert(ids, ids * 3)
+    ref = dict(zip(ids.tolist(), (ids * 3).tolist(), strict=True))
+    _check(index, ref)
+    gone = ids[::3]
+    index.remove(index.positions(gone))
+    for g in gone.tolist():
+        del ref[g]
+    _check(index, ref)
+    _check(index.rebuilt(5000), ref)
