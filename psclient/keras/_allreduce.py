@@ -54,7 +54,10 @@ How it works:
   ranks' batch means``; the moving variance averages the per-rank batch variances
   and so leaves out the spread between the ranks' batch means). The callback
   tells the compiled optimizer which model to average; a ``GradientTape`` loop
-  calls ``optimizer.attach(model)``.
+  calls ``optimizer.attach(model)``. On JAX the optimizer's stateless step sees
+  the statistics as they were before the forward pass: ``fit``'s step is
+  wrapped (``DeferredExchanges.defer_state``, the JAX adapter) and the new
+  statistics are averaged in a second ring operation once the step returned them.
 - Loss scaling (``mixed_float16``): the scaled gradients are averaged before the
   ``LossScaleOptimizer`` checks them for inf/NaN, so every rank takes the same
   decision. ``AllReduceOptimizer(LossScaleOptimizer(opt), worker)`` is a
@@ -72,7 +75,7 @@ import logging
 import os
 import weakref
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import keras
@@ -80,7 +83,7 @@ import numpy as np
 
 from psclient.collective import ALLREDUCE_DTYPES, Ring
 from psclient.keras import _backend
-from psclient.keras._common import StepTimer, model_variables, variable_name
+from psclient.keras._common import Deferred, DeferredExchanges, StepTimer, model_variables, variable_name
 from pscore.errors import InternalError
 from pscore.tf_config import read_tf_config
 
@@ -106,7 +109,7 @@ def _reducible(dtype: Any) -> bool:
         return False
 
 
-class AllReduceWorker:
+class AllReduceWorker(DeferredExchanges):
     """One rank of a mirrored (all-reduce) training job: a ring and the Keras helpers that use it.
 
     Args:
@@ -444,15 +447,30 @@ class AllReduceOptimizer(keras.optimizers.Optimizer):
         grads = list(grads)
         state = self._averaged.variables() if self._averaged is not None else []
         if state and not _backend.adapter().shared_state_in_step:
-            raise _backend.unsupported(
-                "averaging non-trainable state over the ring in the optimizer's step (BatchNorm statistics: "
-                f"{', '.join(variable_name(v) for v in state[:3])})"
-            )
+            deferred = self.allreduce_worker._deferred
+            if deferred is None:  # not in fit's wrapped step (a custom loop on JAX)
+                raise _backend.unsupported(
+                    "averaging non-trainable state over the ring in the optimizer's step outside fit "
+                    f"(BatchNorm statistics: {', '.join(variable_name(v) for v in state[:3])})"
+                )
+            deferred.append(self._average_after_step(state))
+            state = []
         values = [v.value if isinstance(v, keras.Variable) else keras.ops.convert_to_tensor(v) for v in state]
         reduced = self.allreduce_worker.allreduce_gradients(grads + values)
         for var, mean in zip(state, reduced[len(grads) :], strict=True):
             var.assign(mean)
         return super().apply(reduced[: len(grads)], trainable_variables)
+
+    def _average_after_step(self, state: list[Any]) -> Deferred:
+        """JAX: the statistics the step computed, averaged over the ring once the step returned them (its own
+        ring operation after the gradients'; see ``DeferredExchanges``)."""
+        worker = self.allreduce_worker
+
+        def exchange(state_of: Callable[[Any], Any]) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+            reduced = worker.allreduce_gradients([state_of(v) for v in state])
+            return [], list(zip(state, reduced, strict=True))
+
+        return exchange
 
 
 def _collective_optimizer(optimizer: Any) -> AllReduceOptimizer | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
@@ -37,6 +39,35 @@ def check_no_jit(model: keras.Model, what: str) -> None:
     """
     if getattr(model, "jit_compile", False):
         raise ValueError(f"{what} needs model.compile(..., jit_compile=False)")
+
+
+# An exchange of a stateless step (JAX) that waits for the step's new non-trainable state: called with
+# ``state_of(variable) -> its new value``, it returns ``[(trainable variable, new value)]`` and
+# ``[(state variable, new value)]`` for the step's wrapper to put into the state the step returns.
+Deferred = Callable[[Callable[[Any], Any]], tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]]
+
+
+class DeferredExchanges:
+    """A worker whose step exchanges may wait for the step's new non-trainable state (``defer_state``).
+
+    Keras's JAX step is stateless: the optimizer's ``stateless_apply`` sees the shared state (BatchNorm
+    statistics) as it was before the forward pass and hands back only its own variables. The JAX
+    adapter wraps the train step in ``defer_state``; the worker's optimizer step appends what it must
+    exchange with the new state to the list it yields, and the wrapper calls each once the step returned
+    its state. Elsewhere (``_deferred`` None) the optimizer's step reads and assigns the state itself.
+    """
+
+    _deferred: list[Deferred] | None = None
+
+    @contextlib.contextmanager
+    def defer_state(self) -> Iterator[list[Deferred]]:
+        """A stateless step (JAX) in which the exchanges that need the step's new state wait for it (see the
+        class docs); yields the list the step's exchanges are appended to."""
+        self._deferred = []
+        try:
+            yield self._deferred
+        finally:
+            self._deferred = None
 
 
 class StepTimer(keras.callbacks.Callback):

@@ -14,8 +14,8 @@ zero gradient, is an input of the exchange's callback, which so runs after it an
 The non-trainable state that the glue shares through the shards (BatchNorm statistics) is not in the
 optimizer's stateless scope (it sees it as it was before the forward pass and does not hand it
 back): the parameter server's ``fit`` wraps the train step, and the step's one exchange runs after
-it with its gradients and its new state (``PSWorker.defer_state``). All-reduce training refuses such
-state with a clear error.
+it with its gradients and its new state (``DeferredExchanges.defer_state``); all-reduce training's
+``fit`` averages the new state over the ring after the step the same way.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ class Adapter(EagerAdapter):
         )
 
     def prepare_fit(self, worker: Any, model: Any, what: str) -> None:
-        """Wraps the model's (stateless) train step so that a ``PSWorker``'s exchange carries the shared
-        non-trainable state the step computed (``PSWorker.defer_state``): the exchange runs after the
-        step, with its gradients and new state, and its values replace those in the state it returns."""
+        """Wraps the model's (stateless) train step so that a worker's exchange carries the shared
+        non-trainable state the step computed (``DeferredExchanges.defer_state``): the exchange runs after
+        the step, with its new state (a ``PSWorker``'s also with its gradients), and its values replace
+        those in the state the step returns."""
         defer = getattr(worker, "defer_state", None)
         if defer is None or getattr(model, "_psclient_state_step", False):
             return

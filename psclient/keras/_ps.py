@@ -65,7 +65,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import keras
@@ -74,7 +74,7 @@ import numpy as np
 from psclient._sync_client import PSClient
 from psclient.config import ps_addresses_from_tf_config
 from psclient.keras import _backend
-from psclient.keras._common import StepTimer, variable_name
+from psclient.keras._common import DeferredExchanges, StepTimer, variable_name
 from psclient.keras._naming import model_variable_names
 from pscore.embedding import Regularizer, Rows
 from pscore.errors import DeadlineExceededError, InvalidArgumentError, PSError
@@ -241,7 +241,7 @@ def _worker_from_tf_config(worker_index: int | None, num_workers: int | None) ->
     return worker_index, count
 
 
-class PSWorker:
+class PSWorker(DeferredExchanges):
     """One training worker's session with the parameter server.
 
     Args:
@@ -327,9 +327,6 @@ class PSWorker:
         self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
         self._sent_lr: dict[int, float] = {}
         self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
-        # A stateless step (JAX): exchanges that wait for the step's new non-trainable state (see
-        # ``defer_state``); None outside such a step.
-        self._deferred: list[Callable[..., Any]] | None = None
         self._attached = False
         self._pending: tuple[keras.Model, Any] | None = None  # attached once its first step builds it
         self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
@@ -1071,7 +1068,7 @@ class PSWorker:
                 assigned = [var for (_, var), kind in zip(pairs, kinds, strict=True) if kind != "host"]
                 return [(var, next(new)) for var in assigned], [(var, next(new)) for var in state_vars]
 
-            self._deferred.append(exchange)  # type: ignore[union-attr]
+            self._deferred.append(exchange)  # type: ignore[union-attr]  # checked above
             return
         inputs += [v.value for v in state_vars]
         new = backend.host_call(fn, inputs, outputs, "ps_exchange")
@@ -1087,23 +1084,6 @@ class PSWorker:
                 var.assign(next(out))
         for var in state_vars:
             var.assign(next(out))
-
-    @contextlib.contextmanager
-    def defer_state(self) -> Iterator[list[Callable[..., Any]]]:
-        """A stateless step (JAX) in which the exchange waits for the step's new non-trainable state.
-
-        The optimizer's ``stateless_apply`` sees the shared state (BatchNorm statistics) as it was before the
-        forward pass and hands back only its own variables, so the step's wrapper (the backend's adapter)
-        collects the step's exchanges here and, once the step returned its state, calls each with
-        ``state_of(variable) -> its new value``; each returns ``[(trainable variable, new value)]`` and
-        ``[(state variable, new value)]`` for the wrapper to put into the step's returned state. One push
-        per step, as elsewhere (sync mode counts it as the step).
-        """
-        self._deferred = []
-        try:
-            yield self._deferred
-        finally:
-            self._deferred = None
 
     def _warn_dense(self, name: str, grad: Any) -> None:
         """Warns once per table whose gradient is dense over the whole table (every row travels)."""
