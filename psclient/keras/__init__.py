@@ -5,9 +5,9 @@ backend only). It runs on Keras's TensorFlow, JAX and PyTorch backends (``KERAS_
 core plus one thin adapter per backend (``_backend``: how a step runs host code); what a backend cannot
 do yet raises a ``PSError`` that names the backend and the feature (the table in docs/keras.md).
 
-- Parameter server (``_ps``): ``PSWorker``, ``DistributedOptimizer``, ``PSCallback``,
-  ``load_from_ps``; variables and optimizer live on the shards. ``Embedding``
-  (``_embedding``): a layer whose table lives only on the shards, and
+- Parameter server (``_ps``, a package: setup, step, optimizer, callbacks): ``PSWorker``,
+  ``DistributedOptimizer``, ``PSCallback``, ``load_from_ps``; variables and optimizer live on the shards.
+  ``Embedding`` (``_embedding``): a layer whose table lives only on the shards, and
   ``prefetch_rows``, which reads the next batch's rows while a step computes.
 - All-reduce (``_allreduce``): ``AllReduceWorker``, ``AllReduceOptimizer``,
   ``AllReduceCallback``; every rank holds a replica and gradients are averaged
