@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import time
 
 import pytest
 
@@ -164,6 +165,76 @@ async def test_a_peer_that_closes_mid_recv_views_is_a_connection_error() -> None
     try:
         task = asyncio.ensure_future(receiver.recv_views(_views([2, 10])))
         await asyncio.sleep(0.02)
+        a.close()
+        with pytest.raises(ConnectionError):
+            async with asyncio.timeout(10):
+                await task
+    finally:
+        receiver.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair on loopback (SO_RCVLOWAT is TCP's: a socketpair's poll ignores it)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    b.setblocking(False)
+    return a, b
+
+
+async def test_a_payload_that_trickles_in_wakes_the_reader_per_mark_not_per_packet() -> None:
+    """A payload's rest arriving in small pieces (a slow link's packets) is read in a few wake-ups of
+    the loop (SO_RCVLOWAT), and the next small read after it still wakes at its first bytes."""
+    a, b = _tcp_pair()
+    receiver = Conn(b)
+    size, piece = 1 << 20, 4096
+    data = random.Random(5).randbytes(size)
+    wakeups = 0
+    move = receiver._move
+
+    def counted(*args: object) -> bool:
+        nonlocal wakeups
+        wakeups += 1
+        return move(*args)  # type: ignore[arg-type]
+
+    receiver._move = counted  # type: ignore[method-assign]
+
+    def trickle() -> None:
+        for pos in range(0, size, piece):
+            a.sendall(data[pos : pos + piece])
+            if pos % (16 * piece) == 0:
+                time.sleep(0.001)
+
+    view = memoryview(bytearray(size))
+    try:
+        async with asyncio.timeout(60):
+            sender = asyncio.get_running_loop().run_in_executor(None, trickle)
+            await receiver.recv_views([view])
+            await sender
+        assert bytes(view) == data
+        # 1 MiB in 4 KiB pieces: 256 wake-ups at worst without the mark, about 8 with it (128 KiB each)
+        assert wakeups <= 40, wakeups
+        a.sendall(b"next")  # four bytes alone: the mark is back to one byte
+        head = memoryview(bytearray(4))
+        async with asyncio.timeout(10):
+            await receiver.recv_exactly(head)
+        assert bytes(head) == b"next"
+    finally:
+        receiver.close()
+        a.close()
+
+
+async def test_a_tcp_peer_that_closes_mid_payload_is_a_connection_error_at_once() -> None:
+    """A reader waiting for a payload's next mark (SO_RCVLOWAT) still learns at once that its peer
+    closed with less than the mark sent."""
+    a, b = _tcp_pair()
+    receiver = Conn(b)
+    try:
+        task = asyncio.ensure_future(receiver.recv_views(_views([1 << 20])))
+        a.sendall(b"x" * 10_000)
+        await asyncio.sleep(0.05)
+        assert not task.done()
         a.close()
         with pytest.raises(ConnectionError):
             async with asyncio.timeout(10):
