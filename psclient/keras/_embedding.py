@@ -90,7 +90,7 @@ import keras
 import numpy as np
 
 from psclient._tables import DynamicOptions
-from psclient.keras._backend import backend_name, require_tensorflow, unsupported
+from psclient.keras._backend import backend_name, unsupported
 from psclient.keras._backend import tensorflow as tf  # imported when first used: on TensorFlow only
 from psclient.keras._ps import PSWorker, server_optimizer
 from pscore.embedding import Initializer, Rows
@@ -513,9 +513,13 @@ def prefetch_rows(
     Raises:
         ValueError: no ``psclient.keras.Embedding`` in the model, ``depth`` < 1, or the ids of a
             layer cannot be derived from the model's inputs (pass ``ids=``).
-        PSError: a Keras backend other than TensorFlow (not supported there yet).
+        PSError: on JAX or PyTorch without ``ids=`` (there the model's graph cannot run inside
+            tf.data; ``ids`` maps an element to its ids with tf ops, and TensorFlow must be installed).
     """
-    require_tensorflow("psclient.keras.prefetch_rows")  # a tf.data map whose ids come from the model's graph
+    if (
+        ids is None and backend_name() != "tensorflow"
+    ):  # the model's own graph runs on its backend, not in tf.data
+        raise unsupported("psclient.keras.prefetch_rows without ids= (pass ids=lambda x: the ids, in tf ops)")
     layers = _remote_layers(model)
     if not layers:
         raise ValueError(f"model {model.name!r} has no psclient.keras.Embedding layer to prefetch rows for")

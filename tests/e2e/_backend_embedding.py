@@ -13,6 +13,9 @@ One process checks what the test asserts, and prints ``RESULT {json}``:
 - ``dynamic_losses``: a dynamic table (``input_dim=None``) keyed by large raw ids trains, and its rows
   are created on the shards.
 - ``bad_id_error``: an id outside ``[0, input_dim)`` in ``predict``.
+- with a second (async) cluster's addresses: ``prefetch_losses`` and ``prefetch_stats`` of the model
+  trained on a ``tf.data`` dataset through ``prefetch_rows`` (each batch's rows read with the push of
+  the step before).
 """
 
 import json
@@ -99,6 +102,23 @@ def main() -> None:
         pieces = worker.client.list_variables([dynamic.table_name])[dynamic.table_name]
         result["dynamic_rows_on_shards"] = int(sum(p.dynamic.rows for p in pieces))
         result["distinct_raw_ids"] = int(np.unique(raw).size)
+    if (
+        len(sys.argv) > 2
+    ):  # an async cluster: prefetch_rows over tf.data (ids given: the model runs on JAX/torch)
+        import tensorflow as tf
+
+        with psk.PSWorker(sys.argv[2].split(","), worker_index=0, num_workers=1) as worker:
+            emb = psk.Embedding(ROWS, DIM, worker=worker, name="rows")
+            prefetched = model(emb, "prefetched")
+            prefetched.compile(
+                optimizer=psk.DistributedOptimizer(keras.optimizers.SGD(0.5), worker), loss="mse"
+            )
+            ds = psk.prefetch_rows(
+                tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), prefetched, ids=lambda t: t
+            )
+            history = prefetched.fit(ds, epochs=EPOCHS, verbose=0, callbacks=[worker.callback()])
+            result["prefetch_losses"] = history.history["loss"]
+            result["prefetch_stats"] = emb.prefetch_stats
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -11,6 +11,7 @@ eager. What a backend cannot do yet is refused with a ``PSError`` naming the bac
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -145,8 +146,10 @@ def test_a_table_on_the_shards_trains_as_a_local_embedding(backend: str, make_cl
     cluster = make_cluster(
         num_shards=2, server_args=("--mode", "sync", "--replicas-to-aggregate", "1", "--total-replicas", "1")
     )
+    asynchronous = make_cluster(num_shards=2) if importlib.util.find_spec("tensorflow") else None
+    addresses = [",".join(c.addresses) for c in (cluster, asynchronous) if c is not None]
     proc = subprocess.run(
-        [sys.executable, str(EMBEDDING), ",".join(cluster.addresses)],
+        [sys.executable, str(EMBEDDING), *addresses],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -165,6 +168,10 @@ def test_a_table_on_the_shards_trains_as_a_local_embedding(backend: str, make_cl
     assert "out of range" in (result["bad_id_error"] or ""), result
     assert result["dynamic_losses"][-1] < 0.7 * result["dynamic_losses"][0], result
     assert result["dynamic_rows_on_shards"] == result["distinct_raw_ids"], result
+    if asynchronous is not None:  # prefetch_rows (tf.data): each epoch's first batch is read in its step
+        assert result["prefetch_losses"][-1] < 0.7 * result["prefetch_losses"][0], result
+        stats = result["prefetch_stats"]
+        assert stats["hits"] + stats["misses"] == steps and stats["hits"] >= steps // 2, stats
 
 
 SUBCLASSED = HERE / "_backend_subclassed.py"
