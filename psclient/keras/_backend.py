@@ -161,13 +161,7 @@ class _LazyTensorFlow:
 tensorflow = _LazyTensorFlow()
 
 
-def require_tensorflow(feature: str) -> None:
-    """Raises ``unsupported(feature)`` unless the backend is TensorFlow (a feature built on ``tf`` ops)."""
-    if backend_name() != "tensorflow":
-        raise unsupported(feature)
-
-
 __all__ = [
     "BACKENDS", "EagerAdapter", "HostFn", "OutputSpec", "RowKeeper", "RowLookup", "adapter", "backend_name",
-    "require_tensorflow", "tensorflow", "unsupported",
+    "tensorflow", "unsupported",
 ]  # fmt: skip

@@ -32,7 +32,8 @@ Design (why it trains correctly in every mode):
   PyTorch: a hook on the rows, a leaf tensor that requires grad). The step's exchange takes them
   (``take_rows``: summed per distinct id) and pushes them as ``psclient.Rows``, as above. Ids are
   int32 on JAX unless ``jax_enable_x64`` is set (a dynamic table's raw ids then must be below 2**31);
-  string keys are TensorFlow's only.
+  string keys are TensorFlow's only; ``prefetch_rows`` needs ``ids=`` there (tf ops: the model's own
+  graph runs on its backend, not inside tf.data).
 - The server-side optimizer is the model's ``DistributedOptimizer``'s, or
   ``optimizer=`` (a Keras optimizer or a psclient spec), applied row by row; an
   optimizer the shards cannot apply by row (Adafactor, Lamb, clipnorm) is refused.
