@@ -213,6 +213,10 @@ def _expire(task: asyncio.Task[object], expired: list[bool]) -> None:
     task.cancel()
 
 
+class _Alone(Exception):
+    """The shard serves no BATCH frames (one of before them): a waiting request goes in a frame of its own."""
+
+
 class Unusable(Exception):
     """The shard's data port cannot be used for this request: send it over gRPC (already logged)."""
 
@@ -289,6 +293,9 @@ class DataLink:
         self._ports = [data_port]  # the DataPort calls of the clients sharing the link
         self._forget: Callable[[], None] | None = None  # takes the link out of ``shared_link`` 's registry
         self._small = 0  # small requests' frames in flight (alone or batched)
+        # Whether the shard serves BATCH frames: its DataPort answer says so with every connection (until
+        # the first, taken to: a batch's own connection tells, and its requests then go alone).
+        self._batches_served = True
         self._waiting: collections.deque[_Waiting] = collections.deque()  # small requests to batch
         self._batches: set[asyncio.Task[None]] = set()
         self.batches = 0  # BATCH frames sent (for tests and benchmarks)
@@ -351,6 +358,7 @@ class DataLink:
                 f"its data port {self._host}:{reply.port} cannot be reached ({why})", permanent=False
             )
             raise Unusable from None
+        self._batches_served = reply.batches
         return bulk.BulkConnection(conn, f"the data port of {self.address}")
 
     async def request(
@@ -371,7 +379,8 @@ class DataLink:
         alone while fewer than
         ``SMALL_IN_FLIGHT`` small frames are in flight on the link and none waits; else it waits and
         leaves with the others that came in the same turn of the event loop, in one BATCH frame
-        (``_send_waiting``).
+        (``_send_waiting``), where the shard serves them (its ``DataPort`` answer says so; to a shard of
+        before batches every request goes alone).
 
         Raises:
             Unusable: use gRPC for this request.
@@ -385,17 +394,22 @@ class DataLink:
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        if small is not None and not self._batches_served:  # a shard of before batches: each goes alone
+            small = None
+        if small is not None and (self._small >= SMALL_IN_FLIGHT or self._waiting):
+            # It waits, to leave with the others of this loop turn in a BATCH frame.
+            future: asyncio.Future[bulk.Frame] = loop.create_future()
+            if not self._waiting:  # the first to wait: the batches leave once this loop turn is over
+                loop.call_soon(self._send_waiting)
+            self._waiting.append((frame, payload, into, deadline, future, small))
+            timer = loop.call_later(timeout, _give_up, future, timeout)
+            try:
+                return await future  # cancelled: its batch, if it left, goes on for the others
+            except _Alone:  # the shard turned out to serve no batches: in a frame of its own after all
+                small = None
+            finally:
+                timer.cancel()
         if small is not None:
-            if self._small >= SMALL_IN_FLIGHT or self._waiting:  # it waits, to leave in a BATCH frame
-                future: asyncio.Future[bulk.Frame] = loop.create_future()
-                if not self._waiting:  # the first to wait: the batches leave once this loop turn is over
-                    loop.call_soon(self._send_waiting)
-                self._waiting.append((frame, payload, into, deadline, future, small))
-                timer = loop.call_later(timeout, _give_up, future, timeout)
-                try:
-                    return await future  # cancelled: its batch, if it left, goes on for the others
-                finally:
-                    timer.cancel()
             self._small += 1
         try:
             while True:
@@ -487,8 +501,8 @@ class DataLink:
         try:
             await self._exchange_batch(batch)
         except BaseException as exc:  # the frame failed: each request not yet answered fails with it
-            if isinstance(exc, Unusable):
-                failure: BaseException = exc  # each goes over gRPC (its caller's ShardLink)
+            if isinstance(exc, (Unusable, _Alone)):
+                failure: BaseException = exc  # each goes over gRPC (its caller's ShardLink), or alone
             elif isinstance(exc, grpc.RpcError):
                 failure = exc
             elif isinstance(exc, PSError):
@@ -515,12 +529,18 @@ class DataLink:
         payload = bulk.entries((i, w[0], w[1]) for i, w in enumerate(batch))
         frame = bulk.Frame(bulk.BATCH, ps_pb2.DataPortBatch(count=len(batch)))
         deadline = max(w[3] for w in batch)
-        self.batches += 1
         while True:
             reused = bool(self._idle)
             conn = (
                 self._idle.pop() if reused else await self._connect(max(deadline - time.monotonic(), 0.001))
             )
+            if not self._batches_served:  # the shard said so as this connection was made: each alone
+                if len(self._idle) < MAX_IDLE and not self._closed:
+                    self._idle.append(conn)
+                else:
+                    conn.reset()
+                raise _Alone
+            self.batches += 1
             answered = 0
             try:
                 async with asyncio.timeout_at(

@@ -310,7 +310,9 @@ class ParameterServerServicer:
         self.service.check_serving("DataPort")
         if self.data_port is None:
             raise FailedPreconditionError("this shard serves no data port (psserver --no-data-port)")
-        return ps_pb2.ShardDataPortResponse(port=self.data_port.port, nonce=self.data_port.issue_nonce())
+        return ps_pb2.ShardDataPortResponse(
+            port=self.data_port.port, nonce=self.data_port.issue_nonce(), batches=True
+        )
 
 
 def add_to_server(servicer: ParameterServerServicer, server: grpc.aio.Server) -> None:

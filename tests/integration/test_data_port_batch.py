@@ -256,6 +256,44 @@ def test_threads_sharing_one_client_each_get_their_own_answers(
         np.testing.assert_array_equal(values[n], np.full(4, -pushes * (i + 1.0), np.float32))
 
 
+async def test_a_shard_that_serves_no_batches_gets_every_request_alone(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """A shard of before batches leaves ``batches`` unset in its DataPort answer (it would drop a BATCH
+    frame as garbage): its clients send each request in a frame of its own. Played here by a DataPort
+    answer with the flag cleared on its way to the clients."""
+    cluster = make_cluster(num_shards=1)
+    names = [f"own/{i}" for i in range(CALLERS)]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
+    clients = await _clients(cluster.addresses, CALLERS, names)
+    (link,) = {c._shards[0].data_link() for c in clients}
+    assert link is not None
+    negotiate = link._data_port
+
+    async def older(timeout: float) -> ps_pb2.ShardDataPortResponse:
+        reply = await negotiate(timeout)
+        reply.batches = False
+        return reply
+
+    link._data_port = older
+    try:
+        for _ in range(2):
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                assert all(
+                    await asyncio.gather(
+                        *(c.push({n: np.ones(8, np.float32)}) for c, n in zip(clients, names, strict=True))
+                    )
+                )
+        values = await clients[0].pull(names)
+    finally:
+        for c in clients:
+            await c.close()
+    assert link.batches == 0
+    for n in names:
+        np.testing.assert_array_equal(values[n], np.full(8, -2.0, np.float32))
+
+
 # -- the frame by hand ------------------------------------------------------------------------
 
 
