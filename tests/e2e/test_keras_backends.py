@@ -32,7 +32,6 @@ RUN_TIMEOUT_S = 300  # a run takes 10-30 s on 2 loaded cores
 # within a point (2026-12-06); an untrained model scores ~0.1.
 MARGIN = 0.03
 BACKENDS = ("jax", "torch")
-MODES = ("async", "sync", "allreduce")
 
 
 def _env(backend: str) -> dict[str, str]:
@@ -71,7 +70,9 @@ def local() -> dict[str, float]:
     return {}
 
 
-@pytest.mark.parametrize("mode", MODES)
+# Sync mode runs the same script in test_a_rate_set_by_a_callback_reaches_the_shards (and the subclassed
+# model's own step below): one sync run of it per backend, not two (the suite's CPU time).
+@pytest.mark.parametrize("mode", ["async", "allreduce"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_readme_script_trains_on_the_backend_as_locally(
     backend: str, mode: str, local: dict[str, float]
@@ -86,8 +87,6 @@ def test_the_readme_script_trains_on_the_backend_as_locally(
     assert result["test_accuracy"] >= local[backend] - MARGIN, (result, local)
     if mode != "allreduce":  # an evaluator's copy loaded from the shards
         assert result["loaded_accuracy"] >= local[backend] - MARGIN, (result, local)
-    if mode == "sync":  # the shards hold the final model: the evaluator's copy is the same model
-        assert result["loaded_accuracy"] == pytest.approx(result["test_accuracy"], abs=1e-6), result
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -101,6 +100,9 @@ def test_a_rate_set_by_a_callback_reaches_the_shards(backend: str) -> None:
     assert result["learning_rate"] == pytest.approx(2e-3 * 2 * 0.25, rel=1e-6), result  # lr_scale 2
     assert result["shard_learning_rate"] == pytest.approx(result["learning_rate"], rel=1e-6), result
     assert result["test_accuracy"] >= 0.8, result  # an untrained model scores ~0.1
+    assert not result["glue_imported_tensorflow"], result
+    # the shards hold the final model: the evaluator's copy is the same model
+    assert result["loaded_accuracy"] == pytest.approx(result["test_accuracy"], abs=1e-6), result
 
 
 _REFUSED = """
