@@ -71,6 +71,7 @@ class Cell:
         self.size = getattr(args, "size_bytes", None) or args.size_mib * MIB
         self.workers: list[subprocess.Popen[bytes]] = []
         self.servers: list[subprocess.Popen[bytes]] = []
+        self.roles: dict[str, list[Host]] = {}  # "worker"/"shard" -> its hosts, for the links' use
 
     def spawn(self, host: Host, role: str, cfg: dict[str, Any]) -> subprocess.Popen[bytes]:
         return self.net.popen(
@@ -100,7 +101,7 @@ class Cell:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker {i} not ready: {self._tail(proc)}")
                 time.sleep(0.01)
-        drops0, tcp0 = self._link_drops(), self._tcp_counters()
+        drops0, tcp0, bytes0 = self._link_drops(), self._tcp_counters(), self._link_bytes()
         cpu0 = [cpu_seconds(p.pid) for p in self.servers]
         busy0, total0 = cm.machine_cpu()
         (self.dir / "go").write_text("go")
@@ -112,6 +113,7 @@ class Cell:
                 raise RuntimeError(f"worker exited {proc.returncode}: {err.decode()[-2000:]}")
             results.append(json.loads(line[len(cm.RESULT_PREFIX) :]))
         busy1, total1 = cm.machine_cpu()
+        bytes1 = self._link_bytes()
         drops = self._link_drops() - drops0
         tcp = {k: v - tcp0.get(k, 0) for k, v in self._tcp_counters().items()}
         window = max(r["seconds"] for r in results)
@@ -126,8 +128,37 @@ class Cell:
             "cell_cores": round(sum(cores), 2),
             "busiest_proc_cores": round(max(cores, default=float("nan")), 2),
             "link_drops": drops,
+            "link_use": self._link_use(bytes0, bytes1, window),
             **tcp,
         }
+
+    def _link_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes each host of the cell's roles has sent ("egress") and received ("ingress") so far."""
+        return {
+            h.name: {end: c["bytes"] for end, c in self.net.link_stats(h).items()}
+            for hosts in self.roles.values()
+            for h in hosts
+        }
+
+    def _link_use(
+        self, before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], window: float
+    ) -> dict[str, list[float]]:
+        """What share of its rate each role's links carried during the cell, each way: ``{"worker up":
+        [min, mean, max], ...}`` (up: what the host sent). Shows which links idled while a round was
+        short of its bound."""
+        use: dict[str, list[float]] = {}
+        for role, hosts in self.roles.items():
+            for end, way in (("egress", "up"), ("ingress", "down")):
+                shares = [
+                    (after[h.name][end] - before[h.name][end]) * 8 / (h.rate_mbit * 1e6 * window)
+                    for h in hosts
+                    if h.rate_mbit
+                ]
+                if shares:
+                    use[f"{role} {way}"] = [
+                        round(min(shares), 2), round(sum(shares) / len(shares), 2), round(max(shares), 2)
+                    ]  # fmt: skip
+        return use
 
     def _tcp_counters(self) -> dict[str, int]:
         """The kernel's TCP loss recovery so far, summed over every host of the cluster: retransmitted
@@ -234,6 +265,7 @@ def run_ps_cell(
 ) -> dict[str, Any]:
     shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]
     cell = Cell(net, args, f"{system}-n{n}-k{k}")
+    cell.roles = {"worker": worker_hosts[:n], "shard": shard_hosts[:k]}
     shards = None
     try:
         sync = getattr(args, "mode", "async") == "sync"
@@ -288,7 +320,8 @@ def cell_line(c: dict[str, Any]) -> str:
         f"{c['system']:10s} n={c['n']} k={c['k']}: {c['ratio']:.2f} of bound "
         f"({c['round_s'] * 1e3:.1f} ms vs {c['bound_s'] * 1e3:.1f} ms), CPU {c['machine_cpu_pct']} %, "
         f"cell {c['cell_cores']} cores, busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, "
-        f"rounds {c['rounds']}"
+        f"rounds {c['rounds']}; links' use (min, mean, max) "
+        + ", ".join(f"{role} {lo}/{mean}/{hi}" for role, (lo, mean, hi) in c.get("link_use", {}).items())
     )
 
 
@@ -296,6 +329,7 @@ def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int, rate_mbit
     hosts = net.hosts[args.max_shards : args.max_shards + n]
     addresses = [f"{h.address}:{_RING_PORT}" for h in hosts]
     cell = Cell(net, args, f"ring-n{n}")
+    cell.roles = {"rank": hosts}
     try:
         chunk = getattr(args, "ring_chunk_kib", None)
         options = {"chunk_bytes": chunk << 10} if chunk else {}
