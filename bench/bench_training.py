@@ -26,6 +26,12 @@ the step); ``ps-async-eager`` is the same run with ``PSTRAIN_JIT_COMPILE=0`` (th
 exchange called directly) for comparison. PyTorch runs with ``OMP_NUM_THREADS=1`` (its CPU kernels
 otherwise start a thread per core in every process: 4 processes on 2 cores ran 50x slower).
 
+Beside steps/s, each row has the worker processes' own CPU time per timed step (``pstrain``'s
+``cpu_seconds_per_step``: all the process's threads, from the end of its first step to the end of its
+last) and, for the PS systems, both shards' CPU per worker step (``/proc/<pid>/stat`` over the whole
+run): on a machine others load, steps/s swings with their load, the CPU per step much less. The notes
+also say how often each process ran the model's Python ``train_step`` (a compiled ``fit``: its traces).
+
 Usage:
     python bench/bench_training.py --out bench/results/training       # writes training.md / training.json
     python bench/bench_training.py --models mlp --systems local,ps-async --steps 100   # a quick look
@@ -79,18 +85,34 @@ def run_local(args: argparse.Namespace, model: str) -> dict[str, Any]:
                "--result-json", str(out)]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=_RUN_TIMEOUT_S, env=_env(), cwd=cm.REPO)
         r = json.loads(out.read_text())
-    return {"steps_per_second": r["steps_per_second"], "steps": r["steps"]}
+    return {"steps_per_second": r["steps_per_second"], "steps": r["steps"], **_cpu([r])}
+
+
+def _cpu(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' own CPU per timed step (ms; the mean over workers, and each one's), where reported."""
+    per = [r.get("cpu_seconds_per_step") for r in results]
+    if any(c is None or c != c for c in per):
+        return {}
+    out: dict[str, Any] = {"worker_cpu_ms_per_step": 1e3 * sum(per) / len(per)}
+    if len(per) > 1:
+        out["per_worker_cpu_ms"] = [round(1e3 * c, 2) for c in per]
+    calls = [r.get("step_python_calls") for r in results]
+    if None not in calls:  # the train_step's Python runs: a compiled fit's traces, or one a step
+        out["step_python_calls"] = calls
+    return out
 
 
 def run_ps(
     args: argparse.Namespace, model: str, mode: str, overlap: bool, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    from trainer.cluster import LocalCluster
+    from trainer.cluster import LocalCluster, cpu_seconds
 
     server_args = (
         ["--mode", "sync", "--replicas-to-aggregate", "2", "--total-replicas", "2"] if mode == "sync" else []
     )
     with LocalCluster(2, server_args=server_args) as cluster:
+        shard_pids = [p.pid for p in cluster.procs if p is not None]
+        shard_cpu0 = sum(cpu_seconds(pid) for pid in shard_pids)
         procs, outs = [], []
         for i in range(2):
             out = Path(cluster.workdir) / f"w{i}.json"
@@ -107,11 +129,16 @@ def run_ps(
             stdout, _ = p.communicate(timeout=_RUN_TIMEOUT_S)
             if p.returncode != 0:
                 raise RuntimeError(f"worker failed:\n{stdout.decode(errors='replace')[-3000:]}")
+        shard_cpu = sum(cpu_seconds(pid) for pid in shard_pids) - shard_cpu0
         results = [json.loads(o.read_text()) for o in outs]
+    steps = sum(r["steps"] for r in results)
     return {
         "steps_per_second": sum(r["steps_per_second"] for r in results),
-        "steps": sum(r["steps"] for r in results),
+        "steps": steps,
         "per_worker": [round(r["steps_per_second"], 1) for r in results],
+        **_cpu(results),
+        # both shards' CPU over the whole run (setup and the final pulls too) per worker step
+        "shards_cpu_ms_per_step": 1e3 * shard_cpu / steps if steps else float("nan"),
     }
 
 
@@ -147,6 +174,7 @@ def run_allreduce(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "steps_per_second": sum(r["steps_per_second"] for r in results),
         "steps": sum(r["steps"] for r in results),
         "per_worker": [round(r["steps_per_second"], 1) for r in results],
+        **_cpu(results),
     }
 
 
@@ -230,8 +258,9 @@ def render(results: dict[str, Any]) -> str:
         f"batch {results['batch_size']} per worker, {results['steps']} steps per worker; 2 ps shards and "
         "2 workers as processes on this one machine (they share its CPUs).",
         "",
-        "| model | params | backend | system | steps/s | vs local | vs tf-ps | notes |",
-        "| --- | ---: | --- | --- | ---: | ---: | ---: | --- |",
+        "| model | params | backend | system | steps/s | vs local | vs tf-ps | worker CPU ms/step "
+        "| shards CPU ms/step | notes |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for model, rows in results["models"].items():
         tf_rate = rows.get("tf-ps", {}).get("steps_per_second")
@@ -240,7 +269,7 @@ def render(results: dict[str, Any]) -> str:
             backend = backend or "tensorflow"
             head = f"| {model} | {results['params'][model]:,} | {backend} | {system}"
             if "error" in r:
-                lines.append(f"{head} | - | - | - | failed: {r['error']} |")
+                lines.append(f"{head} | - | - | - | - | - | failed: {r['error']} |")
                 continue
             rate = r["steps_per_second"]
             local_rate = rows.get("local" if backend == "tensorflow" else f"local@{backend}", {})
@@ -248,7 +277,13 @@ def render(results: dict[str, Any]) -> str:
             ratio = f"{rate / tf_rate:.2f}x" if tf_rate else "-"
             vs_local = f"{rate / local_rate:.2f}x" if local_rate and system != "local" else "-"
             note = f"per worker {r['per_worker']}" if "per_worker" in r else ""
-            lines.append(f"{head} | {rate:.1f} | {vs_local} | {ratio} | {note} |")
+            if "per_worker_cpu_ms" in r:
+                note += f", CPU ms {r['per_worker_cpu_ms']}"
+            if "step_python_calls" in r:
+                note += f"{', ' if note else ''}train_step runs {r['step_python_calls']}"
+            cpu = f"{r['worker_cpu_ms_per_step']:.2f}" if "worker_cpu_ms_per_step" in r else "-"
+            shards = f"{r['shards_cpu_ms_per_step']:.2f}" if "shards_cpu_ms_per_step" in r else "-"
+            lines.append(f"{head} | {rate:.1f} | {vs_local} | {ratio} | {cpu} | {shards} | {note} |")
     lines += [
         "",
         "Systems: `local` = one process, Keras `fit` (no PS); `ps-async` = 2 `pstrain worker` processes, "
@@ -261,7 +296,13 @@ def render(results: dict[str, Any]) -> str:
         "TensorFlow ParameterServerStrategy + ClusterCoordinator custom loop (Keras 3 model and optimizer "
         "under the strategy's scope; Keras 3 `fit` does not run on this strategy; no tf_keras installed). "
         "`vs local`: against the same backend's `local` in this run (the PS and all-reduce rates are the sum "
-        "of two workers'). PyTorch runs with `OMP_NUM_THREADS=1`.",
+        "of two workers'). PyTorch runs with `OMP_NUM_THREADS=1`. `worker CPU ms/step`: each worker's "
+        "(or the local process's) own CPU time, all its threads, from the end of its first step to the end "
+        "of its last, per step (the mean of the workers'): unlike steps/s, the machine's other load barely "
+        "moves it. `shards CPU ms/step`: both shards' CPU over the whole run (setup and final pulls "
+        "included) per worker step. `train_step runs`: how often each process ran the model's Python "
+        "`train_step` (per process): a compiled `fit` runs it only to trace it (a few), an eager one "
+        "every step (as many as its steps).",
         "",
     ]
     return "\n".join(lines)

@@ -231,7 +231,8 @@ def run_local(args: argparse.Namespace) -> int:
 def _summary(result: dict[str, Any]) -> dict[str, Any]:
     """The local run's steps, rate and final epoch's training loss and accuracy (for a launcher comparing
     distributed runs with it)."""
-    keys = ("steps", "steps_per_second", "train_seconds", "final_loss", "final_accuracy")
+    keys = ("steps", "steps_per_second", "cpu_seconds_per_step", "train_seconds", "final_loss")
+    keys += ("final_accuracy",)
     return {k: result[k] for k in keys}
 
 

@@ -45,6 +45,7 @@ class RankResult:
     final_accuracy: float
     in_sync: bool
     test_accuracy: float | None = None
+    cpu_seconds_per_step: float = float("nan")  # this process's CPU per timed step (EpochPrinter)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

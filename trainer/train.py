@@ -57,6 +57,8 @@ class WorkerResult:
     final_loss: float
     final_accuracy: float
     stale_steps: int = 0
+    # this process's CPU time (every thread) per timed step, over the same steps as steps_per_second
+    cpu_seconds_per_step: float = float("nan")
     extra: dict[str, Any] = field(default_factory=dict)  # model-specific measurements (wide_deep: bytes, RSS)
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +68,12 @@ class WorkerResult:
 
 
 class EpochPrinter(keras.callbacks.Callback):
-    """Prints one progress line per epoch (loss, accuracy, steps/s) and times the steps after the first."""
+    """Prints one progress line per epoch (loss, accuracy, steps/s) and times the steps after the first.
+
+    Also measures the process's CPU time (all its threads: the input pipeline and the exchange's too)
+    from the end of the first step to the end of the last, so that a rate measured on a busy machine
+    comes with a cost that the machine's other load does not change (``cpu_seconds_per_step``).
+    """
 
     def __init__(self, epochs: int, prefix: str = "", out: TextIO = sys.stdout) -> None:
         super().__init__()
@@ -74,6 +81,7 @@ class EpochPrinter(keras.callbacks.Callback):
         self.steps = 0
         self.train_seconds = 0.0
         self._t0: float | None = None
+        self._cpu0 = self._cpu1 = 0.0
         self._epoch_t0 = 0.0
         self._epoch_steps = 0
         self.last_logs: dict[str, float] = {}
@@ -82,14 +90,21 @@ class EpochPrinter(keras.callbacks.Callback):
     def steps_per_second(self) -> float:
         return (self.steps - 1) / self.train_seconds if self.steps > 1 and self.train_seconds > 0 else 0.0
 
+    @property
+    def cpu_seconds_per_step(self) -> float:
+        """This process's CPU seconds per step over the steps after the first (NaN before two steps)."""
+        return (self._cpu1 - self._cpu0) / (self.steps - 1) if self.steps > 1 else float("nan")
+
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch_t0, self._epoch_steps = time.perf_counter(), 0
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self.steps += 1
         self._epoch_steps += 1
+        self._cpu1 = time.process_time()
         if self.steps == 1:
             self._t0 = time.perf_counter()  # the first step traces the graph: not timed
+            self._cpu0 = self._cpu1
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.last_logs = {k: float(v) for k, v in (logs or {}).items()}
@@ -113,6 +128,7 @@ class EpochPrinter(keras.callbacks.Callback):
             "steps": self.steps,
             "train_seconds": self.train_seconds,
             "steps_per_second": self.steps_per_second,
+            "cpu_seconds_per_step": self.cpu_seconds_per_step,
             "final_loss": self.last_logs.get("loss", float("nan")),
             "final_accuracy": self.last_logs.get("accuracy", float("nan")),
         }
@@ -130,6 +146,20 @@ def build_model(config: TrainConfig, split: data.Split, optimizer: Any) -> keras
         jit_compile="auto" if jit else False,
     )  # fmt: skip
     return model
+
+
+def count_step_calls(model: keras.Model) -> list[int]:
+    """Counts the Python runs of ``model.train_step`` from now on, in the list's one item: in a compiled
+    ``fit`` (a ``tf.function``, ``jax.jit``) its traces, a few; in an eager one, one a step."""
+    calls = [0]
+    original = model.train_step
+
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    model.train_step = train_step
+    return calls
 
 
 def fit_shard(
@@ -197,6 +227,7 @@ def train_worker(
     ) as worker:
         optimizer = psk.DistributedOptimizer(keras.optimizers.Adam(config.learning_rate), worker)
         model = build_model(config, split, optimizer)
+        step_calls = count_step_calls(model)
         printer = fit_shard(
             model,
             config,
@@ -209,6 +240,7 @@ def train_worker(
             worker_index=worker_index,
             **printer.summary(),
             stale_steps=worker.stale_steps,
+            extra={"step_python_calls": step_calls[0]},
         )
 
 
@@ -223,8 +255,9 @@ def train_local(config: TrainConfig) -> tuple[WorkerResult, float]:
         ]
     split = config.load()
     model = build_model(config, split, keras.optimizers.Adam(config.learning_rate))
+    step_calls = count_step_calls(model)
     printer = fit_shard(model, config, split, prefix="[local] ")
-    result = WorkerResult(worker_index=0, **printer.summary())
+    result = WorkerResult(worker_index=0, **printer.summary(), extra={"step_python_calls": step_calls[0]})
     return result, test_accuracy(model, split)
 
 

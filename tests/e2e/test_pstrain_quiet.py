@@ -1,7 +1,9 @@
-"""``pstrain local`` and ``pstrain worker``: no TensorFlow start-up lines or Keras warnings on stderr."""
+"""``pstrain local`` and ``pstrain worker``: no TensorFlow start-up lines or Keras warnings on stderr; their
+result files carry the CPU time per step and show the step compiled."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,16 +33,27 @@ def _assert_quiet(proc: subprocess.CompletedProcess[str]) -> None:
     assert noisy == [], proc.stderr[-2000:]
 
 
-def test_local_prints_no_tensorflow_banners() -> None:
-    proc = _pstrain("local")
+def _assert_measured(result_json: Path) -> None:
+    result = json.loads(result_json.read_text())
+    assert result["steps"] > 4 and result["steps_per_second"] > 0
+    assert result["cpu_seconds_per_step"] > 0  # this process's CPU over the timed steps
+    # fit's step is a tf.function: its Python train_step runs only to trace it, not once a step
+    assert 1 <= result["step_python_calls"] < result["steps"] / 2, result
+
+
+def test_local_prints_no_tensorflow_banners(tmp_path: Path) -> None:
+    proc = _pstrain("local", "--result-json", str(tmp_path / "local.json"))
     _assert_quiet(proc)
     assert "[local] test accuracy" in proc.stdout
+    _assert_measured(tmp_path / "local.json")
 
 
 def test_worker_prints_no_tensorflow_banners(tmp_path: Path) -> None:
     with LocalCluster(1, workdir=tmp_path / "cluster") as cluster:
         proc = _pstrain(
-            "worker", "--ps", ",".join(cluster.addresses), "--worker-index", "0", "--num-workers", "1"
-        )
+            "worker", "--ps", ",".join(cluster.addresses), "--worker-index", "0", "--num-workers", "1",
+            "--result-json", str(tmp_path / "worker.json"),
+        )  # fmt: skip
     _assert_quiet(proc)
     assert "[worker 0] done" in proc.stdout
+    _assert_measured(tmp_path / "worker.json")
