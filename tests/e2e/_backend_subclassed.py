@@ -10,8 +10,15 @@ that of a fresh copy loaded from the shards (BatchNorm statistics included).
 
 import json
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# On JAX and PyTorch this process runs as an install without TensorFlow would: the glue must not need it,
+# and Keras's set_random_seed, which imports TensorFlow whenever it can (2-3 s of CPU a process), seeds
+# without it. An import of it raises ImportError here.
+if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+    sys.modules["tensorflow"] = None  # type: ignore[assignment]
 
 import keras
 import numpy as np

@@ -3,8 +3,8 @@ tests/e2e/test_keras_backends.py on each Keras backend (``KERAS_BACKEND``), unch
 
 Worker 0 prints ``RESULT {json}``: the backend, the mode, test accuracy, steps per second after the
 first execution, whether the glue imported TensorFlow (``psclient.keras``, ``from_env``, the optimizer
-and the callbacks: before Keras's ``set_random_seed``, which imports it to seed it), and in the
-parameter-server modes the accuracy of a fresh copy of the model loaded from the shards.
+and the callbacks; on JAX and PyTorch the process cannot import it at all), and in the parameter-server
+modes the accuracy of a fresh copy of the model loaded from the shards.
 """
 
 import json
@@ -13,6 +13,12 @@ import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# On JAX and PyTorch this process runs as an install without TensorFlow would: the glue must not need it,
+# and Keras's set_random_seed, which imports TensorFlow whenever it can (2-3 s of CPU a process), seeds
+# without it. An import of it raises ImportError here.
+if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+    sys.modules["tensorflow"] = None  # type: ignore[assignment]
 
 import keras
 import numpy as np
@@ -34,8 +40,8 @@ def main() -> None:
     dist = psk.from_env()
     optimizer = dist.optimizer(keras.optimizers.Adam(2e-3 * dist.lr_scale))
     callbacks = dist.callbacks()
-    glue_imported_tensorflow = "tensorflow" in sys.modules
-    keras.utils.set_random_seed(0)  # (which imports TensorFlow, when installed, to seed it too)
+    glue_imported_tensorflow = sys.modules.get("tensorflow") is not None
+    keras.utils.set_random_seed(0)
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16, y, test_size=0.2, random_state=0, stratify=y)
     mine = slice(dist.index, None, dist.num_workers)
