@@ -45,7 +45,17 @@ KiB and 64 MiB. The index (about 50 bytes a record held: ids and positions in
 a table at most 3/4 full, doubled as it grows) lives in files of the piece's
 directory too (the page cache's pages, like LMDB's B-tree; not counted in the
 limit), and with a TTL each segment keeps its records' stamps in memory (8 bytes
-a record per TTL kind).
+a record per TTL kind) and which of them live (1 byte a record).
+
+Expiry (``expired``): with a TTL, each segment keeps, per block of
+``_EXPIRY_BLOCK`` records, a lower bound of its live records' stamps (per TTL
+kind). A call for a cut looks only into the blocks whose bound is before it,
+from where the last call for the same cut stopped (the blocks before hold no
+live record before it: a write that appends one there moves the place back),
+and takes at most ``limit`` ids: its cost is the batch, not the records on disk.
+A block looked into that holds no live record before the cut gets its bound
+raised to its live records' least stamp, so dead records (overwritten,
+deleted) are looked at once, not at every cut.
 """
 
 from __future__ import annotations
@@ -82,6 +92,7 @@ _SPARE_REGIONS = 4  # regions mapped beyond the limit's (a new segment while old
 _COMPACT_BELOW = 0.5  # a full segment whose live fraction is below this is compacted
 _COMPACT_STEP_BYTES = 4 << 20  # records one compaction step reads and appends at most
 _JOIN_S = 10.0  # how long closing waits for the compaction thread's step
+_EXPIRY_BLOCK = 4096  # records per block of a segment's expiry bounds (``expired``)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -94,6 +105,8 @@ class _Segment:
     ids: np.ndarray  # the records' ids (a view of the map)
     recs: np.ndarray  # their records (a view of the map)
     stamps: np.ndarray | None  # with a TTL, a copy in memory of the records' expiry stamps
+    alive: np.ndarray | None  # with a TTL, which records the index points at
+    bounds: np.ndarray | None  # with a TTL, per block of ``_EXPIRY_BLOCK``: at most its live records' stamps
     used: int = 0
     live: int = 0  # records the index points at
     reserved: int = 0  # bytes of its region allocated on disk, from its start
@@ -184,9 +197,9 @@ class LogTier(ColdTier):
         self._writer = threading.Lock()  # one writer at a time: writes, compaction steps, ``expired``
         self._compactor: threading.Thread | None = None
         self._compacting: tuple[_Segment, int] | None = None  # the segment under compaction, next offset
-        # Per TTL kind, the ids an expiry's first ``expired`` found before its cut, and how far later calls
-        # have checked them: (cut, ids, next); records written since with older stamps are added.
-        self._expiring: dict[str, tuple[float, np.ndarray, int]] = {}
+        # Per TTL kind, the cut of the last ``expired`` and the position from which a call for the same cut
+        # looks: the blocks before it hold no live record before the cut (``_append`` moves it back).
+        self._expiring: dict[str, tuple[float, int]] = {}
         self._closed = False
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -370,10 +383,9 @@ class LogTier(ColdTier):
         """Ids of the records on disk last updated before push ``before_step`` or time ``before_time``
         (sorted, distinct), at most ``limit`` of each kind.
 
-        The first call for a cut scans the stamps each segment keeps in memory once (numpy over every
-        record on disk) and keeps the ids it finds; the calls after it for the same cut (a push each while
-        an expiry drains) check the next of those ids (still there, still before the cut) and the records
-        written since with older stamps: a bounded batch, whatever the records on disk.
+        Looks into the blocks of records whose stamps may be before a cut (see the module docs), from
+        where the last call for the same cut stopped (a push each while an expiry drains): a bounded batch,
+        whatever the records on disk.
 
         Raises:
             InternalError: a cut without its stamps (the piece was made without that TTL).
@@ -392,47 +404,36 @@ class LogTier(ColdTier):
         return np.unique(ids) if kinds > 1 else ids
 
     def _expired_batch(self, kind: str, cut: float, limit: int | None) -> np.ndarray:
-        """``expired`` of one kind (holds ``_writer``): from the candidates of ``cut`` (``_expiring``)."""
-        cands = self._expiring.get(kind)
-        if cands is None or cands[0] != cut:
-            cands = (cut, self._scan_stamps(kind, cut), 0)
-        _, ids, start = cands
+        """``expired`` of one kind (holds ``_writer``): the live records before ``cut`` in the blocks whose
+        bounds are before it, from the place where the last call for ``cut`` stopped (``_expiring``)."""
+        last = self._expiring.get(kind)
+        start = last[1] if last is not None and last[0] == cut else 0
         out: list[np.ndarray] = []
-        taken, i, first = 0, start, None
-        step = max(limit or ids.size, 1024)
-        while i < ids.size and (limit is None or taken < limit):
-            part = ids[i : i + step]
-            with self._lock:
-                pos = self._index.get(part)
-            have = pos >= 0
-            ok = np.zeros(part.size, bool)
-            ok[have] = self._all_recs[kind][pos[have]] < cut  # still there, still before the cut
-            good = np.flatnonzero(ok)
-            if limit is not None:
-                good = good[: limit - taken]
-            if first is None and good.size:
-                first = i + int(good[0])
-            out.append(part[good])
-            taken += good.size
-            i += part.size
-        # The candidates before the first one returned are gone (deleted, or rewritten later: a record
-        # written since with an older stamp is added at the end); those returned are checked again.
-        self._expiring[kind] = (cut, ids, i if first is None else first)
-        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
-
-    def _scan_stamps(self, kind: str, cut: float) -> np.ndarray:
-        """The ids of the current records stamped before ``cut`` (holds ``_writer``): every segment's."""
-        found = []
-        for seg in self._current():
-            assert seg.stamps is not None
-            offs = np.flatnonzero(seg.stamps[kind][: seg.used] < cut)
-            if not offs.size:
+        taken, first, block = 0, None, _EXPIRY_BLOCK
+        for seg in self._current():  # in region order: the order of positions
+            if seg.base + seg.used <= start or (limit is not None and taken >= limit):
                 continue
-            ids = np.array(seg.ids[offs])
-            with self._lock:
-                current = self._index.get(ids) == seg.base + offs
-            found.append(ids[current])
-        return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+            assert seg.stamps is not None and seg.alive is not None and seg.bounds is not None
+            stamps, alive, bounds = seg.stamps[kind], seg.alive, seg.bounds[kind]
+            b0 = max(0, start - seg.base) // block
+            for b in (np.flatnonzero(bounds[b0 : -(-seg.used // block)] < cut) + b0).tolist():
+                lo, hi = b * block, min(seg.used, (b + 1) * block)
+                live = alive[lo:hi]
+                hit = np.flatnonzero((stamps[lo:hi] < cut) & live)
+                if not hit.size:  # its dead records are not looked at again (until records are appended)
+                    rest = stamps[lo:hi][live]
+                    bounds[b] = rest.min() if rest.size else _highest(bounds.dtype)
+                    continue
+                if first is None:  # those returned are looked at again by the next call (deleted or not)
+                    first = seg.base + lo
+                if limit is not None:
+                    hit = hit[: limit - taken]
+                out.append(np.array(seg.ids[lo + hit]))
+                taken += hit.size
+                if limit is not None and taken >= limit:
+                    break
+        self._expiring[kind] = (cut, self._all_ids.size if first is None else first)
+        return np.sort(np.concatenate(out)) if out else np.zeros(0, np.int64)
 
     def _current(self) -> list[_Segment]:
         """The segments the index may point at (not retired), oldest first."""
@@ -456,8 +457,14 @@ class LogTier(ColdTier):
                 assert np.all(offs < seg.used), f"segment {seg.no}: a position past its records"
                 np.testing.assert_array_equal(seg.ids[offs], ids[mine])
                 if seg.stamps is not None:
+                    assert seg.alive is not None and seg.bounds is not None
+                    alive = np.zeros(seg.rows, bool)
+                    alive[offs] = True
+                    np.testing.assert_array_equal(seg.alive, alive, f"segment {seg.no}: live records")
                     for kind in self._expiry_kinds:
                         np.testing.assert_array_equal(seg.stamps[kind][offs], seg.recs[kind][offs])
+                        blocks = offs // _EXPIRY_BLOCK
+                        assert np.all(seg.bounds[kind][blocks] <= seg.stamps[kind][offs]), "expiry bounds"
             assert int(np.count_nonzero(np.isin(nos, [s.no for s in self._current()]))) == ids.size
 
     # -- writes -----------------------------------------------------------------------------------
@@ -610,16 +617,31 @@ class LogTier(ColdTier):
             buf["rec"] = records[done : done + take]
             _pwrite_all(self._fd, memoryview(buf).cast("B"), (seg.base + lo) * size)
             if seg.stamps is not None:
-                for kind in self._expiry_kinds:
-                    seg.stamps[kind][lo:hi] = records[kind][done : done + take]
+                self._stamp(seg, lo, hi, records[done : done + take])
             out[done : done + take] = np.arange(seg.base + lo, seg.base + hi)
             seg.used = hi
             done += take
-        for kind, (cut, cands, start) in list(self._expiring.items()):  # an expiry under way
-            late = ids[records[kind] < cut]
-            if late.size:
-                self._expiring[kind] = (cut, np.concatenate([cands, late]), start)
         return out
+
+    def _stamp(self, seg: _Segment, lo: int, hi: int, records: np.ndarray) -> None:
+        """Keeps the stamps of ``seg``'s records ``lo:hi`` (just appended) and lowers their blocks' bounds;
+        an expiry under way looks from the first block that took one before its cut (holds ``_writer``)."""
+        assert seg.stamps is not None and seg.bounds is not None
+        block = _EXPIRY_BLOCK
+        for kind in self._expiry_kinds:
+            stamps = seg.stamps[kind]
+            stamps[lo:hi] = records[kind]
+            bounds = seg.bounds[kind]
+            for b in range(lo // block, (hi - 1) // block + 1):
+                least = stamps[max(lo, b * block) : min(hi, (b + 1) * block)].min()
+                if least < bounds[b]:
+                    bounds[b] = least
+            last = self._expiring.get(kind)
+            if last is not None and seg.base + lo < last[1]:
+                early = np.flatnonzero(bounds[lo // block : (hi - 1) // block + 1] < last[0])
+                if early.size:
+                    at = seg.base + (lo // block + int(early[0])) * block
+                    self._expiring[kind] = (last[0], min(last[1], at))
 
     def _room(self, n: int, compacting: bool, may_compact: bool) -> None:
         """Checks that ``n`` more records fit under the limit (holds ``_writer``). A push's write leaves
@@ -702,6 +724,8 @@ class LogTier(ColdTier):
                 self._all_ids[base:end],
                 self._all_recs[base:end],
                 np.zeros(self.segment_rows, stamps) if stamps is not None else None,
+                np.zeros(self.segment_rows, bool) if stamps is not None else None,
+                _bounds(-(-self.segment_rows // _EXPIRY_BLOCK), stamps) if stamps is not None else None,
                 reserved=self._held.pop(no, 0),
             )
             self._segs[no] = seg
@@ -739,11 +763,17 @@ class LogTier(ColdTier):
             self._start_compaction()
 
     def _count_live(self, pos: np.ndarray, sign: int) -> None:
+        """Counts the records at ``pos`` in (``sign`` 1: the index points at them now) or out (-1) of their
+        segments' live records (with a TTL, their ``alive`` too)."""
         if not pos.size:
             return
-        nos, counts = np.unique(pos // self.segment_rows, return_counts=True)
-        for no, count in zip(nos.tolist(), counts.tolist(), strict=True):
-            self._segs[no].live += sign * count
+        nos = pos // self.segment_rows
+        uniq, counts = np.unique(nos, return_counts=True)
+        for no, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+            seg = self._segs[no]
+            seg.live += sign * count
+            if seg.alive is not None:
+                seg.alive[(pos if uniq.size == 1 else pos[nos == no]) - seg.base] = sign > 0
 
     def _retire_empty(self) -> bool:
         """Retires the full segments nothing lives in (holds ``_lock``); whether any full one is due for
@@ -823,7 +853,7 @@ class LogTier(ColdTier):
                 at = self._index.positions(ids)
                 self._index.vals[at] = placed
                 self._count_live(placed, 1)
-                seg.live -= ids.size
+                self._count_live(seg.base + offs[keep], -1)
             self.compaction.moved += ids.size
         with self._lock:
             if end >= seg.used or not seg.live:
@@ -865,6 +895,19 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
+
+
+def _highest(dtype: np.dtype) -> np.generic:
+    """The largest value of a stamp's dtype (a block with no live record: no bound)."""
+    return np.finfo(dtype).max if dtype.kind == "f" else np.iinfo(dtype).max
+
+
+def _bounds(blocks: int, stamps: np.dtype) -> np.ndarray:
+    """A new segment's expiry bounds (``_Segment.bounds``): none yet, each kind's largest value."""
+    out = np.empty(blocks, stamps)
+    for kind in stamps.names or ():
+        out[kind] = _highest(stamps[kind])
+    return out
 
 
 def segment_bytes_bound(live_bytes: int) -> int:

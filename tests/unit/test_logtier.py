@@ -254,6 +254,53 @@ def test_expired_finds_the_live_records_before_a_cut_from_the_stamps_in_memory(t
     tier.close()
 
 
+def test_expiry_batches_match_a_model_through_writes_deletes_and_compaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``expired`` against a model: rising cuts drained in batches while records are written (some stamped
+    before the cut), deleted, left (a push may keep what a batch named) and compacted. Each batch names only
+    live records before the cut, at most ``limit``, and a short batch names every one of them. Blocks of 8
+    records: the walk's place, its bounds raised past dead records and moved back by late writes."""
+    monkeypatch.setattr(logtier, "_EXPIRY_BLOCK", 8)
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step", "last_time"))
+    stamps: dict[int, int] = {}  # id -> its live record's last_step (last_time is 1000 + it)
+    rng = np.random.default_rng(7)
+    cut = 0
+    for step in range(400):
+        ids = np.unique(rng.integers(0, 3000, rng.integers(0, 90)))
+        records = _records(ids, step)
+        records["last_step"] = rng.integers(max(0, step - 60), step + 1, ids.size)  # some before the cut
+        records["last_time"] = 1000.0 + records["last_step"]
+        gone = np.setdiff1d(np.unique(rng.integers(0, 3000, rng.integers(0, 20))), ids)
+        tier.write(ids, records, delete=[gone])
+        for i in gone.tolist():
+            stamps.pop(i, None)
+        stamps.update(zip(ids.tolist(), records["last_step"].tolist(), strict=True))
+        if step % 37 == 0:
+            tier.compact_now()
+        if step % 25 == 0:
+            cut = step - int(rng.integers(10, 40))  # sometimes lower than the last: a walk starts afresh
+        by_step, by_time = (cut, None) if step % 2 else (None, 1000.0 + cut)
+        limit = int(rng.integers(1, 60))
+        got = tier.expired(by_step, by_time, limit=limit)
+        want = np.array(sorted(i for i, s in stamps.items() if s < cut), np.int64)
+        assert got.size <= limit and np.all(got[1:] > got[:-1])
+        assert np.all(np.isin(got, want)), step
+        if got.size < limit:
+            np.testing.assert_array_equal(got, want)
+        drop = got[rng.random(got.size) < 0.8]  # a push deletes most of a batch
+        tier.write(ids[:0], _records(ids[:0], 0), delete=[drop])
+        for i in drop.tolist():
+            stamps.pop(i)
+        if step % 50 == 0:
+            tier.check()
+    np.testing.assert_array_equal(
+        tier.expired(cut, None), np.array(sorted(i for i, s in stamps.items() if s < cut), np.int64)
+    )
+    tier.check()
+    tier.close()
+
+
 def test_an_expiry_drains_in_batches_and_finds_records_written_meanwhile(tmp_path: Path) -> None:
     tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step",))
     ids = np.arange(5000, dtype=np.int64)
