@@ -8,7 +8,8 @@ do yet raises a ``PSError`` that names the backend and the feature (the table in
 - Parameter server (``_ps``, a package: setup, step, optimizer, callbacks): ``PSWorker``,
   ``DistributedOptimizer``, ``PSCallback``, ``load_from_ps``; variables and optimizer live on the shards.
   ``Embedding`` (``_embedding``): a layer whose table lives only on the shards, and
-  ``prefetch_rows``, which reads the next batch's rows while a step computes.
+  ``prefetch_rows``, which reads the next batch's rows while a step computes; ``string_ids`` hashes string
+  feature values to its ids on the host (JAX and PyTorch have no string tensors).
 - All-reduce (``_allreduce``): ``AllReduceWorker``, ``AllReduceOptimizer``,
   ``AllReduceCallback``; every rank holds a replica and gradients are averaged
   over the ring (``psclient.collective``), as with MirroredStrategy or Horovod.
@@ -21,7 +22,7 @@ from psclient.keras._allreduce import (
     ring_from_tf_config,
 )
 from psclient.keras._common import variable_name
-from psclient.keras._embedding import Embedding, prefetch_rows
+from psclient.keras._embedding import Embedding, prefetch_rows, string_ids
 from psclient.keras._env import Distribution, from_env
 from psclient.keras._naming import model_variable_names
 from psclient.keras._ps import (
@@ -53,5 +54,6 @@ __all__ = [
     "prefetch_rows",
     "ring_from_tf_config",
     "server_optimizer",
+    "string_ids",
     "variable_name",
 ]  # fmt: skip

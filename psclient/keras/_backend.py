@@ -72,6 +72,12 @@ class EagerAdapter:
     # an IndexedSlices that the step's exchange takes as an input.
     host_row_gradients = False
 
+    @property
+    def id_bits(self) -> int:
+        """How many bits an integer id of a model input keeps (64: int64; JAX without ``jax_enable_x64``: 31,
+        a non-negative int32)."""
+        return 64
+
     def eager(self) -> contextlib.AbstractContextManager[Any]:
         """A context in which variables are read and assigned eagerly, also while a step is traced."""
         return contextlib.nullcontext()

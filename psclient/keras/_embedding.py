@@ -91,10 +91,10 @@ import keras
 import numpy as np
 
 from psclient._tables import DynamicOptions
-from psclient.keras._backend import backend_name, unsupported
+from psclient.keras._backend import adapter, backend_name, unsupported
 from psclient.keras._backend import tensorflow as tf  # imported when first used: on TensorFlow only
 from psclient.keras._ps import PSWorker, server_optimizer
-from pscore.embedding import Initializer, Rows
+from pscore.embedding import Initializer, Rows, hash_keys
 from pscore.errors import PSError
 from pscore.optimizers import Optimizer
 
@@ -186,7 +186,11 @@ class Embedding(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         if key_type == "string" and backend_name() != "tensorflow":
-            raise unsupported("psclient.keras.Embedding with key_type='string' (string tensors)")
+            raise unsupported(
+                "psclient.keras.Embedding with key_type='string' (string tensors; hash the values in the "
+                "input pipeline with psclient.keras.string_ids(values) and give the ids to a dynamic table: "
+                "input_dim=None, key_type='int64')"
+            )
         super().__init__(**kwargs)
         if not isinstance(worker, PSWorker):
             raise TypeError(f"worker must be a psclient.keras.PSWorker, got {type(worker)!r}")
@@ -463,6 +467,42 @@ class _Prefetched:
         return None
 
 
+def string_ids(values: Any, bits: int | None = None) -> np.ndarray:
+    """Integer ids of string feature values, for a dynamic ``Embedding`` (``input_dim=None``) on any backend.
+
+    JAX and PyTorch have no string tensors, so a ``key_type="string"`` table cannot take its keys in
+    their steps: hash the values on the host (in the input pipeline, before the model) and feed the
+    ids to an int64-keyed dynamic table. The id of a value is ``pscore.embedding.hash_keys``'s 64-bit
+    BLAKE2b hash of its UTF-8 bytes (the hash a string-keyed table uses; the same on every process,
+    platform and restart), kept whole or cut to its low ``bits`` (then non-negative, below
+    ``2**bits``). Two distinct values share a row when their ids collide: for ``n`` distinct values
+    about ``n**2 / 2**(bits + 1)`` pairs do (with 31 bits, one pair at ~65,000 values, ~230 at a
+    million, each sharing its row as a hashing trick does; with 64 bits none in practice). The ids are
+    int32 for ``bits <= 31``, else int64.
+
+    >>> string_ids(["user:42", b"user:42", "user:7"], bits=64).tolist()
+    [-9028972112616151079, -9028972112616151079, -4979482534328686182]
+    >>> string_ids(["user:42"], bits=31).tolist()
+    [2090543065]
+
+    Args:
+        values: ``str`` or ``bytes`` values, any shape (the shape is kept).
+        bits: 1-64; default: what the backend's integer inputs keep (64: int64 on TensorFlow and PyTorch,
+            and on JAX with ``jax_enable_x64``; 31 on JAX without it, whose inputs are int32).
+
+    Raises:
+        TypeError: a value that is neither ``str`` nor ``bytes``.
+        ValueError: ``bits`` out of range.
+    """
+    bits = adapter().id_bits if bits is None else int(bits)
+    if not 1 <= bits <= 64:
+        raise ValueError(f"bits must be in [1, 64], got {bits}")
+    ids = hash_keys(values)
+    if bits == 64:
+        return ids
+    return (ids & np.int64((1 << bits) - 1)).astype(np.int64 if bits > 31 else np.int32)
+
+
 def _first_seen_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(distinct ids in first-seen order, index of each id in them)``, as ``tf.unique``.
 
@@ -593,4 +633,4 @@ def _graph_key() -> Any:
     return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-__all__ = ["Embedding", "prefetch_rows"]
+__all__ = ["Embedding", "prefetch_rows", "string_ids"]

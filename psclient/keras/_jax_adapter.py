@@ -39,6 +39,10 @@ class Adapter(EagerAdapter):
     shared_state_in_step = False
     host_row_gradients = True
 
+    @property
+    def id_bits(self) -> int:
+        return 64 if jax.config.jax_enable_x64 else 31
+
     def tracing(self, *tensors: Any) -> bool:
         return any(isinstance(t, jax.core.Tracer) for t in tensors)
 

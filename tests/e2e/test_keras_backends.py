@@ -1,7 +1,8 @@
 """``psclient.keras`` on Keras's JAX and PyTorch backends: the same script (``_backend_train.py``, the
-README's ``train.py`` with held-out test images) trains under ``pstrain launch`` in async, sync and
-all-reduce mode to within a few points of the same script run locally on that backend, and the glue
-imports no TensorFlow there.
+README's ``train.py`` with held-out test images) trains under ``pstrain launch`` in async and sync mode and
+under ``psrun`` (all-reduce) to within a few points of the same script run locally on that backend, and the
+glue imports no TensorFlow there. Custom training loops, a GAN's two optimizers and ``overlap=True`` run
+against a cluster in one process per backend (``_backend_loops.py``).
 
 Each backend's tests run where its package is installed (``pip install ".[jax]"`` / ``".[torch]"``) and are
 skipped otherwise. Every run is a subprocess with ``KERAS_BACKEND`` set (a process has one Keras backend).
@@ -32,6 +33,7 @@ RUN_TIMEOUT_S = 300  # a run takes 10-30 s on 2 loaded cores
 # within a point (2026-12-06); an untrained model scores ~0.1.
 MARGIN = 0.03
 BACKENDS = ("jax", "torch")
+_MODES = {"psrun": "allreduce"}  # what from_env reads under a launcher that is not pstrain launch
 
 
 def _env(backend: str) -> dict[str, str]:
@@ -46,7 +48,9 @@ def _env(backend: str) -> dict[str, str]:
 
 def _launch(backend: str, mode: str, script: Path, **env: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(script)]
-    if mode != "local":
+    if mode == "psrun":  # Horovod's launcher: an all-reduce job's ranks (TF_CONFIG, PSTRAIN_MODE=allreduce)
+        cmd = [sys.executable, "-m", "trainer.psrun", "-np", "2", "--timeout", str(RUN_TIMEOUT_S), *cmd]
+    elif mode != "local":
         cmd = [sys.executable, "-m", "trainer", "launch", "--mode", mode, "--timeout", str(RUN_TIMEOUT_S),
                "--", *cmd]  # fmt: skip
     env = {**_env(backend), **env}
@@ -61,7 +65,7 @@ def run(backend: str, mode: str, script: Path = HERE / "_backend_train.py", **en
     assert len(lines) == 1, proc.stdout[-3000:]  # worker 0 only
     result = json.loads(lines[0])
     print(f"\n{backend} {mode} {script.name}: {json.dumps(result)}")
-    assert result.get("backend", backend) == backend and result["mode"] == mode
+    assert result.get("backend", backend) == backend and result["mode"] == _MODES.get(mode, mode)
     return result
 
 
@@ -71,8 +75,9 @@ def local() -> dict[str, float]:
 
 
 # Sync mode runs the same script in test_a_rate_set_by_a_callback_reaches_the_shards (and the subclassed
-# model's own step below): one sync run of it per backend, not two (the suite's CPU time).
-@pytest.mark.parametrize("mode", ["async", "allreduce"])
+# model's own step below): one sync run of it per backend, not two (the suite's CPU time). Its all-reduce
+# run is started by psrun (Horovod's launcher; the subclassed model's below by pstrain launch).
+@pytest.mark.parametrize("mode", ["async", "psrun"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_readme_script_trains_on_the_backend_as_locally(
     backend: str, mode: str, local: dict[str, float]
@@ -85,7 +90,7 @@ def test_the_readme_script_trains_on_the_backend_as_locally(
     result = run(backend, mode)
     assert not result["glue_imported_tensorflow"], result
     assert result["test_accuracy"] >= local[backend] - MARGIN, (result, local)
-    if mode != "allreduce":  # an evaluator's copy loaded from the shards
+    if mode != "psrun":  # an evaluator's copy loaded from the shards
         assert result["loaded_accuracy"] >= local[backend] - MARGIN, (result, local)
 
 
@@ -105,32 +110,42 @@ def test_a_rate_set_by_a_callback_reaches_the_shards(backend: str) -> None:
     assert result["loaded_accuracy"] == pytest.approx(result["test_accuracy"], abs=1e-6), result
 
 
-_REFUSED = """
-import keras, psclient.keras as psk
-from pscore.errors import PSError
-worker = psk.PSWorker(["127.0.0.1:1"], worker_index=0, num_workers=1)
-try:
-    psk.Embedding(None, 4, worker=worker, key_type="string")
-except PSError as err:
-    print("REFUSED", err)
-worker.client.close()
-"""
+LOOPS = HERE / "_backend_loops.py"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_what_a_backend_cannot_do_yet_is_a_ps_error_naming_backend_and_feature(backend: str) -> None:
+def test_custom_loops_a_gan_and_overlap_train_as_locally(backend: str, make_cluster) -> None:
+    """Training outside ``fit``'s built-in step (``_backend_loops.py``, one subprocess against an async
+    cluster, one worker): the backend's own loop as keras-io writes it (JAX: jitted ``stateless_apply``;
+    PyTorch: ``backward``, ``optimizer.apply``) and a GAN's two optimizers (PyTorch: keras-io's GAN under
+    ``fit``; JAX: a jitted loop, each part attached with its optimizer first) train exactly as the same code
+    locally (SGD, no overlap); on JAX a part not attached first is a ``PSError`` naming backend and feature.
+    ``overlap=True`` trains a ``psclient.keras.Embedding`` table whose ids are host-hashed strings
+    (``string_ids``); ``key_type="string"`` is a ``PSError`` that names ``string_ids``."""
     pytest.importorskip(backend)
+    cluster = make_cluster(num_shards=2)
     proc = subprocess.run(
-        [sys.executable, "-c", _REFUSED],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(backend),
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED")]
-    assert "psclient.keras.Embedding with key_type='string'" in line and repr(backend) in line, line
+        [sys.executable, str(LOOPS), ",".join(cluster.addresses)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    result = json.loads(line)
+    print(f"\n{backend} loops: {line}")
+    assert not result["glue_imported_tensorflow"], result
+    for part in ("loop", "gan"):
+        np.testing.assert_allclose(result[f"{part}_remote_losses"], result[f"{part}_local_losses"], rtol=1e-5)
+        assert result[f"{part}_weights_max_diff"] < 1e-5, result
+    assert result["loop_remote_losses"][-1] < 0.5 * result["loop_remote_losses"][0], result
+    if backend == "jax":
+        error = result["gan_unattached_error"] or ""
+        assert "a second optimizer" in error and "'jax' backend" in error and "worker.attach" in error, error
+    refused = result["string_refused"] or ""
+    assert "key_type='string'" in refused and repr(backend) in refused and "string_ids" in refused, refused
+    assert result["overlap"] and result["overlap_losses"][-1] < 0.7 * result["overlap_losses"][0], result
+    # every distinct value got its own row (no collision among 300 values, 31 bits on JAX)
+    assert result["string_ids_rows_on_shards"] == result["string_ids_distinct"] == result["distinct_values"]
+    assert result["string_ids_dtype"] == ("int32" if backend == "jax" else "int64"), result
 
 
 EMBEDDING = HERE / "_backend_embedding.py"

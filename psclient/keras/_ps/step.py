@@ -213,7 +213,8 @@ class WorkerStep:
                 if late:
                     raise _backend.unsupported(
                         f"variables an optimizer first applies inside a compiled step ({', '.join(late[:3])}:"
-                        " a second optimizer, a layer unfrozen during fit; attach them before fit)"
+                        " a second optimizer, a layer unfrozen during fit; attach them with their optimizer"
+                        " before fit or the loop's first step: worker.attach(part, optimizer))"
                     )
             elif changed:
                 new = self._register([([v], s) for v, s in changed], check=first)
