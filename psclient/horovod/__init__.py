@@ -57,6 +57,18 @@ Every rank must call the same collectives in the same order (a rank that runs ou
 
 from typing import Any, NoReturn
 
+import keras
+
+from pscore.errors import PSError
+
+if keras.backend.backend() != "tensorflow":  # before anything imports TensorFlow
+    raise PSError(
+        f"psclient.horovod (Horovod's TensorFlow API) is not supported on the Keras {keras.backend.backend()!r} "
+        f"backend (KERAS_BACKEND={keras.backend.backend()}): under psrun, use psclient.keras.from_env() (an "
+        "AllReduceWorker from psrun's TF_CONFIG) or psclient.keras.AllReduceWorker; see the backend table in "
+        "docs/keras.md"
+    )
+
 from psclient.horovod import elastic
 from psclient.horovod._compression import Compression, Compressor
 from psclient.horovod._ops import (

@@ -15,7 +15,7 @@ One process checks what the test asserts, and prints ``RESULT {json}``:
   weights against local. ``gan_unattached_error`` (JAX): the same loop whose parts were not attached.
 - ``overlap``: a ``psclient.keras.Embedding`` model trained by a ``PSWorker(overlap=True)``.
 - ``string_refused``: ``key_type="string"``'s ``PSError``; ``string_ids_*``: the host-hashed ids of string
-  values train a dynamic table.
+  values train a dynamic table. ``horovod_refused``: ``import psclient.horovod``'s ``PSError``.
 """
 
 import json
@@ -286,6 +286,12 @@ def main() -> None:
         result["string_ids_rows_on_shards"] = int(sum(p.dynamic.rows for p in pieces))
         result["string_ids_distinct"] = int(np.unique(ids).size)
         result["distinct_values"] = int(np.unique(values).size)
+    try:  # Horovod's TensorFlow API, whose scripts psrun also starts
+        import psclient.horovod  # noqa: F401
+
+        result["horovod_refused"] = None
+    except PSError as err:
+        result["horovod_refused"] = str(err)
     result["glue_imported_tensorflow"] = sys.modules.get("tensorflow") is not None
     print("RESULT " + json.dumps(result), flush=True)
 

@@ -121,7 +121,8 @@ def test_custom_loops_a_gan_and_overlap_train_as_locally(backend: str, make_clus
     ``fit``; JAX: a jitted loop, each part attached with its optimizer first) train exactly as the same code
     locally (SGD, no overlap); on JAX a part not attached first is a ``PSError`` naming backend and feature.
     ``overlap=True`` trains a ``psclient.keras.Embedding`` table whose ids are host-hashed strings
-    (``string_ids``); ``key_type="string"`` is a ``PSError`` that names ``string_ids``."""
+    (``string_ids``); ``key_type="string"`` is a ``PSError`` that names ``string_ids``, and ``import
+    psclient.horovod`` (Horovod's TensorFlow API) one that names ``psclient.keras.from_env``."""
     pytest.importorskip(backend)
     cluster = make_cluster(num_shards=2)
     proc = subprocess.run(
@@ -142,6 +143,8 @@ def test_custom_loops_a_gan_and_overlap_train_as_locally(backend: str, make_clus
         assert "a second optimizer" in error and "'jax' backend" in error and "worker.attach" in error, error
     refused = result["string_refused"] or ""
     assert "key_type='string'" in refused and repr(backend) in refused and "string_ids" in refused, refused
+    refused = result["horovod_refused"] or ""  # Horovod's TensorFlow API: psclient.keras under psrun instead
+    assert "psclient.horovod" in refused and repr(backend) in refused and "from_env" in refused, refused
     assert result["overlap"] and result["overlap_losses"][-1] < 0.7 * result["overlap_losses"][0], result
     # every distinct value got its own row (no collision among 300 values, 31 bits on JAX)
     assert result["string_ids_rows_on_shards"] == result["string_ids_distinct"] == result["distinct_values"]
