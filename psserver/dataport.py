@@ -13,6 +13,9 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
   ``Push``: validation, the mode (idempotence, sync barrier, ssp clock),
   replication and the returned values are exactly those of the gRPC calls. The
   shard applies a push once all of it has arrived (a push is all or nothing).
+  A plain push that waits for nothing (async mode, no backup, small variables:
+  the common case) is served by ``ShardService.push_now``, the same checks and
+  update with no await, so none of the mode's and the store's coroutines.
 - Failures are answered with the status, message and reason the gRPC call
   would have ended with (``ShardService.failure``); bytes that are not
   frames end the connection (the shard goes on serving).
@@ -174,13 +177,19 @@ class DataPortServer:
         task = asyncio.current_task()
         assert task is not None
         link = bulk.BulkConnection(conn, f"shard {self._shard} data port client")
+        import os, socket
+        clamp = int(os.environ.get("PS_WINDOW_CLAMP", "0"))
+        if clamp and getattr(conn, "sock", None) is not None:
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, clamp)
         self._links.add(link)
         try:
             while link.open and not self.stopping:
                 received: list[Any] = []  # a push's buffer and its tensors' sizes
                 self._idle.add(task)
                 try:
-                    frame, _ = await link.recv(functools.partial(self._receive_into, received=received))
+                    frame, _ = await link.recv(
+                        functools.partial(self._receive_into, received=received), admit=self._admit
+                    )
                 except bulk.Closed:
                     return
                 except PSError as err:  # garbage, or a broken connection: drop it, serve the others
@@ -212,6 +221,15 @@ class DataPortServer:
         finally:
             link.reset()
             self._links.discard(link)
+
+    async def _admit(self, frame: bulk.Frame, nbytes: int) -> Any:
+        import os
+        if not os.environ.get("PS_SERIAL_UPLOADS") or frame.kind != bulk.PUSH or nbytes < (64 << 10):
+            return None
+        if getattr(self, "_upload_lock", None) is None:
+            self._upload_lock = asyncio.Lock()
+        await self._upload_lock.acquire()
+        return self._upload_lock.release
 
     def _receive_into(self, frame: bulk.Frame, nbytes: int, received: list[Any]) -> list[memoryview]:
         """Where a request's payload goes: a push's gradients into a pooled buffer (appended to ``received``
@@ -345,10 +363,14 @@ class DataPortServer:
             if kind == bulk.PUSH:
                 if self._metrics is not None:
                     self._metrics.push_received(head, sum(sizes))
-                left = head.timeout_s  # deadline_of(None, head.timeout_s), inline
-                response, snapshot = await self._service.push(
-                    head, _gradients(head, buf, sizes), time.monotonic() + left if left > 0 else None
-                )
+                grads = _gradients(head, buf, sizes)
+                response = self._service.push_now(head, grads)  # the common case: no await
+                snapshot = None
+                if response is None:
+                    left = head.timeout_s  # deadline_of(None, head.timeout_s), inline
+                    response, snapshot = await self._service.push(
+                        head, grads, time.monotonic() + left if left > 0 else None
+                    )
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
                     versions, values = response.versions, response.values
                     wire_of = codec.DTYPE_WIRES

@@ -164,6 +164,18 @@ class Mode(abc.ABC):
         finally:
             listener.wait_end(token)
 
+    def push_now(
+        self, worker_id: str, seq: int, session: int, grads: Mapping[str, tables.Grad]
+    ) -> bool | None:
+        """``push``'s common case served with no await, where the mode allows it (async mode: a push that
+        waits for nothing): True applied, False a duplicate, None not served so (nothing done: serve it
+        with ``push``). The push waits for nothing, so the ``listener`` never sees it waiting.
+
+        Raises:
+            PSError: as ``push`` (nothing applied).
+        """
+        return None
+
     async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         """Waits until ``worker_id`` at ``step`` may read (ssp mode), at most until about ``deadline``.
 
@@ -243,6 +255,16 @@ class AsyncMode(Mode):
 
     async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         """A read never waits in async mode: nothing to wait for, nor for the listener to see."""
+
+    def push_now(
+        self, worker_id: str, seq: int, session: int, grads: Mapping[str, tables.Grad]
+    ) -> bool | None:
+        """``_push`` with no await, where the store applies the push inline (``Store.applies_now``)."""
+        store = self.store
+        pairs = store.validate_grads(grads)
+        if not store.applies_now((worker_id, session, seq), pairs):
+            return None
+        return store.apply_once_now(worker_id, seq, session, pairs, time.time()) is not None
 
     async def _push(
         self,

@@ -422,11 +422,30 @@ class ServerOptimizer(abc.ABC):
         direct = compute == dtype
         for a in flat_slots.values():
             direct = direct and a.dtype == dtype
-        out_block = None if direct else np.empty(block, dtype=compute)
-        self._blocks(flat_value, flat_grad, flat_out, flat_slots, scratch, out_block, block, compute, consts)
+        if direct and block == value.size:  # one block of the compute dtype (a small variable): no slices
+            self._block(flat_value, flat_grad, flat_slots, flat_out, scratch, consts)
+        else:
+            out_block = None if direct else np.empty(block, dtype=compute)
+            self._blocks(
+                flat_value, flat_grad, flat_out, flat_slots, scratch, out_block, block, compute, consts
+            )
         for slot in copied:
             slots[slot][...] = flat_slots[slot].reshape(slots[slot].shape)
         return out
+
+    @np.errstate(all="ignore")
+    def _block(
+        self,
+        value: np.ndarray,
+        grad: np.ndarray,
+        slots: dict[str, np.ndarray],
+        out: np.ndarray,
+        tmp: list[np.ndarray],
+        consts: tuple[np.floating, ...],
+    ) -> None:
+        """``_update`` of a whole variable that is one block of the compute dtype, floating-point errors
+        ignored (``_blocks``'s walk, for one block)."""
+        self._update(value, grad, slots, out, tmp, consts)
 
     @np.errstate(all="ignore")  # as a decorator: one Python call an update, where a ``with`` makes three
     def _blocks(

@@ -449,6 +449,38 @@ class ShardService:
             reads.rows(embedding.lookup_name(var.name), var, ids)
         return response, await reads.result(self.store.inline_apply_bytes)
 
+    def push_now(
+        self, request: ps_pb2.PushRequest, grads: dict[str, np.ndarray]
+    ) -> ps_pb2.PushResponse | None:
+        """``push``'s common case served with no await: a plain push (nothing read back) that waits for
+        nothing (async mode, no backup attached nor required: ``Mode.push_now``). Its response, or None
+        where it is not so (nothing done: serve it with ``push``). Nothing awaits from the checks to the
+        answer, so it is not counted in progress (``finish_drain`` sees nothing of it).
+
+        Raises: PSError, CodecError (as ``push``; nothing applied).
+        """
+        primary = self.primary
+        if (
+            request.return_values
+            or request.lookup_ids
+            or self.backup is not None
+            or (primary is not None and (primary.forwarding or primary.required))
+        ):
+            return None
+        worker_id = request.worker_id
+        if not worker_id:
+            _header_ok(worker_id)
+        self.check_serving("Push")
+        seq, session = request.seq, request.session
+        applied = self.mode.push_now(worker_id, seq, session, tables.pair(grads))
+        if applied is None:
+            return None
+        if not applied:  # a retry (``Primary.wait_settled``, no backup attached nor required: at once)
+            return ps_pb2.PushResponse(applied=False, reason="duplicate")
+        if len(request.shards) > 1:  # in the same tick as the update: a cut sees both
+            self.store.ledger.note_sent(worker_id, seq, session, request.shards)
+        return ps_pb2.PushResponse(applied=True)
+
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:

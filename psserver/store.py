@@ -473,6 +473,36 @@ class Store:
         failed = functools.partial(self.ledger.unclaim, worker_id, seq, session)
         return await self._apply(pairs, now, key, (key,), failed)
 
+    def applies_now(self, key: PushKey, pairs: list[tuple[Variable, tables.Grad]]) -> bool:
+        """Whether ``apply_once_now`` may apply push ``key``'s ``pairs`` in this event-loop step: the gate
+        open and the push not at it (no retry's original being applied), every update small enough to run
+        inline (``_inline``)."""
+        gate = self.gate
+        return not gate.held and not gate.is_pending(key) and self._inline(pairs)
+
+    def apply_once_now(
+        self, worker_id: str, seq: int, session: int, pairs: list[tuple[Variable, tables.Grad]], now: float
+    ) -> list[int] | None:
+        """``apply_once`` with no await, for a push that ``applies_now`` accepted in this same event-loop
+        step: the versions, or None (already applied). From the claim to the last version nothing awaits,
+        so no other task sees the push at the gate: it is not counted there (``enter`` and ``leave`` in
+        one step change nothing another task could see).
+
+        Raises:
+            WorkerIdConflictError: see ``PushLedger.claim``; nothing applied.
+        """
+        if not self.ledger.claim(worker_id, seq, session):
+            return None
+        try:
+            versions = self._apply_inline(pairs, now)
+        except BaseException:  # as ``_apply``: forgotten, so that its retry applies it
+            self.changes += 1
+            self.ledger.unclaim(worker_id, seq, session)
+            raise
+        self.pushes += 1
+        self.changes += 1
+        return versions
+
     def has_applied(self, worker_id: str, seq: int, session: int) -> bool:
         """Whether push ``(worker_id, session, seq)`` is applied here (recorded, not waiting at the gate)."""
         key = (worker_id, session, seq)
@@ -546,23 +576,30 @@ class Store:
                 self._give_back(var)
 
     def _apply_now(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int] | None:
-        """The common case of ``_apply_each``, with no await (no task of its own, no lock taken): every
-        variable free, none a dynamic table piece, each computation small (a dense update of at most
-        ``inline_apply_bytes``; a fixed table's rows of at most that, on a piece that needs no copy of
-        more, without an every-row regularizer). Returns the versions, or None (nothing done) where one
-        of them is not so."""
+        """The common case of ``_apply_each``, with no await (no task of its own, no lock taken) where
+        ``_inline`` allows it. Returns the versions, or None (nothing done) where it does not."""
+        return self._apply_inline(pairs, now) if self._inline(pairs) else None
+
+    def _inline(self, pairs: list[tuple[Variable, tables.Grad]]) -> bool:
+        """Whether ``pairs`` may be applied with no await: every variable free, none a dynamic table piece,
+        each computation small (a dense update of at most ``inline_apply_bytes``; a fixed table's rows of
+        at most that, on a piece that needs no copy of more, without an every-row regularizer)."""
         limit = self.inline_apply_bytes
         for var, grad in pairs:
             if var.dyn is not None or var.lock.locked():
-                return None
+                return False
             value = var.state[0]
             if isinstance(grad, tables.RowGrad):
                 if grad.values.nbytes > limit or (value.nbytes > limit and not value.flags.writeable):
-                    return None
+                    return False
                 if var.regularizer is not None and var.regularizer.every_row:  # every row: a pass over all
-                    return None
+                    return False
             elif value.nbytes > limit:
-                return None
+                return False
+        return True
+
+    def _apply_inline(self, pairs: list[tuple[Variable, tables.Grad]], now: float) -> list[int]:
+        """Applies ``pairs`` that ``_inline`` accepted, with no await; returns the versions."""
         versions = []
         for var, grad in pairs:
             if isinstance(grad, tables.RowGrad):  # ``_update``'s fixed-table branch, without its generator

@@ -103,3 +103,54 @@ async def test_a_backup_replaying_pushes_ends_bit_identical_to_its_primary(inlin
         assert sorted(want) == sorted(got), name
         for key, value in want.items():
             np.testing.assert_array_equal(got[key], value, err_msg=f"{name}: {key}")
+
+
+async def test_a_push_applied_now_equals_the_one_applied_through_the_gate() -> None:
+    """``apply_once_now`` (no await: the data port's common case) and ``apply_once``: one result; a retry of
+    either is a duplicate, and pushes the store cannot apply inline are refused by ``applies_now``."""
+    now_store, gated = _store(), _store()
+    for seq, grads in enumerate(_pushes(), start=1):
+        fixed = {n: grads[n] for n in ("w", "t/rows_1")}  # a dense variable, a fixed table's rows: inline
+        pairs = now_store.validate_grads(fixed)
+        assert now_store.applies_now(("w0", 7, seq), pairs)
+        assert now_store.apply_once_now("w0", seq, 7, pairs, 1000.0) == [seq] * 2
+        assert await gated.apply_once("w0", seq, 7, gated.validate_grads(fixed), 1000.0) == [seq] * 2
+        assert now_store.apply_once_now("w0", seq, 7, pairs, 1000.0) is None  # a retry
+    for name in ["w", "t/rows_1"]:
+        want, got = _state(gated.get(name)), _state(now_store.get(name))
+        for key, value in want.items():
+            np.testing.assert_array_equal(got[key], value, err_msg=f"{name}: {key}")
+    store = _store()
+    dense = store.validate_grads({"w": np.ones((3, 2), np.float32)})
+    for name in ["d/rows_0", "r/rows_1"]:  # a dynamic piece; a regularizer of every row (a pass over all)
+        assert not store.applies_now(("w0", 0, 1), store.validate_grads({name: _pushes()[0][name]}))
+    store.gate.hold()
+    assert not store.applies_now(("w0", 0, 1), dense)  # updates held back (a cut, a snapshot)
+    store.gate.release()
+    key = ("w0", 0, 1)
+    await store.gate.enter(key, (key,))  # this push's original being applied: its retry waits for it
+    assert not store.applies_now(key, dense)
+    store.gate.leave((key,))
+    async with store.get("w").lock:  # an update of it in progress
+        assert not store.applies_now(("w0", 0, 1), dense)
+    assert store.applies_now(("w0", 0, 1), dense)
+    assert not Store(inline_apply_bytes=8).applies_now(("w0", 0, 1), dense)  # a computation not small
+
+
+async def test_a_push_that_fails_while_applied_now_is_forgotten_and_its_retry_applies_it() -> None:
+    from pscore.optimizers import SGD
+
+    store = Store()
+    spec = ps_pb2.VariableSpec(
+        name="m", dtype=ps_pb2.DTYPE_FLOAT32, shape=[4], optimizer=SGD(0.1, momentum=0.9).to_proto()
+    )
+    store.create([spec], {"m": np.zeros(4, np.float32)})
+    var = store.get("m")
+    var.slots["momentum"].flags.writeable = False  # the optimizer refuses to update it
+    pairs = store.validate_grads({"m": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="read-only"):
+        store.apply_once_now("w0", 1, 0, pairs, 1000.0)
+    assert (var.version, store.has_applied("w0", 1, 0)) == (0, False)
+    var.slots["momentum"].flags.writeable = True
+    assert store.apply_once_now("w0", 1, 0, pairs, 1000.0) == [1]
+    np.testing.assert_array_equal(var.value, np.full(4, -0.1, np.float32))
