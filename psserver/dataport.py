@@ -177,19 +177,13 @@ class DataPortServer:
         task = asyncio.current_task()
         assert task is not None
         link = bulk.BulkConnection(conn, f"shard {self._shard} data port client")
-        import os, socket
-        clamp = int(os.environ.get("PS_WINDOW_CLAMP", "0"))
-        if clamp and getattr(conn, "sock", None) is not None:
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, clamp)
         self._links.add(link)
         try:
             while link.open and not self.stopping:
                 received: list[Any] = []  # a push's buffer and its tensors' sizes
                 self._idle.add(task)
                 try:
-                    frame, _ = await link.recv(
-                        functools.partial(self._receive_into, received=received), admit=self._admit
-                    )
+                    frame, _ = await link.recv(functools.partial(self._receive_into, received=received))
                 except bulk.Closed:
                     return
                 except PSError as err:  # garbage, or a broken connection: drop it, serve the others
@@ -221,15 +215,6 @@ class DataPortServer:
         finally:
             link.reset()
             self._links.discard(link)
-
-    async def _admit(self, frame: bulk.Frame, nbytes: int) -> Any:
-        import os
-        if not os.environ.get("PS_SERIAL_UPLOADS") or frame.kind != bulk.PUSH or nbytes < (64 << 10):
-            return None
-        if getattr(self, "_upload_lock", None) is None:
-            self._upload_lock = asyncio.Lock()
-        await self._upload_lock.acquire()
-        return self._upload_lock.release
 
     def _receive_into(self, frame: bulk.Frame, nbytes: int, received: list[Any]) -> list[memoryview]:
         """Where a request's payload goes: a push's gradients into a pooled buffer (appended to ``received``
