@@ -11,6 +11,8 @@ One place for these, so that a slow CI machine is handled by changing one number
   for "nothing listens there" checks).
 - ``wait_until(predicate, what)``: a bounded poll that fails naming what it waited for.
 - ``small_disk(path, size)``: a tmpfs of that size mounted there, a disk that fills (root only).
+- ``pythonpath(*dirs)``: a child's ``PYTHONPATH`` with ``dirs`` first, keeping the suite's own
+  (``tests/_site``, which ``tests/conftest.py`` puts there for every process the suite starts).
 
 Imported as ``from _support import ...`` (pytest puts ``tests/`` on the path).
 """
@@ -37,6 +39,13 @@ def free_addresses(n: int = 1) -> list[str]:
     """``n`` distinct ``127.0.0.1:PORT`` addresses nobody listens on (``reserve_ports``: below the kernel's
     ephemeral range where it can, so no other socket takes one before the test binds it)."""
     return reserve_ports(n)
+
+
+def pythonpath(*dirs: str | Path) -> str:
+    """A ``PYTHONPATH`` for a child process: ``dirs`` first, then this process's (which holds ``tests/_site``,
+    whose ``sitecustomize`` keeps JAX out of the suite's TensorFlow processes)."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([*(str(d) for d in dirs), *([inherited] if inherited else [])])
 
 
 def free_port() -> int:

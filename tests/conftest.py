@@ -47,6 +47,12 @@ from trainer.netns import NetnsCluster, netns_available
 
 _FAILED = pytest.StashKey[bool]()
 
+# Every Python process the suite starts runs tests/_site/sitecustomize.py first (see there: it keeps JAX,
+# which TensorFlow imports whenever it is installed, out of the processes that do not train on JAX).
+_SITE = str(Path(__file__).resolve().parent / "_site")
+if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """``-n auto`` (the default, ``addopts``): 1.5 test processes per core, 2 to 8.

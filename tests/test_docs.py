@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from _support import pythonpath
 
 import psclient
 from trainer.cluster import LocalCluster
@@ -127,7 +128,7 @@ def test_docs_cluster_blocks_run_against_a_local_cluster(docs_cluster: LocalClus
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": pythonpath(ROOT)},
         timeout=_BLOCKS_TIMEOUT_S,
         check=False,
     )
@@ -147,7 +148,7 @@ def test_docs_troubleshooting_shows_the_real_messages(
 ) -> None:
     """The TF-free errors of docs/troubleshooting.md, reproduced: the page must quote them as they are."""
     messages = []
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"} | {"PYTHONPATH": pythonpath(ROOT)}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -217,7 +218,7 @@ def test_docs_site_builds_strictly(tmp_path: pathlib.Path) -> None:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": pythonpath(ROOT)},
         timeout=_MKDOCS_TIMEOUT_S,
         check=False,
     )
@@ -279,7 +280,7 @@ def test_docs_readme_keras_example_trains(tmp_path: pathlib.Path) -> None:
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"},
+        env={**os.environ, "PYTHONPATH": pythonpath(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"},
         timeout=_LAUNCH_TIMEOUT_S,
         check=False,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support import RUN_TIMEOUT_S
+from _support import RUN_TIMEOUT_S, pythonpath
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
@@ -22,7 +22,7 @@ WORKER = Path(__file__).with_name("_horovod_worker.py")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     cmd = [sys.executable, "-m", "trainer.psrun", "-np", "2", "--timeout", str(RUN_TIMEOUT_S - 20),
            sys.executable, str(WORKER)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT)}
     proc = subprocess.run(cmd, cwd=tmp_path_factory.mktemp("hvd"), env=env, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _support import RUN_TIMEOUT_S
+from _support import RUN_TIMEOUT_S, pythonpath
 
 # Two jobs run one after the other, each bounded by RUN_TIMEOUT_S: the test as a whole gets both bounds
 # (the suite's default of 300 s cut a loaded run off inside the second job, which was still training).
@@ -34,7 +34,7 @@ def _elastic_job(
 ) -> tuple[subprocess.CompletedProcess[str], dict[int, tuple[int, float]]]:
     cmd = [sys.executable, "-m", "trainer.psrun", "-np", "3", "--min-np", "2",
            "--timeout", str(RUN_TIMEOUT_S - 20), sys.executable, str(PROBE), str(EXAMPLE)]  # fmt: skip
-    env = {**os.environ, **SHORT, **extra, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **SHORT, **extra, "PYTHONPATH": pythonpath(ROOT)}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _support import pythonpath
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
@@ -31,7 +32,7 @@ EXAMPLES = ["tensorflow2_keras_mnist.py", "tensorflow2_mnist.py"]
 def _psrun(example: str, np_: int, cwd: Path) -> dict[int, tuple[int, float]]:
     cmd = [sys.executable, "-m", "trainer.psrun", "-np", str(np_), "--timeout", str(RUN_TIMEOUT_S - 20),
            sys.executable, str(PROBE), str(ROOT / "examples" / "horovod" / example)]  # fmt: skip
-    env = {**os.environ, **SHORT, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **SHORT, "PYTHONPATH": pythonpath(ROOT)}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

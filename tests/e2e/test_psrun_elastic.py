@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support import pythonpath
 
 pytestmark = [pytest.mark.e2e]
 
@@ -31,7 +32,7 @@ def _psrun(
         sys.executable,
         str(WORKER),
     ]
-    full_env = {**os.environ, **env, "PYTHONPATH": str(ROOT)}
+    full_env = {**os.environ, **env, "PYTHONPATH": pythonpath(ROOT)}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=_RUN_S)
     results = {}
     for line in proc.stdout.splitlines():

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _rings import async_rings
-from _support import free_addresses
+from _support import free_addresses, pythonpath
 
 from psclient.collective import AsyncRing, Ring
 from pscore.errors import (
@@ -39,7 +39,7 @@ class Worker:
     def __init__(
         self, scenario: str, rank: int, addrs: list[str], timeout: float, transport: str = "grpc"
     ) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO), "GRPC_VERBOSITY": "ERROR"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(REPO), "GRPC_VERBOSITY": "ERROR"}
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(rank), ",".join(addrs), str(timeout), transport],
             stdout=subprocess.PIPE,
