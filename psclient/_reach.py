@@ -8,8 +8,9 @@ naming the address, what happened (connection refused, no answer) and the
 attempts so far. A call that then fails is reported with the same words
 (``describe``).
 
-The hot path costs one timer per call that starts while no other call to the
-address is waiting; nothing is probed while the channel is connected.
+The hot path costs no timer while calls follow each other: the first call to
+wait arms one, which when it fires re-arms itself for the calls waiting then,
+or stops; nothing is probed while the channel is connected.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class Watch:
         self.address = address
         self._connected = connected
         self._waiting = 0
-        self._timer: asyncio.TimerHandle | None = None
+        self._busy_since = 0.0  # when calls last started waiting (the event loop's clock)
+        self._timer: asyncio.TimerHandle | None = None  # armed when calls start waiting; fires to ``_start``
         self._task: asyncio.Task[None] | None = None
         self.since: float | None = None  # when the first failed check was made (monotonic)
         self.attempts = 0  # failed connection attempts since then
@@ -78,25 +80,33 @@ class Watch:
         """A call to the address starts."""
         self._waiting += 1
         if self._waiting == 1:
-            self._timer = asyncio.get_running_loop().call_later(WARN_AFTER_S, self._start)
+            loop = asyncio.get_running_loop()
+            self._busy_since = loop.time()
+            if self._timer is None:  # a timer left from an earlier wait re-arms itself (``_start``)
+                self._timer = loop.call_later(WARN_AFTER_S, self._start)
 
     def leave(self) -> None:
-        """A call to the address ended (the checks stop with the last one)."""
+        """A call to the address ended (the checks stop with the last one; the timer, if armed, is left to
+        fire: a call that follows soon after costs no timer)."""
         self._waiting -= 1
         if self._waiting:
             return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if self._task is not None:
             self._task.cancel()
             self._task = None
         self.since, self.attempts, self.reason = None, 0, None
 
     def _start(self) -> None:
+        """The checks start once calls have waited ``WARN_AFTER_S`` without a pause."""
         self._timer = None
-        if self._waiting and self._task is None:
-            self._task = asyncio.ensure_future(self._run())
+        if not self._waiting or self._task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._busy_since + WARN_AFTER_S - loop.time()
+        if left > 0:  # the calls waiting now began after a pause
+            self._timer = loop.call_later(left, self._start)
+            return
+        self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         warned = -WARN_EVERY_S

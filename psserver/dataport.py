@@ -13,9 +13,10 @@ its certificate), and sends requests one at a time as ``pscore.bulk`` frames.
   ``Push``: validation, the mode (idempotence, sync barrier, ssp clock),
   replication and the returned values are exactly those of the gRPC calls. The
   shard applies a push once all of it has arrived (a push is all or nothing).
-  A plain push that waits for nothing (async mode, no backup, small variables:
-  the common case) is served by ``ShardService.push_now``, the same checks and
-  update with no await, so none of the mode's and the store's coroutines.
+  A push or push_pull that waits for nothing (async mode, no backup, small
+  variables: the common case) is served by ``ShardService.push_now``, the same
+  checks, update and values with no await (none of the mode's and the store's
+  coroutines).
 - Failures are answered with the status, message and reason the gRPC call
   would have ended with (``ShardService.failure``); bytes that are not
   frames end the connection (the shard goes on serving).
@@ -349,13 +350,13 @@ class DataPortServer:
                 if self._metrics is not None:
                     self._metrics.push_received(head, sum(sizes))
                 grads = _gradients(head, buf, sizes)
-                response = self._service.push_now(head, grads)  # the common case: no await
-                snapshot = None
-                if response is None:
+                done = self._service.push_now(head, grads)  # the common case: no await
+                if done is None:
                     left = head.timeout_s  # deadline_of(None, head.timeout_s), inline
-                    response, snapshot = await self._service.push(
+                    done = await self._service.push(
                         head, grads, time.monotonic() + left if left > 0 else None
                     )
+                response, snapshot = done
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
                     versions, values = response.versions, response.values
                     wire_of = codec.DTYPE_WIRES

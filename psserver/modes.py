@@ -104,6 +104,7 @@ class Mode(abc.ABC):
     """The update discipline of a shard."""
 
     name: str
+    pushes_now: bool = False  # whether ``push_now`` may serve a push (else it returns None at once)
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -252,6 +253,7 @@ class AsyncMode(Mode):
     """Every push is applied on arrival, once (retries of one ``(worker_id, session, seq)`` are ignored)."""
 
     name = "async"
+    pushes_now = True
 
     async def before_pull(self, worker_id: str, step: int, deadline: float | None = None) -> None:
         """A read never waits in async mode: nothing to wait for, nor for the listener to see."""

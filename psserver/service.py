@@ -137,6 +137,11 @@ class _Reads:
             value, version = var.state
             self._items.append((name, value[tables.local_rows(var.spec, ids)], version))
 
+    def now(self) -> Snapshot:
+        """The values and rows, where no dynamic piece is read (``result`` with nothing to await)."""
+        assert not self._dynamic, "a dynamic piece's rows are read by result()"
+        return self._items  # type: ignore[return-value]
+
     async def result(self, inline_bytes: int) -> Snapshot:
         """The values and rows; the disk reads in a worker thread when more than ``inline_bytes``."""
         if not self._dynamic:  # arrays only: nothing to read or to end
@@ -451,17 +456,17 @@ class ShardService:
 
     def push_now(
         self, request: ps_pb2.PushRequest, grads: dict[str, np.ndarray]
-    ) -> ps_pb2.PushResponse | None:
-        """``push``'s common case served with no await: a plain push (nothing read back) that waits for
-        nothing (async mode, no backup attached nor required: ``Mode.push_now``). Its response, or None
-        where it is not so (nothing done: serve it with ``push``). Nothing awaits from the checks to the
-        answer, so it is not counted in progress (``finish_drain`` sees nothing of it).
+    ) -> tuple[ps_pb2.PushResponse, Snapshot | None] | None:
+        """``push``'s common case served with no await: a push or push_pull (no lookup) that waits for
+        nothing (async mode, no backup attached nor required: ``Mode.push_now``). What ``push`` returns,
+        or None where it is not so (nothing done: serve it with ``push``). Nothing awaits from the checks
+        to the answer, so it is not counted in progress (``finish_drain`` sees nothing of it).
 
         Raises: PSError, CodecError (as ``push``; nothing applied).
         """
         primary = self.primary
         if (
-            request.return_values
+            not self.mode.pushes_now
             or request.lookup_ids
             or self.backup is not None
             or (primary is not None and (primary.forwarding or primary.required))
@@ -472,14 +477,21 @@ class ShardService:
             _header_ok(worker_id)
         self.check_serving("Push")
         seq, session = request.seq, request.session
-        applied = self.mode.push_now(worker_id, seq, session, tables.pair(grads))
+        tensors = tables.pair(grads)
+        applied = self.mode.push_now(worker_id, seq, session, tensors)
         if applied is None:
             return None
         if not applied:  # a retry (``Primary.wait_settled``, no backup attached nor required: at once)
-            return ps_pb2.PushResponse(applied=False, reason="duplicate")
-        if len(request.shards) > 1:  # in the same tick as the update: a cut sees both
-            self.store.ledger.note_sent(worker_id, seq, session, request.shards)
-        return ps_pb2.PushResponse(applied=True)
+            response = ps_pb2.PushResponse(applied=False, reason="duplicate")
+        else:
+            if len(request.shards) > 1:  # in the same tick as the update: a cut sees both
+                self.store.ledger.note_sent(worker_id, seq, session, request.shards)
+            response = ps_pb2.PushResponse(applied=True)
+        if not request.return_values:
+            return response, None
+        reads = _Reads()  # async mode: a read waits for nothing (``before_pull``)
+        self._after_push(tensors, request.omit_values, reads)
+        return response, reads.now()
 
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
