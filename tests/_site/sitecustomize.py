@@ -1,18 +1,40 @@
 """Run at the start of every Python process the test suite starts (``tests/conftest.py`` puts this folder
-first on ``PYTHONPATH``): keeps JAX out of the processes that do not train on Keras's JAX backend.
+first on ``PYTHONPATH``): keeps two optional packages that TensorFlow and Keras import whenever they are
+installed, and that the suite's TensorFlow and Keras processes do not use, out of those processes.
 
-``import tensorflow`` (2.21) imports JAX whenever it is installed (``tensorflow/lite/python/util.py``:
-``try: from jax import jit``), and the suite installs it for the JAX backend's tests: about 1.1 s of CPU in
-every TensorFlow process (a quarter of TensorFlow's own import), over a hundred such processes a run. Marked
-absent here, TensorFlow's ``try`` takes the ``ImportError`` branch it has for machines without JAX; nothing
-of this project's under test uses JAX outside ``KERAS_BACKEND=jax``, whose processes get it as installed.
-``PSTEST_KEEP_JAX=1`` keeps it everywhere.
+- JAX: ``import tensorflow`` (2.21) imports it (``tensorflow/lite/python/util.py``: ``try: from jax import
+  jit``), and the suite installs it for the Keras JAX backend's tests: about 0.6-1.1 s of CPU in every
+  TensorFlow process. Marked absent unless ``KERAS_BACKEND=jax`` (or ``PSTEST_KEEP_JAX=1``).
+- matplotlib: ``import keras`` imports ``matplotlib.pyplot`` for its visualization helpers
+  (``keras/src/visualization/``: ``try: import matplotlib.pyplot as plt except ImportError: plt = None``),
+  about 0.4 s. Refused to Keras's own modules alone; ``psload --plot`` still draws.
 
-Not part of the project: no user process runs this.
+Either way the library takes the ``ImportError`` branch it has for machines without the package. Nothing of
+this project's under test uses them there. Not part of the project: no user process runs this.
 """
+
+from __future__ import annotations
 
 import os
 import sys
+from importlib.abc import MetaPathFinder
+from typing import Any
 
 if os.environ.get("KERAS_BACKEND") != "jax" and os.environ.get("PSTEST_KEEP_JAX") != "1":
     sys.modules.setdefault("jax", None)  # type: ignore[assignment]
+
+
+class _NoMatplotlibForKeras(MetaPathFinder):
+    """Fails ``import matplotlib`` (and its submodules) where a module of Keras itself imports it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.partition(".")[0] == "matplotlib":
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+                frame = frame.f_back  # the import machinery, up to the module that imports
+            if frame is not None and str(frame.f_globals.get("__name__", "")).startswith("keras."):
+                raise ModuleNotFoundError("matplotlib is kept out of Keras's import by the test suite")
+        return None
+
+
+sys.meta_path.insert(0, _NoMatplotlibForKeras())
