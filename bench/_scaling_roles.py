@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -54,10 +55,57 @@ def _timed_rounds(round_fn: Callable[[], object], seconds: float, rounds: int) -
     return {"rounds": done, "seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
 
 
+def _trace_uploads(events: list[dict[str, Any]]) -> None:
+    """Records each large data-port request of this process in ``events``: its shard, when it asked for its
+    turn on the uplink, when its upload began and was handed to the kernel, when its answer began (the
+    answer's head read) and ended (``time.monotonic()``: one clock for every namespace of the machine).
+    For ``--trace``: wraps ``DataLink.request`` and ``BulkConnection.send`` of this benchmark's process."""
+    import asyncio
+
+    from psclient import _bulk
+    from pscore import bulk
+
+    request, send = _bulk.DataLink.request, bulk.BulkConnection.send
+    current: dict[Any, dict[str, Any]] = {}
+
+    async def traced_request(self: Any, frame: Any, payload: Any, into: Any, *args: Any, **kw: Any) -> Any:
+        if sum(map(len, payload)) < _bulk.STAGGER_MIN_BYTES:
+            return await request(self, frame, payload, into, *args, **kw)
+        event: dict[str, Any] = {"shard": self.address, "asked": time.monotonic()}
+        task = asyncio.current_task()
+        current[task] = event
+
+        def answer_into(head: Any, nbytes: int) -> Any:
+            event.setdefault("answer", time.monotonic())
+            return into(head, nbytes) if into is not None else None
+
+        try:
+            return await request(self, frame, payload, answer_into, *args, **kw)
+        finally:
+            event["end"] = time.monotonic()
+            current.pop(task, None)
+            events.append(event)
+
+    async def traced_send(self: Any, header: Any, payload: Any = ()) -> None:
+        event = current.get(asyncio.current_task())
+        if event is not None:
+            event.setdefault("up", time.monotonic())
+        await send(self, header, payload)
+        if event is not None:
+            event["sent"] = time.monotonic()
+
+    _bulk.DataLink.request = traced_request  # type: ignore[method-assign]
+    bulk.BulkConnection.send = traced_send  # type: ignore[method-assign]
+
+
 def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
     import numpy as np
 
     import psclient
+
+    events: list[dict[str, Any]] = []
+    if cfg.get("trace_file"):
+        _trace_uploads(events)
 
     n_vars = cfg["vars"]
     per_var = cfg["size_bytes"] // n_vars // 4
@@ -84,9 +132,14 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
 
         one_round()  # warm-up: connections, data port, buffers
         _ready_then_go(cfg)
+        events.clear()
         result = _timed_rounds(one_round, cfg["seconds"], cfg["min_rounds"])
         for f in pending:
             f.result(_IO_TIMEOUT_S)
+        if cfg.get("trace_file"):
+            Path(cfg["trace_file"]).write_text(json.dumps(events))
+            ss = subprocess.run(["ss", "-tin"], capture_output=True, text=True, timeout=10, check=False)
+            Path(cfg["trace_file"]).with_suffix(".ss").write_text(ss.stdout)
         c.leave()  # sync: the barrier stops waiting for this worker (the others may go one step more)
         return result
 

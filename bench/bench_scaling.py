@@ -2,8 +2,8 @@
 
 Every shard and every worker runs in a host of its own: a network namespace of a
 ``trainer.netns.NetnsCluster`` whose link is shaped to ``--rate-mbit`` each way. Each cell runs
-push_pull rounds (async mode, ``--size-mib`` of float32 variables in 16 equal variables) from n
-workers at once for ``--seconds`` and reports
+push_pull rounds (async mode, ``--size-mib`` of float32 variables in ``--vars`` equal variables, 16 by
+default) from n workers at once for ``--seconds`` and reports
 
     achieved / bound = bound time of a round / measured time of a round
 
@@ -273,11 +273,13 @@ def run_ps_cell(
             mode_args = ["--mode", "sync", "--replicas-to-aggregate", str(n), "--total-replicas", str(n)]
             shards = net.shards(shard_hosts[:k], mode_args if sync else ()).start()
             cell.servers = [p for p in shards.procs if p is not None]
+            trace = getattr(args, "trace", None)
             cfgs = [
                 {
                     "addresses": shards.addresses,
                     "worker_id": f"w{i}",
-                    "vars": 16,
+                    "vars": getattr(args, "vars", 16),
+                    "trace_file": str(Path(trace) / f"{system}-n{n}-k{k}-w{i}.json") if trace else None,
                     "sync": sync,
                     "wire": getattr(args, "wire", "data_port"),
                     "inflight": getattr(args, "inflight", 1),
@@ -311,7 +313,74 @@ def run_ps_cell(
         if shards is not None:
             shards.stop()
     bound = max(cell.size, n * cell.size / k) / (rate_mbit * 1e6 / 8)
+    if system in ("ps", "ps-together") and getattr(args, "trace", None):
+        out["trace"] = trace_summary([Path(c["trace_file"]) for c in cfgs])
     return {"system": system, "n": n, "k": k, "bound_s": bound, "ratio": bound / out["round_s"], **out}
+
+
+def _busy(intervals: list[tuple[float, float]], t0: float, t1: float) -> list[float]:
+    """How long 0, 1, 2, ... of ``intervals`` were open at once within [t0, t1] (a sweep)."""
+    edges = sorted([(max(a, t0), 1) for a, b in intervals if b > t0 and a < t1]
+                   + [(min(b, t1), -1) for a, b in intervals if b > t0 and a < t1])  # fmt: skip
+    spans: list[float] = []
+    depth, at = 0, t0
+    for t, step in edges:
+        while len(spans) <= depth:
+            spans.append(0.0)
+        spans[depth] += t - at
+        depth, at = depth + step, t
+    while len(spans) <= depth:
+        spans.append(0.0)
+    spans[depth] += t1 - at
+    return spans
+
+
+def trace_summary(files: list[Path]) -> dict[str, Any]:
+    """What the workers' timelines (``--trace``: each large request's shard, when its upload began and was
+    handed to the kernel, when its answer began and ended) say about the order of uploads and answers:
+
+    - ``shard_uploaders``: the share of the time a shard had 0, 1, 2, ... workers uploading to it at once
+      (mean over shards): 0 is a shard's downlink idle for want of an upload, 2+ two workers sharing it;
+    - ``shard_answering``: the same for answers coming down from a shard (its uplink idle or split);
+    - ``worker_up`` / ``worker_down``: the share of the time a worker was uploading / receiving an answer;
+    - ``answer_wait_ms``: from a part handed to the kernel to its answer's first bytes (p50, p90): the
+      upload's last bytes on the link, the shard's apply and the answer's queue.
+    """
+    workers = [json.loads(f.read_text()) for f in files if f.exists()]
+    events = [e for w in workers for e in w if {"up", "sent", "answer", "end"} <= e.keys()]
+    if not events:
+        return {}
+    t0 = max(min(e["up"] for e in w) for w in workers if w)
+    t1 = min(max(e["end"] for e in w) for w in workers if w)
+    span = max(t1 - t0, 1e-9)
+
+    def shares(groups: dict[str, list[tuple[float, float]]]) -> list[float]:
+        table = [_busy(iv, t0, t1) for iv in groups.values()]
+        width = max(map(len, table))
+        return [round(sum(row[i] if i < len(row) else 0.0 for row in table) / len(table) / span, 3)
+                for i in range(width)]  # fmt: skip
+
+    ups: dict[str, list[tuple[float, float]]] = {}
+    downs: dict[str, list[tuple[float, float]]] = {}
+    for e in events:
+        ups.setdefault(e["shard"], []).append((e["up"], e["sent"]))
+        downs.setdefault(e["shard"], []).append((e["answer"], e["end"]))
+    mine = [
+        (
+            [(e["up"], e["sent"]) for e in w if "sent" in e],
+            [(e["answer"], e["end"]) for e in w if "answer" in e],
+        )
+        for w in workers
+    ]
+    waits = sorted(e["answer"] - e["sent"] for e in events)
+    return {
+        "seconds": round(span, 2),
+        "shard_uploaders": shares(ups),
+        "shard_answering": shares(downs),
+        "worker_up": round(sum(1 - _busy(u, t0, t1)[0] / span for u, _ in mine) / len(mine), 3),
+        "worker_down": round(sum(1 - _busy(d, t0, t1)[0] / span for _, d in mine) / len(mine), 3),
+        "answer_wait_ms": [round(1e3 * cm.percentile(waits, q), 1) for q in (50, 90)],
+    }
 
 
 def cell_line(c: dict[str, Any]) -> str:
@@ -322,6 +391,7 @@ def cell_line(c: dict[str, Any]) -> str:
         f"cell {c['cell_cores']} cores, busiest {c['busiest_proc_cores']}, {c['link_drops']} drops, "
         f"rounds {c['rounds']}; links' use (min, mean, max) "
         + ", ".join(f"{role} {lo}/{mean}/{hi}" for role, (lo, mean, hi) in c.get("link_use", {}).items())
+        + (f"; trace {c['trace']}" if c.get("trace") else "")
     )
 
 
@@ -367,7 +437,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
         f"{rate_text(args)} (htb), {cm.congestion_text(args)}; "
-        f"model M = {args.size_mib} MiB in 16 float32 variables; "
+        f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
         f"{args.inflight} push_pull round(s) in flight per ps worker. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
@@ -506,6 +576,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
     )
+    parser.add_argument(
+        "--vars",
+        type=int,
+        default=16,
+        help="the model's variables (default 16): at least k, or shards past the variables' count stay empty",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="each ps worker writes its timeline to DIR (every large request's shard, when its upload began "
+        "and was handed to the kernel, when its answer began and ended); the cell's line summarises it",
+    )
     parser.add_argument("--quick", action="store_true", help="n in 1,2; k in 1,2; ring n=2; 2 s per cell")
     parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/scaling)")
     parser.add_argument("--plot", action="store_true", help="also OUT.png: steps/s against n, bounds dashed")
@@ -518,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     if cm.netns_missing("bench_scaling.py"):
         return 2
     args.max_shards = max(args.shards)
+    if args.vars < 1:
+        parser.error("--vars must be at least 1")
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     num_hosts = args.max_shards + max([*args.workers, *args.ring])
     command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
