@@ -69,6 +69,18 @@ def run(backend: str, mode: str, script: Path = HERE / "_backend_train.py", **en
     return result
 
 
+def run_against(backend: str, script: Path, *addresses: str) -> dict[str, Any]:
+    """Runs a script that trains against clusters it is given (``ADDR,ADDR`` each); returns its RESULT."""
+    proc = subprocess.run(
+        [sys.executable, str(script), *addresses],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (line,) = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    print(f"\n{backend} {script.name}: {line}")
+    return dict(json.loads(line))
+
+
 @pytest.fixture(scope="module")
 def local() -> dict[str, float]:
     return {}
@@ -125,14 +137,7 @@ def test_custom_loops_a_gan_and_overlap_train_as_locally(backend: str, make_clus
     psclient.horovod`` (Horovod's TensorFlow API) one that names ``psclient.keras.from_env``."""
     pytest.importorskip(backend)
     cluster = make_cluster(num_shards=2)
-    proc = subprocess.run(
-        [sys.executable, str(LOOPS), ",".join(cluster.addresses)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (line,) = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    result = json.loads(line)
-    print(f"\n{backend} loops: {line}")
+    result = run_against(backend, LOOPS, ",".join(cluster.addresses))
     assert not result["glue_imported_tensorflow"], result
     for part in ("loop", "gan"):
         np.testing.assert_allclose(result[f"{part}_remote_losses"], result[f"{part}_local_losses"], rtol=1e-5)
@@ -168,14 +173,7 @@ def test_a_table_on_the_shards_trains_as_a_local_embedding(backend: str, make_cl
     )
     asynchronous = make_cluster(num_shards=2) if importlib.util.find_spec("tensorflow") else None
     addresses = [",".join(c.addresses) for c in (cluster, asynchronous) if c is not None]
-    proc = subprocess.run(
-        [sys.executable, str(EMBEDDING), *addresses],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env(backend), cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (line,) = [ln.split("RESULT ", 1)[1] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    result = json.loads(line)
-    print(f"\n{backend} embedding: {line}")
+    result = run_against(backend, EMBEDDING, *addresses)
     np.testing.assert_allclose(result["remote_losses"], result["local_losses"], rtol=1e-4)
     assert result["remote_losses"][-1] < 0.7 * result["remote_losses"][0], result
     steps = 3 * 256 // 32
