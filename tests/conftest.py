@@ -31,6 +31,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -52,6 +53,9 @@ _FAILED = pytest.StashKey[bool]()
 _SITE = str(Path(__file__).resolve().parent / "_site")
 if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+_site = sys.modules.get("sitecustomize")
+if _site is not None and str(getattr(_site, "__file__", "")).startswith(_SITE):
+    _site.restore()  # this process (pytest, or an xdist worker started with it) keeps what is installed
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

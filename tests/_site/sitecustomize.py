@@ -10,7 +10,8 @@ installed, and that the suite's TensorFlow and Keras processes do not use, out o
   about 0.4 s. Refused to Keras's own modules alone; ``psload --plot`` still draws.
 
 Either way the library takes the ``ImportError`` branch it has for machines without the package. Nothing of
-this project's under test uses them there. Not part of the project: no user process runs this.
+this project's under test uses them there. Not part of the project: no user process runs this, and the
+suite's own processes undo it (``restore``).
 """
 
 from __future__ import annotations
@@ -38,3 +39,12 @@ class _NoMatplotlibForKeras(MetaPathFinder):
 
 
 sys.meta_path.insert(0, _NoMatplotlibForKeras())
+
+
+def restore() -> None:
+    """Undoes both in this process: the suite's own processes (pytest, xdist's workers, which start with
+    this folder on their path too) keep what is installed, so ``pytest.importorskip("jax")`` still runs
+    the JAX backend's tests. ``tests/conftest.py`` calls it."""
+    if "jax" in sys.modules and sys.modules["jax"] is None:
+        del sys.modules["jax"]
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _NoMatplotlibForKeras)]
