@@ -627,7 +627,7 @@ def _receive(
     """
     views = []
     tensors = frame.tensors()
-    for chunk, size in zip(tensors, bulk.tensor_sizes(tensors), strict=True):
+    for chunk, (_, _, _, size) in zip(tensors, bulk.tensor_layout(tensors), strict=True):
         view = place(chunk) if place is not None and "\x00" not in chunk.name else None
         if view is None:
             view = memoryview(bytearray(size))

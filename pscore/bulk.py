@@ -14,8 +14,8 @@ several requests as ``entries``, a BATCHED frame answers to some of them.
 
 >>> import numpy as np
 >>> head = ps_pb2.PushRequest(worker_id="w0", grads=[describe("w", np.zeros((2, 3), np.float32))])
->>> tensor_sizes(head.grads)
-[24]
+>>> tensor_layout(head.grads)
+[('w', dtype('float32'), (2, 3), 24)]
 """
 
 from __future__ import annotations
@@ -160,26 +160,32 @@ def describe(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
     return ps_pb2.TensorChunk(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
 
 
-def tensor_sizes(chunks: Iterable[ps_pb2.TensorChunk]) -> list[int]:
-    """Each announced tensor's byte count, from its dtype and shape.
+# An announced tensor: its name, dtype, shape and byte count (``tensor_layout``).
+Layout = list[tuple[str, np.dtype, tuple[int, ...], int]]
+
+
+def tensor_layout(chunks: Iterable[ps_pb2.TensorChunk]) -> Layout:
+    """Each announced tensor's name, dtype, shape and byte count (from its dtype and shape), read from
+    the head once: its payload's place and the array over it need no second look at the message.
 
     Raises:
         CodecError: an unknown dtype, a negative dimension, or a chunk that is not a whole
             tensor (an offset, or data in the head).
     """
-    sizes = []
+    out: Layout = []
     dtypes = codec.WIRE_DTYPES
     for chunk in chunks:  # codec.numpy_dtype and codec.chunk_shape, inline: no call per tensor
+        name = chunk.name
         dtype = dtypes.get(chunk.dtype)
         if dtype is None:
-            raise codec.CodecError(f"tensor {chunk.name!r}: unknown wire dtype {chunk.dtype}")
-        shape = tuple(map(int, chunk.shape))
+            raise codec.CodecError(f"tensor {name!r}: unknown wire dtype {chunk.dtype}")
+        shape = tuple(chunk.shape)
         if shape and min(shape) < 0:
-            raise codec.CodecError(f"tensor {chunk.name!r} has a negative dimension in shape {shape}")
+            raise codec.CodecError(f"tensor {name!r} has a negative dimension in shape {shape}")
         if chunk.offset or chunk.data:
-            raise codec.CodecError(f"tensor {chunk.name!r}: on the data port a tensor travels whole")
-        sizes.append(math.prod(shape) * dtype.itemsize)
-    return sizes
+            raise codec.CodecError(f"tensor {name!r}: on the data port a tensor travels whole")
+        out.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+    return out
 
 
 def payload_of(values: Iterable[np.ndarray]) -> list[memoryview]:

@@ -181,7 +181,7 @@ class DataPortServer:
         self._links.add(link)
         try:
             while link.open and not self.stopping:
-                received: list[Any] = []  # a push's buffer and its tensors' sizes
+                received: list[Any] = []  # the payload's buffer, a push's tensors and the payload's bytes
                 self._idle.add(task)
                 try:
                     frame, _ = await link.recv(functools.partial(self._receive_into, received=received))
@@ -195,9 +195,9 @@ class DataPortServer:
                 self._busy.add(task)
                 try:
                     if frame.kind == bulk.BATCH:
-                        await self._answer_batch(link, frame, *received)
+                        await self._answer_batch(link, frame, received[0], received[2])
                         continue
-                    reply, payload = await self._reply(frame, *received)
+                    reply, payload = await self._reply(frame, received[0], received[1])
                     try:
                         await link.send(reply, payload)
                     except PSError as err:  # the client went away; its retry (a push: idempotent) is answered
@@ -219,30 +219,31 @@ class DataPortServer:
 
     def _receive_into(self, frame: bulk.Frame, nbytes: int, received: list[Any]) -> list[memoryview]:
         """Where a request's payload goes: a push's gradients into a pooled buffer (appended to ``received``
-        with the tensors' sizes). Raises: CodecError."""
+        with the tensors' layout and the payload's bytes). Raises: CodecError."""
         kind = frame.kind
         if kind not in bulk.REQUESTS and kind != bulk.BATCH:
             raise codec.CodecError(f"a request cannot be a frame of kind {kind}")
-        sizes = bulk.tensor_sizes(frame.head.grads) if kind == bulk.PUSH else []  # frame.tensors()
-        if kind == bulk.BATCH:  # its entries are read and checked one by one (``_answer_batch``)
-            sizes = [nbytes]
-        elif sum(sizes) != nbytes:
+        layout = bulk.tensor_layout(frame.head.grads) if kind == bulk.PUSH else []  # frame.tensors()
+        described = 0
+        for t in layout:  # a loop, not sum() over a generator: no call per tensor
+            described += t[3]
+        if kind != bulk.BATCH and described != nbytes:  # a batch: checked entry by entry (``_reply``)
             raise codec.CodecError(f"the head describes other tensors than the {nbytes} payload bytes")
         buf = self.pool.take(nbytes) if nbytes else None
-        received += (buf, sizes)
+        received += (buf, layout, nbytes)
         return [memoryview(buf)[:nbytes]] if buf is not None else []
 
     async def _answer_batch(
-        self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None, sizes: list[int]
+        self, link: bulk.BulkConnection, frame: bulk.Frame, buf: np.ndarray | None, nbytes: int
     ) -> None:
         """Serves a BATCH frame's requests, each as if it had come alone, and answers each once. Where a
         request may wait for another one (sync and ssp modes) or for a backup, they are served at the same
         time (a task each: one waiting on a barrier holds back none of the others): those served at once
         are answered in one BATCHED frame, the others in BATCHED frames as they end; else (async mode, no
         backup: ``ShardService.serves_alone``) one after the other, all answered in one frame. A bad entry
-        is answered by its own ERROR; entries that do not fill the frame (``sizes``: its payload's bytes)
-        drop the connection."""
-        view = memoryview(buf if buf is not None else b"")[: sizes[0]]  # the pooled buffer may be longer
+        is answered by its own ERROR; entries that do not fill the frame (of ``nbytes`` of payload) drop
+        the connection."""
+        view = memoryview(buf if buf is not None else b"")[:nbytes]  # the pooled buffer may be longer
         try:
             items = bulk.read_entries(view, frame.head.count, bulk.REQUESTS)
         except codec.CodecError as err:  # not a frame: the stream is out of step
@@ -324,11 +325,11 @@ class DataPortServer:
         self,
         frame: bulk.Frame,
         buf: np.ndarray | memoryview | None = None,
-        sizes: list[int] | tuple[()] | None = (),
+        layout: bulk.Layout | None = None,
     ) -> tuple[bulk.Frame, list[memoryview]]:
         """Serves one request: its answer frame and payload (an ERROR frame for a failure). ``buf``: the
-        request's payload; ``sizes``: its tensors' sizes (``_receive_into`` checked them), or None: a
-        batch's entry, checked here."""
+        request's payload; ``layout``: a push's tensors (``_receive_into`` checked them against it), or
+        None: a batch's entry, checked here."""
         started = time.perf_counter()
         head = frame.head
         kind, rpc = frame.kind, bulk.REQUESTS[frame.kind]
@@ -337,19 +338,22 @@ class DataPortServer:
         code = grpc.StatusCode.OK
         response = None
         try:
-            if sizes is None:
-                sizes = bulk.tensor_sizes(head.grads) if kind == bulk.PUSH else []
+            if layout is None:
+                layout = bulk.tensor_layout(head.grads) if kind == bulk.PUSH else []
                 nbytes = len(buf) if buf is not None else 0
-                if sum(sizes) != nbytes:
+                for t in layout:
+                    nbytes -= t[3]
+                if nbytes:
                     raise codec.CodecError(
-                        f"the head describes other tensors than the {nbytes} payload bytes"
+                        f"the head describes other tensors than the {len(buf) if buf is not None else 0} "
+                        "payload bytes"
                     )
             if self.stopping:
                 raise UnavailableError("the shard is shutting down; retry on its restart")
             if kind == bulk.PUSH:
+                grads, nbytes = _gradients(layout, buf)
                 if self._metrics is not None:
-                    self._metrics.push_received(head, sum(sizes))
-                grads = _gradients(head, buf, sizes)
+                    self._metrics.push_received(head, nbytes)
                 done = self._service.push_now(head, grads)  # the common case: no await
                 if done is None:
                     left = head.timeout_s  # deadline_of(None, head.timeout_s), inline
@@ -410,24 +414,19 @@ class DataPortServer:
         return reply, payload
 
 
-def _gradients(
-    head: ps_pb2.PushRequest, buf: np.ndarray | memoryview | None, sizes: list[int] | tuple[()]
-) -> dict[str, np.ndarray]:
+def _gradients(layout: bulk.Layout, buf: np.ndarray | memoryview | None) -> tuple[dict[str, np.ndarray], int]:
     """The push's gradients as ``ShardService.push_one`` assembles those of ``Push``: by name, each a
-    read-only view of the buffer (of ``sizes`` bytes, whole tensors: ``bulk.tensor_sizes`` checked their
-    dtypes and shapes). Raises: CodecError (a tensor named twice)."""
+    read-only view of the buffer (the tensors of ``layout``, in order, from its start), and their bytes.
+    Raises: CodecError (a tensor named twice)."""
     view = memoryview(buf).toreadonly() if buf is not None else memoryview(b"")
     grads: dict[str, np.ndarray] = {}
-    dtypes = codec.WIRE_DTYPES
     start = 0
-    for chunk, size in zip(head.grads, sizes, strict=True):
-        name = chunk.name
-        shape = tuple(chunk.shape)
+    for name, dtype, shape, size in layout:
         if name in grads:  # as the Assembler says it
             raise codec.CodecError(f"tensor {name!r}: received more elements than its shape {shape} holds")
-        grads[name] = np.frombuffer(view[start : start + size], dtypes[chunk.dtype]).reshape(shape)
+        grads[name] = np.frombuffer(view[start : start + size], dtype).reshape(shape)
         start += size
-    return grads
+    return grads, start
 
 
 def _described(chunks: list[codec.WireChunk]) -> list[ps_pb2.TensorChunk]:

@@ -10,13 +10,17 @@ from psproto.v1 import ps_pb2
 from psserver.dataport import BufferPool
 
 
-def test_tensor_sizes_come_from_dtype_and_shape() -> None:
+def test_tensor_layouts_come_from_dtype_and_shape() -> None:
     chunks = [
         bulk.describe("a", np.zeros((3, 4), np.float16)),
         bulk.describe("b", np.zeros((), np.int64)),
         bulk.describe("c", np.zeros((0, 5), np.float32)),
     ]
-    assert bulk.tensor_sizes(chunks) == [24, 8, 0]
+    assert bulk.tensor_layout(chunks) == [
+        ("a", np.dtype(np.float16), (3, 4), 24),
+        ("b", np.dtype(np.int64), (), 8),
+        ("c", np.dtype(np.float32), (0, 5), 0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -30,7 +34,7 @@ def test_tensor_sizes_come_from_dtype_and_shape() -> None:
 )
 def test_malformed_descriptions_are_codec_errors(chunk: ps_pb2.TensorChunk, match: str) -> None:
     with pytest.raises(codec.CodecError, match=match):
-        bulk.tensor_sizes([chunk])
+        bulk.tensor_layout([chunk])
 
 
 def test_payload_views_are_the_arrays_bytes_not_copies() -> None:
