@@ -187,7 +187,10 @@ class Cell:
     def _tail(self, proc: subprocess.Popen[bytes]) -> str:
         if proc.poll() is None:
             return "still starting"
-        return proc.communicate(timeout=10)[1].decode()[-2000:]
+        err = proc.communicate(timeout=10)[1].decode()
+        return (
+            err if len(err) <= 3000 else f"{err[:1000]} [...] {err[-2000:]}"
+        )  # the first error, and the last
 
     def close(self) -> None:
         for proc in self.workers + self.servers:
@@ -439,7 +442,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"{rate_text(args)} (htb), {cm.congestion_text(args)}; "
         f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
-        f"{args.inflight} push_pull round(s) in flight per ps worker. "
+        f"{args.mode} mode, {args.inflight if args.mode == 'async' else 1} push_pull round(s) in flight per "
+        "ps worker. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
@@ -577,6 +581,13 @@ def main(argv: list[str] | None = None) -> int:
         "--min-rounds", type=int, default=3, help="and at least this many rounds per worker (default 3)"
     )
     parser.add_argument(
+        "--mode",
+        choices=("async", "sync"),
+        default="async",
+        help="the shards' mode (default async; sync: every round a sync step of all n workers, one round in "
+        "flight, as a sync worker trains)",
+    )
+    parser.add_argument(
         "--vars",
         type=int,
         default=16,
@@ -608,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     command = cm.command_line("bench_scaling.py", argv)
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []  # cells that raised (their error), reported after the tables
     rates = CellRates(args.rate_mbit, args.max_rate_mbit, args.cpu_share, os.cpu_count() or 1)
     size = args.size_mib * MIB
     with NetnsCluster(
@@ -621,12 +633,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.workers:
             for k in args.shards:
                 for system in systems:
-                    cells.append(
-                        measured(
+                    try:
+                        cell = measured(
                             net, rates, 2 * min(n, k), shard_hosts[:k] + worker_hosts[:n], 2 * n * size,
                             lambda rate, system=system, n=n, k=k: run_ps_cell(net, args, system, n, k, rate),
+                        )  # fmt: skip
+                    except RuntimeError as err:  # a cell that could not start or run: named, the others go on
+                        failed.append({"system": system, "n": n, "k": k, "error": str(err)[-4000:]})
+                        print(
+                            f"{system} n={n} k={k} FAILED: {failed[-1]['error']}", file=sys.stderr, flush=True
                         )
-                    )  # fmt: skip
+                        continue
+                    cells.append(cell)
                     print(cell_line(cells[-1]), file=sys.stderr, flush=True)
         for n in args.ring:
             cells.append(
@@ -642,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     text = render(args, cells, note, command)
+    for f in failed:
+        text += f"\nFailed: {f['system']} n={f['n']} k={f['k']}: {f['error'].splitlines()[0][:300]}\n"
     print(text)
     results = cm.results_record(
         command,
@@ -654,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds=args.seconds,
         congestion=cm.congestion_text(args),
         ring_chunk_kib=args.ring_chunk_kib,
+        failed=failed,
     )
     cm.write_results(args.out, text, results)
     if args.out and args.plot and (why := plot(f"{args.out}.png", cells)):
