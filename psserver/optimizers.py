@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import numpy as np
 
@@ -434,18 +434,10 @@ class ServerOptimizer(abc.ABC):
         return out
 
     @np.errstate(all="ignore")
-    def _block(
-        self,
-        value: np.ndarray,
-        grad: np.ndarray,
-        slots: dict[str, np.ndarray],
-        out: np.ndarray,
-        tmp: list[np.ndarray],
-        consts: tuple[np.floating, ...],
-    ) -> None:
-        """``_update`` of a whole variable that is one block of the compute dtype, floating-point errors
-        ignored (``_blocks``'s walk, for one block)."""
-        self._update(value, grad, slots, out, tmp, consts)
+    def _block(self, *update: Any) -> None:
+        """``_update(*update)`` of a whole variable that is one block of the compute dtype, floating-point
+        errors ignored (``_blocks``'s walk, for one block)."""
+        self._update(*update)
 
     @np.errstate(all="ignore")  # as a decorator: one Python call an update, where a ``with`` makes three
     def _blocks(
