@@ -87,6 +87,7 @@ from pscore.errors import InternalError, ResourceExhaustedError
 
 _RESERVE_STEP = 64 << 20  # disk blocks allocated ahead of the tier's writes at least this much at a time
 _REMEMBER_BYTES = 16 << 20  # the most record bytes a lookup leaves for the next push (``DiskTier.get``)
+_REMEMBER_READS = 4  # the remembering reads whose records are kept (the newest), while they take that
 CHUNK_ROWS = 1 << 16  # rows a restore's write or an export's read handles at once
 DEFAULT_DISK_BYTES = 1 << 40  # a piece's LMDB map size (address space reserved, disk used as written)
 _SIGN = np.uint64(1 << 63)
@@ -94,6 +95,8 @@ Cut = tuple[int | None, float | None]  # records last updated before push ``[0]`
 NO_CUT: Cut = (None, None)
 _MAX_READERS = 4096  # read transactions open at once per piece (64 bytes of its lock file each)
 ReadCost = tuple[float, int]  # a read's seconds, and 1 if it read the disk (not only remembered records)
+# The records of the last remembering reads, newest first: each read's (sorted ids, their records).
+Remembered = tuple[tuple[np.ndarray, np.ndarray], ...]
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
@@ -406,7 +409,7 @@ class TierView:
 
     handle: Any  # the store's pin on its records then (LMDB: a read transaction; a log: a generation)
     writes: int | None  # writes begun by then (None: one was under way): a read keeps its records if equal
-    recent: tuple[np.ndarray, np.ndarray]  # the records remembered then
+    recent: Remembered  # the records remembered then
     cut: Cut  # its expiry cut then
     release: Callable[[Any], None] | None = None  # unpins ``handle``
 
@@ -433,6 +436,8 @@ class ColdTier:
         expiry: the record fields (``EXPIRY_KINDS``) a table's TTL orders by.
     """
 
+    key_ordered = False  # whether a write goes faster with its ids in ascending order (LMDB's pages)
+
     def __init__(self, path: Path, record: np.dtype, table: str, expiry: Iterable[str]) -> None:
         self.path = path
         self.record = record
@@ -440,10 +445,13 @@ class ColdTier:
         self.table = table
         self.stats = TierStats()
         self._expiry_kinds = tuple(kind for kind in EXPIRY_KINDS if kind in tuple(expiry))
-        # The records the last lookup read (sorted ids, their records): the push of the same ids that
-        # usually follows fills from them instead of reading again. A write drops the ids it changes; a
-        # read that a write overlapped keeps nothing. One tuple: a read in another thread sees one whole.
-        self._recent: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, record))
+        # The records the last lookups read (``Remembered``): the push of the same ids that usually
+        # follows fills from them instead of reading again. A worker looks up the next batch before it
+        # pushes this one, so a push's ids are those of the lookup before the last: the last
+        # ``_REMEMBER_READS`` reads are kept as they were read (no merge), while they take at most
+        # ``_REMEMBER_BYTES``. A write drops the ids it changes; a read that a write overlapped keeps
+        # nothing. One tuple: a read in another thread sees one whole.
+        self._recent: Remembered = ()
         self._writes = 0  # writes begun
         self._writing = False
         self._write_lock = threading.Lock()  # ``_writes``, ``_writing`` and a read's keeping of its records
@@ -565,10 +573,11 @@ class ColdTier:
     def get(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """One batched read: ``(found, records)``: which ids have a cold row, and their records in order.
 
-        Ids the last remembering read found are answered from its records (still
-        what the disk holds: writes drop the ids they change). ``remember``: keep
-        this read's records for the next (a lookup's, for the push that follows).
-        Expired records (before ``cut``) are not found.
+        Ids the last remembering reads found (``_REMEMBER_READS``) are answered from
+        their records (still what the disk holds: writes drop the ids they change).
+        ``remember``: keep this read's records for the next reads (a lookup's, for the
+        push that follows); such a read reads the disk for all of its ids. Expired
+        records (before ``cut``) are not found.
         """
         found, records, _ = self.lookup(ids, remember)
         return found, records
@@ -617,42 +626,51 @@ class ColdTier:
             return np.zeros(ids.size, bool), np.zeros(0, self.record), (0.0, 0)
         t0 = time.perf_counter()
         writes = view.writes
-        recent_ids, recent = view.recent
         # Records are moved as opaque bytes (a void dtype): numpy copies a structured record field by field.
         raw = self._raw
-        if recent_ids.size:
-            at = np.searchsorted(recent_ids, ids)
+        ask = np.arange(ids.size)  # the positions in ``ids`` not answered yet
+        parts: list[tuple[np.ndarray, np.ndarray]] = []  # (positions in ``ids``, their raw records)
+        # A lookup (``remember``) rarely asks for what the last lookups read (the next batches' ids): it
+        # reads the disk; a push asks for what the lookup before the last read.
+        for recent_ids, recent in () if remember else view.recent:  # newest first
+            if not ask.size:
+                break
+            want = ids[ask]
+            at = np.searchsorted(recent_ids, want)
             np.minimum(at, recent_ids.size - 1, out=at)
-            known = recent_ids[at] == ids
-            ask = np.flatnonzero(~known)
-        else:
-            known, ask = None, np.arange(ids.size)
-        if ask.size:
-            got, fetched = self._fetch(ids[ask], view.handle)
-        if known is None or not known.any():  # all fetched
+            known = recent_ids[at] == want
+            if known.any():
+                parts.append((ask[known], _raw(recent, raw)[at[known]]))
+                ask = ask[~known]
+        fetched = ask.size > 0
+        if fetched:
+            got, records = self._fetch(ids[ask], view.handle)
+            ask = ask[got]
+        if not parts:  # all fetched, in order
             found = np.zeros(ids.size, bool)
-            found[ask[got]] = True
-            records = fetched
+            found[ask] = True
         else:
-            found = known.copy()
-            if ask.size:
-                found[ask[got]] = True
-            out = np.empty(int(np.count_nonzero(found)), raw)
+            if fetched and ask.size:
+                parts.append((ask, _raw(records, raw)))
+            found = np.zeros(ids.size, bool)
+            for pos, _ in parts:
+                found[pos] = True
             slot = np.cumsum(found) - 1
-            out[slot[known]] = _raw(recent, raw)[at[known]]
-            if ask.size and got.any():
-                out[slot[ask[got]]] = _raw(fetched, raw)
+            out = np.empty(int(slot[-1]) + 1 if ids.size else 0, raw)
+            for pos, recs in parts:
+                out[slot[pos]] = recs
             records = out.view(self.record)
         if remember:
-            kept_ids = ids[found]
-            order = np.argsort(kept_ids, kind="stable")
             keep = records.nbytes <= _REMEMBER_BYTES
-            kept_recs = _raw(records, raw)[order].view(self.record) if keep else records[:0]
-            kept = (kept_ids[order], kept_recs) if keep else (ids[:0], records[:0])
+            if keep:
+                kept_ids = ids[found]
+                order = np.argsort(kept_ids)
+                kept = (kept_ids[order], _raw(records, raw)[order].view(self.record))
             with self._write_lock:
                 if writes is not None and writes == self._writes and not self._writing:
-                    self._recent = _remembered(self._recent, kept)  # no write overlapped the read
-        return found, records, (time.perf_counter() - t0, int(bool(ask.size)))  # 0: remembered records only
+                    # No write overlapped the read: it is the newest, and the older ones as room allows.
+                    self._recent = _remembered(kept, self._recent) if keep else ()
+        return found, records, (time.perf_counter() - t0, int(fetched))  # 0: remembered records only
 
     def count_read(self, cost: ReadCost) -> None:
         """Counts a read's cost (``read``) in ``stats``; call it on the event loop."""
@@ -675,11 +693,19 @@ class ColdTier:
 
     def _forget(self, changed: list[np.ndarray]) -> None:
         """Drops the remembered records of the ``changed`` ids (the writer's: reads keep none meanwhile)."""
-        recent_ids, recent = self._recent
         changed = [c for c in changed if c.size]
-        if recent_ids.size and changed:
-            keep = ~np.isin(recent_ids, np.concatenate(changed))
-            self._recent = (recent_ids[keep], recent[keep])
+        if self._recent and changed:
+            gone = np.sort(np.concatenate(changed))  # once, for a search per remembered read
+            kept = []
+            for ids, recs in self._recent:
+                at = np.searchsorted(gone, ids)
+                np.minimum(at, gone.size - 1, out=at)
+                keep = gone[at] != ids
+                if keep.all():
+                    kept.append((ids, recs))
+                elif keep.any():
+                    kept.append((ids[keep], recs[keep]))
+            self._recent = tuple(kept)
 
     @property
     def stamps(self) -> np.dtype | None:
@@ -706,6 +732,8 @@ class DiskTier(ColdTier):
     Raises:
         TierDirError: the environment cannot be created there.
     """
+
+    key_ordered = True  # a page of the B-tree is written once, the next is near
 
     def __init__(
         self, path: Path, record: np.dtype, disk_bytes: int, table: str, expiry: Iterable[str] = ()
@@ -1030,22 +1058,17 @@ class DiskTier(ColdTier):
                 assert have == sorted(_stamp_keys(all_records[kind], all_ids)), f"expiry index {kind}"
 
 
-def _remembered(
-    old: tuple[np.ndarray, np.ndarray], new: tuple[np.ndarray, np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """The records a remembering read keeps (sorted ids, records): its own, and those the last reads kept
-    while they take at most twice as many bytes. A worker looks up the next batch before it pushes this
-    one, so the push's ids are those of the lookup before the last."""
-    (old_ids, old_recs), (new_ids, new_recs) = old, new
-    if not old_ids.size or not new_ids.size or old_recs.nbytes > min(_REMEMBER_BYTES, 2 * new_recs.nbytes):
-        return new
-    at = np.minimum(np.searchsorted(new_ids, old_ids), new_ids.size - 1)
-    keep = new_ids[at] != old_ids  # the new read's records replace the old of the same ids
-    ids = np.concatenate([old_ids[keep], new_ids])
-    order = np.argsort(ids, kind="stable")
-    raw = np.dtype((np.void, new_recs.dtype.itemsize))  # moved as opaque bytes (``ColdTier._read``)
-    recs = np.concatenate([_raw(old_recs, raw)[keep], _raw(new_recs, raw)])[order]
-    return ids[order], recs.view(new_recs.dtype)
+def _remembered(new: tuple[np.ndarray, np.ndarray], old: Remembered) -> Remembered:
+    """The reads remembered after a remembering read ``new`` (sorted ids, records): it first, then the
+    newest of ``old`` while they are at most ``_REMEMBER_READS`` reads and ``_REMEMBER_BYTES`` in all."""
+    out = [new] if new[0].size else []  # a read that found nothing: nothing to answer from
+    nbytes = new[1].nbytes
+    for read in old[: _REMEMBER_READS - 1]:
+        nbytes += read[1].nbytes
+        if nbytes > _REMEMBER_BYTES:
+            break
+        out.append(read)
+    return tuple(out)
 
 
 def _raw(records: np.ndarray, raw: np.dtype) -> np.ndarray:

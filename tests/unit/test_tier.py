@@ -286,6 +286,40 @@ def test_a_batched_read_gives_each_id_its_own_record_in_any_order_with_missing_a
     disk.close()
 
 
+def test_the_last_lookups_records_answer_the_push_after_the_next_lookup_without_the_disk(
+    tmp_path: Path,
+) -> None:
+    """A worker looks up batch 2 before it pushes batch 1: the push's read finds batch 1's records in
+    memory, as those of each of the last ``_REMEMBER_READS`` lookups; a write drops the ids it changes."""
+    disk = _disk(tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t")
+    ids = np.arange(1000, dtype=np.int64)
+    records = np.zeros(ids.size, disk.record)
+    records["value"] = np.arange(ids.size * 4, dtype=np.float32).reshape(-1, 4)
+    disk.write(ids, records)
+    batches = [ids[i::5] for i in range(tier_module._REMEMBER_READS + 1)]  # disjoint
+    for batch in batches:
+        disk.get(batch[::-1], remember=True)
+    reads = disk.stats.reads
+    for batch in batches[1:]:  # the last lookups' (not the first's: one too many)
+        mixed = np.random.default_rng(0).permutation(batch)
+        found, got = disk.get(mixed)
+        assert found.all() and disk.stats.reads == reads  # no disk read
+        np.testing.assert_array_equal(got["value"], records["value"][mixed])
+    both = np.concatenate([batches[1][:50], batches[-1][:50], batches[0][:50], [5000]])  # some not kept
+    found, got = disk.get(both)
+    assert found.tolist() == [True] * 150 + [False] and disk.stats.reads == reads + 1
+    np.testing.assert_array_equal(got["value"], records["value"][both[:150]])
+    changed = batches[-1][:10]
+    newer = records[changed].copy()
+    newer["value"] += 1
+    disk.write(changed, newer)  # the remembered copies of these go
+    found, got = disk.get(batches[-1][:20])
+    assert found.all() and disk.stats.reads == reads + 2
+    np.testing.assert_array_equal(got["value"][:10], newer["value"])
+    np.testing.assert_array_equal(got["value"][10:], records["value"][batches[-1][10:20]])
+    disk.close()
+
+
 def test_a_lookup_that_a_write_overlaps_keeps_none_of_its_records_for_the_next_read(tmp_path: Path) -> None:
     disk = _disk(tmp_path / "t", tier_module.record_dtype(4, np.dtype(np.float32), {}), 1 << 24, "t")
     ids = np.arange(10, dtype=np.int64)
