@@ -338,6 +338,35 @@ def _busy(intervals: list[tuple[float, float]], t0: float, t1: float) -> list[fl
     return spans
 
 
+def _collisions_repeated(workers: list[list[dict[str, Any]]]) -> list[int]:
+    """[collisions, repeated]: pairs of parts of two workers uploading to the same shard at once (for at
+    least 30 % of the shorter), and how many of those pairs' next parts (each worker's next) did too.
+    Workers visiting the shards in the same cyclic order move on together: a collision repeats."""
+    parts = [sorted((e for e in w if "sent" in e), key=lambda e: e["up"]) for w in workers]
+    by_shard: dict[str, list[tuple[float, float, int, int]]] = {}
+    for w, seq in enumerate(parts):
+        for i, e in enumerate(seq):
+            by_shard.setdefault(e["shard"], []).append((e["up"], e["sent"], w, i))
+
+    def overlap(a: dict[str, Any], b: dict[str, Any]) -> float:
+        return min(a["sent"], b["sent"]) - max(a["up"], b["up"])
+
+    collisions = repeated = 0
+    for ivs in by_shard.values():
+        ivs.sort()
+        for x, (up, sent, w, i) in enumerate(ivs):
+            for up2, sent2, w2, j in ivs[x + 1 :]:
+                if up2 >= sent:
+                    break
+                if w2 == w or min(sent, sent2) - up2 < 0.3 * min(sent - up, sent2 - up2):
+                    continue
+                collisions += 1
+                if i + 1 < len(parts[w]) and j + 1 < len(parts[w2]):
+                    a, b = parts[w][i + 1], parts[w2][j + 1]
+                    repeated += a["shard"] == b["shard"] and overlap(a, b) > 0
+    return [collisions, repeated]
+
+
 def trace_summary(files: list[Path]) -> dict[str, Any]:
     """What the workers' timelines (``--trace``: each large request's shard, when its upload began and was
     handed to the kernel, when its answer began and ended) say about the order of uploads and answers:
@@ -347,7 +376,9 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
     - ``shard_answering``: the same for answers coming down from a shard (its uplink idle or split);
     - ``worker_up`` / ``worker_down``: the share of the time a worker was uploading / receiving an answer;
     - ``answer_wait_ms``: from a part handed to the kernel to its answer's first bytes (p50, p90): the
-      upload's last bytes on the link, the shard's apply and the answer's queue.
+      upload's last bytes on the link, the shard's apply and the answer's queue;
+    - ``collisions_repeated``: of the pairs of parts of two workers that went up to one shard at once (for
+      at least 30 % of the shorter), the share whose next parts did too (``_collisions_repeated``).
     """
     workers = [json.loads(f.read_text()) for f in files if f.exists()]
     events = [e for w in workers for e in w if {"up", "sent", "answer", "end"} <= e.keys()]
@@ -377,6 +408,7 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
     ]
     waits = sorted(e["answer"] - e["sent"] for e in events)
     return {
+        "collisions_repeated": _collisions_repeated(workers),
         "seconds": round(span, 2),
         "shard_uploaders": shares(ups),
         "shard_answering": shares(downs),

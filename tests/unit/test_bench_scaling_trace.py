@@ -40,3 +40,15 @@ def test_trace_summary_reads_collisions(tmp_path: Path) -> None:
 def test_trace_summary_without_events_is_empty(tmp_path: Path) -> None:
     (tmp_path / "w0.json").write_text("[]")
     assert bs.trace_summary([tmp_path / "w0.json", tmp_path / "missing.json"]) == {}
+
+
+def test_a_collision_that_moves_on_together_counts_as_repeated() -> None:
+    def part(shard: str, up: float, sent: float) -> dict[str, float | str]:
+        return {"shard": shard, "up": up, "sent": sent}
+
+    # both on a, then both on b (repeated), then apart: 2 collisions, the first repeated
+    w0 = [part("a", 0.0, 1.0), part("b", 1.0, 2.0), part("c", 2.0, 3.0)]
+    w1 = [part("a", 0.1, 1.1), part("b", 1.1, 2.1), part("d", 2.1, 3.1)]
+    assert bs._collisions_repeated([w0, w1]) == [2, 1]
+    # a brush (under 30 % of the shorter part) is no collision
+    assert bs._collisions_repeated([[part("a", 0.0, 1.0)], [part("a", 0.9, 2.0)]]) == [0, 0]
