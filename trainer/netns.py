@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cluster import LocalCluster
-from trainer.congestion import CongestionAllowance
+from trainer.congestion import CongestionAllowance, NeighbourRoom
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +275,7 @@ class NetnsCluster:
             self._set_congestion(host, self.congestion)
         for key, value in self.sysctls.items():
             _sh([*host.launcher, "tee", "/proc/sys/" + key.replace(".", "/")], stdin=str(value))
+        NeighbourRoom(clusters_exist).fit(len(self.hosts))  # past ~32 hosts the machine's ARP table is short
         rate = rate_mbit if rate_mbit is not None else self.rate_mbit
         if rate is not None:
             self.shape(host, rate, self.burst_kib)
@@ -521,6 +522,7 @@ class NetnsCluster:
                 _sh(["ip", "netns", "del", host.netns], check=False)
                 _sh(["ip", "link", "del", host.veth], check=False)  # gone with the namespace, usually
             _sh(["ip", "link", "del", self.bridge], check=False)
+            NeighbourRoom(clusters_exist).release()  # the ARP limits as they were, if the last cluster
             CongestionAllowance(clusters_exist).release()  # the allowed list as it was, if the last cluster
             if self._tmp is not None:
                 self._tmp.cleanup()

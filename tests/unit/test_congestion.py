@@ -110,3 +110,39 @@ def test_allow_of_an_allowed_name_needs_no_record(tmp_path: Path) -> None:
     m = Machine(tmp_path, allowed="reno bbr cubic")
     assert m.allowance().allow("cubic")
     assert not (m.state / "allowed-congestion").exists()
+
+
+def _neigh(root: Path, thresh2: int = 512, thresh3: int = 1024) -> Path:
+    neigh = root / "neigh"
+    neigh.mkdir()
+    (neigh / "gc_thresh2").write_text(f"{thresh2}\n")
+    (neigh / "gc_thresh3").write_text(f"{thresh3}\n")
+    return neigh
+
+
+def test_the_arp_table_gets_room_for_a_cluster_until_the_last_cluster_goes(tmp_path: Path) -> None:
+    from trainer.congestion import NeighbourRoom
+
+    neigh = _neigh(tmp_path)
+    clusters = [1]
+    room = NeighbourRoom(lambda: bool(clusters), neigh_dir=neigh, state_dir=tmp_path / "state")
+    assert room.fit(16)  # 240 entries: room already
+    assert (neigh / "gc_thresh3").read_text().strip() == "1024"
+    assert room.fit(64)  # 64 x 63 = 4,032
+    assert [(neigh / f).read_text().strip() for f in ("gc_thresh2", "gc_thresh3")] == ["4032", "8064"]
+    assert room.fit(40)  # never lowered
+    assert (neigh / "gc_thresh2").read_text().strip() == "4032"
+    room.release()  # a cluster still exists: kept
+    assert (neigh / "gc_thresh3").read_text().strip() == "8064"
+    clusters.clear()
+    room.release()
+    assert [(neigh / f).read_text().strip() for f in ("gc_thresh2", "gc_thresh3")] == ["512", "1024"]
+    assert not (tmp_path / "state").exists()
+
+
+def test_an_unwritable_arp_table_limit_changes_nothing(tmp_path: Path) -> None:
+    from trainer.congestion import NeighbourRoom
+
+    room = NeighbourRoom(lambda: True, neigh_dir=tmp_path / "missing", state_dir=tmp_path / "state")
+    assert not room.fit(64)
+    assert not (tmp_path / "state").exists()
