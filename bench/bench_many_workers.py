@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
+from bench_scaling import CellRates, measured, rate_arg
 
 from psload.spec import ModelSpec
 from trainer.cluster import cpu_seconds, rss_mib
@@ -307,6 +308,7 @@ def run_case(
     shard_hosts: list[Host],
     worker_hosts: list[Host],
     model: str,
+    rate_mbit: float,
 ) -> dict[str, Any]:
     procs, clients = _placement(n, len(worker_hosts))
     server_args = ["--mode", "async"]
@@ -326,12 +328,25 @@ def run_case(
         steps_per_s=s["steps_per_s"], worker_rate_min=min(rates, default=0.0),
         worker_rate_max=max(rates, default=0.0), worker_rate_max_over_min=s["steps_max_over_min"],
         p50_ms=s["latency"]["p50_ms"], p99_ms=s["latency"]["p99_ms"],
-        bandwidth_s=_bandwidth_s(model_bytes, share, n, clients, args.rate_mbit),
+        bandwidth_s=_bandwidth_s(model_bytes, share, n, clients, rate_mbit), rate_mbit=rate_mbit,
+        # for ``bench_scaling.measured``'s rate per case: a "round" is a step of the whole cluster
+        system=kind, round_s=1.0 / s["steps_per_s"] if s["steps_per_s"] else float("inf"),
+        cell_cores=out["cpu"].get("case_cores", 0.0),
     )  # fmt: skip
     if kind == "sync" and steps and min(steps) > 0:
         out["step_s"] = s["duration_s"] / max(steps)
         out["excess_s"] = out["step_s"] - out["bandwidth_s"]
     return out
+
+
+def _rate_text(args: argparse.Namespace) -> str:
+    """The links' rate as the report names it (``--rate-mbit auto``: per case, its row says)."""
+    if args.rate_mbit is not None:
+        return f"{args.rate_mbit:g} Mbit/s each way"
+    return (
+        f"a rate per case (the row's), each way, at most {args.max_rate_mbit:g} Mbit/s, at which the "
+        f"case's own processes use at most {args.cpu_share:.0%} of the machine's cores"
+    )
 
 
 def _fmt(v: float | None, spec: str = ".2f") -> str:
@@ -346,7 +361,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard in a network namespace of its own; the simulated workers (an `AsyncPSClient` and "
         f"worker id each) packed into up to {args.worker_hosts} `psload` worker processes, each in a "
-        f"namespace of its own; every link shaped to {args.rate_mbit:g} Mbit/s each way (htb), "
+        f"namespace of its own; every link shaped to {_rate_text(args)} (htb), "
         f"{cm.congestion_text(args)}. {args.seconds:g} s measured per case, push_pull, exact counters on. "
         f"Machine: {note['cpus']} x "
         f"{note['cpu_model']}, load before {note['loadavg_1_5_15']}. CPU: the machine's busy % over the "
@@ -367,10 +382,10 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
             "",
             "| n | shards | processes x workers | model | errors | counts exact | steps/s "
             "| per-worker steps/s min-max | max/min | p50 ms | p99 ms | machine CPU % | case cores "
-            "| busiest process |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| busiest process | rate Mbit/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
-        lines += [_async_row(c) for c in rows]
+        lines += [_async_row(c, args.rate_mbit) for c in rows]
         lines.append("")
     sync = by_kind.get("sync", [])
     if sync:
@@ -380,8 +395,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
             "host, s the busiest shard's share of the model M); excess = step - bandwidth term.",
             "",
             "| n | processes x workers | errors | counts exact | step ms | bandwidth term ms | excess ms "
-            "| excess / n ms | p99 ms | machine CPU % | case cores | busiest process |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| excess / n ms | p99 ms | machine CPU % | case cores | busiest process | rate Mbit/s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for c in sync:
             step, excess = c.get("step_s"), c.get("excess_s")
@@ -391,7 +406,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
                 f"{c['bandwidth_s'] * 1e3:.0f} | {_fmt(excess and excess * 1e3, '.0f')} | "
                 f"{_fmt(excess and excess * 1e3 / c['n'], '.1f')} | {_fmt(c['p99_ms'], '.0f')} | "
                 f"{c['cpu'].get('machine_cpu_pct', '-')} | {c['cpu'].get('case_cores', '-')} | "
-                f"{c['cpu'].get('busiest_proc_cores', '-')} |"
+                f"{c['cpu'].get('busiest_proc_cores', '-')} | "
+                f"{_fmt(c.get('rate_mbit', args.rate_mbit), 'g')} |"
             )
         lines.append("")
     lines += [
@@ -415,7 +431,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
     return "\n".join(lines) + "\n"
 
 
-def _async_row(c: dict[str, Any]) -> str:
+def _async_row(c: dict[str, Any], rate_mbit: float | None) -> str:
     pushes = c["psload"].get("counts", {}).get("acknowledged_pushes", "-")
     cpu = c["cpu"]
     return (
@@ -423,7 +439,8 @@ def _async_row(c: dict[str, Any]) -> str:
         f"{c['errors']} | {'yes' if c['counts_ok'] else 'NO'} ({pushes} pushes) | {c['steps_per_s']:.1f} | "
         f"{c['worker_rate_min']:.2f}-{c['worker_rate_max']:.2f} | {_fmt(c['worker_rate_max_over_min'])} | "
         f"{_fmt(c['p50_ms'], '.0f')} | {_fmt(c['p99_ms'], '.0f')} | {cpu.get('machine_cpu_pct', '-')} | "
-        f"{cpu.get('case_cores', '-')} | {cpu.get('busiest_proc_cores', '-')} |"
+        f"{cpu.get('case_cores', '-')} | {cpu.get('busiest_proc_cores', '-')} | "
+        f"{_fmt(c.get('rate_mbit', rate_mbit), 'g')} |"
     )
 
 
@@ -490,7 +507,22 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="4x256KiB", help="psload model of async and sync (default 4x256KiB)"
     )
     parser.add_argument("--conns-model", default="4x16KiB", help="psload model of conns (default 4x16KiB)")
-    parser.add_argument("--rate-mbit", type=float, default=200, help="every link, each way (default 200)")
+    parser.add_argument(
+        "--rate-mbit",
+        type=rate_arg,
+        default=200.0,
+        help="every link, each way (default 200), or 'auto': a rate per case, at most --max-rate-mbit, at "
+        "which the case's own processes use at most --cpu-share of the cores (as bench_scaling.py's)",
+    )
+    parser.add_argument(
+        "--max-rate-mbit", type=float, default=200.0, help="with --rate-mbit auto: the top rate (default 200)"
+    )
+    parser.add_argument(
+        "--cpu-share",
+        type=float,
+        default=0.6,
+        help="with --rate-mbit auto: the share of the machine's cores a case may use (default 0.6)",
+    )
     cm.add_congestion_arg(parser)
     cm.add_sysctl_arg(parser)
     parser.add_argument("--seconds", type=float, help="measured seconds per case (default 15; --quick: 5)")
@@ -541,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     note = cm.machine_note()
     cells: list[dict[str, Any]] = []
     with NetnsCluster(
-        rate_mbit=args.rate_mbit or None,
+        rate_mbit=args.rate_mbit or args.max_rate_mbit,
         workdir=args.workdir,
         congestion=cm.congestion_of(args),
         sysctls=cm.sysctls_of(args),
@@ -553,8 +585,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = [("async", args.async_n, shard_hosts, args.model)] if "async" in cases else []
         plan += [("sync", n, shard_hosts, args.model) for n in args.sync_n] if "sync" in cases else []
         plan += [("conns", args.conns, shard_hosts[:1], args.conns_model)] if "conns" in cases else []
+        rates = CellRates(args.rate_mbit, args.max_rate_mbit, args.cpu_share, os.cpu_count() or 1)
         for kind, n, hosts, model in plan:
-            c = run_case(net, args, kind, n, hosts, worker_hosts, model)
+            procs = _placement(n, len(worker_hosts))[0]
+            c = measured(
+                net, rates, 2 * min(procs, len(hosts)), [*hosts, *worker_hosts[:procs]],
+                2 * ModelSpec.parse(model).total_bytes,
+                lambda rate, kind=kind, n=n, hosts=hosts, model=model: run_case(
+                    net, args, kind, n, hosts, worker_hosts, model, rate
+                ),
+            )  # fmt: skip
             cells.append(c)
             step = (
                 f", step {c['step_s'] * 1e3:.0f} ms vs {c['bandwidth_s'] * 1e3:.0f} ms"
@@ -567,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['errors']} errors, counts {'exact' if c['counts_ok'] else 'NOT exact'}, "
                 f"{c['steps_per_s']:.1f} steps/s, max/min {_fmt(c['worker_rate_max_over_min'])}, "
                 f"p50 {_fmt(c['p50_ms'], '.0f')} p99 {_fmt(c['p99_ms'], '.0f')} ms{step}, "
-                f"CPU {cpu.get('machine_cpu_pct', '-')} %, busiest {cpu.get('busiest_proc_cores')}, "
+                f"CPU {cpu.get('machine_cpu_pct', '-')} %, the case {c['cpu_share']:.0%} of the machine at "
+                f"{c['rate_mbit']:g} Mbit/s, busiest {cpu.get('busiest_proc_cores')}, "
                 f"{c['data_port_fallbacks']} data-port fallbacks, network {c['network']}",
                 file=sys.stderr,
                 flush=True,
