@@ -50,11 +50,13 @@ def max_diff(a: keras.Model, b: keras.Model) -> float:
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights(), strict=True))
 
 
-def custom_loop(model: keras.Model, optimizer: keras.optimizers.Optimizer) -> list[float]:
+def custom_loop(
+    model: keras.Model, optimizer: keras.optimizers.Optimizer, x_all: np.ndarray = X, y_all: np.ndarray = Y
+) -> list[float]:
     """Two epochs of 8-example steps, as keras-io writes a loop from scratch on this backend."""
     loss_fn = keras.losses.MeanSquaredError()
     losses: list[float] = []
-    batches = [(X[i : i + 8], Y[i : i + 8]) for _ in range(2) for i in range(0, len(X), 8)]
+    batches = [(x_all[i : i + 8], y_all[i : i + 8]) for _ in range(2) for i in range(0, len(x_all), 8)]
     if BACKEND == "jax":
         import jax
 

@@ -4,7 +4,9 @@ tests/e2e/test_keras_backends.py on each Keras backend (``KERAS_BACKEND``), unch
 Worker 0 prints ``RESULT {json}``: the backend, the mode, test accuracy, steps per second after the
 first execution, whether the glue imported TensorFlow (``psclient.keras``, ``from_env``, the optimizer
 and the callbacks; on JAX and PyTorch the process cannot import it at all), and in the parameter-server
-modes the accuracy of a fresh copy of the model loaded from the shards.
+modes the accuracy of a fresh copy of the model loaded from the shards. With ``RING_LOOP=1`` (all-reduce) it
+then trains a small model with keras-io's loop from scratch (``_backend_loops.custom_loop``) through an
+``AllReduceOptimizer``, each rank on its own batches, and reports whether the ranks' weights ended equal.
 """
 
 import json
@@ -68,6 +70,18 @@ def main() -> None:
         "steps_per_second": timer.steps_per_second if timer is not None else None,
         "glue_imported_tensorflow": glue_imported_tensorflow,
     }
+    if os.environ.get("RING_LOOP") == "1":  # keras-io's loop from scratch on the ring (AllReduceOptimizer)
+        import _backend_loops
+
+        net = _backend_loops.mlp("ring_loop")
+        ring_optimizer = dist.optimizer(keras.optimizers.SGD(0.1))
+        dist.attach(net, ring_optimizer)
+        share = slice(dist.index, None, dist.num_workers)  # each rank its own batches: averaged steps
+        losses = _backend_loops.custom_loop(
+            net, ring_optimizer, _backend_loops.X[share], _backend_loops.Y[share]
+        )
+        result["ring_loop_losses"] = [losses[0], losses[-1]]
+        result["ring_loop_in_sync"] = dist.worker.weights_in_sync(net)
     if dist.mode in psk.MODES:
         fresh = make_model()
         psk.load_from_ps(fresh, dist.worker.client)

@@ -99,9 +99,12 @@ def test_the_readme_script_trains_on_the_backend_as_locally(
         base = run(backend, "local")
         assert not base["glue_imported_tensorflow"], base
         local[backend] = base["test_accuracy"]
-    result = run(backend, mode)
+    result = run(backend, mode, RING_LOOP="1" if mode == "psrun" else "0")
     assert not result["glue_imported_tensorflow"], result
     assert result["test_accuracy"] >= local[backend] - MARGIN, (result, local)
+    if mode == "psrun":  # a custom loop on the ring (JAX: jitted stateless_apply): the ranks stay equal
+        assert result["ring_loop_in_sync"], result
+        assert result["ring_loop_losses"][1] < 0.7 * result["ring_loop_losses"][0], result
     if mode != "psrun":  # an evaluator's copy loaded from the shards
         assert result["loaded_accuracy"] >= local[backend] - MARGIN, (result, local)
 
