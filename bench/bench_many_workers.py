@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
-from bench_scaling import CellRates, measured, rate_arg
+from bench_scaling import CellRates, add_rate_args, measured, rate_text
 
 from psload.spec import ModelSpec
 from trainer.cluster import cpu_seconds, rss_mib
@@ -339,16 +339,6 @@ def run_case(
     return out
 
 
-def _rate_text(args: argparse.Namespace) -> str:
-    """The links' rate as the report names it (``--rate-mbit auto``: per case, its row says)."""
-    if args.rate_mbit is not None:
-        return f"{args.rate_mbit:g} Mbit/s each way"
-    return (
-        f"a rate per case (the row's), each way, at most {args.max_rate_mbit:g} Mbit/s, at which the "
-        f"case's own processes use at most {args.cpu_share:.0%} of the machine's cores"
-    )
-
-
 def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -361,7 +351,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard in a network namespace of its own; the simulated workers (an `AsyncPSClient` and "
         f"worker id each) packed into up to {args.worker_hosts} `psload` worker processes, each in a "
-        f"namespace of its own; every link shaped to {_rate_text(args)} (htb), "
+        f"namespace of its own; every link shaped to {rate_text(args, 'case')} (htb), "
         f"{cm.congestion_text(args)}. {args.seconds:g} s measured per case, push_pull, exact counters on. "
         f"Machine: {note['cpus']} x "
         f"{note['cpu_model']}, load before {note['loadavg_1_5_15']}. CPU: the machine's busy % over the "
@@ -507,22 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default="4x256KiB", help="psload model of async and sync (default 4x256KiB)"
     )
     parser.add_argument("--conns-model", default="4x16KiB", help="psload model of conns (default 4x16KiB)")
-    parser.add_argument(
-        "--rate-mbit",
-        type=rate_arg,
-        default=200.0,
-        help="every link, each way (default 200), or 'auto': a rate per case, at most --max-rate-mbit, at "
-        "which the case's own processes use at most --cpu-share of the cores (as bench_scaling.py's)",
-    )
-    parser.add_argument(
-        "--max-rate-mbit", type=float, default=200.0, help="with --rate-mbit auto: the top rate (default 200)"
-    )
-    parser.add_argument(
-        "--cpu-share",
-        type=float,
-        default=0.6,
-        help="with --rate-mbit auto: the share of the machine's cores a case may use (default 0.6)",
-    )
+    add_rate_args(parser, "case")
     cm.add_congestion_arg(parser)
     cm.add_sysctl_arg(parser)
     parser.add_argument("--seconds", type=float, help="measured seconds per case (default 15; --quick: 5)")

@@ -448,12 +448,12 @@ def run_ring_cell(net: NetnsCluster, args: argparse.Namespace, n: int, rate_mbit
     return {"system": "ring", "n": n, "k": 0, "bound_s": bound, "ratio": bound / out["round_s"], **out}
 
 
-def rate_text(args: argparse.Namespace) -> str:
-    """The links' rate as a report names it."""
+def rate_text(args: argparse.Namespace, unit: str = "cell") -> str:
+    """The links' rate as a report names it (``--rate-mbit auto``: per ``unit``, its row says)."""
     if args.rate_mbit is not None:
         return f"{args.rate_mbit:g} Mbit/s each way"
     return (
-        f"a rate per cell, each way (at most {args.max_rate_mbit:g} Mbit/s), at which the cell's own "
+        f"a rate per {unit}, each way (at most {args.max_rate_mbit:g} Mbit/s), at which the {unit}'s own "
         f"processes use at most {args.cpu_share:.0%} of the machine's cores"
     )
 
@@ -461,6 +461,27 @@ def rate_text(args: argparse.Namespace) -> str:
 def rate_arg(text: str) -> float | None:
     """``--rate-mbit``: a number, or ``auto`` (None)."""
     return None if text == "auto" else float(text)
+
+
+def add_rate_args(parser: argparse.ArgumentParser, unit: str) -> None:
+    """``--rate-mbit`` (a number or ``auto``), ``--max-rate-mbit`` and ``--cpu-share``, for benches whose
+    ``unit`` (a cell, a case) runs on a namespace cluster at one link rate (``CellRates`` reads them)."""
+    parser.add_argument(
+        "--rate-mbit",
+        type=rate_arg,
+        default=200.0,
+        help=f"every link's rate each way, Mbit/s (default 200), or 'auto': a rate per {unit}, at most "
+        f"--max-rate-mbit, at which the {unit}'s own processes use at most --cpu-share of the cores",
+    )
+    parser.add_argument(
+        "--max-rate-mbit", type=float, default=200.0, help="with --rate-mbit auto: the top rate (default 200)"
+    )
+    parser.add_argument(
+        "--cpu-share",
+        type=float,
+        default=0.6,
+        help=f"with --rate-mbit auto: the share of the machine's cores a {unit} may use (default 0.6)",
+    )
 
 
 def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str, Any], command: str) -> str:
@@ -578,22 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         "the client's uploads to every shard at once, stagger_uploads=False)",
     )
     parser.add_argument("--size-mib", type=int, default=8, help="model size M in MiB (default 8)")
-    parser.add_argument(
-        "--rate-mbit",
-        type=rate_arg,
-        default=200.0,
-        help="every link's rate each way, Mbit/s (default 200), or 'auto': a rate per cell, at most "
-        "--max-rate-mbit, at which the cell's own processes use at most --cpu-share of the cores",
-    )
-    parser.add_argument(
-        "--max-rate-mbit", type=float, default=200.0, help="with --rate-mbit auto: the top rate (default 200)"
-    )
-    parser.add_argument(
-        "--cpu-share",
-        type=float,
-        default=0.6,
-        help="with --rate-mbit auto: the share of the machine's cores a cell may use (default 0.6)",
-    )
+    add_rate_args(parser, "cell")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell (default 4)")
     parser.add_argument(
         "--inflight",
