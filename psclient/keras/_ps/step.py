@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -27,11 +27,16 @@ log = logging.getLogger(__name__)
 _NO_ROWS = Rows(np.zeros(0, np.int64), np.zeros((0, 0), np.float32))
 
 
-def _nbytes(x: Any) -> int:
-    """Payload bytes of a dense array or of ``Rows`` (ids and values)."""
-    if isinstance(x, Rows):
-        return int(np.asarray(x.ids).nbytes + np.asarray(x.values).nbytes)
-    return int(np.asarray(x).nbytes)
+def _nbytes(arrays: Iterable[Any]) -> int:
+    """Payload bytes of dense arrays and ``Rows`` (ids and values), all together: one call a step, not
+    one per variable (the step's host function runs every step)."""
+    total = 0
+    for x in arrays:
+        if isinstance(x, Rows):
+            total += np.asarray(x.ids).nbytes + np.asarray(x.values).nbytes
+        else:
+            total += x.nbytes if isinstance(x, np.ndarray) else np.asarray(x).nbytes
+    return int(total)
 
 
 class WorkerStep:
@@ -69,8 +74,8 @@ class WorkerStep:
             if np.any(delta):
                 gmap[name] = np.negative(delta)
         values = self._exchange(gmap)
-        self.bytes_pushed += sum(_nbytes(g) for g in gmap.values())
-        self.bytes_pulled += sum(_nbytes(v) for v in values.values())
+        self.bytes_pushed += _nbytes(gmap.values())
+        self.bytes_pulled += _nbytes(values.values())
         out = [_NO_ROWS if n in self._remote else values[n] for n in names]
         for name in state_names:
             if name in values:
