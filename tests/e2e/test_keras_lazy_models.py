@@ -212,6 +212,9 @@ def test_a_model_without_call_built_inside_its_own_train_step_trains_as_locally(
     np.testing.assert_allclose(on_ps["accuracy"], local["accuracy"], atol=1e-6)
 
 
+ASYNC_MARGIN = 0.1  # see the test below
+
+
 @pytest.mark.parametrize("remote", [False, True], ids=["keras_embedding", "psk_embedding"])
 def test_a_model_without_call_trains_with_two_workers_as_well_as_locally(make_cluster, remote: bool) -> None:
     import threading
@@ -235,5 +238,10 @@ def test_a_model_without_call_trains_with_two_workers_as_well_as_locally(make_cl
         t.join(timeout=300)
     assert not errors, errors
     assert sorted(results) == [0, 1]
-    for history in results.values():  # the learnable rule (u % 3 == i % 3) is learned as locally
-        assert history["accuracy"][-1] >= local["accuracy"][-1] - 0.05, (history, local)
+    # The learnable rule (u % 3 == i % 3) is learned as locally: the last epoch's running accuracy (its 20
+    # batches' mean) within ASYNC_MARGIN of local's (1.0; a model that learned nothing scores 0.67). Two async
+    # workers step one Adam(0.05) on each other's stale values: under load one's second epoch can be thrown
+    # back (loss 0.58 where local has 0.007) and its third starts low before its loss falls to local's; such a
+    # run's mean landed at 0.947 (a CI run on 2 loaded cores, 2026-12-06; 1 in 20 runs four at a time).
+    for history in results.values():
+        assert history["accuracy"][-1] >= local["accuracy"][-1] - ASYNC_MARGIN, (history, local)
