@@ -503,6 +503,21 @@ class NetnsCluster:
         for proc in self.procs:
             proc.poll()
 
+    def _stop_own_processes(self) -> None:
+        """Stops what ``popen`` started and ``kill_all`` did not see: a process started just before
+        ``close`` may still be ``ip netns exec`` in the root namespace, not yet listed in its host."""
+        for sig, wait_s in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, _KILL_WAIT_S)):
+            running = [proc for proc in self.procs if proc.poll() is None]
+            for proc in running:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+            for proc in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=wait_s)
+            if all(proc.returncode is not None for proc in running):
+                return
+        log.warning("processes %s survived SIGKILL", [p.pid for p in self.procs if p.returncode is None])
+
     # ------------------------------------------------------------------ cleanup
 
     def close(self) -> None:
@@ -515,9 +530,7 @@ class NetnsCluster:
             self._closed = True
             for host in self.hosts:
                 self.kill_all(host)
-            for proc in self.procs:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=_KILL_WAIT_S)
+            self._stop_own_processes()
             for host in self.hosts:
                 _sh(["ip", "netns", "del", host.netns], check=False)
                 _sh(["ip", "link", "del", host.veth], check=False)  # gone with the namespace, usually
