@@ -17,6 +17,11 @@ tiered-log,tiered-lmdb,memory,...``), and the medians are reported.
 Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads), wall ms per
 step, and for the tier the rows filled and spilled and the rows in memory at the end.
 
+``--profile-parts N``: each variant's steps run under ``cProfile`` too (a second pass of the steps is not
+made: the profiled run is the measured run, so its CPU per step is inflated by the profiler, several
+times for numpy-heavy code; read its parts as shares), and the ``N`` functions of ``psserver``/``pscore``
+with the most cumulative time are listed per variant, in microseconds per step, with their calls per step.
+
 Usage:
     python bench/bench_tier_push.py --out bench/results/tier_push
     python bench/bench_tier_push.py --rows 200000 --steps 200     # a quick look
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -91,12 +98,17 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
         await push(np.arange(start, min(args.rows, start + args.batch), dtype=np.int64), 0.0)
     fill_s = time.perf_counter() - t0
     batches = _batches(args.rows, args.steps)
+    profile = cProfile.Profile() if args.profile_parts else None
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    if profile is not None:
+        profile.enable()
     for i in range(args.steps):
         lookup = dyn.read_begin(var, batches[i + 1])  # the next batch's rows, as the worker prefetches
         dyn.read_cold(lookup)
         dyn.read_end(lookup)
         await push(batches[i], 0.01)
+    if profile is not None:
+        profile.disable()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     stats = dyn.proto_stats()
     cell = {
@@ -109,10 +121,34 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
         "filled": int(stats.filled),
         "spilled": int(stats.spilled),
     }
+    if profile is not None:
+        cell["parts"] = _parts(profile, args.steps, args.profile_parts)
     if dyn.tier is not None:
         dyn.close()
     print(f"{name}: {cell}", file=sys.stderr, flush=True)
     return cell
+
+
+def _parts(profile: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
+    """The ``top`` functions of psserver/pscore by cumulative time: us per step (under the profiler), calls
+    per step."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, func), (_, calls, tottime, cumtime, _) in stats.items():
+        part = Path(path).parts
+        if "psserver" not in part and "pscore" not in part:
+            continue
+        where = "/".join(part[part.index("psserver" if "psserver" in part else "pscore") :])
+        rows.append(
+            {
+                "function": f"{where}:{line}:{func}",
+                "cum_us": round(1e6 * cumtime / steps, 1),
+                "own_us": round(1e6 * tottime / steps, 1),
+                "calls": round(calls / steps, 2),
+            }
+        )
+    rows.sort(key=lambda r: -r["cum_us"])
+    return rows[:top]
 
 
 def run_variant(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
@@ -153,6 +189,17 @@ def _markdown(
     for v in med:
         if v.startswith("tiered") and "memory" in med:
             lines += ["", f"The tier's own cost ({v}): {med[v] - med['memory']:.3f} ms of CPU per step."]
+    for c in cells:
+        if "parts" in c:  # --profile-parts: the last run of each variant is listed
+            runs[c["variant"]] = [c]
+    for v, cs in runs.items():
+        if "parts" not in cs[-1]:
+            continue
+        head = f"Parts of `{v}` under cProfile (us per step, inflated by the profiler; read as shares):"
+        lines += ["", head, ""]
+        lines += ["| function | cumulative us | own us | calls / step |", "|---|---|---|---|"]
+        for r in cs[-1]["parts"]:
+            lines.append(f"| `{r['function']}` | {r['cum_us']} | {r['own_us']} | {r['calls']} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -164,6 +211,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--steps", type=int, default=800, help="steps measured (default 800)")
     ap.add_argument("--table-memory", default="40MiB", help="the tier's budget (default 40MiB)")
+    ap.add_argument(
+        "--profile-parts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the steps (cProfile) and list each variant's N psserver/pscore functions with the most "
+        "cumulative time per step (default 0: no profile)",
+    )
     run_variants("bench_tier_push.py", argv, ap.parse_args(argv), "bench-tier-push-", run_variant, _markdown)
 
 
