@@ -34,6 +34,7 @@ def _free_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _FREE_COUNT, _KTH_FREE = _free_tables()
+_LOWEST_BIT = np.ascontiguousarray(_KTH_FREE[:, 0])  # by a byte: its lowest set bit (8 for none)
 
 
 # A bucket's 8 booleans (bytes 0 or 1) read as one little-endian uint64, times this, have bit j of their
@@ -44,7 +45,8 @@ _TOP_BYTE = np.uint64(56)
 
 
 def _free_bytes(free: np.ndarray) -> np.ndarray:
-    """The rows of free places ``free`` (``(..., _BUCKET)`` booleans) as bytes (``_free_tables``)."""
+    """Rows of a bucket's places' booleans (``(..., _BUCKET)``: free ones, or those holding an id) as bytes,
+    bit j for place j (``_free_tables``)."""
     bits = np.ascontiguousarray(free).view("<u8")[..., 0]  # a view of ``free``: not changed in place
     return (bits * _PACK) >> _TOP_BYTE
 
@@ -127,12 +129,13 @@ class HashIndex:
         if n > _CHUNK:
             return np.concatenate([self.positions(ids[i : i + _CHUNK]) for i in range(0, n, _CHUNK)])
         both = self._buckets(ids)
-        hit = (np.take(self._keys2, both, axis=0) == ids[:, None, None]).reshape(n, 2 * _BUCKET)
-        first = hit.argmax(axis=1)
-        rows = np.arange(n)
-        found = both[rows, first >> 3] * _BUCKET + (first & (_BUCKET - 1))
-        missed = ~hit[rows, first]
-        found[missed] = -1
+        # Each of an id's two buckets' places that hold it, as a byte (bit j: place j), whose lowest bit is
+        # its place (an argmax over the 16 places and two 2-d gathers took 1.4x as long).
+        bits = _free_bytes(np.take(self._keys2, both, axis=0) == ids[:, None, None])  # (n, 2)
+        at = both * _BUCKET + np.take(_LOWEST_BIT, bits)
+        in_first = bits[:, 0] != 0
+        missed = ~in_first & (bits[:, 1] == 0)
+        found = np.where(in_first, at[:, 0], np.where(missed, -1, at[:, 1]))
         if n and ids.min() == EMPTY:  # it matched the empty places: it has its own
             missed[ids == EMPTY] = False
             found[ids == EMPTY] = self.size if self.has_empty_id else -1
