@@ -17,6 +17,12 @@ tiered-log,tiered-lmdb,memory,...``), and the medians are reported.
 Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads), wall ms per
 step, and for the tier the rows filled and spilled and the rows in memory at the end.
 
+``--time-parts``: named parts of the step (the lookup's three calls, the tier's step and its reads and
+spill, the id indexes' calls, the log's fetch/gather/append/commit, the optimizer's update) are wrapped and
+timed in this thread's CPU (``time.thread_time``: a compaction thread's work is not counted), inclusive of
+what they call; the wrappers add about a microsecond a call. Listed per variant, us per step and calls per
+step; parts nest (the index's calls are inside the others).
+
 ``--profile-parts N``: each variant's steps run under ``cProfile`` too (a second pass of the steps is not
 made: the profiled run is the measured run, so its CPU per step is inflated by the profiler, several
 times for numpy-heavy code; read its parts as shares), and the ``N`` functions of ``psserver``/``pscore``
@@ -31,7 +37,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
+import functools
+import inspect
 import pstats
 import statistics
 import sys
@@ -99,14 +108,19 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
     fill_s = time.perf_counter() - t0
     batches = _batches(args.rows, args.steps)
     profile = cProfile.Profile() if args.profile_parts else None
+    parts = _PartTimes() if args.time_parts else contextlib.nullcontext(None)
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    lookup_cpu = 0.0
     if profile is not None:
         profile.enable()
-    for i in range(args.steps):
-        lookup = dyn.read_begin(var, batches[i + 1])  # the next batch's rows, as the worker prefetches
-        dyn.read_cold(lookup)
-        dyn.read_end(lookup)
-        await push(batches[i], 0.01)
+    with parts as timed:
+        for i in range(args.steps):
+            t = time.process_time()
+            lookup = dyn.read_begin(var, batches[i + 1])  # the next batch's rows, as the worker prefetches
+            dyn.read_cold(lookup)
+            dyn.read_end(lookup)
+            lookup_cpu += time.process_time() - t
+            await push(batches[i], 0.01)
     if profile is not None:
         profile.disable()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -115,6 +129,7 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
         "variant": name,
         "fill_s": round(fill_s, 2),
         "cpu_ms_per_step": round(1e3 * cpu / args.steps, 3),
+        "lookup_cpu_ms_per_step": round(1e3 * lookup_cpu / args.steps, 3),
         "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
         "ids_per_step": round(float(np.mean([b.size for b in batches])), 1),
         "rows_in_memory": int(stats.rows_in_memory) if tier else int(stats.rows),
@@ -123,10 +138,107 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
     }
     if profile is not None:
         cell["parts"] = _parts(profile, args.steps, args.profile_parts)
+    if timed is not None:
+        cell["timed_parts"] = timed.per_step(args.steps)
     if dyn.tier is not None:
         dyn.close()
     print(f"{name}: {cell}", file=sys.stderr, flush=True)
     return cell
+
+
+def _timed_methods() -> list[tuple[str, type, str]]:
+    """``--time-parts``' parts: (label, class, method)."""
+    from psserver.hashindex import HashIndex
+    from psserver.logtier import LogTier
+    from psserver.optimizers import ServerOptimizer
+    from psserver.rows.piece import DynamicRows
+    from psserver.rows.reads import RowReads
+    from psserver.rows.tiering import TierSteps
+    from psserver.tier import ColdTier
+
+    return [
+        ("lookup: read_begin", RowReads, "read_begin"),
+        ("lookup: read_cold", RowReads, "read_cold"),
+        ("lookup: read_end", RowReads, "read_end"),
+        ("push: optimizer apply_rows", ServerOptimizer, "apply_rows"),
+        ("push: tier_step (its resumes)", TierSteps, "tier_step"),
+        ("push: tier reads (_tier_reads)", TierSteps, "_tier_reads"),
+        ("push: spill (_spill)", TierSteps, "_spill"),
+        ("push: spill victims (_spill_victims)", TierSteps, "_spill_victims"),
+        ("push: rows released (_release)", DynamicRows, "_release"),
+        ("tier: read", ColdTier, "read"),
+        ("tier: view", ColdTier, "view"),
+        ("log: fetch (index + gather)", LogTier, "_fetch"),
+        ("log: gather", LogTier, "_gather"),
+        ("log: write", LogTier, "write"),
+        ("log: append", LogTier, "_append"),
+        ("log: commit", LogTier, "_commit"),
+        ("index: get", HashIndex, "get"),
+        ("index: positions", HashIndex, "positions"),
+        ("index: insert", HashIndex, "insert"),
+        ("index: remove", HashIndex, "remove"),
+    ]
+
+
+class _PartTimes:
+    """``--time-parts``: wraps ``_timed_methods`` (their classes' attributes, put back on exit) to add up
+    each one's thread CPU and calls; a generator's resumes are timed, not the consumer between them."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> _PartTimes:
+        for label, cls, attr in _timed_methods():
+            fn = cls.__dict__[attr]
+            self._saved.append((cls, attr, fn))
+            setattr(cls, attr, self._wrap(label, fn))
+            self.cpu[label], self.calls[label] = 0.0, 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, attr, fn in reversed(self._saved):
+            setattr(cls, attr, fn)
+
+    def _wrap(self, label: str, fn: Any) -> Any:
+        clock, cpu, calls = time.thread_time, self.cpu, self.calls
+        if inspect.isgeneratorfunction(fn):
+
+            @functools.wraps(fn)
+            def gen(*a: Any, **k: Any) -> Any:
+                g = fn(*a, **k)
+                calls[label] += 1
+                sent = None
+                while True:
+                    t = clock()
+                    try:
+                        out = g.send(sent)
+                    except StopIteration as stop:
+                        cpu[label] += clock() - t
+                        return stop.value
+                    cpu[label] += clock() - t
+                    sent = yield out
+
+            return gen
+
+        @functools.wraps(fn)
+        def call(*a: Any, **k: Any) -> Any:
+            t = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                cpu[label] += clock() - t
+                calls[label] += 1
+
+        return call
+
+    def per_step(self, steps: int) -> list[dict[str, Any]]:
+        return [
+            {"part": k, "us": round(1e6 * self.cpu[k] / steps, 1), "calls": round(self.calls[k] / steps, 2)}
+            for k in self.cpu
+            if self.calls[k]
+        ]
 
 
 def _parts(profile: cProfile.Profile, steps: int, top: int) -> list[dict[str, Any]]:
@@ -189,6 +301,20 @@ def _markdown(
     for v in med:
         if v.startswith("tiered") and "memory" in med:
             lines += ["", f"The tier's own cost ({v}): {med[v] - med['memory']:.3f} ms of CPU per step."]
+    timed: dict[str, list[dict[str, Any]]] = {}
+    for c in cells:
+        if "timed_parts" in c:
+            timed.setdefault(c["variant"], []).append(c)
+    for v, cs in timed.items():  # --time-parts: medians over the variant's runs
+        labels = [r["part"] for r in cs[-1]["timed_parts"]]
+        lines += ["", f"Parts of `{v}` (thread CPU us per step, inclusive; medians of {len(cs)} runs):", ""]
+        lines += ["| part | us / step | calls / step |", "|---|---|---|"]
+        for label in labels:
+            got = [r for c in cs for r in c["timed_parts"] if r["part"] == label]
+            us = statistics.median(r["us"] for r in got)
+            lines.append(f"| {label} | {us:.1f} | {got[-1]['calls']} |")
+        lookup = statistics.median(c["lookup_cpu_ms_per_step"] for c in cs)
+        lines.append(f"| (the bench's lookup calls, process CPU) | {1e3 * lookup:.1f} | 1 |")
     for c in cells:
         if "parts" in c:  # --profile-parts: the last run of each variant is listed
             runs[c["variant"]] = [c]
@@ -211,6 +337,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--steps", type=int, default=800, help="steps measured (default 800)")
     ap.add_argument("--table-memory", default="40MiB", help="the tier's budget (default 40MiB)")
+    ap.add_argument(
+        "--time-parts",
+        action="store_true",
+        help="time named parts of the step (thread CPU, inclusive) and list them per variant",
+    )
     ap.add_argument(
         "--profile-parts",
         type=int,
