@@ -270,9 +270,19 @@ class TierSteps:
                 return rows[usable[:n]]
         pool = np.flatnonzero(candidates)
         chosen = self.victims(pool, min(pool.size, _VICTIM_QUEUE * n))
-        chosen = chosen[np.lexsort([self.slot_ids[chosen], self.last_step[chosen]])]  # in the policy's order
+        chosen = chosen[_lru_order(self.last_step[chosen], self.slot_ids[chosen])]  # in the policy's order
         self._victim_queue = (chosen, self.slot_ids[chosen].copy(), self.last_step[chosen].copy())
         return chosen[:n]
+
+
+def _lru_order(steps: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The order of rows by last step, ties by id (distinct): ``np.lexsort([ids, steps])``. Steps within a
+    span of 2**15 are sorted as int16 after the ids (numpy's stable sort of 16-bit integers is a radix
+    sort): half the CPU of the lexsort for a victim queue of ~15k rows."""
+    if steps.size and int(steps.max()) - int(steps.min()) < 1 << 15:
+        by_id = np.argsort(ids)
+        return by_id[np.argsort((steps[by_id] - steps.min()).astype(np.int16), kind="stable")]
+    return np.lexsort([ids, steps])
 
 
 def gather_records(record: np.dtype, fields: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
