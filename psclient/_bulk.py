@@ -248,20 +248,11 @@ class RequestError(grpc.RpcError):
 
 
 # A small request waiting to leave in a batch (``DataLink.request``): its frame, payload, ``into``, deadline
-# (time.monotonic()), its answer's future and its bytes (a tuple: made per request, without a call).
+# (time.monotonic()), its answer's future, its bytes and its timeout (a tuple: made per request, without a
+# call).
 _Waiting = tuple[
-    bulk.Frame, Sequence[Buffer], "Into[bulk.Frame] | None", float, "asyncio.Future[bulk.Frame]", int
+    bulk.Frame, Sequence[Buffer], "Into[bulk.Frame] | None", float, "asyncio.Future[bulk.Frame]", int, float
 ]
-
-
-def _give_up(future: asyncio.Future[bulk.Frame], timeout: float) -> None:
-    """A waiting request's deadline passed (its timer): it fails, whether its batch left or not."""
-    if not future.done():
-        future.set_exception(
-            RequestError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from the data port within {timeout:.3g} s"
-            )
-        )
 
 
 class DataLink:
@@ -297,7 +288,15 @@ class DataLink:
         # the first, taken to: a batch's own connection tells, and its requests then go alone).
         self._batches_served = True
         self._waiting: collections.deque[_Waiting] = collections.deque()  # small requests to batch
-        self._batches: set[asyncio.Task[None]] = set()
+        self._batches: dict[asyncio.Task[None], list[_Waiting]] = {}  # the batches in flight, by their task
+        # One timer for the deadlines of every request that waited (``_expire_waiting``), not one a request:
+        # armed for the earliest, it fires when that passes (requests given the same timeout come in the
+        # order of their deadlines: it is armed about once a timeout).
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = 0.0  # when it fires (time.monotonic())
+        # The event loop of the link's requests (a link is shared on one loop: ``shared_link``), kept:
+        # asyncio.get_running_loop() and current_task() are a getpid() system call each in Python 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.batches = 0  # BATCH frames sent (for tests and benchmarks)
 
     @property
@@ -390,10 +389,9 @@ class DataLink:
             Exception: what ``into`` raised.
         """
         deadline = time.monotonic() + timeout
-        nbytes = sum(map(len, payload))
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         if small is not None and not self._batches_served:  # a shard of before batches: each goes alone
             small = None
         if small is not None and (self._small >= SMALL_IN_FLIGHT or self._waiting):
@@ -401,14 +399,16 @@ class DataLink:
             future: asyncio.Future[bulk.Frame] = loop.create_future()
             if not self._waiting:  # the first to wait: the batches leave once this loop turn is over
                 loop.call_soon(self._send_waiting)
-            self._waiting.append((frame, payload, into, deadline, future, small))
-            timer = loop.call_later(timeout, _give_up, future, timeout)
+            self._waiting.append((frame, payload, into, deadline, future, small, timeout))
+            if self._expiry is None or deadline < self._expiry_at:  # the link's timer fails it in time
+                self._arm_expiry(deadline)
             try:
                 return await future  # cancelled: its batch, if it left, goes on for the others
             except _Alone:  # the shard turned out to serve no batches: in a frame of its own after all
                 small = None
-            finally:
-                timer.cancel()
+        nbytes = sum(map(len, payload))
+        task = asyncio.current_task(loop)
+        assert task is not None
         if small is not None:
             self._small += 1
         try:
@@ -492,9 +492,45 @@ class DataLink:
                     nbytes += w[5]
             if batch:
                 self._small += 1
-                task = asyncio.get_running_loop().create_task(self._batch(batch))
-                self._batches.add(task)
-                task.add_done_callback(self._batches.discard)
+                assert self._loop is not None  # set by ``request``, the only caller
+                task = self._loop.create_task(self._batch(batch))
+                self._batches[task] = batch
+                task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        del self._batches[task]
+
+    def _arm_expiry(self, deadline: float) -> None:
+        """Arms the link's timer (``_expire_waiting``) for ``deadline``."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = deadline
+        assert self._loop is not None  # set by ``request``, the only caller
+        self._expiry = self._loop.call_later(max(deadline - time.monotonic(), 0.0), self._expire_waiting)
+
+    def _expire_waiting(self) -> None:
+        """The link's timer: every request that waited (to leave, or in a batch in flight) and whose deadline
+        passed fails (DEADLINE_EXCEEDED, whether its batch left or not; the batch goes on for the others);
+        the timer is armed again for the earliest deadline left."""
+        self._expiry = None
+        now = time.monotonic()
+        earliest = float("inf")
+        for waiting in (self._waiting, *self._batches.values()):
+            for w in waiting:
+                future = w[4]
+                if future.done():
+                    continue
+                if w[3] <= now:
+                    future.set_exception(
+                        RequestError(
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer from the data port within {w[6]:.3g} s",
+                        )
+                    )
+                elif w[3] < earliest:
+                    earliest = w[3]
+        if earliest != float("inf"):
+            self._arm_expiry(earliest)
 
     async def _batch(self, batch: list[_Waiting]) -> None:
         """One BATCH frame's exchange: every request of ``batch`` gets its answer, or an error."""
@@ -512,7 +548,8 @@ class DataLink:
             else:
                 failure = RequestError(grpc.StatusCode.INTERNAL, f"a data port batch failed: {exc!r}")
                 log.exception("shard %s: a data port batch failed", self.address)
-            for _, _, _, _, future, _ in batch:
+            for w in batch:
+                future = w[4]
                 if not future.done():
                     future.set_exception(failure)
             if isinstance(exc, asyncio.CancelledError):
@@ -588,7 +625,7 @@ class DataLink:
         the frame's buffer, which the next frame reuses)."""
         if not 0 <= index < len(batch):
             raise codec.CodecError(f"an answer to request {index} of a batch of {len(batch)}")
-        _, _, into, _, future, _ = batch[index]
+        into, future = batch[index][2], batch[index][4]
         if future.done():  # given up (or answered twice: ignored)
             return
         if isinstance(item, codec.CodecError):

@@ -69,7 +69,7 @@ class Watch:
         self.address = address
         self._connected = connected
         self._waiting = 0
-        self._busy_since = 0.0  # when calls last started waiting (the event loop's clock)
+        self._busy_since = 0.0  # when calls last started waiting (time.monotonic())
         self._timer: asyncio.TimerHandle | None = None  # armed when calls start waiting; fires to ``_start``
         self._task: asyncio.Task[None] | None = None
         self.since: float | None = None  # when the first failed check was made (monotonic)
@@ -80,10 +80,11 @@ class Watch:
         """A call to the address starts."""
         self._waiting += 1
         if self._waiting == 1:
-            loop = asyncio.get_running_loop()
-            self._busy_since = loop.time()
+            # time.monotonic(), not the loop's clock: asyncio.get_running_loop() is a getpid() system call
+            # in Python 3.11 (its fork check), on every call
+            self._busy_since = time.monotonic()
             if self._timer is None:  # a timer left from an earlier wait re-arms itself (``_start``)
-                self._timer = loop.call_later(WARN_AFTER_S, self._start)
+                self._timer = asyncio.get_running_loop().call_later(WARN_AFTER_S, self._start)
 
     def leave(self) -> None:
         """A call to the address ended (the checks stop with the last one; the timer, if armed, is left to
@@ -101,10 +102,9 @@ class Watch:
         self._timer = None
         if not self._waiting or self._task is not None:
             return
-        loop = asyncio.get_running_loop()
-        left = self._busy_since + WARN_AFTER_S - loop.time()
+        left = self._busy_since + WARN_AFTER_S - time.monotonic()
         if left > 0:  # the calls waiting now began after a pause
-            self._timer = loop.call_later(left, self._start)
+            self._timer = asyncio.get_running_loop().call_later(left, self._start)
             return
         self._task = asyncio.ensure_future(self._run())
 

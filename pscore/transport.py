@@ -161,6 +161,11 @@ class Conn:
         # The loop's reader or writer callback of a move in progress (``_moved``): (loop, fd, writer).
         self._watch: tuple[asyncio.AbstractEventLoop, int, bool] | None = None
         self._rcvlowat = 1  # SO_RCVLOWAT as set on the socket (1: the system's default)
+        # What ``send_views`` and ``recv_views`` return when all moved at once: a future made done once (an
+        # awaited done future returns at once), not one a call: asyncio.get_running_loop() is a getpid()
+        # system call in Python 3.11 (its fork check), on every call.
+        self._moved_now: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # ``_loop_now``
 
     def limit_unsent(self, nbytes: int) -> None:
         """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
@@ -212,10 +217,21 @@ class Conn:
             if len(view):
                 rest.append(view)
         if not rest or self._move(rest, None, True):  # all taken at once (the common case): no callback
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+            return self._moved_now or self._done_now()
         return self._moved(rest, writer=True)
+
+    def _loop_now(self) -> asyncio.AbstractEventLoop:
+        """The event loop the connection is used on (kept from its first use: one loop uses it)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _done_now(self) -> asyncio.Future[None]:
+        """``_moved_now``, made on first use."""
+        done = self._moved_now = self._loop_now().create_future()
+        done.set_result(None)
+        return done
 
     async def recv_exactly(self, view: memoryview) -> None:
         """Fills ``view``. Raises: ConnectionError (the peer closed first), OSError.
@@ -245,7 +261,7 @@ class Conn:
                         self._unwatch()
                         raise
                     return
-                k = await asyncio.get_running_loop().sock_recv_into(self.sock, target)
+                k = await self._loop_now().sock_recv_into(self.sock, target)
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
             if ahead:
@@ -279,9 +295,7 @@ class Conn:
                 rest.append(view)
         self._lo = lo
         if not rest or self._move(rest):  # all here at once: no callback
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+            return self._moved_now or self._done_now()
         return self._moved(rest, writer=False)
 
     def _move(

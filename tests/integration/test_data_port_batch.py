@@ -11,6 +11,8 @@ with more small requests at once than ``SMALL_IN_FLIGHT``, the others wait and l
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 from collections.abc import Callable
 
@@ -21,6 +23,7 @@ from _support import CALL_TIMEOUT_S
 import psclient
 from psclient import _bulk
 from pscore import bulk, codec
+from pscore.errors import DeadlineExceededError
 from psproto.v1 import ps_pb2
 from trainer.cluster import LocalCluster, backups_of
 
@@ -296,6 +299,51 @@ async def test_a_shard_that_serves_no_batches_gets_every_request_alone(
     assert link.batches == 0
     for n in names:
         np.testing.assert_array_equal(values[n], np.full(8, -2.0, np.float32))
+
+
+async def test_a_batched_request_fails_at_its_own_deadline_while_its_neighbours_wait_on(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The requests that wait in a link share one timer for their deadlines (``DataLink._expire_waiting``):
+    a request with a short timeout, in the same BATCH frame as one with a long timeout, fails at its own
+    deadline (DEADLINE_EXCEEDED) while its shard is stopped; the others wait on and are applied once the
+    shard goes on."""
+    cluster = make_cluster(num_shards=1)
+    names = ["long/0", "long/1", "short", "long/2"]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({n: np.zeros(4, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
+    clients = [
+        psclient.AsyncPSClient(cluster.addresses, f"t{i}", data_port_min_bytes=0, timeout=timeout)
+        for i, timeout in enumerate([CALL_TIMEOUT_S, CALL_TIMEOUT_S, 1.0, CALL_TIMEOUT_S])
+    ]
+    grads = [{n: np.ones(4, np.float32)} for n in names]
+    pid = cluster.procs[0].pid
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):  # data connections open, placement known
+            await asyncio.gather(*(c.push(g) for c, g in zip(clients, grads, strict=True)))
+        (link,) = _links(clients)
+        batches = link.batches
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # The first SMALL_IN_FLIGHT go alone; "short" and "long/2" wait and leave in one BATCH frame.
+            tasks = [asyncio.ensure_future(c.push(g)) for c, g in zip(clients, grads, strict=True)]
+            done, _ = await asyncio.wait([tasks[2]], timeout=CALL_TIMEOUT_S / 2)
+            assert done, "the short request is still waiting"
+            assert not any(t.done() for i, t in enumerate(tasks) if i != 2)  # the others wait on
+            assert link.batches == batches + 1
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with pytest.raises(DeadlineExceededError):
+            await tasks[2]
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            assert all(await asyncio.gather(*(tasks[i] for i in (0, 1, 3))))
+        values = await clients[0].pull(names)
+    finally:
+        for c in clients:
+            await c.close()
+    for n in ("long/0", "long/1", "long/2"):
+        np.testing.assert_array_equal(values[n], np.full(4, -2.0, np.float32))  # each push applied once
+    assert values["short"][0] in (-1.0, -2.0)  # its second push may or may not have been applied
 
 
 # -- the frame by hand ------------------------------------------------------------------------
