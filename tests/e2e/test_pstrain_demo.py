@@ -2,7 +2,8 @@
 
 The test set is 360 images, so one image is 0.28 points. At 12 epochs the asynchronous modes were still
 moving (0.967-0.983 over six runs against local's 0.989: a 2.2-point gap once, a CI flake); at 30 epochs
-every mode has settled (async 0.983-0.989, ssp 0.975-0.983, sync 0.981, local 0.989 over 3-5 runs each).
+every mode has settled (async 0.983-0.989, ssp 0.975-0.983, sync 0.981, local 0.989 over 3-5 runs each;
+ssp through a primary kill 0.981).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def local_accuracy(tmp_path_factory: pytest.TempPathFactory) -> float:
     return float(_demo(tmp_path_factory.mktemp("local"), "local")["test_accuracy"])
 
 
-@pytest.mark.parametrize("mode", ["async", "sync", "ssp"])
+@pytest.mark.parametrize("mode", ["async", "sync"])  # ssp: in the primary-kill run below
 def test_mode_matches_local_baseline(mode: str, local_accuracy: float, tmp_path: Path) -> None:
     result = _demo(tmp_path, mode)
     assert result["workers"] == 2 and len(result["per_worker"]) == 2
@@ -52,8 +53,10 @@ def test_mode_matches_local_baseline(mode: str, local_accuracy: float, tmp_path:
     assert result["test_accuracy"] >= 0.93
 
 
-def test_async_with_backups_rides_through_a_primary_kill(local_accuracy: float, tmp_path: Path) -> None:
-    result = _demo(tmp_path, "async", "--backups", "--kill-primary", "12")
+def test_ssp_with_backups_rides_through_a_primary_kill(local_accuracy: float, tmp_path: Path) -> None:
+    """Bounded staleness (the mode's own run, one demo fewer: each costs ~35 s of CPU) through a failover: the
+    backup takes over the shard's clocks as well as its values, or the workers stall or lose steps."""
+    result = _demo(tmp_path, "ssp", "--backups", "--kill-primary", "12")
     assert result["backups"] is True
     assert result["primary_killed"] is True  # killed while the workers trained; they failed over
     assert result["test_accuracy"] >= local_accuracy - 0.02, (result["test_accuracy"], local_accuracy)
