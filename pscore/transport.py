@@ -166,6 +166,12 @@ class Conn:
         # system call in Python 3.11 (its fork check), on every call.
         self._moved_now: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # ``_loop_now``
+        # A small read that waits (``recv_exactly``) is woken by the loop's reader callback ``_readable``,
+        # registered on the first wait and kept between waits (``_reader_fd``: its descriptor, -1: none),
+        # where uvloop's ``sock_recv_into`` registers and removes one at every call (epoll_ctl system calls:
+        # about six a request, each side).
+        self._reader_fd = -1
+        self._waiter: asyncio.Future[None] | None = None  # the wait ``_readable`` ends
 
     def limit_unsent(self, nbytes: int) -> None:
         """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
@@ -227,6 +233,32 @@ class Conn:
             loop = self._loop = asyncio.get_running_loop()
         return loop
 
+    def _wait_readable(self) -> asyncio.Future[None]:
+        """A future done once the socket turns readable (``_reader_fd``)."""
+        loop = self._loop_now()
+        waiter = self._waiter = loop.create_future()
+        if self._reader_fd < 0:
+            fd = self._reader_fd = self.sock.fileno()
+            loop.add_reader(fd, self._readable)
+        return waiter
+
+    def _readable(self) -> None:
+        """The loop's reader callback: ends the wait; with none (or a cancelled one), the socket is no
+        longer watched (a level-triggered reader would fire again at every loop turn)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is None or waiter.done():
+            self._stop_reading()
+            return
+        waiter.set_result(None)
+
+    def _stop_reading(self) -> None:
+        """Removes ``_readable`` from the loop (none registered: nothing)."""
+        fd = self._reader_fd
+        if fd >= 0:
+            self._reader_fd = -1
+            self._waiter = None
+            self._loop_now().remove_reader(fd)
+
     def _done_now(self) -> asyncio.Future[None]:
         """``_moved_now``, made on first use."""
         done = self._moved_now = self._loop_now().create_future()
@@ -261,7 +293,12 @@ class Conn:
                         self._unwatch()
                         raise
                     return
-                k = await self._loop_now().sock_recv_into(self.sock, target)
+                try:
+                    await self._wait_readable()
+                except BaseException:  # cancelled: the socket is no longer watched
+                    self._stop_reading()
+                    raise
+                continue
             if k == 0:
                 raise ConnectionResetError("connection closed by the peer")
             if ahead:
@@ -349,6 +386,9 @@ class Conn:
         done: asyncio.Future[None] = loop.create_future()
         fd = self.sock.fileno()
         self._watch = (loop, fd, writer)
+        if not writer and self._reader_fd >= 0:  # ``add_reader`` below replaces ``_readable``
+            self._reader_fd = -1
+            self._waiter = None
         if writer:
             loop.add_writer(fd, self._move, rest, done, True)
         else:
@@ -386,6 +426,7 @@ class Conn:
 
     def close(self) -> None:
         self._unwatch()  # a move cancelled with its caller: the loop no longer watches the socket
+        self._stop_reading()
         self.sock.close()
 
 

@@ -133,6 +133,78 @@ def test_send_views_and_recv_views_move_many_views_in_order_through_waits(loop_k
     assert b"".join(bytes(v) for v in views) == data
 
 
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_small_reads_that_wait_are_woken_by_one_reader_kept_between_waits(loop_kind: str) -> None:
+    """A small read that waits is woken by the loop's reader callback, registered on the first wait and
+    kept between waits (uvloop): request-answer rounds each wait and get their bytes; a wait cancelled leaves
+    nothing behind, and bytes that come while nobody reads (the callback then stops watching) are read
+    by the next call; close removes the callback."""
+
+    async def run() -> None:
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.setblocking(False)
+        near, far = Conn(a), Conn(b)
+        try:
+            async with asyncio.timeout(30):
+                for i in range(20):  # rounds: each read waits for the other side's answer
+                    ask = memoryview(bytearray(4))
+                    reading = asyncio.ensure_future(far.recv_exactly(ask))
+                    await asyncio.sleep(0)  # it waits: nothing sent yet
+                    assert not reading.done()
+                    await near.send_views([i.to_bytes(4, "little")])
+                    await reading
+                    await far.send_views([bytes(ask)])
+                    answer = memoryview(bytearray(4))
+                    await near.recv_exactly(answer)
+                    assert int.from_bytes(answer, "little") == i
+                if loop_kind == "uvloop":  # kept between waits (asyncio's selector loop polls again before
+                    # the woken task reads: there the callback finds no wait and stops, as it should)
+                    assert far._reader_fd >= 0
+                # A wait cancelled: the next read gets the bytes sent after it.
+                cancelled = asyncio.ensure_future(far.recv_exactly(memoryview(bytearray(3))))
+                await asyncio.sleep(0)
+                cancelled.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await cancelled
+                assert far._reader_fd == -1
+                await near.send_views([b"xyz"])
+                got = memoryview(bytearray(3))
+                await far.recv_exactly(got)
+                assert bytes(got) == b"xyz"
+                # Bytes that come while nobody reads: the callback fires once, stops watching, and the
+                # next read takes them.
+                ask = memoryview(bytearray(2))
+                reading = asyncio.ensure_future(far.recv_exactly(ask))
+                await asyncio.sleep(0)
+                await near.send_views([b"ab"])
+                await reading
+                await near.send_views([b"cd"])
+                for _ in range(20):  # loop turns: the callback finds no wait
+                    if far._reader_fd == -1:
+                        break
+                    await asyncio.sleep(0)
+                assert far._reader_fd == -1
+                await far.recv_exactly(ask)
+                assert bytes(ask) == b"cd"
+                reading = asyncio.ensure_future(far.recv_exactly(ask))
+                await asyncio.sleep(0)
+                assert far._reader_fd >= 0
+                reading.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await reading
+        finally:
+            near.close()
+            far.close()
+        assert far._reader_fd == -1
+
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        uvloop.run(run())
+    else:
+        asyncio.run(run())
+
+
 async def test_a_cancelled_recv_views_writes_nothing_more_into_its_views() -> None:
     a, b = socket.socketpair()
     b.setblocking(False)
