@@ -181,6 +181,7 @@ class ShardLink:
         # Replicated shards: per replica, its calls waiting and whether its process still answers.
         self._liveness: list[_stall.Liveness] = []
         self._closed = False
+        self._descriptions = bulk.Descriptions()  # the pushed tensors' descriptions in data-port heads
 
     # -- gRPC ----------------------------------------------------------------
 
@@ -542,9 +543,9 @@ class ShardLink:
             head = ps_pb2.PushRequest()
             head.CopyFrom(header)
             described = head.grads
-            wire_of = codec.DTYPE_WIRES
+            descriptions = self._descriptions
             for n, t in tensors:  # bulk.describe and bulk.payload_of, inline (wire arrays: little-endian)
-                described.add(name=n, dtype=wire_of.get(t.dtype) or codec.wire_dtype(t.dtype), shape=t.shape)
+                described.append(descriptions[n, t.dtype, t.shape])
                 payload.append(memoryview(t.reshape(-1)).cast("B"))
             kind = bulk.PUSH
         else:
@@ -552,9 +553,10 @@ class ShardLink:
         if op is not Op.LOOKUP:  # the shard bounds its waits (a barrier, the staleness bound) by this
             head.timeout_s = timeout
         spare: list[codec.WireChunk] = []
-        into = functools.partial(_receive, sink.place, spare)
         if op is Op.PUSH and not (header.return_values or header.lookup_ids):
             into = None  # a plain push: its answer carries no tensors (none to place, none kept)
+        else:
+            into = functools.partial(_receive, sink.place, spare)
         # Small requests may share a frame (a push_pull's values are as big as its gradients; a lookup's
         # rows and a push's looked-up rows are not known in advance: those go alone).
         if size <= _bulk.BATCH_MAX_BYTES and (op is Op.PULL or (op is Op.PUSH and not header.lookup_ids)):
@@ -567,6 +569,8 @@ class ShardLink:
             sink.add(chunk)
         head = reply.head
         if op is Op.PUSH:  # ``Answer.read``'s, inline
+            if head.applied and head.checkpoint_step <= 0:
+                return _APPLIED
             return Answer(bool(head.applied), max(0, head.checkpoint_step))
         if op is Op.LOOKUP:  # nothing besides its rows to read
             return Answer()
@@ -588,6 +592,8 @@ class ShardLink:
 
 
 _DISCARD = Sink(lambda chunk: None)  # a request whose answer carries no tensors the caller keeps
+# The answer of most pushes (applied, no checkpoint announced): one, read and never changed by ``_push``.
+_APPLIED = Answer()
 
 
 def _take(op: Op, response: Any, sink: Sink, answer: Answer) -> None:

@@ -160,6 +160,31 @@ def describe(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
     return ps_pb2.TensorChunk(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
 
 
+class Descriptions(dict[tuple[str, np.dtype, tuple[int, ...]], ps_pb2.TensorChunk]):
+    """``describe`` 's descriptions by (name, dtype, shape), made on first use (``d[name, dtype, shape]``)
+    and kept for the next heads that announce the same tensor: a head's repeated field takes a copy of one
+    (``append``) in about a third of the time a ``TensorChunk`` takes to make from keywords. At most
+    ``limit`` are kept (a table's rows vary in shape from push to push): then they start over.
+
+    >>> d = Descriptions()
+    >>> d["w", np.dtype(np.float32), (2, 3)].shape
+    [2, 3]
+    """
+
+    def __init__(self, limit: int = 1024) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __missing__(self, key: tuple[str, np.dtype, tuple[int, ...]]) -> ps_pb2.TensorChunk:
+        if len(self) >= self.limit:
+            self.clear()
+        name, dtype, shape = key
+        chunk = self[key] = ps_pb2.TensorChunk(
+            name=name, dtype=codec.DTYPE_WIRES.get(dtype) or codec.wire_dtype(dtype), shape=shape
+        )
+        return chunk
+
+
 # An announced tensor: its name, dtype, shape and byte count (``tensor_layout``).
 Layout = list[tuple[str, np.dtype, tuple[int, ...], int]]
 

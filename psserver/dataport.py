@@ -142,6 +142,7 @@ class DataPortServer:
         self._idle: set[asyncio.Task[None]] = set()  # serving tasks waiting for a request
         self._busy: set[asyncio.Task[None]] = set()  # serving tasks answering one
         self._links: set[bulk.BulkConnection] = set()
+        self._descriptions = bulk.Descriptions()  # push_pull's values' descriptions in answer heads
         self._quiet: asyncio.Event | None = None  # made by stop(): set once no request is in progress
         self.stopping = False
 
@@ -363,11 +364,10 @@ class DataPortServer:
                 response, snapshot = done
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
                     versions, values = response.versions, response.values
-                    wire_of = codec.DTYPE_WIRES
+                    descriptions = self._descriptions
                     for name, value, version in snapshot:
                         versions.append(version)
-                        dtype = wire_of.get(value.dtype) or codec.wire_dtype(value.dtype)  # inline
-                        values.add(name=name, dtype=dtype, shape=value.shape)
+                        values.append(descriptions[name, value.dtype, value.shape])
                         payload.append(memoryview(value.reshape(-1)).cast("B"))
                 reply = bulk.Frame(bulk.PUSHED, response)
             elif kind == bulk.LOOKUP:
