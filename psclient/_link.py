@@ -82,7 +82,7 @@ _DATA_PORT_REQUEST = ps_pb2.ShardDataPortRequest()
 _EMPTY_PUSH = ps_pb2.PushRequest()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__
 class Sink:
     """Where the tensors of a request's answer go, over any wire.
 
