@@ -69,7 +69,7 @@ def test_a_tiered_table_trains_checkpoints_and_restores_like_one_in_memory(
             assert s["rows_on_disk"] > s["rows_in_memory"] > 0 and s["spilled"] > 0 and s["filled"] > 0
             assert s["rows"] == s["rows_in_memory"] + s["rows_on_disk"]
             assert s["memory_rows_max"] < s["rows"] / 2
-            assert ctl.main(["status", *two.addresses, "--interval", "0"]) == 0
+            assert ctl.main(["status", *two.addresses, "--interval", "0", "--timeout", "30"]) == 0
             out = capsys.readouterr().out
             assert "TIERED TABLE" in out and "HIT RATE" in out
         assert two.stop() == [0, 0]  # SIGTERM: final checkpoints, the disk tier included

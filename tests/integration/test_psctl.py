@@ -39,7 +39,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_status_table(busy_cluster: LocalCluster) -> None:
-    proc = run("psclient.ctl", "status", *busy_cluster.addresses, "--interval", "0.2")
+    proc = run("psclient.ctl", "status", *busy_cluster.addresses, "--interval", "0.2", "--timeout", "20")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "2/2 healthy" in out and "mode async" in out and "2 variable(s)" in out
@@ -59,7 +59,16 @@ def test_status_table(busy_cluster: LocalCluster) -> None:
 
 
 def test_status_json_counts_and_rates(busy_cluster: LocalCluster) -> None:
-    proc = run("psclient.ctl", "status", "--json", ",".join(busy_cluster.addresses), "--interval", "0.2")
+    proc = run(
+        "psclient.ctl",
+        "status",
+        "--json",
+        ",".join(busy_cluster.addresses),
+        "--interval",
+        "0.2",
+        "--timeout",
+        "20",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["healthy"] == report["num_shards"] == 2
@@ -112,9 +121,12 @@ def test_status_shows_dynamic_tables_rows_and_counters(capsys: pytest.CaptureFix
             c.create_embedding("items", None, 8, capacity=4)
             c.push({"items": psclient.Rows(np.arange(50), np.ones((50, 8), np.float32))})
             c.push({"items": psclient.Rows(np.arange(50, 60), np.ones((10, 8), np.float32))})
-        assert ctl.main(["status", *cluster.addresses, "--interval", "0"]) == 0
+        assert ctl.main(["status", *cluster.addresses, "--interval", "0", "--timeout", str(TIMEOUT_S)]) == 0
         out = capsys.readouterr().out
-        assert ctl.main(["status", "--json", *cluster.addresses, "--interval", "0"]) == 0
+        assert (
+            ctl.main(["status", "--json", *cluster.addresses, "--interval", "0", "--timeout", str(TIMEOUT_S)])
+            == 0
+        )
         report = json.loads(capsys.readouterr().out)
     items = next(line for line in out.splitlines() if line.startswith("items") and "dynamic" in line)
     assert "dynamic x 8" in items and "0,1" in items and "16 KiB" not in items

@@ -349,7 +349,7 @@ def test_psctl_status_shows_the_roles(capsys: pytest.CaptureFixture[str]) -> Non
 
     with _pair() as (primary, backup):
         p, b = primary.addresses[0], backup.addresses[0]
-        assert ctl.main(["status", p, b]) == 0
+        assert ctl.main(["status", p, b, "--timeout", "30"]) == 0
         out = capsys.readouterr().out
         assert "ROLE" in out and "primary+backup" in out
         assert f"backed up by {b}" in out and f"backup of {p}" in out

@@ -177,7 +177,7 @@ def test_a_primary_cut_off_from_its_backup_stops_serving_within_its_lease_and_re
                 pending.start()
                 wait_until(lambda: _status(a).lease_s == 0, "the primary's lease to run out", timeout=10)
                 assert _status(a).role == "primary"
-                assert ctl.main(["status", a]) == 0
+                assert ctl.main(["status", a, "--timeout", "30"]) == 0
                 assert "primary (no lease)" in capsys.readouterr().out
                 with pytest.raises(psclient.UnavailableError, match="holds no lease"):
                     direct.push(ones)  # refused: nothing applied
