@@ -559,6 +559,7 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
     budget = _parse_size(args.table_memory)
     base = next((r for r in results if r["variant"] == "psk-dynamic"), None)  # None: tiered alone
     prefilled = "prefilled (every id pushed a zero gradient first), " if args.prefill else ""
+    store = {"log": "log segment", "lmdb": "LMDB"}.get(args.table_tier_store, args.table_tier_store)
     lines = [
         "# Disk tier: a dynamic table in memory vs on shards with --table-memory",
         "",
@@ -605,12 +606,12 @@ def _markdown_tiered(args: argparse.Namespace, results: list[dict[str, Any]], co
     lines += [
         "",
         f"Shard RSS: `VmHWM` at the end (prefill and training, everything resident: the disk tier's "
-        f"LMDB file pages the shard has read are mapped into it and count, though the kernel can drop "
+        f"{store} file pages the shard has read are mapped into it and count, though the kernel can drop "
         f"them); the largest `RssAnon` sampled every {_RSS_SAMPLE_S} s (the shard's own memory: what "
         f"`--table-memory` bounds; budget + 300 MiB = {budget / mib + 300:.0f} MiB); `RssFile` at the end "
-        "(mapped file pages: LMDB's, and the shard's code). Memory MiB: the tiered "
+        f"(mapped file pages: {store}'s, and the shard's code). Memory MiB: the tiered "
         "table's rows, slots and bookkeeping in memory (psctl status's MEM SIZE, both shards); disk MiB: "
-        "the blocks of its LMDB files. Hit rate: ids of pushes and lookups found in memory.",
+        f"the blocks of its {store} files. Hit rate: ids of pushes and lookups found in memory.",
         "",
     ]
     return "\n".join(lines)
@@ -753,7 +754,11 @@ def main() -> None:
         return
     results = []
     if args.table_memory:  # both, unless one of them is asked for (a table too big to hold in memory)
-        asked = args.variants if args.variants in ("psk-dynamic", "psk-tiered") else "psk-dynamic,psk-tiered"
+        tiered_pair = ("psk-dynamic", "psk-tiered")
+        given = [v for v in args.variants.split(",") if v]
+        if args.variants != ap.get_default("variants") and any(v not in tiered_pair for v in given):
+            raise SystemExit(f"--table-memory runs {' and '.join(tiered_pair)} only, not {args.variants}")
+        asked = args.variants if args.variants in tiered_pair else ",".join(tiered_pair)
         args.variants, args.id_space, args.capacity = asked, args.rows, 0
     variants = args.variants.split(",")
     dynamic = [v in DYNAMIC_VARIANTS for v in variants]
