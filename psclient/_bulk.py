@@ -75,7 +75,13 @@ STAGGER_WAIT_S: Final[float] = 2.0  # an upload that waited this long for its tu
 # a sync barrier would wait for ever).
 BATCH_MAX_BYTES: Final[int] = 64 << 10
 SMALL_IN_FLIGHT: Final[int] = 2
-BATCH_MAX_REQUESTS: Final[int] = 256  # requests in one BATCH frame (the rest leave in the next)
+# Requests in one BATCH frame (the rest leave in the next): a few frames in flight, not one, keep both
+# processes busy. With 64 callers in one process and frames of up to 256, the callers moved in one wave (62
+# in a frame): the shard served it while the client waited, then the client took the answers while the
+# shard waited (1.1-1.2 of 2 cores busy). In frames of 32 the shard serves one while the client takes the
+# answers of the other: 12,500-13,700 -> 33,000 1 KiB pushes/s, and no request goes alone (bench/results/
+# ps_small_ops_2026-12-06_late.md).
+BATCH_MAX_REQUESTS: Final[int] = 32
 # A batch's tensor bytes (each request's larger way), at most: about what a large request may leave unsent.
 BATCH_FRAME_BYTES: Final[int] = NOTSENT_LOWAT
 
