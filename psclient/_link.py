@@ -249,6 +249,16 @@ class ShardLink:
                 failed = err
             finally:
                 _retry.ATTEMPT_TIMEOUT.reset(token)
+            return await self._retries(method, fn, failed, started, limit)
+        finally:
+            watch.leave()
+
+    async def _retries(
+        self, method: str, fn: Callable[[], Awaitable[T]], failed: grpc.RpcError, started: float, limit: float
+    ) -> T:
+        """``call`` once its first attempt (begun at ``started``) failed with ``failed``: the retries and
+        failover within ``limit`` seconds of ``started``, and the ``PSError`` if they fail too."""
+        try:
             return await _retry.retry_after(
                 failed,
                 fn,
@@ -259,8 +269,6 @@ class ShardLink:
             )
         except grpc.RpcError as err:
             raise await self._error(method, err, time.monotonic() - started) from err
-        finally:
-            watch.leave()
 
     async def unary(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """``call`` of the unary RPC ``method`` with ``request`` (the same message at every attempt)."""
@@ -475,7 +483,29 @@ class ShardLink:
         else:
             wire = self.wire(op, size)
         while True:
-            if wire is Wire.DATA_PORT:  # the common case: one frame each way
+            if wire is Wire.DATA_PORT and len(self.replicas) == 1:
+                # The common case: ``call`` of ``_over_data_port``, its first attempt inline (no frame of
+                # ``call`` 's, no attempt partial, no context variable on the path of a request answered at
+                # once); a failed first attempt goes on to ``call`` 's retries (``_retries``). A shard of one
+                # address: no failover, no stall watch.
+                watch = self._watches.get(self.current) or self._watch()
+                watch.enter()
+                started = time.monotonic()
+                limit = self._config.timeout
+                try:
+                    try:
+                        return await self._over_data_port(op, header, tensors, into, size, max(limit, 0.001))
+                    except grpc.RpcError as err:
+                        failed = err
+                    attempt = functools.partial(self._over_data_port, op, header, tensors, into, size)
+                    return await self._retries(_METHODS[op, wire], attempt, failed, started, limit)
+                except _bulk.Unusable:
+                    pass  # logged by the data link; the next wire
+                finally:
+                    watch.leave()
+                wire = self.wire(op, size, after=wire)
+                continue
+            if wire is Wire.DATA_PORT:  # one frame each way
                 attempt = functools.partial(self._over_data_port, op, header, tensors, into, size)
             else:
                 attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
@@ -520,11 +550,18 @@ class ShardLink:
         return answer
 
     async def _over_data_port(
-        self, op: Op, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink, size: int
+        self,
+        op: Op,
+        header: Any,
+        tensors: Sequence[tuple[str, Any]],
+        sink: Sink,
+        size: int,
+        timeout: float | None = None,
     ) -> Answer:
         """One attempt of ``request`` over the data port: the tensors straight from their arrays to the
         socket, and the answer's straight into ``sink``'s buffers (``size``: the request's, as ``request``
-        measured it; a small one may share a frame with others, ``_bulk.DataLink.request``).
+        measured it; a small one may share a frame with others, ``_bulk.DataLink.request``; ``timeout``:
+        the attempt's, default ``_retry.ATTEMPT_TIMEOUT``'s).
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
@@ -535,8 +572,9 @@ class ShardLink:
         link = self.data_link()
         if link is None:
             raise _bulk.Unusable
-        left = _retry.ATTEMPT_TIMEOUT.get()
-        timeout = self._config.timeout if left is None else left
+        if timeout is None:
+            left = _retry.ATTEMPT_TIMEOUT.get()
+            timeout = self._config.timeout if left is None else left
         head = header
         payload = []
         if op is Op.PUSH:

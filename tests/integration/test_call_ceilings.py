@@ -27,11 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 # operation -> (client calls, shard calls), per operation; measured: bench/results/calls.md
 CEILINGS: dict[str, tuple[int, int]] = {
     # A plain push and push_pull in async mode are served by ShardService.push_now (no await): 39-42 + 41-44
-    # and 50-54 + 47-49 measured (load 4-8).
-    "push 1KiB": (52, 50),
+    # and 50-54 + 47-49 measured (load 4-8); the data port's first attempt inline (ShardLink.request): 38+40.
+    "push 1KiB": (48, 50),
     # Per push, 64 clients on one loop pushing at once: their pushes share frames (psclient._bulk), so a
-    # push costs less than a lone one (37 + 30 measured in every run, load 4-8); room for smaller batches.
-    "push 1KiB x64": (47, 34),
+    # push costs less than a lone one (37 + 30 measured in every run, load 4-8; 33 + 30 in frames of 32).
+    "push 1KiB x64": (42, 34),
     "pull 1KiB": (74, 51),
     "push_pull 1KiB": (67, 56),
     "push_pull 1MiB": (99, 107),
