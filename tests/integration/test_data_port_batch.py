@@ -83,6 +83,37 @@ async def test_concurrent_small_requests_share_frames_and_each_gets_its_own_answ
         assert versions[n] == ROUNDS  # each push applied exactly once
 
 
+async def test_many_waiting_requests_leave_in_two_frames_each_applied_once(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """From ``BATCH_SPLIT_MIN`` waiting requests on, a turn's requests leave in two frames at least (the
+    shard serves one while the client takes the other's answers); each push is applied once."""
+    callers = _bulk.SMALL_IN_FLIGHT + 2 * _bulk.BATCH_SPLIT_MIN
+    cluster = make_cluster(num_shards=1)
+    names = [f"split/{i}" for i in range(callers)]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
+    clients = await _clients(cluster.addresses, callers, names)
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            applied = await asyncio.gather(
+                *(
+                    c.push({n: np.full(8, i + 1.0, np.float32)})
+                    for i, (c, n) in enumerate(zip(clients, names, strict=True))
+                )
+            )
+        assert all(applied)
+        (link,) = _links(clients)
+        assert link.batches >= 2  # one turn's waiting requests: in one frame they would have been one
+        values, versions = await clients[0].pull_with_versions(names)
+    finally:
+        for c in clients:
+            await c.close()
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(values[n], np.full(8, -(i + 1.0), np.float32))
+        assert versions[n] == 1
+
+
 async def test_a_batch_frame_holds_at_most_its_bytes_the_rest_leave_in_the_next(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
