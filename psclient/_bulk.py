@@ -82,9 +82,10 @@ SMALL_IN_FLIGHT: Final[int] = 2
 # answers of the other: 12,500-13,700 -> 33,000 1 KiB pushes/s, and no request goes alone (bench/results/
 # ps_small_ops_2026-12-06_late.md).
 BATCH_MAX_REQUESTS: Final[int] = 32
-# A turn's waiting requests, if at least this many, leave in two frames or more (halves of up to
-# BATCH_MAX_REQUESTS), for the same reason: 32 callers, 30 waiting in one frame, 13,300-16,200 pushes/s;
-# in two of 15, 20,000-22,400 (in frames of 8: 14,700-17,100).
+# A turn's waiting requests, if at least this many and no other BATCH frame is in flight, leave in two
+# frames (halves of up to BATCH_MAX_REQUESTS), for the same reason: 32 callers, 30 waiting in one frame,
+# 13,300-16,200 pushes/s; in two of 15, 20,000-22,400 (in frames of 8: 14,700-17,100). With a frame in
+# flight the pipeline is there already: halves would only make more frames.
 BATCH_SPLIT_MIN: Final[int] = 16
 # A batch's tensor bytes (each request's larger way), at most: about what a large request may leave unsent.
 BATCH_FRAME_BYTES: Final[int] = NOTSENT_LOWAT
@@ -487,12 +488,12 @@ class DataLink:
 
     def _send_waiting(self) -> None:
         """Sends the waiting requests (those given up skipped) in BATCH frames of up to
-        ``BATCH_MAX_REQUESTS`` requests (half of them, from ``BATCH_SPLIT_MIN`` waiting) and
-        ``BATCH_FRAME_BYTES`` (more only for a lone request), each by a task of its own (their callers'
-        cancellations do not touch the others)."""
+        ``BATCH_MAX_REQUESTS`` requests (half of them, from ``BATCH_SPLIT_MIN`` waiting with no frame in
+        flight) and ``BATCH_FRAME_BYTES`` (more only for a lone request), each by a task of its own
+        (their callers' cancellations do not touch the others)."""
         waiting = self._waiting
         most = BATCH_MAX_REQUESTS
-        if len(waiting) >= BATCH_SPLIT_MIN:  # two frames at least: the shard starts on the first
+        if len(waiting) >= BATCH_SPLIT_MIN and not self._batches:  # the shard starts on the first
             most = min(most, (len(waiting) + 1) // 2)
         while waiting:
             batch: list[_Waiting] = []

@@ -46,14 +46,21 @@ async def _clients(addresses: list[str], n: int, names: list[str]) -> list[pscli
     return clients
 
 
+async def _one_shard_callers(
+    make_cluster: Callable[..., LocalCluster], prefix: str, n: int
+) -> tuple[list[str], list[psclient.AsyncPSClient]]:
+    """One shard holding ``n`` variables ``prefix/i`` (8 float32 zeros, SGD 1.0), and a client each."""
+    cluster = make_cluster(num_shards=1)
+    names = [f"{prefix}/{i}" for i in range(n)]
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many({k: np.zeros(8, np.float32) for k in names}, optimizer=psclient.SGD(1.0))
+    return names, await _clients(cluster.addresses, n, names)
+
+
 async def test_concurrent_small_requests_share_frames_and_each_gets_its_own_answer(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
-    cluster = make_cluster(num_shards=1)
-    names = [f"own/{i}" for i in range(CALLERS)]
-    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
-        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
-    clients = await _clients(cluster.addresses, CALLERS, names)
+    names, clients = await _one_shard_callers(make_cluster, "own", CALLERS)
     try:
         for r in range(1, ROUNDS + 1):
             async with asyncio.timeout(CALL_TIMEOUT_S):
@@ -89,11 +96,7 @@ async def test_many_waiting_requests_leave_in_two_frames_each_applied_once(
     """From ``BATCH_SPLIT_MIN`` waiting requests on, a turn's requests leave in two frames at least (the
     shard serves one while the client takes the other's answers); each push is applied once."""
     callers = _bulk.SMALL_IN_FLIGHT + 2 * _bulk.BATCH_SPLIT_MIN
-    cluster = make_cluster(num_shards=1)
-    names = [f"split/{i}" for i in range(callers)]
-    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
-        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
-    clients = await _clients(cluster.addresses, callers, names)
+    names, clients = await _one_shard_callers(make_cluster, "split", callers)
     try:
         async with asyncio.timeout(CALL_TIMEOUT_S):
             applied = await asyncio.gather(
@@ -300,11 +303,7 @@ async def test_a_shard_that_serves_no_batches_gets_every_request_alone(
     """A shard of before batches leaves ``batches`` unset in its DataPort answer (it would drop a BATCH
     frame as garbage): its clients send each request in a frame of its own. Played here by a DataPort
     answer with the flag cleared on its way to the clients."""
-    cluster = make_cluster(num_shards=1)
-    names = [f"own/{i}" for i in range(CALLERS)]
-    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
-        await setup.create_many({n: np.zeros(8, np.float32) for n in names}, optimizer=psclient.SGD(1.0))
-    clients = await _clients(cluster.addresses, CALLERS, names)
+    names, clients = await _one_shard_callers(make_cluster, "own", CALLERS)
     (link,) = {c._shards[0].data_link() for c in clients}
     assert link is not None
     negotiate = link._data_port
