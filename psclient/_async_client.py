@@ -379,6 +379,7 @@ class AsyncPSClient(TableMethods):
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
+        parts: int = 1,
     ) -> PushedValues:
         """Pushes gradients and returns the updated values of those variables, in one round trip per shard.
 
@@ -388,6 +389,17 @@ class AsyncPSClient(TableMethods):
                 (none: a caller that reads them by ``lookup`` anyway saves the bytes),
                 or the names of the tables whose rows it needs. The push itself, and
                 in ssp mode the wait for the staleness bound, are the same either way.
+            parts: sync mode: each shard's gradients go as ``parts`` pushes (about equal
+                bytes, cut by stored name: ``_requests.split_parts``) for the shard's steps
+                ``step * parts`` to ``step * parts + parts - 1``, one after the other on the
+                uplink, so that a shard applies and answers the first part once every worker's
+                first part is in, while the later parts still arrive (one push of the whole
+                applies and answers nothing before all of it is in). Each part is a sync step of
+                its own on the shard: applied once, as the mean of the same workers' gradients
+                (all workers, with ``replicas_to_aggregate == total_replicas``); so every worker
+                must push with the same ``parts`` and variables, and the shards count ``parts``
+                steps per step (``GetStatus.step``; a periodic checkpoint may fall between two
+                parts). Arrays only (no ``Rows``). Default 1: one push per shard.
 
         Returns:
             A ``PushedValues`` (a ``dict``; ``.applied``: whether every shard applied the push, as
@@ -402,7 +414,12 @@ class AsyncPSClient(TableMethods):
             PSError: as ``push``.
         """
         applied, values, _ = await self._push(
-            grads, step=step, return_values=True, every_shard=every_shard, return_rows=return_rows
+            grads,
+            step=step,
+            return_values=True,
+            every_shard=every_shard,
+            return_rows=return_rows,
+            parts=parts,
         )
         return PushedValues(values, applied=applied)
 
@@ -454,9 +471,13 @@ class AsyncPSClient(TableMethods):
         return_rows: bool | Iterable[str] = True,
         lookup: Mapping[str, Any] | None = None,
         distinct: bool = False,
+        parts: int = 1,
     ) -> tuple[bool, dict[str, Any], dict[str, np.ndarray]]:
         """``push``, ``push_pull`` and ``push_pull_lookup``: one push to every shard concerned, each part
-        over its own wire; returns whether every shard applied it, push_pull's values and the rows read."""
+        over its own wire (``parts``: see ``push_pull``); returns whether every shard applied it, push_pull's
+        values and the rows read."""
+        if parts != 1 or type(parts) is not int:  # True == 1
+            _check_parts(parts, grads, lookup)
         reads: dict[str, RowRead] = {}
         if lookup:
             groups = await self._known(list(lookup))
@@ -482,15 +503,18 @@ class AsyncPSClient(TableMethods):
             else None
         )
 
-        def push_to(shard: int, tensors: list[tuple[str, np.ndarray]]) -> Awaitable[_link.Answer]:
+        def push_to(
+            shard: int, tensors: list[tuple[str, np.ndarray]], part: tuple[int, int] | None = None
+        ) -> Awaitable[_link.Answer]:
             """One shard's part of the push: its answer, to await. push_pull's values come straight into
             the arrays of ``answers.into`` (over the data port; embedding rows, and values over gRPC,
-            through ``answers.add``)."""
+            through ``answers.add``). ``part``: ``(its step, its seq)`` for one of ``parts`` pushes."""
             # The fields that are set, only: an empty list given to the constructor costs about as much as
             # the message itself (upb), and most pushes leave five of the nine fields at their defaults.
-            header = ps_pb2.PushRequest(worker_id=self.config.worker_id, seq=seq, session=self.session)
-            if step:
-                header.step = step
+            part_step, part_seq = part if part is not None else (step, seq)
+            header = ps_pb2.PushRequest(worker_id=self.config.worker_id, seq=part_seq, session=self.session)
+            if part_step:
+                header.step = part_step
             if shards:
                 header.shards.extend(shards)
             if self._checkpoint_step:
@@ -504,8 +528,11 @@ class AsyncPSClient(TableMethods):
             sink = None  # a plain push: nothing in its answer to keep (the link's own discarding sink)
             if answers is not None:
                 place = answers.into.place if answers.into is not None else None
+                names = None if part is None else {name for name, _ in tensors}  # a retry restarts its own
                 sink = _link.Sink(
-                    functools.partial(answers.add, shard), place, functools.partial(answers.restart, shard)
+                    functools.partial(answers.add, shard),
+                    place,
+                    functools.partial(answers.restart, shard, names),
                 )
             return self._shards[shard].request(Op.PUSH, header, tensors, sink)  # no frame of its own
 
@@ -514,7 +541,17 @@ class AsyncPSClient(TableMethods):
             assert answers is not None  # rows to read: made
             answers.read(shard, chunks, await self._lookup_call(shard, request))
 
-        if len(per_shard) == 1 and not lookup_ids:  # one shard, nothing else to read: no tasks, no tables
+        if parts > 1:  # part g of every shard, then part g + 1: the uplink's turns keep that order
+            order = sorted(per_shard)
+            first = self._first_turn % len(order)
+            order = order[first:] + order[:first]
+            cut = {shard: rq.split_parts(per_shard[shard], parts) for shard in order}
+            calls_in_order = []
+            for g in range(parts):
+                part = (step * parts + g, seq if g == 0 else next(self._seq))
+                calls_in_order += [push_to(shard, cut[shard][g], part) for shard in order]
+            results = await gather(calls_in_order)
+        elif len(per_shard) == 1 and not lookup_ids:  # one shard, nothing else to read: no tasks, no tables
             ((shard, tensors),) = per_shard.items()
             results = [await push_to(shard, tensors)]
         else:
@@ -918,10 +955,16 @@ class _PushAnswers:
         else:
             self.into.add(chunk)
 
-    def restart(self, shard: int) -> None:
-        """Forgets what ``shard`` answered so far: a retried attempt starts over."""
+    def restart(self, shard: int, names: set[str] | None = None) -> None:
+        """Forgets what ``shard`` answered so far (``names``: of these stored tensors only, a push in parts
+        whose other parts were answered): a retried attempt starts over."""
         if self.into is not None and (self.into.arrived or self._row_parts):  # a first attempt: nothing
-            self.into.restart(p for group in self._pieces.values() for p in group if p.shard == shard)
+            self.into.restart(
+                p
+                for group in self._pieces.values()
+                for p in group
+                if p.shard == shard and (names is None or p.stored_name in names)
+            )
             self._row_parts.pop(shard, None)
 
     def read(self, shard: int, asked: list[ps_pb2.TensorChunk], values: list[Any]) -> None:
@@ -960,6 +1003,17 @@ class _PushAnswers:
 
 _EMPTY_ASSIGN = ps_pb2.AssignRequest()
 _EMPTY_CREATE = ps_pb2.CreateVariablesRequest()
+
+
+def _check_parts(parts: int, grads: Tensors, lookup: Mapping[str, Any] | None) -> None:
+    """Raises InvalidArgumentError unless a push may go in ``parts`` parts (``push_pull``)."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise InvalidArgumentError(f"parts must be an int >= 1, got {parts!r}")
+    if lookup:
+        raise InvalidArgumentError("a push in parts reads no rows (lookup): push_pull_lookup takes no parts")
+    for name, grad in grads.items():
+        if isinstance(grad, Rows):
+            raise InvalidArgumentError(f"a push in parts takes arrays only; {name!r} is psclient.Rows")
 
 
 def _finite(arr: np.ndarray) -> bool:

@@ -149,6 +149,27 @@ def split_by_shard(
     return out
 
 
+def split_parts(tensors: list[tuple[str, np.ndarray]], parts: int) -> list[list[tuple[str, np.ndarray]]]:
+    """One shard's tensors cut in ``parts`` groups of about equal bytes, by stored name: every worker that
+    pushes the same variables cuts them the same way, whatever order it gives them in (a sync push in
+    parts, ``AsyncPSClient.push_pull``'s ``parts``). A group may be empty (fewer tensors than parts).
+
+    >>> z = np.zeros(4, np.float32)
+    >>> [[n for n, _ in g] for g in split_parts([("c", z), ("a", z), ("b", z)], 2)]
+    [['a', 'b'], ['c']]
+    >>> [len(g) for g in split_parts([("a", z)], 3)]
+    [1, 0, 0]
+    """
+    groups: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(parts)]
+    ordered = sorted(tensors, key=lambda t: t[0])
+    total = sum(t.nbytes for _, t in ordered)
+    before = 0  # the bytes of the tensors before this one: a tensor goes to the part its first byte is in
+    for name, t in ordered:
+        groups[min(parts - 1, before * parts // total) if total else 0].append((name, t))
+        before += t.nbytes
+    return groups
+
+
 def payload_bytes(tensors: list[tuple[str, np.ndarray]]) -> int:
     return sum(t.nbytes for _, t in tensors)
 

@@ -125,10 +125,13 @@ class PSClient:
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
+        parts: int = 1,
     ) -> PushedValues:
         """Pushes gradients and returns the updated values (``return_rows``: which tables' rows) and
-        ``.applied``; see ``AsyncPSClient.push_pull``."""
-        coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
+        ``.applied`` (``parts``: a sync push in parts); see ``AsyncPSClient.push_pull``."""
+        coro = self._async.push_pull(
+            grads, step=step, every_shard=every_shard, return_rows=return_rows, parts=parts
+        )
         return self._loop.run(coro, self._wait_s)
 
     def create_embedding(
@@ -192,18 +195,21 @@ class PSClient:
         step: int = 0,
         every_shard: bool = False,
         return_rows: bool | Iterable[str] = True,
+        parts: int = 1,
     ) -> concurrent.futures.Future[PushedValues]:
         """Starts a ``push_pull`` and returns at once; ``.result(timeout)`` gives the updated values.
 
         For callers that overlap the exchange with other work (the Keras glue):
         no helper thread sits blocked on the call. Cancelling the future cancels
         the request. Errors are raised by ``.result()``, as by ``push_pull``;
-        ``every_shard`` and ``return_rows`` as there.
+        ``every_shard``, ``return_rows`` and ``parts`` as there.
 
         Raises:
             RuntimeError: the client is closed.
         """
-        coro = self._async.push_pull(grads, step=step, every_shard=every_shard, return_rows=return_rows)
+        coro = self._async.push_pull(
+            grads, step=step, every_shard=every_shard, return_rows=return_rows, parts=parts
+        )
         return self._loop.submit(coro)
 
     def push_pull_lookup(
