@@ -3,6 +3,7 @@ a log-structured disk tier's id -> record position)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -55,6 +56,20 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Probe:
+    """What a lookup of a batch read of the table (``HashIndex.lookup``): each id's two buckets and their
+    free places then, as bytes (``_free_bytes``). An ``insert`` of some of those ids (absent then) takes
+    them instead of reading the buckets again, while the table has only lost entries since (a removed
+    entry's place is free all the same: the probe's free places are still free); an insert or a rebuild
+    since makes it stale, and ``insert`` reads the buckets itself."""
+
+    both: np.ndarray  # (n, 2): each id's first and second bucket
+    free: np.ndarray  # (n, 2): their free places as bytes, when read
+    keys: np.ndarray  # the table's keys array then (a rebuild makes another)
+    inserts: int  # the table's inserts then
+
+
 class HashIndex:
     """A hash map from int64 ids to int64 values: buckets of 8 places, two buckets an id, no tombstones.
 
@@ -94,6 +109,7 @@ class HashIndex:
         self.mask = size // _BUCKET - 1  # of bucket numbers
         self._keys2 = self.keys[:size].reshape(-1, _BUCKET)
         self.live = 0
+        self._inserts = 0  # insert calls (a ``Probe`` read before the last one is stale)
         self.overflowed = 0  # live entries in neither of their buckets
         self.has_empty_id = False  # whether id ``EMPTY`` is in (at place ``size``)
 
@@ -125,13 +141,19 @@ class HashIndex:
         (A batch's cost is its numpy calls, about 15 for a few thousand ids: no more per call than a
         linear probe's first round.)"""
         ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size > _CHUNK:
+            return np.concatenate([self.positions(ids[i : i + _CHUNK]) for i in range(0, ids.size, _CHUNK)])
+        return self._find(ids)[0]
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``positions`` of at most ``_CHUNK`` ids (int64, 1-d), each id's two buckets, and the keys of
+        those buckets' places (``(n, 2, _BUCKET)``)."""
         n = ids.size
-        if n > _CHUNK:
-            return np.concatenate([self.positions(ids[i : i + _CHUNK]) for i in range(0, n, _CHUNK)])
         both = self._buckets(ids)
         # Each of an id's two buckets' places that hold it, as a byte (bit j: place j), whose lowest bit is
         # its place (an argmax over the 16 places and two 2-d gathers took 1.4x as long).
-        bits = _free_bytes(np.take(self._keys2, both, axis=0) == ids[:, None, None])  # (n, 2)
+        keys = np.take(self._keys2, both, axis=0)  # (n, 2, _BUCKET)
+        bits = _free_bytes(keys == ids[:, None, None])  # (n, 2)
         at = both * _BUCKET + np.take(_LOWEST_BIT, bits)
         in_first = bits[:, 0] != 0
         missed = ~in_first & (bits[:, 1] == 0)
@@ -152,7 +174,7 @@ class HashIndex:
                 got = hit[np.arange(todo.size), first]
                 found[todo[got]] = at[got] * _BUCKET + first[got]
                 todo, at = todo[~got], at[~got]
-        return found
+        return found, both, keys
 
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The value of each id (-1: absent)."""
@@ -161,30 +183,55 @@ class HashIndex:
         out[pos < 0] = -1
         return out
 
-    def insert(self, ids: np.ndarray, vals: np.ndarray) -> None:
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, Probe | None]:
+        """``get``, and what it read of the table (``Probe``; None for a batch of more than ``_CHUNK`` ids),
+        for an ``insert`` of the absent ones later (a push's new or filled rows) that reads no bucket
+        again."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if ids.size > _CHUNK:
+            return self.get(ids), None
+        pos, both, keys = self._find(ids)
+        out = np.take(self.vals, pos)
+        out[pos < 0] = -1
+        return out, Probe(both, _free_bytes(keys == EMPTY), self.keys, self._inserts)
+
+    def insert(
+        self, ids: np.ndarray, vals: np.ndarray, probe: Probe | None = None, at: np.ndarray | None = None
+    ) -> None:
         """Adds distinct ids that are absent, with their values: each in the emptier of its two buckets (the
-        other if the batch's own ids fill that one first; past the second if both are full)."""
+        other if the batch's own ids fill that one first; past the second if both are full).
+
+        ``probe``: a ``lookup``'s of ids among which these are ``probe``'s ``at`` (all, in order, without
+        ``at``): their buckets as it read them, if still good (``Probe``)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         vals = np.asarray(vals, np.int64).reshape(-1)
         if not ids.size:
             return
         if self.needs_rebuild(ids.size):
             self._rebuild(self.live + ids.size)
+        self._inserts += 1
         if ids.size > _CHUNK:  # distinct ids: one chunk after the other is the same
             for i in range(0, ids.size, _CHUNK):
                 self.insert(ids[i : i + _CHUNK], vals[i : i + _CHUNK])
             return
         self.live += ids.size
+        if probe is not None and (probe.keys is not self.keys or probe.inserts != self._inserts - 1):
+            probe = None  # stale: the table changed otherwise than by removals since
         if ids.min() == EMPTY:
-            at = ids == EMPTY
-            self.vals[self.size] = vals[at][0]
+            at_empty = ids == EMPTY
+            self.vals[self.size] = vals[at_empty][0]
             self.has_empty_id = True
-            ids, vals = ids[~at], vals[~at]
+            ids, vals = ids[~at_empty], vals[~at_empty]
+            probe = None
             if not ids.size:
                 return
-        both = self._buckets(ids)
+        if probe is not None:
+            both = probe.both if at is None else probe.both[at]
+            free_bytes = probe.free if at is None else probe.free[at]
+        else:
+            both = self._buckets(ids)
+            free_bytes = _free_bytes(np.take(self._keys2, both, axis=0) == EMPTY)  # (n, 2)
         b1, b2 = both[:, 0], both[:, 1]
-        free_bytes = _free_bytes(np.take(self._keys2, both, axis=0) == EMPTY)  # (n, 2)
         free = _FREE_COUNT[free_bytes]
         second = free[:, 1] > free[:, 0]
         first = np.where(second, b2, b1)

@@ -768,7 +768,9 @@ class LogTier(ColdTier):
         if not pos.size:
             return
         nos = pos // self.segment_rows
-        uniq, counts = np.unique(nos, return_counts=True)
+        counts = np.bincount(nos)  # segment numbers are few (regions): no sort, as np.unique would
+        uniq = np.flatnonzero(counts)
+        counts = counts[uniq]
         for no, count in zip(uniq.tolist(), counts.tolist(), strict=True):
             seg = self._segs[no]
             seg.live += sign * count

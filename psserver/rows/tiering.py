@@ -102,7 +102,7 @@ class TierSteps:
         """
         c, tier = self.config, self.tier
         assert tier is not None
-        found = self.index.get(ids)
+        found, probe = self.index.lookup(ids)  # the fill's insert below reads no bucket again
         hot = found[found >= 0]
         cold_pos = np.flatnonzero(found < 0)
         clock = self.clock + 1
@@ -178,7 +178,7 @@ class TierSteps:
         assert need <= self.nfree, "the claim and the spill made room for every row of the push"
         if fill_ids.size:
             rows = self._take(fill_ids.size)
-            self.index.insert(fill_ids, rows)
+            self.index.insert(fill_ids, rows, probe, cold_pos[on_disk])
             self.slot_ids[rows] = fill_ids
             self.live[rows] = True
             self.last_step[rows] = records["last_step"]
@@ -286,8 +286,9 @@ def _lru_order(steps: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def gather_records(record: np.dtype, fields: dict[str, np.ndarray], rows: np.ndarray) -> np.ndarray:
-    """The disk tier's records (dtype ``record``) of ``rows``, each field from the array of its name."""
+    """The disk tier's records (dtype ``record``) of ``rows`` (rows of the arrays: not checked), each field
+    from the array of its name."""
     out = np.empty(rows.size, record)
-    for name in record.names or ():
-        out[name] = fields[name][rows]
+    for name in record.names or ():  # into the field's (strided) view: no gathered copy in between
+        np.take(fields[name], rows, axis=0, out=out[name], mode="clip")  # "raise" would buffer it
     return out

@@ -75,6 +75,46 @@ def test_hash_index_matches_a_dict_and_keeps_its_invariants(ops: list[tuple[bool
         _check(index, ref)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**32 - 1), st.integers(1, 60), st.sampled_from(["removed", "inserted", "rebuilt", "none"])
+)
+def test_an_insert_takes_a_lookups_probe_while_the_table_only_lost_entries(
+    seed: int, n: int, between: str
+) -> None:
+    """A push looks its ids up (``lookup``), the piece loses rows (spilled, expired), then the absent ids
+    are inserted with the lookup's probe: the buckets it read, their free places then. The result is the
+    dict's, invariants kept, whatever changed between: removals (the probe's free places are still
+    free), an insert or a rebuild (the probe is stale: the buckets are read again). Crowded ids (both
+    buckets one bucket) overflow past it."""
+    rng = np.random.default_rng(seed)
+    index = HashIndex(64)
+    crowd = _colliding(index.mask + 1, 12)
+    old = np.unique(np.concatenate([rng.integers(-(2**40), 2**40, 3 * n), crowd[:6]]))
+    index.insert(old, np.arange(old.size))  # values >= 0: -1 means absent
+    ref = dict(zip(old.tolist(), range(old.size), strict=True))
+    fresh = np.unique(np.concatenate([rng.integers(-(2**40), 2**40, n), crowd[6:], [EMPTY]]))
+    fresh = fresh[~np.isin(fresh, old)]
+    batch = rng.permutation(np.concatenate([rng.choice(old, min(n, old.size), replace=False), fresh]))
+    found, probe = index.lookup(batch)
+    np.testing.assert_array_equal(found, [ref.get(i, -1) for i in batch.tolist()])
+    gone = rng.choice(old, old.size // 2, replace=False)
+    index.remove(index.positions(gone))
+    for g in gone.tolist():
+        del ref[g]
+    if between == "inserted":
+        extra = np.array([i for i in range(1 << 45, (1 << 45) + n)], np.int64)
+        index.insert(extra, extra)
+        ref.update(zip(extra.tolist(), extra.tolist(), strict=True))
+    elif between == "rebuilt":
+        index.reserve(index.size)  # grows: another keys array
+    absent = np.flatnonzero(found < 0)
+    take = absent[rng.random(absent.size) < 0.7]  # some of the absent ones (the admitted, the filled)
+    index.insert(batch[take], take + 100, probe, take)
+    ref.update(zip(batch[take].tolist(), (take + 100).tolist(), strict=True))
+    _check(index, ref)
+
+
 def test_ids_whose_buckets_are_full_overflow_and_are_uncounted_when_removed() -> None:
     """Ids that all share both buckets fill them and go on to the buckets after; lookups find them, and
     removals (in any order, with reinserts) leave the counts exactly those of the entries left."""
