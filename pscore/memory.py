@@ -11,7 +11,14 @@ chunks, no trimming of freed memory), so those buffers stay warm. The cost:
 freed memory stays with the process for reuse, so its resident size stays
 at its peak.
 
-``psserver`` applies it at start. A worker opts in with
+Threads: glibc gives each new thread an arena of its own (up to 8 a core), and
+with trimming off each arena keeps its own peak: a buffer a worker thread
+freed is not reused by the event loop's thread, nor by the next thread. A
+shard (``psserver``) runs its large pushes' computations in a thread pool and a
+disk tier's compaction in a thread of its own, so its memory held the peaks of
+several arenas at once (``tune_malloc(arenas=1)``: one arena for all threads).
+
+``psserver`` applies it at start (one arena). A worker opts in with
 ``pscore.memory.tune_malloc()`` (early, once). ``PS_MALLOC_TUNING=0`` in the
 environment turns it off everywhere.
 """
@@ -29,12 +36,18 @@ _M_TRIM_THRESHOLD = -1
 _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 
 TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: ~2 GiB of free heap is kept for reuse
 TOP_PAD_BYTES = 64 << 20  # grow the heap in steps of 64 MiB
 
 
-def tune_malloc(*, mmap_threshold: int | None = None, trim_threshold: int = TRIM_THRESHOLD_BYTES) -> bool:
+def tune_malloc(
+    *,
+    mmap_threshold: int | None = None,
+    trim_threshold: int = TRIM_THRESHOLD_BYTES,
+    arenas: int | None = None,
+) -> bool:
     """Applies the settings above to this process's glibc malloc; False where that is not possible.
 
     Call it once, early (before large allocations). Does nothing unless the C
@@ -45,6 +58,8 @@ def tune_malloc(*, mmap_threshold: int | None = None, trim_threshold: int = TRIM
             above it still get their own mmap (glibc caps it at 32 MiB). The ring collective
             uses ``32 << 20``: measured faster for its 64 MiB all-reduces than no mmap at all.
         trim_threshold: bytes of free heap kept for reuse instead of given back.
+        arenas: the most malloc arenas the process's threads share (None: glibc's default, 8 a core).
+            Threads made before the call keep the arenas they have.
     """
     if os.environ.get("PS_MALLOC_TUNING", "1") == "0":
         return False
@@ -64,6 +79,7 @@ def tune_malloc(*, mmap_threshold: int | None = None, trim_threshold: int = TRIM
         mmap_ok
         and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
         and mallopt(_M_TOP_PAD, TOP_PAD_BYTES) == 1
+        and (arenas is None or mallopt(_M_ARENA_MAX, arenas) == 1)
     )
     log.debug("malloc tuning %s", "applied" if ok else "refused")
     return ok

@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     from psserver.server import serve  # after arg parsing: --help stays instant
     from psserver.tier import TierDirError
 
-    tune_malloc()  # before any large buffer: see pscore.memory
+    # Before any large buffer or thread: see pscore.memory. One arena: the update threads' and the disk
+    # tier's compaction thread's freed buffers serve the event loop's too (each arena keeps its peak).
+    tune_malloc(arenas=1)
     dump_stacks_on()  # kill -USR1: every thread's stack into the log, for a shard that looks hung
 
     try:
