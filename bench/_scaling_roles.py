@@ -123,7 +123,7 @@ def role_ps(cfg: dict[str, Any]) -> dict[str, float]:
 
         def one_round() -> None:
             if cfg.get("sync"):  # one sync step: every worker's push, then the values (every shard)
-                c.push_pull(grads, step=step[0], every_shard=True)
+                c.push_pull(grads, step=step[0], every_shard=True, parts=int(cfg.get("parts", 1)))
                 step[0] += 1
             elif inflight > 1:  # rounds overlapped, as PSWorker(overlap=True): the next goes out meanwhile
                 while len(pending) < inflight:

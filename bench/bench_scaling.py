@@ -284,6 +284,7 @@ def run_ps_cell(
                     "vars": getattr(args, "vars", 16),
                     "trace_file": str(Path(trace) / f"{system}-n{n}-k{k}-w{i}.json") if trace else None,
                     "sync": sync,
+                    "parts": getattr(args, "parts", 1),
                     "wire": getattr(args, "wire", "data_port"),
                     "inflight": getattr(args, "inflight", 1),
                     "stagger": system == "ps",
@@ -484,6 +485,12 @@ def add_rate_args(parser: argparse.ArgumentParser, unit: str) -> None:
     )
 
 
+def parts_text(args: argparse.Namespace) -> str:
+    """How a sync step's push goes (``--parts``), for the results' header: nothing for whole pushes."""
+    parts = getattr(args, "parts", 1)
+    return f", each sync step pushed in {parts} parts" if args.mode == "sync" and parts > 1 else ""
+
+
 def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str, Any], command: str) -> str:
     by = {(c["system"], c["n"], c["k"]): c for c in cells}
     lines = [
@@ -496,7 +503,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
         f"{args.mode} mode, {args.inflight if args.mode == 'async' else 1} push_pull round(s) in flight per "
-        "ps worker. "
+        f"ps worker{parts_text(args)}. "
         f"Machine: {note['cpus']} x {note['cpu_model']}, load before "
         f"{note['loadavg_1_5_15']}.",
         "",
@@ -624,6 +631,13 @@ def main(argv: list[str] | None = None) -> int:
         default="async",
         help="the shards' mode (default async; sync: every round a sync step of all n workers, one round in "
         "flight, as a sync worker trains)",
+    )
+    parser.add_argument(
+        "--parts",
+        type=int,
+        default=1,
+        help="sync mode: each ps worker pushes a step in this many parts (push_pull(parts=P)): a shard "
+        "answers a part once every worker's is in, while the later parts arrive (default 1: whole pushes)",
     )
     parser.add_argument(
         "--vars",

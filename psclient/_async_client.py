@@ -391,10 +391,10 @@ class AsyncPSClient(TableMethods):
                 in ssp mode the wait for the staleness bound, are the same either way.
             parts: sync mode: each shard's gradients go as ``parts`` pushes (about equal
                 bytes, cut by stored name: ``_requests.split_parts``) for the shard's steps
-                ``step * parts`` to ``step * parts + parts - 1``, one after the other on the
-                uplink, so that a shard applies and answers the first part once every worker's
-                first part is in, while the later parts still arrive (one push of the whole
-                applies and answers nothing before all of it is in). Each part is a sync step of
+                ``step * parts`` to ``step * parts + parts - 1``, every shard's at once and each
+                shard's one after the other, so that a shard applies and answers the first part
+                once every worker's first part is in, while the later parts still arrive (one push
+                of the whole applies and answers nothing before all of it is in). Each part is a sync step of
                 its own on the shard: applied once, as the mean of the same workers' gradients
                 (all workers, with ``replicas_to_aggregate == total_replicas``); so every worker
                 must push with the same ``parts`` and variables, and the shards count ``parts``
@@ -541,7 +541,7 @@ class AsyncPSClient(TableMethods):
             assert answers is not None  # rows to read: made
             answers.read(shard, chunks, await self._lookup_call(shard, request))
 
-        if parts > 1:  # part g of every shard, then part g + 1: the uplink's turns keep that order
+        if parts > 1:  # every shard's parts at once, each shard's in turn (``_bulk.PART_NOTSENT_LOWAT``)
             order = sorted(per_shard)
             first = self._first_turn % len(order)
             order = order[first:] + order[:first]
@@ -550,7 +550,11 @@ class AsyncPSClient(TableMethods):
             for g in range(parts):
                 part = (step * parts + g, seq if g == 0 else next(self._seq))
                 calls_in_order += [push_to(shard, cut[shard][g], part) for shard in order]
-            results = await gather(calls_in_order)
+            token = _bulk.IN_PARTS.set(True)  # the parts' tasks take the part's turn rule (_bulk)
+            try:
+                results = await gather(calls_in_order)
+            finally:
+                _bulk.IN_PARTS.reset(token)
         elif len(per_shard) == 1 and not lookup_ids:  # one shard, nothing else to read: no tasks, no tables
             ((shard, tensors),) = per_shard.items()
             results = [await push_to(shard, tensors)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import re
 import ssl
@@ -63,6 +64,16 @@ _NO_DATA_PORT: Final[frozenset[grpc.StatusCode]] = frozenset(
 # 256 KiB unsent cost 40 % more CPU (the sender woke once per 256 KiB the shard read) and gained nothing.
 NOTSENT_LOWAT: Final[int] = 256 << 10
 UNSENT_S: Final[float] = 0.002
+# The parts of a sync push (``AsyncPSClient.push_pull(parts=)``) take turns per shard, not on the process's
+# uplink: every shard's parts go up at once, and each shard's one after the other, so that the n workers'
+# part g of a shard is in (and answered) before their part g + 1 (per link: 0.70, 0.57 of the bound at
+# n = 8, k = 4, 8 parts; on the process's uplink, part g of every shard in turn: 0.59, 0.58; whole pushes
+# 0.49, 0.48). A part holds its turn until at most this much (or ``UNSENT_S`` of the link, if more) is
+# left unsent: a part is often smaller than ``NOTSENT_LOWAT`` (8 MiB over 4 shards in 8 parts: 256 KiB),
+# and with that rule its send would return at once and every part would go up at the same time.
+PART_NOTSENT_LOWAT: Final[int] = 32 << 10
+# Set (by ``push_pull``) in the tasks that send the parts of a sync push: their uploads take the parts' rules.
+IN_PARTS: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("IN_PARTS", default=False)
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
 # 64 clients of 4 x 256 KiB on 4 shards, 16 a process, were 1.5-1.8x apart in steps/s taking turns,
 # 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
@@ -198,6 +209,16 @@ def unsent_limit(delivery_rate: int) -> int:
     return max(NOTSENT_LOWAT, int(delivery_rate * UNSENT_S))
 
 
+def part_unsent_limit(delivery_rate: int) -> int:
+    """What a sync push's part may leave unsent (``PART_NOTSENT_LOWAT``) on a link that delivers
+    ``delivery_rate`` bytes/s (0: not known yet).
+
+    >>> unsent_limit(6_250_000) >> 10, part_unsent_limit(6_250_000) >> 10  # 50 Mbit/s
+    (256, 32)
+    """
+    return max(PART_NOTSENT_LOWAT, int(delivery_rate * UNSENT_S))
+
+
 def process_uplink() -> Uplink:
     """The ``Uplink`` every client of this process takes its turns on (apart per event loop)."""
     return _PROCESS_UPLINK
@@ -289,6 +310,7 @@ class DataLink:
         self._tls = tls
         self._idle: list[bulk.BulkConnection] = []
         self._turns: Turns | None = None  # the uplink's turns on this link's event loop (its first upload's)
+        self._part_turns = Turns()  # the turns of sync pushes' parts to this shard (``PART_NOTSENT_LOWAT``)
         self.off_until = 0.0  # time.monotonic() before which the data port is not tried (``usable``)
         self._said = False
         self._closed = False
@@ -433,13 +455,21 @@ class DataLink:
                 expired: list[bool] = []
                 timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
                 try:
-                    if nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
+                    if uplink is not None and nbytes >= STAGGER_MIN_BYTES and IN_PARTS.get():
+                        # a part: its turn lasts until it is (almost) on the wire (the connection keeps
+                        # the lower limit for later requests: more wake-ups, nothing else)
+                        limit = part_unsent_limit(conn.delivery_rate())
+                        if nbytes > limit:
+                            conn.limit_unsent(limit)
+                    elif nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
                         conn.limit_unsent(unsent_limit(conn.delivery_rate()))
                     if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
                         await conn.send(frame, payload)
                     else:  # ``uplink.turn``, without its context manager; a free turn without a call
                         turns = self._turns
-                        if turns is None:
+                        if IN_PARTS.get():  # a sync push's part: this shard's parts one at a time
+                            turns = self._part_turns
+                        elif turns is None:
                             turns = self._turns = uplink.turns()
                         if not turns.busy and not turns.waiting:
                             turns.busy = got = True
