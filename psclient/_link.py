@@ -224,32 +224,43 @@ class ShardLink:
             "wait_for_ready": len(self.replicas) == 1 if wait_for_ready is None else wait_for_ready,
         }
 
-    async def call(self, method: str, fn: Callable[[], Awaitable[T]], *, timeout: float | None = None) -> T:
+    async def call(
+        self, method: str, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None
+    ) -> T:
         """Runs one RPC, converting gRPC errors to ``PSError``.
 
-        ``fn`` starts a fresh attempt each time it is called: UNAVAILABLE (shard
-        down or restarting, connection broken) is retried with backoff, on the other
-        replica if there is one, until ``timeout`` (default ``config.timeout``) has passed.
+        ``fn(*args)`` starts a fresh attempt each time it is called (it reads its deadline from
+        ``_retry.attempt_timeout``): UNAVAILABLE (shard down or restarting, connection broken) is
+        retried with backoff, on the other replica if there is one, until ``timeout`` (default
+        ``config.timeout``) has passed. The first attempt is made here, with no partial and no frame
+        of ``_retry`` 's: the path of a request answered at once (a pull, a push over the data port).
 
         Raises:
             PSError: the call failed (its message says what the client saw of the shard).
         """
         watch = self._watches.get(self.current) or self._watch()
         watch.enter()  # a shard that does not answer is reported within seconds (see psclient._reach)
-        if len(self.replicas) > 1:  # a stopped process is told from a slow one, and failed over from
-            fn = functools.partial(self._unless_stalled, fn)
         started = time.monotonic()
         limit = self._config.timeout if timeout is None else timeout
+        # A replicated shard: a stopped process is told from a slow one, and failed over from.
+        replicated = len(self.replicas) > 1
         try:
             # The first attempt here, the retries (rare) in ``_retry``: as ``_retry.call_with_retry``.
             token = _retry.ATTEMPT_TIMEOUT.set(max(limit, 0.001))
             try:
-                return await fn()
+                if replicated:
+                    return await self._unless_stalled(fn, *args)
+                return await fn(*args)
             except grpc.RpcError as err:
                 failed = err
             finally:
                 _retry.ATTEMPT_TIMEOUT.reset(token)
-            return await self._retries(method, fn, failed, started, limit)
+            attempt = (
+                functools.partial(self._unless_stalled, fn, *args)
+                if replicated
+                else functools.partial(fn, *args)
+            )
+            return await self._retries(method, attempt, failed, started, limit)
         finally:
             watch.leave()
 
@@ -284,7 +295,7 @@ class ShardLink:
             method, lambda: getattr(self.stub(), method)(stream_of(messages()), **self.kw()), timeout=timeout
         )
 
-    async def _unless_stalled(self, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _unless_stalled(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """One attempt of a call to a replicated shard, failed (``_stall.StalledError``) if its replica's
         process stops answering while it waits (``psclient._stall``)."""
         if not self._liveness:
@@ -295,7 +306,7 @@ class ShardLink:
         liveness = self._liveness[self.current]
         task = liveness.enter()
         try:
-            return await fn()
+            return await fn(*args)
         except asyncio.CancelledError:
             waited = liveness.leave(task)
             if waited is None:
@@ -483,34 +494,12 @@ class ShardLink:
         else:
             wire = self.wire(op, size)
         while True:
-            if wire is Wire.DATA_PORT and len(self.replicas) == 1:
-                # The common case: ``call`` of ``_over_data_port``, its first attempt inline (no frame of
-                # ``call`` 's, no attempt partial, no context variable on the path of a request answered at
-                # once); a failed first attempt goes on to ``call`` 's retries (``_retries``). A shard of one
-                # address: no failover, no stall watch.
-                watch = self._watches.get(self.current) or self._watch()
-                watch.enter()
-                started = time.monotonic()
-                limit = self._config.timeout
-                try:
-                    try:
-                        return await self._over_data_port(op, header, tensors, into, size, max(limit, 0.001))
-                    except grpc.RpcError as err:
-                        failed = err
-                    attempt = functools.partial(self._over_data_port, op, header, tensors, into, size)
-                    return await self._retries(_METHODS[op, wire], attempt, failed, started, limit)
-                except _bulk.Unusable:
-                    pass  # logged by the data link; the next wire
-                finally:
-                    watch.leave()
-                wire = self.wire(op, size, after=wire)
-                continue
             if wire is Wire.DATA_PORT:  # one frame each way
-                attempt = functools.partial(self._over_data_port, op, header, tensors, into, size)
+                fn, args = self._over_data_port, (op, header, tensors, into, size)
             else:
-                attempt = functools.partial(self._attempt, op, wire, header, tensors, into)
+                fn, args = self._attempt, (op, wire, header, tensors, into)
             try:
-                return await self.call(_METHODS[op, wire], attempt)
+                return await self.call(_METHODS[op, wire], fn, *args)
             except _bulk.Unusable:
                 if wire is not Wire.DATA_PORT:
                     raise
@@ -556,12 +545,11 @@ class ShardLink:
         tensors: Sequence[tuple[str, Any]],
         sink: Sink,
         size: int,
-        timeout: float | None = None,
     ) -> Answer:
         """One attempt of ``request`` over the data port: the tensors straight from their arrays to the
         socket, and the answer's straight into ``sink``'s buffers (``size``: the request's, as ``request``
-        measured it; a small one may share a frame with others, ``_bulk.DataLink.request``; ``timeout``:
-        the attempt's, default ``_retry.ATTEMPT_TIMEOUT``'s).
+        measured it; a small one may share a frame with others, ``_bulk.DataLink.request``). Its deadline:
+        ``_retry.ATTEMPT_TIMEOUT`` 's.
 
         Raises:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
@@ -569,12 +557,13 @@ class ShardLink:
         """
         if sink is not _DISCARD:  # a sink that keeps nothing has nothing to forget
             sink.restart()
-        link = self.data_link()
-        if link is None:
-            raise _bulk.Unusable
-        if timeout is None:
-            left = _retry.ATTEMPT_TIMEOUT.get()
-            timeout = self._config.timeout if left is None else left
+        link = self._data.get(self.current)  # ``data_link`` 's common case, without its call
+        if link is None or self._closed or time.monotonic() < link.off_until:
+            link = self.data_link()
+            if link is None:
+                raise _bulk.Unusable
+        left = _retry.ATTEMPT_TIMEOUT.get()
+        timeout = self._config.timeout if left is None else left
         head = header
         payload = []
         if op is Op.PUSH:
