@@ -499,7 +499,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"Command: `{command}`",
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{rate_text(args)} (htb), {cm.congestion_text(args)}; "
+        f"{rate_text(args)} (htb{', small packets first' if args.acks == 'first' else ''}), "
+        f"{cm.congestion_text(args)}; "
         f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
         f"{args.mode} mode, {args.inflight if args.mode == 'async' else 1} push_pull round(s) in flight per "
@@ -633,6 +634,13 @@ def main(argv: list[str] | None = None) -> int:
         "flight, as a sync worker trains)",
     )
     parser.add_argument(
+        "--acks",
+        choices=("first", "queued"),
+        default="queued",
+        help="first: every link puts small packets (pure ACKs) in an htb class of their own that goes first "
+        "(NetnsCluster(small_first=True)); queued: one queue for all, ACKs behind data (default)",
+    )
+    parser.add_argument(
         "--parts",
         type=int,
         default=1,
@@ -679,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         rate_mbit=args.rate_mbit or args.max_rate_mbit,
         congestion=cm.congestion_of(args),
         sysctls=cm.sysctls_of(args),
+        small_first=args.acks == "first",
     ) as net:
         cm.note_congestion(args, net, net.hosts[0])
         shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]

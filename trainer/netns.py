@@ -57,6 +57,10 @@ _KILL_WAIT_S = 5.0  # and this long to vanish after SIGKILL
 _MAX_HOSTS = 250  # host addresses .1-.250 of the cluster's /24
 _NFT_TABLE = "psnetns"
 _HOST_IF = "eth0"  # the veth end inside a host
+# Packets shorter than this (IP total length; a power of two: the u32 filter masks the high bits) go first
+# on a link shaped with ``small_first``: pure ACKs (52 bytes with timestamps, up to 88 with SACK blocks).
+SMALL_PACKET_BYTES = 128
+_SMALL_SHARE = 0.05  # the small packets' class's guaranteed share of the rate (it may borrow all of it)
 _SUBNET_FMT = "10.77.{}.0/24"  # a private range; the third octet comes from the cluster's suffix
 # Linux's default TCP congestion control, and what a stock cluster node runs. A namespace inherits the
 # machine's default otherwise, which on some kernels is bbr: BBRv1 paces at its own estimate of the
@@ -195,6 +199,9 @@ class NetnsCluster:
         sysctls: more per-namespace settings for every host, ``{"net.ipv4.tcp_slow_start_after_idle":
             "0"}`` (a new namespace starts from the kernel's defaults, not the machine's settings).
         workdir: where logs and ready files go (default: a temporary directory, removed on close).
+        small_first: every shaped link puts packets under ``SMALL_PACKET_BYTES`` (pure ACKs) in a class
+            of their own that goes first, as a switch port's small queue does (see ``shape``); False:
+            one queue for all.
 
     Raises:
         NetnsError: the machine cannot make namespaces (see ``netns_available``) or a command failed.
@@ -209,6 +216,7 @@ class NetnsCluster:
         congestion: str | None = DEFAULT_CONGESTION,
         sysctls: Mapping[str, str] | None = None,
         workdir: str | os.PathLike[str] | None = None,
+        small_first: bool = False,
     ) -> None:
         if congestion is not None and not congestion.isidentifier():
             raise ValueError(f"congestion must name a TCP congestion control ('cubic'), got {congestion!r}")
@@ -222,6 +230,7 @@ class NetnsCluster:
         self.bridge = f"psbr{self.suffix}"
         self.rate_mbit = rate_mbit
         self.burst_kib = burst_kib
+        self.small_first = small_first
         self.congestion = congestion
         self.sysctls = dict(sysctls or {})
         self.hosts: list[Host] = []
@@ -327,7 +336,11 @@ class NetnsCluster:
         """Limits ``host``'s link to ``rate_mbit`` Mbit/s in each direction (``None``: no limit).
 
         An ``htb`` class at the root of both veth ends: the host's side shapes what it sends, the
-        bridge's side what it receives.
+        bridge's side what it receives. With ``small_first`` (the cluster's), the class is the parent
+        of two: packets under ``SMALL_PACKET_BYTES`` (IP total length; pure ACKs are 52-88 bytes) go
+        to one that is served first (htb ``prio 0``, a ``u32`` filter), the rest to the other; both
+        share the rate. With one queue a connection's ACKs wait behind the data the host sends the
+        other way (up to 1,000 packets: smoothed RTTs of 18-81 ms on links of 0.02-5 ms).
 
         Raises:
             NetnsError: ``tc`` failed.
@@ -338,9 +351,24 @@ class NetnsCluster:
                 continue
             burst = ["burst", f"{burst_kib}kb", "cburst", f"{burst_kib}kb"] if burst_kib else []
             _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            rate = ["rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "quantum", "60000", *burst]
+            if not self.small_first:
+                _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *rate])
+                continue
+            _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *rate])
+            small = rate_mbit * _SMALL_SHARE
+            for classid, share, prio in (("1:20", small, "0"), ("1:10", rate_mbit - small, "1")):
+                _sh([
+                    *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
+                    "rate", f"{share:g}mbit", "ceil", f"{rate_mbit}mbit", "prio", prio, "quantum", "60000",
+                    *burst,
+                ])  # fmt: skip
             _sh([
-                *tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-                "rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "quantum", "60000", *burst,
+                *tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                "match", "u16", "0", f"{0x10000 - SMALL_PACKET_BYTES:#06x}", "at", "2",  # short
+                "match", "u8", "6", "0xff", "at", "9",  # TCP
+                "match", "u8", "0x10", "0xff", "at", "33",  # flags ACK only (a 20-byte IP header)
+                "flowid", "1:20",
             ])  # fmt: skip
         host.rate_mbit = rate_mbit
 

@@ -9,6 +9,7 @@ slower, never faster).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +71,38 @@ def test_netns_shaped_link_carries_at_most_its_rate(net: NetnsCluster) -> None:
     assert not net.link_stats(unshaped)["ingress"]["htb"]
     net.shape(receiver, None)
     assert not net.link_stats(receiver)["ingress"]["htb"]
+
+
+def _class_packets(tc: list[str], dev: str) -> dict[str, int]:
+    """Packets sent by each htb class of ``dev`` (``tc`` with its namespace), by class id (from the text:
+    this iproute2 writes no JSON for htb classes)."""
+    text = subprocess.run(
+        [*tc, "-s", "class", "show", "dev", dev], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
+    return {c: int(p) for c, p in re.findall(r"class htb (\S+) .*?\n\s*Sent \d+ bytes (\d+) pkt", text)}
+
+
+def test_netns_small_first_puts_pure_acks_in_a_class_of_their_own() -> None:
+    """A 4 MiB transfer into a host shaped with ``small_first``: its data goes through the data class
+    (1:10) towards it, and the receiver's ACKs through the small packets' class (1:20), not behind data."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    with NetnsCluster(2, small_first=True) as small:
+        sender, receiver = small.hosts
+        small.shape(receiver, 50)
+        ready = small.workdir / "peer.addr"
+        server = small.popen(
+            receiver, [sys.executable, PEER, "serve", receiver.address, str(ready)], stdout=subprocess.PIPE
+        )
+        addr = wait_until(lambda: ready.exists() and ready.read_text(), "the receiver's ready file")
+        _peer(small, sender, "send", str(addr), str(4 * MIB))
+        server.communicate(timeout=CALL_TIMEOUT_S)
+        sent_back = _class_packets(["tc", "-n", receiver.netns], "eth0")  # the receiver's side: its ACKs
+        towards = _class_packets(["tc"], receiver.veth)  # the bridge's side: the data
+        assert sent_back["1:20"] > 100 and sent_back["1:20"] > 10 * sent_back["1:10"], sent_back
+        assert towards["1:10"] >= 4 * MIB // 1500 and towards["1:20"] < towards["1:10"] // 10, towards
+        assert small.link_stats(receiver)["ingress"]["htb"]
 
 
 def test_netns_cut_and_heal(net: NetnsCluster) -> None:
