@@ -15,6 +15,7 @@ from psserver.rows.config import EVICT_SLACK, Holder, Work
 from psserver.tier import Cut, ReadCost, TierBudget, TierConfig, anonymous_array, higher_cut, record_dtype
 
 _VICTIM_QUEUE = 8  # a tiered piece chooses the victims of this many spills at once (``_spill_victims``)
+_QUEUE_WINDOW = 4096  # the victim queue's rows a spill checks first, at least (``_queued_victims``)
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 
@@ -258,21 +259,41 @@ class TierSteps:
             return self.victims(np.flatnonzero(candidates), n)
         q = self._victim_queue
         if q is not None:
-            rows, ids, steps = q
-            valid = self.live[rows] & (self.slot_ids[rows] == ids) & (self.last_step[rows] == steps)
-            valid &= rows < candidates.size  # rows past a shrunk limit were spilled by the shrink
-            first = int(np.argmax(valid)) if valid.any() else rows.size
-            inside = np.minimum(rows[first:], candidates.size - 1)
-            usable = np.flatnonzero(valid[first:] & candidates[inside]) + first
-            if usable.size >= n:
-                keep = slice(first, None)  # the changed rows at its head leave it
-                self._victim_queue = (rows[keep], ids[keep], steps[keep])
-                return rows[usable[:n]]
+            got = self._queued_victims(q, candidates, n)
+            if got is not None:
+                return got
         pool = np.flatnonzero(candidates)
         chosen = self.victims(pool, min(pool.size, _VICTIM_QUEUE * n))
         chosen = chosen[_lru_order(self.last_step[chosen], self.slot_ids[chosen])]  # in the policy's order
         self._victim_queue = (chosen, self.slot_ids[chosen].copy(), self.last_step[chosen].copy())
         return chosen[:n]
+
+    def _queued_victims(
+        self, q: tuple[np.ndarray, np.ndarray, np.ndarray], candidates: np.ndarray, n: int
+    ) -> np.ndarray | None:
+        """The first ``n`` rows of the victim queue ``q`` still queued (unchanged) and ``candidates``, or
+        None if it has fewer. The queue is looked at from its head in windows, each twice the last (a
+        spill takes its victims from the head: checking all of the queue's ~8 spills' rows every spill
+        was most of its cost); its changed rows at the head leave it."""
+        rows, ids, steps = q
+        found: list[np.ndarray] = []
+        have, first, lo, width = 0, -1, 0, max(2 * n, _QUEUE_WINDOW)
+        while have < n and lo < rows.size:
+            hi = min(rows.size, lo + width)
+            r = rows[lo:hi]
+            valid = self.live[r] & (self.slot_ids[r] == ids[lo:hi]) & (self.last_step[r] == steps[lo:hi])
+            valid &= r < candidates.size  # rows past a shrunk limit were spilled by the shrink
+            if first < 0 and valid.any():
+                first = lo + int(np.argmax(valid))
+            usable = np.flatnonzero(valid & candidates[np.minimum(r, candidates.size - 1)]) + lo
+            found.append(usable)
+            have += usable.size
+            lo, width = hi, 2 * width
+        if have < n:
+            return None
+        keep = slice(first, None)  # a queue with a usable row has a first valid one
+        self._victim_queue = (rows[keep], ids[keep], steps[keep])
+        return rows[np.concatenate(found)[:n]]
 
 
 def _lru_order(steps: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -782,14 +782,18 @@ def test_parse_bytes() -> None:
         parse_bytes("lots")
 
 
+@pytest.mark.parametrize("window", [None, 1], ids=["window", "small-windows"])
 @pytest.mark.parametrize(
     "kw", [{}, {"eviction": ps_pb2.EVICTION_LFU}, {"ttl_steps": 30}], ids=["lru", "lfu", "lru-ttl"]
 )
 def test_a_spill_evicts_exactly_the_rows_the_policy_orders_first(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kw: dict[str, Any], window: int | None
 ) -> None:
     """An LRU piece takes its spills' victims from a queue chosen several spills ahead: each spill's rows
-    are still the ones a selection over every row in memory picks."""
+    are still the ones a selection over every row in memory picks (also when the queue is looked at in
+    several windows: ``small-windows``)."""
+    if window is not None:
+        monkeypatch.setattr(tiering, "_QUEUE_WINDOW", window)
     chosen = DynamicRows._spill_victims
     spills = []
 
