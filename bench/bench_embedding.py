@@ -28,6 +28,11 @@ shards, trained by ``model.fit`` with ``psclient.keras`` on a 2-shard async clus
   all workers per second after 20 warm-up steps; payload bytes are not measured.
   ``--steps-per-execution n`` runs n steps per scheduled function (as Keras's
   ``compile(steps_per_execution=n)`` does for the psclient variants).
+* ``keras-local``: the same model and data under Keras's own ``model.fit`` in one
+  process, no parameter server, the table frozen (``trainable=False``: Keras's
+  Adagrad would update the whole table every step): what ``fit`` and the model's
+  compute cost a step around any exchange, the floor of the psclient variants'
+  worker CPU.
 
 Dynamic tables (issue 12), run by name (``--variants psk-capacity,psk-dynamic``): an
 id stream drawn by a power law (``P(rank r) ~ (r + 1) ** -zipf``) from ``--id-space``
@@ -94,7 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common as cm
 import _tfps
 
-VARIANTS = ("dense", "keras-table", "psk", "psk-prefetch", "tf-ps")
+VARIANTS = ("dense", "keras-table", "psk", "psk-prefetch", "tf-ps", "keras-local")
 DYNAMIC_VARIANTS = ("psk-capacity", "psk-dynamic", "psk-tiered")  # run by name: the id stream vs a capacity
 _PREFILL_CHUNK = 8192  # ids per zero-gradient push of --prefill (a push must fit the in-memory tier)
 _LOSS_POINTS = 30  # points of the loss curve recorded per run
@@ -257,6 +262,69 @@ def worker_main(args: argparse.Namespace) -> None:
     print(_RESULT + json.dumps(result), flush=True)
 
 
+def local_main(args: argparse.Namespace) -> None:
+    """The ``keras-local`` variant: the same model and data under Keras's own ``fit`` in this one process, no
+    parameter server, the table frozen (what ``fit`` and the model's compute cost around any exchange)."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(1000 + args.index)
+    model = keras.Sequential(
+        [keras.Input((args.ids,), dtype="int32"),
+         keras.layers.Embedding(args.rows, args.dim, trainable=False), keras.layers.GlobalAveragePooling1D(),
+         keras.layers.Dense(64, activation="relu"), keras.layers.Dense(1)],
+        name="bench_embedding",
+    )  # fmt: skip
+    model.compile(
+        optimizer=keras.optimizers.Adagrad(0.1), loss="mse", steps_per_execution=args.steps_per_execution
+    )
+    x, y = _examples(args, max(1, args.steps // 2) * args.batch_size)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch_size)
+    marks: dict[str, tuple[int, float, float]] = {}  # after the first call of the step function, at the end
+    calls = [0]
+
+    class Mark(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            calls[0] += 1
+            if calls[0] == 1:
+                marks["first"] = (batch + 1, time.process_time(), time.perf_counter())
+
+        def on_train_end(self, logs: Any = None) -> None:
+            marks["end"] = (0, time.process_time(), time.perf_counter())
+
+    t0 = time.perf_counter()
+    hist = model.fit(ds, epochs=2, verbose=0, shuffle=False, callbacks=[Mark()])
+    steps = int(model.optimizer.iterations.numpy())
+    measured = max(1, steps - marks["first"][0])
+    cpu_s, fit_s = (marks["end"][i] - marks["first"][i] for i in (1, 2))
+    result = {
+        "steps": steps, "steps_per_s": measured / fit_s, "fit_s": fit_s, "wall_s": time.perf_counter() - t0,
+        "loss": [float(hist.history["loss"][0]), float(hist.history["loss"][-1])],
+        "worker_cpu_ms_per_step": cpu_s / measured * 1e3,
+    }  # fmt: skip
+    print(_RESULT + json.dumps(result), flush=True)
+
+
+def run_keras_local(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``keras-local`` variant: one process, no cluster."""
+    cmd = [sys.executable, __file__, "--worker", "--variant", "keras-local", "--rows", str(args.rows),
+           "--dim", str(args.dim), "--ids", str(args.ids), "--batch-size", str(args.batch_size),
+           "--steps", str(args.steps), "--steps-per-execution", str(args.steps_per_execution)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"keras-local exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    r = json.loads(lines[-1][len(_RESULT) :])
+    none = dict.fromkeys(("bytes_per_worker_step", "sent_per_worker_step", "goal_bytes_per_worker_step",
+                          "rows_touched_per_step", "setup_bytes", "shard_cpu_ms_per_step"))  # fmt: skip
+    return {
+        **none, "variant": "keras-local", "workers": 1, "steps_per_worker": r["steps"],
+        "steps_per_s": r["steps_per_s"], "peak_rss_mib_per_worker": [], "end_rss_mib_per_worker": [],
+        "worker_weights_mib": args.rows * args.dim * 4 / 2**20, "loss_first_last": r["loss"],
+        "wall_s": r["wall_s"], "fit_s": r["fit_s"], "worker_cpu_ms_per_step": r["worker_cpu_ms_per_step"],
+    }  # fmt: skip
+
+
 def tf_coordinator_main(args: argparse.Namespace) -> None:
     """The ``tf-ps`` variant's coordinator: the same model and data, on TensorFlow's PS strategy."""
     import numpy as np
@@ -413,6 +481,8 @@ def run_variant(args: argparse.Namespace, variant: str) -> dict[str, Any]:
 
     if variant == "tf-ps":
         return run_tf_ps(args)
+    if variant == "keras-local":
+        return run_keras_local(args)
     import tempfile
 
     tier_dir = None
@@ -655,7 +725,7 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
             f"{num(r['rows_touched_per_step'], '.0f')} | {num(payload, '.1f', 1024)} | "
             f"{num(r['sent_per_worker_step'], '.1f', 1024)} | {num(goal, '.1f', 1024)} | "
             f"{num(ratio, '.2f')} | {num(r['setup_bytes'], '.1f', mib)} | {r['worker_weights_mib']:.2f} | "
-            f"{', '.join(map(str, r['peak_rss_mib_per_worker']))} | "
+            f"{', '.join(map(str, r['peak_rss_mib_per_worker'])) or '-'} | "
             f"{', '.join(map(str, r['end_rss_mib_per_worker'])) or '-'} | "
             f"{num(r.get('worker_cpu_ms_per_step'), '.2f')}, {num(r.get('shard_cpu_ms_per_step'), '.2f')} | "
             f"{r['wall_s']:.1f} | {r['loss_first_last'][0]:.4f} -> {r['loss_first_last'][1]:.4f} |"
@@ -685,7 +755,10 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "as int32 (4 B) for a fixed table. CPU ms / step: CPU time over the measured steps divided by "
         "the steps (psclient variants: a worker's own, and the shards' over worker 0's measured steps "
         "for all the workers' steps in that time; `tf-ps`: the coordinator and the TF workers, and the "
-        "ps tasks): on a machine whose cores are all busy, steps/s follows their sum.",
+        "ps tasks): on a machine whose cores are all busy, steps/s follows their sum. `keras-local`: the "
+        "same model and data under Keras's own `fit` in one process, no parameter server, the table frozen "
+        "(`trainable=False`; Keras's Adagrad would update all of it every step): what `fit` and the model's "
+        "compute cost around any exchange, the floor of the psclient variants' worker column.",
         "",
         "Peak RSS: the chief (worker 0) with `keras-table` holds Keras's initial table and sends it; with "
         "`psk` the shards make the initial rows (the chief sends none). Every `psk` worker's RSS is the "
@@ -747,7 +820,7 @@ def main() -> None:
     ap.add_argument("--shard-pids", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker_main(args)
+        local_main(args) if args.variant == "keras-local" else worker_main(args)
         return
     if args.tf_coordinator:
         tf_coordinator_main(args)
