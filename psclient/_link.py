@@ -476,8 +476,10 @@ class ShardLink:
                 ``LookupRequest`` (without tensors).
             tensors: a push's gradients, ``(wire name, wire array)``.
             sink: where the answer's tensors go (default: nowhere).
-            nbytes: the request's size for the choice of wire (default: the tensors' bytes; a pull
-                gives the bytes it reads).
+            nbytes: the request's size for the choice of wire and for frame sharing (default: the
+                tensors' bytes; a pull gives the bytes it reads, a lookup the bytes of the rows it reads:
+                a small one shares a frame with the link's other small requests, ``_bulk.DataLink``; a
+                lookup that gives none goes alone).
 
         Raises:
             PSError: the request failed (retries and failover are done).
@@ -584,9 +586,12 @@ class ShardLink:
             into = None  # a plain push: its answer carries no tensors (none to place, none kept)
         else:
             into = functools.partial(_receive, sink.place, spare)
-        # Small requests may share a frame (a push_pull's values are as big as its gradients; a lookup's
-        # rows and a push's looked-up rows are not known in advance: those go alone).
-        if size <= _bulk.BATCH_MAX_BYTES and (op is Op.PULL or (op is Op.PUSH and not header.lookup_ids)):
+        # Small requests may share a frame: a pull, a push (a push_pull's values are as big as its
+        # gradients), a lookup whose rows' bytes its caller gave (``nbytes``; 0: not known). A push that reads
+        # rows too (``lookup_ids``) and a lookup of rows of unknown size go alone.
+        if size <= _bulk.BATCH_MAX_BYTES and (
+            (op is Op.PUSH and not header.lookup_ids) or op is Op.PULL or (op is Op.LOOKUP and size > 0)
+        ):
             reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=size)
         else:
             reply = await link.request(

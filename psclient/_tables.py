@@ -433,7 +433,15 @@ class TableMethods:
             ids=[read.wire_ids(piece, part)], worker_id=self.config.worker_id, step=step
         )
         rows: list[Any] = []
-        await self._shards[shard].request(Op.LOOKUP, request, (), _link.Sink(rows.append, restart=rows.clear))
+        # With the rows' bytes: a small lookup shares a frame with this process's other small requests to
+        # the shard (``ShardLink.request``).
+        await self._shards[shard].request(
+            Op.LOOKUP,
+            request,
+            (),
+            _link.Sink(rows.append, restart=rows.clear),
+            nbytes=part.size * read.row_bytes,
+        )
         read.fill(shard, part, rows[0] if len(rows) == 1 else None)
 
     async def _lookup_call(self, shard: int, request: ps_pb2.LookupRequest) -> list[Any]:

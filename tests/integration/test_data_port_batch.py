@@ -117,6 +117,37 @@ async def test_many_waiting_requests_leave_in_two_frames_each_applied_once(
         assert versions[n] == 1
 
 
+async def test_concurrent_lookups_share_frames_and_each_gets_its_own_rows(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Small lookups of many callers in one process to one shard meet in BATCH frames, as pushes do (their
+    rows' bytes are known: ``ShardLink.request`` 's ``nbytes``); each caller gets the rows of its own ids,
+    in its order, the same as a lookup alone reads."""
+    cluster = make_cluster(num_shards=1)
+    clients = [psclient.AsyncPSClient(cluster.addresses, f"l{i}", **WIRE) for i in range(CALLERS)]
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 512, size=8 + i) for i in range(CALLERS)]  # 256-992 bytes of rows each
+    try:
+        await clients[0].create_embedding("emb", 512, 8, initializer=("uniform", -1.0, 1.0))
+        table = await clients[0].lookup("emb", np.arange(512))  # alone
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            await asyncio.gather(
+                *(c.lookup("emb", i) for c, i in zip(clients, ids, strict=True))
+            )  # placement
+            (link,) = _links(clients)
+            before = link.batches
+            for _ in range(ROUNDS):
+                got = await asyncio.gather(*(c.lookup("emb", i) for c, i in zip(clients, ids, strict=True)))
+                for want, rows in zip(ids, got, strict=True):
+                    np.testing.assert_array_equal(rows, table[want])
+        # In a round's turn the first SMALL_IN_FLIGHT go alone, the others wait and leave in frames (not in
+        # every round for sure: see the first test of this file).
+        assert link.batches > before
+    finally:
+        for c in clients:
+            await c.close()
+
+
 async def test_a_batch_frame_holds_at_most_its_bytes_the_rest_leave_in_the_next(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
