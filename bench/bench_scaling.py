@@ -16,6 +16,8 @@ same rounds, ``raw`` (send the whole
 push, then read the whole answer) and ``raw-stream`` (the answer streamed back in 256 KiB chunks
 while the push arrives: what the link can carry). Beside each cell: the machine's CPU (busy % of all
 cores, from /proc/stat) and the busiest process of the cell (cores), to show the links were the limit.
+Each link's htb class serves pure ACKs first (``--acks first``, the default since 2026-12-07; ``--acks
+queued``: one queue, as the results before). ``--mode sync --parts P``: a sync step pushed in P parts.
 
     sudo python bench/bench_scaling.py --quick                       # n in 1,2; k in 1,2; ring n=2
     sudo python bench/bench_scaling.py --workers 16,32 --shards 8,16,32 --ring 16 --rate-mbit auto
@@ -636,9 +638,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--acks",
         choices=("first", "queued"),
-        default="queued",
-        help="first: every link puts small packets (pure ACKs) in an htb class of their own that goes first "
-        "(NetnsCluster(small_first=True)); queued: one queue for all, ACKs behind data (default)",
+        default="first",
+        help="first (default since 2026-12-07): every link puts pure ACKs in an htb class of their own that "
+        "goes first (NetnsCluster(small_first=True)), as a host's fq_codel and a shallow switch queue would; "
+        "queued: one queue for all, ACKs behind up to 1,000 packets of data (the results before)",
     )
     parser.add_argument(
         "--parts",
