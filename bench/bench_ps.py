@@ -25,6 +25,13 @@ process, one system after the other:
   at least 8 MiB are split in two halves on ps:0 and ps:1 (as psserver does), and
   the halves move concurrently inside one ``tf.function``.
 
+``--ops lookup`` (not in the default ops): an embedding lookup of N bytes of rows,
+``N / 32`` ids of a table of dim 8 (float32), each client its own ids. ``ps`` and
+``ps_grpc``: ``lookup(table, ids)`` (the ids split over both shards); ``tf``:
+``tf.gather`` of the ids from a ``[rows, 8]`` variable on ps:0, fetched to numpy;
+``raw`` and ``echo`` answer N bytes, as for pull. With ``--concurrency`` clients,
+psclient's concurrent small lookups to one shard share frames (``psclient._bulk``).
+
 glibc malloc (``--malloc``): ``tuned`` (default) gives every process of the run,
 servers and clients of all three systems, ``pscore.memory.tune_malloc`` (big
 buffers stay in the heap instead of being page-faulted in anew); ``shipped``
@@ -73,15 +80,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as cm
 
-OPS = ("pull", "push", "push_pull")
+OPS = ("pull", "push", "push_pull")  # the default ops
+ALL_OPS = (*OPS, "lookup")
+LOOKUP_DIM = 8  # a lookup's table: float32 rows of this dim (32 bytes), N / 32 ids
 SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "64MiB": 64 << 20}
 SYSTEMS = ("raw", "echo", "ps", "ps_grpc", "tf")
-_RAW_OPS = {"pull": 1, "push": 2, "push_pull": 3}
+_RAW_OPS = {"pull": 1, "push": 2, "push_pull": 3, "lookup": 1}  # a lookup's peer: N bytes answered
 _RAW_HEAD = struct.Struct("<BQ")  # op, bytes
 MAX_MESSAGE = 256 << 20
 TF_SPLIT_BYTES = 8 << 20  # psclient's default partition size: bigger variables go to both ps tasks
 ECHO_SERVICE = "/bench.Echo/"
 CHILD_TIMEOUT_S = 900
+
+
+def _lookup_shape(nbytes: int) -> tuple[int, int]:
+    """A lookup of ``nbytes`` of rows: (ids per lookup, rows of its table)."""
+    k = max(1, nbytes // (4 * LOOKUP_DIM))
+    return k, max(4 * k, 4096)
 
 
 def _parse_size(text: str) -> int:
@@ -201,7 +216,7 @@ def _raw_client(args: argparse.Namespace) -> list[cm.Stat]:
             ) -> None:
                 s = conns[i]
                 s.sendall(head)
-                if op != "pull":
+                if _RAW_OPS[op] != _RAW_OPS["pull"]:  # a lookup's peer sends its head only, as pull
                     s.sendall(out)
                 _recv_into(s, into[i][: len(out) if op != "push" else 1])
 
@@ -275,7 +290,7 @@ async def _echo_client(args: argparse.Namespace) -> list[cm.Stat]:
             async def run(
                 i: int, op: str = op, payload: bytes = payload, request: bytes = request, calls: Any = calls
             ) -> None:
-                if op == "pull":
+                if op in ("pull", "lookup"):
                     resp = await calls["Source"][i](request, timeout=60)
                     np.frombuffer(resp, np.float32)
                 elif op == "push":
@@ -314,20 +329,31 @@ async def _ps_client(args: argparse.Namespace, system: str) -> list[cm.Stat]:
     stats = []
     try:
         names = {}
+        tables: dict[int, tuple[str, list[np.ndarray]]] = {}  # size -> table, each client's ids
+        rng = np.random.default_rng(0)
         for n in args.sizes:
             name = f"bench/w{n}"
             await clients[0].create(name, np.zeros(n // 4, np.float32), optimizer=psclient.SGD(1e-6))
             names[n] = name
+            if "lookup" in args.ops:
+                k, rows = _lookup_shape(n)
+                await clients[0].create_embedding(f"bench/e{n}", rows, LOOKUP_DIM, initializer="zeros")
+                tables[n] = (f"bench/e{n}", [rng.integers(0, rows, k) for _ in clients])
         for c in clients:  # learn placement up front (a worker that created nothing does this once)
-            await c.list_variables(list(names.values()))
+            await c.list_variables([*names.values(), *(t for t, _ in tables.values())])
         for op, n, conc, budget_s in _feed():
             name = names[n]
             grad = np.full(n // 4, 1e-3, np.float32)
 
-            async def run(i: int, op: str = op, name: str = name, grad: np.ndarray = grad) -> None:
+            async def run(
+                i: int, op: str = op, name: str = name, grad: np.ndarray = grad, n: int = n
+            ) -> None:
                 c = clients[i]
                 if op == "pull":
                     await c.pull([name])
+                elif op == "lookup":
+                    table, ids = tables[n]
+                    await c.lookup(table, ids[i])
                 elif op == "push":
                     await c.push({name: grad})
                 else:
@@ -370,6 +396,7 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
     tf.config.experimental_connect_to_cluster(cluster, job_name="chief", protocol="grpc")
     stats = []
     variables: dict[int, list[Any]] = {}
+    tables: dict[int, tuple[Any, np.ndarray]] = {}  # size -> a lookup's table variable and ids
     for op, n, conc, budget_s in _feed():
         count = n // 4
         parts = 2 if n >= TF_SPLIT_BYTES else 1
@@ -396,9 +423,21 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
         def add_read(gs: list[Any], shards: list[Any] = shards) -> list[Any]:
             return [v.assign_add(g, read_value=True) for v, g in zip(shards, gs, strict=True)]
 
-        def run(i: int, op: str = op, grads: list[np.ndarray] = grads) -> None:
+        if op == "lookup" and n not in tables:
+            k, rows = _lookup_shape(n)
+            with tf.device("/job:ps/task:0"):
+                table = tf.Variable(tf.zeros([rows, LOOKUP_DIM], tf.float32))
+            tables[n] = (table, np.random.default_rng(0).integers(0, rows, k))
+
+        @tf.function
+        def gather(ids: Any, table: Any = tables[n][0] if n in tables else None) -> Any:
+            return tf.gather(table, ids)
+
+        def run(i: int, op: str = op, grads: list[np.ndarray] = grads, n: int = n) -> None:
             if op == "pull":
                 [t.numpy() for t in read()]
+            elif op == "lookup":
+                gather(tables[n][1]).numpy()
             elif op == "push":
                 add(grads)
             else:
@@ -678,7 +717,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             "| vs raw | vs echo | vs TF |"
         )
         lines.append("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        keys = sorted({_key(r) for r in results}, key=lambda k: (k[1], k[2], OPS.index(k[0])))
+        keys = sorted({_key(r) for r in results}, key=lambda k: (k[1], k[2], ALL_OPS.index(k[0])))
         for op, n, conc in keys:
             raw = by.get(("raw", op, n, conc))
             echo = by.get(("echo", op, n, conc))
@@ -729,7 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sizes", nargs="+", default=list(SIZES), help=f"model sizes (default: {' '.join(SIZES)})"
     )
-    p.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    p.add_argument(
+        "--ops", nargs="+", default=list(OPS), choices=ALL_OPS, help="default: pull push push_pull"
+    )
     p.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)} (default: all)"
     )
