@@ -209,3 +209,20 @@ async def test_a_turn_taken_inline_and_one_taken_by_take_exclude_each_other() ->
     assert turns.busy
     turns.release()
     assert not turns.busy
+
+
+async def test_a_turn_waits_as_long_as_its_caller_says() -> None:
+    """``take(nbytes, wait_s)``: a sync push's part waits for the parts before it to its shard for as long
+    as its request may (``DataLink.request`` gives its deadline), not ``STAGGER_WAIT_S``; a short wait
+    ends with the upload going out beside the others (False), and nothing stays queued."""
+    turns = _bulk.Uplink().turns()
+    assert await turns.take(BIG)  # held
+    assert not await turns.take(BIG, 0.01)  # gave up waiting: sent beside the holder
+    patient = asyncio.ensure_future(turns.take(BIG, 10 * _bulk.STAGGER_WAIT_S))
+    await asyncio.sleep(0.01)
+    assert not patient.done() and sum(not f.done() for f in turns.waiting) == 1  # the one that gave up: done
+    turns.release()
+    async with asyncio.timeout(5):
+        assert await patient  # handed the turn, however long the holder took
+    turns.release()
+    assert not turns.busy and not turns.waiting
