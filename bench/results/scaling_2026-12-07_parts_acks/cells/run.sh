@@ -76,6 +76,18 @@ if [ "$part" = rate2 ]; then
   run async_n32k16_r25_s24 --workers 32 --shards 16 --ring '' --systems ps --inflight 2 --rate-mbit 25 \
     --size-mib 4 --seconds 24 --acks first
 fi
+if [ "$part" = third ]; then
+  # time was left: a third n = k = 16 (0.89, 0.84) and a third n = 16, k = 8 at 50
+  async async_n16k16_3 16 16 30
+  async async_n16k8_r50_3 16 8 50
+fi
+if [ "$part" = r50s24 ]; then
+  # n = 16, k = 8 at 50 came out 0.85, 0.83, 0.73: two at 24 s
+  for r in 1 2; do
+    run async_n16k8_r50_s24_$r --workers 16 --shards 8 --ring '' --systems ps --inflight 2 --rate-mbit 50 \
+      --size-mib 4 --seconds 24 --acks first
+  done
+fi
 if [ "$part" = rate3 ]; then
   run async_n32k16_r25_s24_2 --workers 32 --shards 16 --ring '' --systems ps --inflight 2 --rate-mbit 25 \
     --size-mib 4 --seconds 24 --acks first
