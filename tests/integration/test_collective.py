@@ -236,7 +236,12 @@ async def test_world_sizes_up_to_eight_with_awkward_sizes(world: int, transport:
 
 @pytest.mark.parametrize("transport", ["grpc", "tcp"])
 async def test_small_chunks_pipeline_many_frames(transport: str) -> None:
-    async with asyncio.timeout(30), async_rings(4, chunk_bytes=1024, transport=transport) as rings:
+    # ~800 chunks a rank, four ranks on one event loop: the rings' default 5 s deadline was once too short
+    # on a loaded machine (a CI run's rank 2 timed out "waiting for rank 3 to accept the stream").
+    async with (
+        asyncio.timeout(30),
+        async_rings(4, timeout=20.0, chunk_bytes=1024, transport=transport) as rings,
+    ):
         xs = [np.arange(100_001, dtype=np.float64) * (r + 1) for r in range(4)]
         outs = await asyncio.gather(*(ring.allreduce(x, "max") for ring, x in zip(rings, xs, strict=True)))
     for out in outs:
