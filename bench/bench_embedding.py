@@ -305,16 +305,21 @@ def local_main(args: argparse.Namespace) -> None:
     print(_RESULT + json.dumps(result), flush=True)
 
 
+def _run_for_result(cmd: list[str], what: str) -> dict[str, Any]:
+    """Runs one of this bench's processes to its end; its last ``RESULT`` line."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{what} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_RESULT) :])
+
+
 def run_keras_local(args: argparse.Namespace) -> dict[str, Any]:
     """The ``keras-local`` variant: one process, no cluster."""
     cmd = [sys.executable, __file__, "--worker", "--variant", "keras-local", "--rows", str(args.rows),
            "--dim", str(args.dim), "--ids", str(args.ids), "--batch-size", str(args.batch_size),
            "--steps", str(args.steps), "--steps-per-execution", str(args.steps_per_execution)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
-    if proc.returncode or not lines:
-        raise RuntimeError(f"keras-local exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    r = json.loads(lines[-1][len(_RESULT) :])
+    r = _run_for_result(cmd, "keras-local")
     none = dict.fromkeys(("bytes_per_worker_step", "sent_per_worker_step", "goal_bytes_per_worker_step",
                           "rows_touched_per_step", "setup_bytes", "shard_cpu_ms_per_step"))  # fmt: skip
     return {
@@ -425,12 +430,8 @@ def run_tf_ps(args: argparse.Namespace) -> dict[str, Any]:
                ",".join(str(tf_cluster.procs[f"{job}:{i}"].pid)
                         for job, n in (("worker", args.workers), ("ps", 2)) for i in range(n))]  # fmt: skip
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=cm.REPO, timeout=1800)
+        r = _run_for_result(cmd, "tf-ps coordinator")
         wall = time.perf_counter() - t0
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
-        if proc.returncode or not lines:
-            raise RuntimeError(f"tf-ps coordinator exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    r = json.loads(lines[-1][len(_RESULT) :])
     rss = tf_cluster.peak_rss_mib
     return {
         "variant": "tf-ps",
