@@ -12,7 +12,9 @@ Cost: one timer callback per ``beat_s`` on the loop, one thread that sleeps.
 
 The module also installs ``dump_stacks_on``: a signal (SIGUSR1 by default)
 that writes every thread's stack to stderr (``faulthandler``), for a process
-that looks hung from outside.
+that looks hung from outside; and ``dump_tasks_on``: a signal (SIGUSR2) that
+writes every task of a running event loop with the coroutines it awaits in, for
+a process whose loop turns but whose calls hang (a wait that never ends).
 """
 
 from __future__ import annotations
@@ -118,3 +120,38 @@ class LoopWatch:
 def dump_stacks_on(signum: int = signal.SIGUSR1) -> None:
     """Makes ``signum`` write every thread's Python stack to stderr (``kill -USR1 PID``), then carry on."""
     faulthandler.register(signum, all_threads=True, chain=False)
+
+
+def dump_tasks_on(loop: asyncio.AbstractEventLoop, signum: int = signal.SIGUSR2) -> None:
+    """Makes ``signum`` write every task of ``loop`` and where each awaits to stderr, then carry on.
+
+    Handled on the loop (``add_signal_handler``), so a blocked loop answers
+    only once it turns again (``dump_stacks_on`` shows a blocked one).
+    """
+    loop.add_signal_handler(signum, _dump_tasks, loop)
+
+
+def _dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    print(f"--- {len(tasks)} asyncio tasks (SIGUSR2) ---", file=sys.stderr)
+    for task in tasks:
+        print(f"{task.get_name()}: {_awaiting(task.get_coro())}", file=sys.stderr)
+    print("--- end of the tasks ---", file=sys.stderr, flush=True)
+
+
+def _awaiting(coro: object) -> str:
+    """Where a task's coroutine waits: each coroutine it awaits in, outermost first (Task.get_stack gives
+    only the outermost; Task.print_stack fails on a frame without a line number, as gRPC's are)."""
+    steps = []
+    for _ in range(32):  # bounded: a chain of awaits is short
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            steps.append(type(coro).__name__ if coro is not None else "?")
+            break
+        steps.append(
+            f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno})"
+        )
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if coro is None:
+            break
+    return " -> ".join(steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from psserver.config import (
@@ -42,6 +43,8 @@ that cannot hold the tier (one line on stderr:
 "psserver: error: cannot bind 127.0.0.1:50051: address already in use").
 SIGUSR1: write every thread's stack to stderr (the log) and carry on: for a shard that looks hung. A shard
 whose event loop stops turning for 2 s logs a WARNING with where it is stuck.
+SIGUSR2: write every asyncio task and the coroutines it awaits in to the log: for a call that hangs while
+the loop turns.
 SIGTERM: stop taking new work, end idle client streams at once (UNAVAILABLE: clients retry), finish
 in-flight requests (up to --grace), write a checkpoint (with --checkpoint-dir), exit 0.
 """
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     # tier's compaction thread's freed buffers serve the event loop's too (each arena keeps its peak).
     tune_malloc(arenas=1)
     dump_stacks_on()  # kill -USR1: every thread's stack into the log, for a shard that looks hung
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # until the loop dumps its tasks on it (server.serve)
 
     try:
         import uvloop

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pscore import security, transport
 from pscore.errors import UnavailableError
-from pscore.loopwatch import LoopWatch
+from pscore.loopwatch import LoopWatch, dump_tasks_on
 from psproto.v1 import ps_pb2
 from psserver.backup import Backup
 from psserver.checkpoint import Checkpointer
@@ -417,6 +417,8 @@ async def serve(config: ServerConfig, *, stop: asyncio.Event | None = None) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, RuntimeError):
+        dump_tasks_on(loop)  # kill -USR2: every task and where it awaits, for a call that hangs
     watch = LoopWatch(f"shard {config.shard}")  # a blocked loop is logged with its stack, not silent
     watch.start()
     try:

@@ -30,9 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,17 +99,7 @@ def _report_shards(request: pytest.FixtureRequest, clusters: Sequence[LocalClust
     ``pscore.loopwatch``), and the report gets each shard's log tail, so a call that hung shows where."""
     if not request.node.stash.get(_FAILED, False):
         return
-    live = [(c, s, p) for c in clusters for s, p in enumerate(c.procs) if p is not None and p.poll() is None]
-    for _, _, proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGUSR1)
-    time.sleep(0.5 if live else 0)  # the dumps reach the logs
-    tails = [
-        f"--- cluster {i} shard {s} ({'running' if p is not None and p.poll() is None else 'stopped'}) ---\n"
-        f"{c.log_tail(s, lines=60)}"
-        for i, c in enumerate(clusters)
-        for s, p in enumerate(c.procs)
-    ]
+    tails = [f"=== cluster {i} ===\n{c.failure_report()}" for i, c in enumerate(clusters)]
     request.node.add_report_section("teardown", "shard logs", "\n".join(tails))
 
 

@@ -256,8 +256,28 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and not issubclass(exc_type, (KeyboardInterrupt, GeneratorExit)):
+            log.warning("a local cluster's block failed; its shards:\n%s", self.failure_report())
         self.stop()
+
+    def failure_report(self, lines: int = 150) -> str:
+        """What a failed run shows of its shards: every live shard first writes its threads' stacks and its
+        asyncio tasks into its log (SIGUSR1, SIGUSR2: ``pscore.loopwatch``), then each shard's log tail
+        (``lines``), under a heading."""
+        live = [p for p in self.procs if p is not None and p.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)  # its threads (even with its event loop blocked)
+                os.kill(proc.pid, signal.SIGUSR2)  # its asyncio tasks and where each awaits
+        time.sleep(0.5 if live else 0)  # the dumps reach the logs
+        parts = []
+        for s, p in enumerate(self.procs):
+            state = "running" if p is not None and p.poll() is None else "stopped"
+            parts.append(
+                f"--- shard {s} {self.addresses[s] or '(not up)'} ({state}) ---\n{self.log_tail(s, lines)}"
+            )
+        return "\n".join(parts)
 
 
 _ATTACH_TIMEOUT_S = 30.0  # a backup attaches within a second; this covers a loaded CI machine

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import time
 
 import pytest
 
-from pscore.loopwatch import LoopWatch
+from pscore.loopwatch import LoopWatch, dump_tasks_on
 
 
 def _block_the_loop_for(seconds: float) -> None:
@@ -61,3 +63,28 @@ def test_a_turning_loop_is_never_reported(caplog: pytest.LogCaptureFixture) -> N
 def test_bad_periods_are_refused() -> None:
     with pytest.raises(ValueError, match="beat_s"):
         LoopWatch("x", beat_s=1.0, stalled_after_s=0.5)
+
+
+async def _waits_on(event: asyncio.Event) -> None:
+    await event.wait()  # a wait that does not end: what the task dump is for
+
+
+def test_sigusr2_lists_every_task_with_the_coroutines_it_awaits_in(capfd: pytest.CaptureFixture[str]) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dump_tasks_on(loop)
+        try:
+            stuck = asyncio.create_task(_waits_on(asyncio.Event()), name="the stuck one")
+            await asyncio.sleep(0)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            for _ in range(40):  # handled on the loop within a few turns
+                await asyncio.sleep(0.01)
+            stuck.cancel()
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR2)
+
+    asyncio.run(main())
+    err = capfd.readouterr().err
+    assert "asyncio tasks (SIGUSR2)" in err and "end of the tasks" in err
+    (line,) = [x for x in err.splitlines() if x.startswith("the stuck one:")]
+    assert "_waits_on (test_loopwatch.py:" in line and "-> wait (locks.py:" in line  # outermost first
