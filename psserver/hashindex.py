@@ -176,6 +176,24 @@ class HashIndex:
                 todo, at = todo[~got], at[~got]
         return found, both, keys
 
+    def positions_hinted(self, ids: np.ndarray, hints: np.ndarray) -> np.ndarray:
+        """``positions``, given a hint of each id's place (-1: none; a place read earlier, maybe stale): a
+        hint whose place holds the id is its place (an id has one place: no rebuild or removal can make a
+        wrong hint pass), and only the ids without a good hint are looked up. One gather and a compare
+        where the hints are good, not a hash and two buckets' gather."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        hints = np.asarray(hints, np.int64).reshape(-1)
+        places = np.minimum(hints, self.size)  # a hint past a table shrunk by nothing: checked below
+        good = (hints >= 0) & (np.take(self.keys, places) == ids)
+        # An empty place's key is ``EMPTY``: not that id's place (its own is after the buckets).
+        good &= (ids != EMPTY) | ((places == self.size) & self.has_empty_id)
+        if good.all():
+            return places
+        out = np.where(good, places, -1)
+        bad = np.flatnonzero(~good)
+        out[bad] = self.positions(ids[bad])
+        return out
+
     def get(self, ids: np.ndarray) -> np.ndarray:
         """The value of each id (-1: absent)."""
         pos = self.positions(ids)

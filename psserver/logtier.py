@@ -73,7 +73,7 @@ from pathlib import Path
 import numpy as np
 
 from pscore.errors import InternalError
-from psserver.hashindex import HashIndex
+from psserver.hashindex import EMPTY, HashIndex
 from psserver.tier import (
     NO_CUT,
     ColdTier,
@@ -283,9 +283,12 @@ class LogTier(ColdTier):
                 self._held[seg.no] = seg.reserved
         heapq.heappush(self._free, seg.no)
 
-    def _positions(self, ids: np.ndarray, gen: int) -> np.ndarray:
-        """Each id's record position as of generation ``gen`` (-1: none); holds ``_lock``."""
-        pos = self._index.get(ids)
+    def _positions(self, ids: np.ndarray, gen: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each id's record position as of generation ``gen`` (-1: none), and its place in the index now
+        (-1: none; ``ColdTier.read``'s places); holds ``_lock``."""
+        places = self._index.positions(ids)
+        pos = np.take(self._index.vals, places)
+        pos[places < 0] = -1
         for at_gen, undo_ids, before in reversed(self._undo):  # newest first: the oldest after ``gen`` wins
             if at_gen <= gen:
                 break
@@ -293,7 +296,7 @@ class LogTier(ColdTier):
             hit = undo_ids[at] == ids
             if hit.any():
                 pos[hit] = before[at[hit]]
-        return pos
+        return pos, places
 
     def _gather(self, pos: np.ndarray) -> np.ndarray:
         """The records at positions ``pos`` (each valid, in pinned segments): one gather from the map, of
@@ -301,11 +304,11 @@ class LogTier(ColdTier):
         rows = np.take(self._all_bytes, pos, axis=0)[:, : self.record.itemsize]
         return np.ascontiguousarray(rows).view(self.record).reshape(-1)
 
-    def _fetch(self, ids: np.ndarray, handle: int) -> tuple[np.ndarray, np.ndarray]:
+    def _fetch(self, ids: np.ndarray, handle: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with self._lock:
-            pos = self._positions(ids, handle)
+            pos, places = self._positions(ids, handle)
         got = pos >= 0
-        return got, self._gather(pos[got])
+        return got, self._gather(pos[got]), places[got]
 
     def scan(self, after: int | None, n: int) -> np.ndarray:
         """The first ``n`` ids of records that are ``> after`` (cold rows and older copies, not expired
@@ -367,7 +370,7 @@ class LogTier(ColdTier):
             with self._lock:
                 if snap.view.handle is None:
                     raise InternalError(f"table {self.table!r}: its disk tier's snapshot was closed")
-                pos = self._positions(ids, gen)
+                pos, _ = self._positions(ids, gen)
             if np.any(pos < 0):
                 raise InternalError(f"table {self.table!r}: a record of its disk tier's snapshot is missing")
             records = self._gather(pos)
@@ -475,9 +478,12 @@ class LogTier(ColdTier):
         records: np.ndarray,
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
+        places: np.ndarray | None = None,
     ) -> None:
         """Appends ``records`` under ``ids`` (their older copies become dead records), deletes the
-        ``delete`` ids: one change of the index, visible together. ``older`` is not needed here.
+        ``delete`` ids: one change of the index, visible together. ``older`` is not needed here;
+        ``places`` (hints of the ids' places in the index, from the reads of their older copies) spare
+        the index lookups of the ids whose hint still holds.
 
         Raises:
             TierFullError: the disk or the size limit is full (after compacting what could be); nothing
@@ -492,7 +498,7 @@ class LogTier(ColdTier):
             self._reserve_index(ids.size)
             placed = self._append(ids, np.ascontiguousarray(records, self.record))
             gone = np.concatenate(dels) if dels else ids[:0]
-            self._commit(ids, placed, gone)
+            self._commit(ids, placed, gone, places)
         self.stats.spilled += ids.size
 
     def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -734,25 +740,40 @@ class LogTier(ColdTier):
         self._active = seg
         return seg
 
-    def _commit(self, ids: np.ndarray, placed: np.ndarray, gone: np.ndarray) -> None:
+    def _commit(
+        self, ids: np.ndarray, placed: np.ndarray, gone: np.ndarray, hints: np.ndarray | None = None
+    ) -> None:
         """Points the index at the appended records and drops the ``gone`` ids (deleted first): one
-        generation. Keeps an undo entry while views are open. Nothing here fails."""
+        generation. Keeps an undo entry while views are open, from the same lookups. ``hints``: the ids'
+        places in the index as their reads found them (``HashIndex.positions_hinted``). Nothing here
+        fails."""
+        index = self._index
         with self._lock:
-            if self._pins:
-                touched = np.unique(np.concatenate([ids, gone]))
-                self._undo.append((self._gen + 1, touched, self._index.get(touched)))
+            gone = np.unique(gone) if gone.size else gone
+            at_gone = index.positions(gone) if gone.size else gone
+            # A removal moves no other entry: the ids' places found now hold after the removals (an id
+            # also deleted is found again, absent).
+            at_ids = index.positions(ids) if hints is None else index.positions_hinted(ids, hints)
+            if self._pins:  # the positions before this write of every id it touches, from the lookups
+                touched = np.concatenate([gone, ids])
+                where = np.concatenate([at_gone, at_ids])
+                before = np.take(index.vals, where)
+                before[where < 0] = -1
+                touched, first = np.unique(touched, return_index=True)  # a deleted id: its position first
+                self._undo.append((self._gen + 1, touched, before[first]))
             dead: list[np.ndarray] = []
             if gone.size:
-                at = self._index.positions(np.unique(gone))
-                at = at[at >= 0]
-                dead.append(self._index.vals[at])
-                self._index.remove(at)
+                at = at_gone[at_gone >= 0]
+                dead.append(index.vals[at])
+                index.remove(at)
             if ids.size:
-                at = self._index.positions(ids)
-                old = at >= 0
-                dead.append(self._index.vals[at[old]])
-                self._index.vals[at[old]] = placed[old]
-                self._index.insert(ids[~old], placed[~old])
+                old = at_ids >= 0
+                if gone.size:  # an id deleted, then written again: absent now (its place emptied)
+                    old &= np.take(index.keys, np.where(old, at_ids, index.size)) == ids
+                    old &= (ids != EMPTY) | index.has_empty_id
+                dead.append(index.vals[at_ids[old]])
+                index.vals[at_ids[old]] = placed[old]
+                index.insert(ids[~old], placed[~old])
                 self._count_live(placed, 1)
             for d in dead:
                 self._count_live(d, -1)
@@ -847,12 +868,12 @@ class LogTier(ColdTier):
         ids = np.array(seg.ids[start:end])
         offs = np.arange(start, end)
         with self._lock:
-            keep = self._index.get(ids) == seg.base + offs
+            at = self._index.positions(ids)
+            keep = (at >= 0) & (np.take(self._index.vals, at) == seg.base + offs)
         if keep.any():
-            ids = ids[keep]
+            ids, at = ids[keep], at[keep]  # their places hold: only the writer (this step) changes the index
             placed = self._append(ids, seg.recs[offs[keep]], compacting=True)
             with self._lock:
-                at = self._index.positions(ids)
                 self._index.vals[at] = placed
                 self._count_live(placed, 1)
                 self._count_live(seg.base + offs[keep], -1)

@@ -95,8 +95,9 @@ Cut = tuple[int | None, float | None]  # records last updated before push ``[0]`
 NO_CUT: Cut = (None, None)
 _MAX_READERS = 4096  # read transactions open at once per piece (64 bytes of its lock file each)
 ReadCost = tuple[float, int]  # a read's seconds, and 1 if it read the disk (not only remembered records)
-# The records of the last remembering reads, newest first: each read's (sorted ids, their records).
-Remembered = tuple[tuple[np.ndarray, np.ndarray], ...]
+# The records of the last remembering reads, newest first: each read's (sorted ids, their records, their
+# ``places``).
+Remembered = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]
 _META = [("last_step", "<i8"), ("hits", "<i8"), ("last_time", "<f8")]
 # The record fields an expiry index can order by (a table with ttl_steps, with ttl_seconds).
 EXPIRY_KINDS = ("last_step", "last_time")
@@ -483,8 +484,9 @@ class ColdTier:
         """Releases a ``_pin``."""
         raise NotImplementedError
 
-    def _fetch(self, ids: np.ndarray, handle: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Which ``ids`` had a record at ``handle``'s instant, and those records in order (expired or not)."""
+    def _fetch(self, ids: np.ndarray, handle: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which ``ids`` had a record at ``handle``'s instant, those records in order (expired or not), and
+        their ``places`` (-1 where the store keeps none)."""
         raise NotImplementedError
 
     def write(
@@ -493,11 +495,14 @@ class ColdTier:
         records: np.ndarray,
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
+        places: np.ndarray | None = None,
     ) -> None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: visible together.
 
         ``older``: with an expiry index, the ids among ``ids`` that have an older copy on disk and that
-        copy's stamps (``stamps``); a store that needs them uses them.
+        copy's stamps (``stamps``); a store that needs them uses them. ``places``: each id's place in the
+        store's id index as a read of its older copy gave it (``read``; -1: none known), a hint a store
+        with such an index checks and uses instead of looking the id up.
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -584,32 +589,34 @@ class ColdTier:
 
     def lookup(self, ids: np.ndarray, remember: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``get``, and the ids whose records it found expired (a push deletes them)."""
-        found, records, dead, cost = self.read(ids, remember)
+        found, records, dead, cost, _ = self.read(ids, remember)
         self.count_read(cost)
         return found, records, dead
 
     def read(
         self, ids: np.ndarray, remember: bool = False, at: TierView | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray]:
         """``lookup``, not counted in ``stats`` yet: it may run in a worker thread (a push's read, a large
         lookup's), and its cost (seconds, disk reads) is counted on the event loop (``count_read``).
+        Last, the records' ``places``: where the store's id index held each of their ids when it was read
+        (-1: not known; a hint for ``write``, which checks it).
 
         ``at``: read the tier as it was when ``view`` made it (a lookup's instant); it is closed.
         """
         ids = np.asarray(ids, np.int64)
         view = self.view() if at is None else at
         try:
-            found, records, cost = self._read(ids, remember, view)
+            found, records, places, cost = self._read(ids, remember, view)
         finally:
             view.close()
         if view.cut == NO_CUT or not records.size:
-            return found, records, ids[:0], cost
+            return found, records, ids[:0], cost, places
         live = self.live(records, view.cut)
         if live.all():
-            return found, records, ids[:0], cost
+            return found, records, ids[:0], cost, places
         at_ = np.flatnonzero(found)[~live]
         found[at_] = False
-        return found, records[live], ids[at_], cost
+        return found, records[live], ids[at_], cost, places[live]
 
     def view(self) -> TierView:
         """The tier as it is now (its records, cut and remembered records), for one ``read`` later, in
@@ -621,18 +628,19 @@ class ColdTier:
 
     def _read(
         self, ids: np.ndarray, remember: bool, view: TierView
-    ) -> tuple[np.ndarray, np.ndarray, ReadCost]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost]:
         if not ids.size or view.handle is None:
-            return np.zeros(ids.size, bool), np.zeros(0, self.record), (0.0, 0)
+            return np.zeros(ids.size, bool), np.zeros(0, self.record), np.zeros(0, np.int64), (0.0, 0)
         t0 = time.perf_counter()
         writes = view.writes
         # Records are moved as opaque bytes (a void dtype): numpy copies a structured record field by field.
         raw = self._raw
         ask = np.arange(ids.size)  # the positions in ``ids`` not answered yet
-        parts: list[tuple[np.ndarray, np.ndarray]] = []  # (positions in ``ids``, their raw records)
+        # (positions in ``ids``, their raw records, their places)
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         # A lookup (``remember``) rarely asks for what the last lookups read (the next batches' ids): it
         # reads the disk; a push asks for what the lookup before the last read.
-        for recent_ids, recent in () if remember else view.recent:  # newest first
+        for recent_ids, recent, recent_places in () if remember else view.recent:  # newest first
             if not ask.size:
                 break
             want = ids[ask]
@@ -640,37 +648,40 @@ class ColdTier:
             np.minimum(at, recent_ids.size - 1, out=at)
             known = recent_ids[at] == want
             if known.any():
-                parts.append((ask[known], _raw(recent, raw)[at[known]]))
+                parts.append((ask[known], _raw(recent, raw)[at[known]], recent_places[at[known]]))
                 ask = ask[~known]
         fetched = ask.size > 0
         if fetched:
-            got, records = self._fetch(ids[ask], view.handle)
+            got, records, places = self._fetch(ids[ask], view.handle)
             ask = ask[got]
         if not parts:  # all fetched, in order
             found = np.zeros(ids.size, bool)
             found[ask] = True
         else:
             if fetched and ask.size:
-                parts.append((ask, _raw(records, raw)))
+                parts.append((ask, _raw(records, raw), places))
             found = np.zeros(ids.size, bool)
-            for pos, _ in parts:
+            for pos, _, _ in parts:
                 found[pos] = True
             slot = np.cumsum(found) - 1
-            out = np.empty(int(slot[-1]) + 1 if ids.size else 0, raw)
-            for pos, recs in parts:
+            n = int(slot[-1]) + 1 if ids.size else 0
+            out = np.empty(n, raw)
+            places = np.empty(n, np.int64)
+            for pos, recs, at_places in parts:
                 out[slot[pos]] = recs
+                places[slot[pos]] = at_places
             records = out.view(self.record)
         if remember:
             keep = records.nbytes <= _REMEMBER_BYTES
             if keep:
                 kept_ids = ids[found]
                 order = np.argsort(kept_ids)
-                kept = (kept_ids[order], _raw(records, raw)[order].view(self.record))
+                kept = (kept_ids[order], _raw(records, raw)[order].view(self.record), places[order])
             with self._write_lock:
                 if writes is not None and writes == self._writes and not self._writing:
                     # No write overlapped the read: it is the newest, and the older ones as room allows.
                     self._recent = _remembered(kept, self._recent) if keep else ()
-        return found, records, (time.perf_counter() - t0, int(fetched))  # 0: remembered records only
+        return found, records, places, (time.perf_counter() - t0, int(fetched))  # 0: remembered records only
 
     def count_read(self, cost: ReadCost) -> None:
         """Counts a read's cost (``read``) in ``stats``; call it on the event loop."""
@@ -697,14 +708,14 @@ class ColdTier:
         if self._recent and changed:
             gone = np.sort(np.concatenate(changed))  # once, for a search per remembered read
             kept = []
-            for ids, recs in self._recent:
+            for ids, recs, places in self._recent:
                 at = np.searchsorted(gone, ids)
                 np.minimum(at, gone.size - 1, out=at)
                 keep = gone[at] != ids
                 if keep.all():
-                    kept.append((ids, recs))
+                    kept.append((ids, recs, places))
                 elif keep.any():
-                    kept.append((ids[keep], recs[keep]))
+                    kept.append((ids[keep], recs[keep], places[keep]))
             self._recent = tuple(kept)
 
     @property
@@ -802,10 +813,11 @@ class DiskTier(ColdTier):
     def _unpin(self, handle: lmdb.Transaction) -> None:
         handle.abort()
 
-    def _fetch(self, ids: np.ndarray, handle: lmdb.Transaction) -> tuple[np.ndarray, np.ndarray]:
+    def _fetch(self, ids: np.ndarray, handle: lmdb.Transaction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         vals = [handle.get(k, db=self._rows) for k in _keys(ids)]
         got = np.array([v is not None for v in vals], bool)
-        return got, np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
+        records = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)
+        return got, records, np.full(records.size, -1, np.int64)  # a B-tree: no places
 
     def write(
         self,
@@ -813,8 +825,10 @@ class DiskTier(ColdTier):
         records: np.ndarray,
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
+        places: np.ndarray | None = None,
     ) -> None:
-        """``ColdTier.write`` in one transaction; ``older``'s index entries go.
+        """``ColdTier.write`` in one transaction; ``older``'s index entries go (``places``: not used, a
+        B-tree's keys are its index).
 
         Raises:
             TierFullError: the disk or the size limit is full; nothing was written.
@@ -1058,8 +1072,8 @@ class DiskTier(ColdTier):
                 assert have == sorted(_stamp_keys(all_records[kind], all_ids)), f"expiry index {kind}"
 
 
-def _remembered(new: tuple[np.ndarray, np.ndarray], old: Remembered) -> Remembered:
-    """The reads remembered after a remembering read ``new`` (sorted ids, records): it first, then the
+def _remembered(new: tuple[np.ndarray, np.ndarray, np.ndarray], old: Remembered) -> Remembered:
+    """The reads remembered after a remembering read ``new`` (sorted ids, records, places): it first, then the
     newest of ``old`` while they are at most ``_REMEMBER_READS`` reads and ``_REMEMBER_BYTES`` in all."""
     out = [new] if new[0].size else []  # a read that found nothing: nothing to answer from
     nbytes = new[1].nbytes

@@ -13,8 +13,9 @@ from psserver.tier import release_rows
 
 # Memory per hot row besides its value and slots: slot_ids, last_step, hits, last_time (8 B each), live (1),
 # the free stack (8), the hash index at its fullest (4 entries of 17 B per live row after a rebuild)
-# and its tier flag (on_disk: 1); with a TTL, its older copy's stamps (disk_stamps: 8 B per TTL kind).
-_ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 8 + 4 * 17
+# and its tier flag (on_disk: 1) and its older copy's place in the tier's index (disk_place: 4); with a TTL,
+# its older copy's stamps (disk_stamps: 8 B per TTL kind).
+_ROW_BOOKKEEPING_BYTES = 4 * 8 + 1 + 1 + 4 + 8 + 4 * 17
 MIN_HOT_ROWS = 64
 
 
@@ -86,7 +87,8 @@ class RowBudget:
         if new >= self.limit:
             return 0
         tail = self._by_id(new + np.flatnonzero(self.live[new : self.limit]))
-        self.tier.write(self.slot_ids[tail], self._records(holder, tail), older=self._older(tail))
+        tier_ids, records = self.slot_ids[tail], self._records(holder, tail)
+        self.tier.write(tier_ids, records, older=self._older(tail), places=self._places(tail))
         # Nothing below fails.
         self._release(tail)
         free = self.free[: self.nfree]
@@ -94,6 +96,7 @@ class RowBudget:
         self.free[: free.size] = free
         self.nfree = free.size
         per_row = [self.slot_ids, self.last_step, self.hits, self.last_time, self.live, self.on_disk]
+        per_row.append(self.disk_place)
         per_row += [self.free, self.disk_stamps, holder.state[0], *holder.slots.values()]
         for arr in per_row:
             if arr is not None and arr.shape[:1] == (self.allocated,):

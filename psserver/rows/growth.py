@@ -59,7 +59,8 @@ class Growth:
                 new[old:] = 0
         slots.update({k: a for k, a in holder.slots.items() if a.shape != (old, self.config.dim)})
         arrays = {}
-        for name in ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk", "disk_stamps"):
+        names = ("slot_ids", "last_step", "hits", "last_time", "live", "on_disk", "disk_place", "disk_stamps")
+        for name in names:
             arr = getattr(self, name)
             if arr is not None:
                 arrays[name] = np.empty(rows, arr.dtype)

@@ -57,6 +57,9 @@ class DynamicRows(RowReads, PushSteps, TierSteps, Growth, Exports, RowBudget):
         # Disk tier: the row in memory also has an older copy on disk (filled rows keep theirs: deleting
         # it would cost a write per fill; the next spill overwrites it). ``stale``: how many do.
         self.on_disk = zeros(rows, bool)
+        # Where the disk tier's index held that copy's id when the fill read it (``ColdTier.read``'s places;
+        # -1: not known): its next spill's hint (``ColdTier.write``), checked there.
+        self.disk_place = zeros(rows, np.int32)
         self.stale = 0
         # A tiered LRU piece's next spill victims, in LRU order (``_spill_victims``): rows, and their ids
         # and last steps when chosen.

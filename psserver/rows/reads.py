@@ -65,7 +65,9 @@ class RowReads:
         """Reads ``lookup``'s rows on disk, as they were at its ``read_begin``; any thread."""
         if lookup.view is not None:
             assert self.tier is not None
-            found, records, _, cost = self.tier.read(lookup.ids[lookup.cold], remember=True, at=lookup.view)
+            found, records, _, cost, _ = self.tier.read(
+                lookup.ids[lookup.cold], remember=True, at=lookup.view
+            )
             lookup.found, lookup.records, lookup.cost = found, records, cost
 
     def read_end(self, lookup: RowRead) -> np.ndarray:

@@ -18,6 +18,7 @@ _VICTIM_QUEUE = 8  # a tiered piece chooses the victims of this many spills at o
 _QUEUE_WINDOW = 4096  # the victim queue's rows a spill checks first, at least (``_queued_victims``)
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
+_NO_PLACE = np.iinfo(np.int32).max  # ``disk_place`` holds places below this (a larger one: not kept)
 
 
 class TierSteps:
@@ -116,7 +117,7 @@ class TierSteps:
         cold_ids = ids[cold_pos]
         nbytes = cold_ids.size * tier.record.itemsize if len(tier) else 0
         reads = functools.partial(self._tier_reads, cold_ids, batch_cut)
-        on_disk, records, dead, cost, batch = yield nbytes, reads
+        on_disk, records, dead, cost, places, batch = yield nbytes, reads
         tier.count_read(cost)
         fill_ids = ids[cold_pos[on_disk]]
         new_ids = ids[cold_pos[~on_disk]]
@@ -190,6 +191,7 @@ class TierSteps:
                 if a.shape == (self.allocated, c.dim):
                     a[rows] = records[f"slot_{k}"]
             self.on_disk[rows] = True
+            self.disk_place[rows] = np.where(places < _NO_PLACE, places, -1)  # a hint for their spill
             if self.disk_stamps is not None:
                 for k in self.disk_stamps.dtype.names or ():
                     self.disk_stamps[k][rows] = records[k]
@@ -200,10 +202,10 @@ class TierSteps:
 
     def _tier_reads(
         self, ids: np.ndarray, batch_cut: Cut | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray | None]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray, np.ndarray | None]:
         """``tier_step``'s disk reads (it may run in a worker thread): ``ColdTier.read`` of the cold
-        ``ids`` (counted by the caller), then, with ``batch_cut``, a batch of the expired records' ids
-        (``ColdTier.expired``)."""
+        ``ids`` (counted by the caller; with the records' places in the store's index), then, with
+        ``batch_cut``, a batch of the expired records' ids (``ColdTier.expired``)."""
         assert self.tier is not None
         batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
         return *self.tier.read(ids), batch
@@ -214,7 +216,9 @@ class TierSteps:
         Reads the rows, changes nothing in memory."""
         assert self.tier is not None
         records = self._records(holder, rows)
-        self.tier.write(self.slot_ids[rows], records, delete=deletes, older=self._older(rows))
+        self.tier.write(
+            self.slot_ids[rows], records, delete=deletes, older=self._older(rows), places=self._places(rows)
+        )
 
     def _by_id(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` in the order of their ids where the store writes faster so (``ColdTier.key_ordered``): a
@@ -222,6 +226,11 @@ class TierSteps:
         if self.tier is None or not self.tier.key_ordered:
             return rows
         return rows[np.argsort(self.slot_ids[rows])]
+
+    def _places(self, rows: np.ndarray) -> np.ndarray:
+        """``ColdTier.write``'s ``places`` for spilling ``rows``: where the store's index held each older
+        copy's id when it was read (-1: no older copy, or not known)."""
+        return np.where(self.on_disk[rows], self.disk_place[rows], -1)
 
     def _older(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``ColdTier.write``'s ``older`` for spilling ``rows``: those with an older copy, their stamps."""

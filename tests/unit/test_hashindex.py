@@ -189,3 +189,33 @@ def test_large_batches_run_in_chunks_with_the_same_result(monkeypatch: pytest.Mo
         del ref[g]
     _check(index, ref)
     _check(index.rebuilt(5000), ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 80), st.sampled_from(["removed", "reinserted", "rebuilt"]))
+def test_positions_with_hints_are_positions_whatever_the_hints(seed: int, n: int, between: str) -> None:
+    """A spill's ids come with the places their reads found (``positions_hinted``): the answer is
+    ``positions``' for good hints, hints gone stale (the id removed, removed and inserted again
+    elsewhere, the table rebuilt), another id's place, an empty place, a place past the table, none
+    (-1), and for the id ``EMPTY`` (every empty place's key) and crowded ids past their buckets."""
+    rng = np.random.default_rng(seed)
+    index = HashIndex(64)
+    crowd = _colliding(index.mask + 1, 12)
+    ids = np.unique(np.concatenate([rng.integers(-(2**40), 2**40, 3 * n), crowd, [EMPTY]]))
+    index.insert(ids, np.arange(ids.size))
+    hints = index.positions(ids)
+    gone = rng.choice(ids, ids.size // 3, replace=False)
+    index.remove(index.positions(gone))
+    if between == "reinserted":
+        index.insert(gone[::2], np.arange(gone[::2].size))
+    elif between == "rebuilt":
+        index.reserve(index.size)  # another table: most places moved
+    # Some hints wrong on purpose: another id's place, an empty place, past the table, none.
+    wrong = rng.random(ids.size)
+    hints = np.where(wrong < 0.1, np.roll(hints, 1), hints)
+    empty = np.flatnonzero(index.keys[: index.size] == EMPTY)
+    hints = np.where((wrong >= 0.1) & (wrong < 0.15), empty[rng.integers(0, empty.size, ids.size)], hints)
+    hints = np.where((wrong >= 0.15) & (wrong < 0.2), index.size + 7, hints)
+    hints = np.where((wrong >= 0.2) & (wrong < 0.25), -1, hints)
+    np.testing.assert_array_equal(index.positions_hinted(ids, hints), index.positions(ids))
+    np.testing.assert_array_equal(index.positions_hinted(ids, index.positions(ids)), index.positions(ids))

@@ -131,7 +131,7 @@ def test_a_view_and_a_snapshot_read_their_instant_while_writes_and_compaction_go
     assert tier.compaction.segments > 0
     # The segments the pinned instant may read stay mapped (their space counted) until it is closed.
     assert tier.disk_used >= before_disk
-    found, got, _, _ = tier.read(ids[::-1], at=view)
+    found, got, _, _, _ = tier.read(ids[::-1], at=view)
     assert found.all() and got.tobytes() == first[::-1].tobytes()
     walked = list(tier.items(chunk=333, txn=snapshot, cut=NO_CUT))
     np.testing.assert_array_equal(np.concatenate([w[0] for w in walked]), ids)
@@ -319,3 +319,47 @@ def test_an_expiry_drains_in_batches_and_finds_records_written_meanwhile(tmp_pat
     assert len(tier) == fresh.size
     tier.check()
     tier.close()
+
+
+def test_reads_give_their_records_places_and_a_write_takes_them_as_hints_checked(tmp_path: Path) -> None:
+    """A read gives, with its records, where the index held their ids (``places``: what a piece keeps per
+    filled row for its spill, ``DynamicRows.disk_place``), from the disk or from remembered records. A
+    write with those hints gives what a write without them gives, bit-exact, however stale the hints:
+    after compaction moved the records, after the index grew (another table), after an id was deleted
+    and written again, and with hints that are plainly wrong (another id's place): each is checked
+    against the index's keys before it is used."""
+    tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t", expiry=("last_step",))
+    twin = LogTier(tmp_path / "u", _RECORD, 1 << 30, "u", expiry=("last_step",))
+    model: dict[int, np.void] = {}
+    rng = np.random.default_rng(3)
+    kept: dict[int, int] = {}  # id -> the place its last read gave
+    for step in range(200):
+        ids = np.unique(rng.integers(0, 3000 + 40 * step, rng.integers(1, 150)))  # the index grows
+        gone = np.setdiff1d(np.unique(rng.integers(0, 3000, rng.integers(0, 20))), ids)
+        records = _records(ids, step)
+        hints = np.array([kept.get(i, -1) for i in ids.tolist()], np.int64)
+        if step % 7 == 0:  # plainly wrong hints: another id's
+            hints = np.roll(hints, 1)
+        tier.write(ids, records, delete=[gone], places=hints)
+        twin.write(ids, records, delete=[gone])
+        for i in gone.tolist():
+            model.pop(i, None)
+        model.update(zip(ids.tolist(), (r.copy() for r in records), strict=True))
+        probe = np.unique(rng.integers(0, 3000 + 40 * step, 200))
+        remember = step % 2 == 0  # from the disk (its places now), or from remembered records (then)
+        found, got, dead, _, places = tier.read(probe, remember=remember)
+        assert not dead.size and places.size == got.size
+        if remember:
+            np.testing.assert_array_equal(places, tier._index.positions(probe[found]))
+        kept.update(zip(probe[found].tolist(), places.tolist(), strict=True))
+        if step % 40 == 0:
+            tier.compact_now()
+            _assert_holds(tier, model, walk=False)
+    _wait_compacted(tier)
+    _wait_compacted(twin)
+    assert tier.compaction.moved > 0
+    _assert_holds(tier, model)
+    probe = np.array(sorted(model), np.int64)
+    assert tier.get(probe)[1].tobytes() == twin.get(probe)[1].tobytes()
+    tier.close()
+    twin.close()
