@@ -100,15 +100,31 @@ class BackgroundLoop:
         """Schedules ``coro`` on the loop without waiting; the caller waits on the returned future.
 
         Cheaper than handing ``run`` to a worker thread: one hop to the loop, and
-        the loop completes the future directly.
+        the loop completes the future directly (its task's end sets it: not
+        ``run_coroutine_threadsafe``'s chain of futures). Cancelling the future
+        cancels the task.
 
         Raises:
             RuntimeError: after ``close``.
         """
-        if self._loop.is_closed() or not self._thread.is_alive():
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        try:
+            if self._closed or not self._thread.is_alive():
+                raise RuntimeError
+            self._loop.call_soon_threadsafe(self._start_for, coro, fut)
+        except RuntimeError:  # closed, or closing
             coro.close()
-            raise RuntimeError("the background loop is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            raise RuntimeError("the background loop is closed") from None
+        return fut
+
+    def _start_for(self, coro: Coroutine[Any, Any, Any], fut: concurrent.futures.Future[Any]) -> None:
+        """On the loop: ``submit``'s task; its end sets ``fut``, and cancelling ``fut`` cancels it."""
+        if fut.cancelled():  # before it started
+            coro.close()
+            return
+        task = self._loop.create_task(coro)
+        task.add_done_callback(functools.partial(_settle, fut))
+        fut.add_done_callback(functools.partial(_cancel_task, self._loop, task))
 
     def close(self) -> None:
         """Stops the loop and joins its thread. Idempotent."""
@@ -120,6 +136,26 @@ class BackgroundLoop:
 
 def _release(done: Any, task: asyncio.Task[Any]) -> None:
     done.release()
+
+
+def _settle(fut: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    """On the loop: ``submit``'s future gets its task's outcome (unless its waiter cancelled it)."""
+    if task.cancelled():
+        fut.cancel()
+    if not fut.set_running_or_notify_cancel():
+        return
+    err = task.exception()
+    if err is None:
+        fut.set_result(task.result())
+    else:
+        fut.set_exception(err)
+
+
+def _cancel_task(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any], fut: Any) -> None:
+    """``submit``'s future is done: cancelled by its waiter, its task is cancelled on the loop."""
+    if fut.cancelled() and not task.done():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs any more
+            loop.call_soon_threadsafe(task.cancel)
 
 
 def _cancel(box: list[Any]) -> None:

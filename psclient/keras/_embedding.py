@@ -284,12 +284,18 @@ class Embedding(keras.layers.Layer):
         reads yet (the next step's, when tf.data prepared it in time), or None."""
         return self._prefetched.next_wanted()
 
-    def rows_coming(self, key: Any, fut: concurrent.futures.Future[np.ndarray]) -> None:
-        """The exchange reading the rows of ``key`` (from ``wanted_rows``) gives their future."""
-        self._prefetched.assign(key, fut)
+    def rows_coming(self, key: Any, fut: concurrent.futures.Future[Any], table: str | None = None) -> None:
+        """The exchange reading the rows of ``key`` (from ``wanted_rows``) gives their future: of the
+        rows, or with ``table``, of the exchange's ``(values, rows by table)`` (one future a step for
+        the exchange and every layer)."""
+        self._prefetched.assign(key, fut, table)
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         ids = self._ids(ids)
+        if ids.size and self.worker.attached:  # a prefetch's ids: checked when it was asked for
+            rows = self._prefetched.take(_key(ids), self.worker.client.wait_timeout)
+            if rows is not None:
+                return rows.astype(self.variable_dtype, copy=False)
         bad = self._bad_id(ids)
         if bad is not None:
             raise ValueError(
@@ -303,10 +309,8 @@ class Embedding(keras.layers.Layer):
         dtype = np.dtype(self.variable_dtype)
         if not ids.size:
             return np.zeros((0, self.output_dim), dtype)
-        rows = self._prefetched.take(_key(ids), self.worker.client.wait_timeout)
-        if rows is None:
-            # ``ids`` are tf.unique's: the client need not deduplicate them again
-            rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step, distinct=True)
+        # ``ids`` are tf.unique's: the client need not deduplicate them again
+        rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step, distinct=True)
         return np.asarray(rows, dtype)
 
     def call(self, inputs: Any) -> Any:
@@ -410,8 +414,9 @@ class Embedding(keras.layers.Layer):
         return config
 
 
-_Rows = concurrent.futures.Future[Any]  # rows being read
-_Entry = tuple[np.ndarray, _Rows | None]  # distinct ids, and their rows once an exchange reads them
+_Rows = concurrent.futures.Future[Any]  # rows being read (alone, or with an exchange's values)
+# distinct ids; once an exchange reads them, their rows' future and the table's name in its result (or None)
+_Entry = tuple[np.ndarray, _Rows | None, str | None]
 
 
 class _Prefetched:
@@ -434,7 +439,7 @@ class _Prefetched:
     def want(self, key: Any, ids: np.ndarray) -> None:
         with self._lock:
             self._entries.pop(key, None)
-            self._entries[key] = (ids, None)
+            self._entries[key] = (ids, None, None)
             while len(self._entries) > _PREFETCH_KEEP:  # the oldest were never used (validation data ...)
                 self._entries.popitem(last=False)
 
@@ -442,13 +447,15 @@ class _Prefetched:
         """The oldest entry no exchange reads yet. Only that one: an exchange reads the rows of the
         step after it, not of steps further ahead (their rows would miss the pushes in between)."""
         with self._lock:
-            return next(((key, ids) for key, (ids, fut) in self._entries.items() if fut is None), None)
+            return next(((key, ids) for key, (ids, fut, _) in self._entries.items() if fut is None), None)
 
-    def assign(self, key: Any, fut: concurrent.futures.Future[Any]) -> None:
+    def assign(self, key: Any, fut: concurrent.futures.Future[Any], table: str | None = None) -> None:
+        """``fut`` reads the rows of ``key``: its result is the rows, or with ``table`` an exchange's
+        ``(values, rows by table)``."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry[1] is None:
-                self._entries[key] = (entry[0], fut)
+                self._entries[key] = (entry[0], fut, table)
 
     def take(self, key: Any, timeout: float) -> np.ndarray | None:
         """The rows read ahead for ``key``, or None (none read, or the read failed: read them anew)."""
@@ -462,7 +469,8 @@ class _Prefetched:
                 log.debug("prefetched rows failed (%s); reading them in the step", err)
             else:
                 self.hits += 1
-                return np.asarray(rows)
+                table = entry[2]  # type: ignore[index]  # an entry with a future
+                return np.asarray(rows if table is None else rows[1][table])
         self.misses += 1
         return None
 

@@ -1,8 +1,10 @@
-"""psclient._loop.BackgroundLoop.run: a result, an error, a timeout that cancels, a closed loop."""
+"""psclient._loop.BackgroundLoop.run and .submit: a result, an error, a timeout or a cancel that cancels,
+a closed loop."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 
 import pytest
@@ -60,3 +62,36 @@ def test_run_from_the_loop_thread_and_after_close_is_refused(bg: BackgroundLoop)
     bg.close()
     with pytest.raises(RuntimeError, match="closed"):
         bg.run(_answer(0))
+
+
+def test_submit_gives_a_future_of_the_result_or_the_error(bg: BackgroundLoop) -> None:
+    futures = [bg.submit(_answer(i)) for i in range(20)]
+    assert [f.result(5.0) for f in futures] == list(range(1, 21))
+    failed = bg.submit(_fail())
+    with pytest.raises(KeyError, match="nope"):
+        failed.result(5.0)
+    assert isinstance(failed.exception(), KeyError)
+
+
+def test_cancelling_a_submitted_future_cancels_its_coroutine(bg: BackgroundLoop) -> None:
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    fut = bg.submit(forever())
+    assert started.wait(5.0)
+    assert fut.cancel()
+    assert cancelled.wait(5.0)
+    with pytest.raises(concurrent.futures.CancelledError):
+        fut.result(5.0)
+    assert bg.submit(_answer(0)).result(5.0) == 1  # the loop goes on serving
+    bg.close()
+    coro = _answer(0)
+    with pytest.raises(RuntimeError, match="closed"):
+        bg.submit(coro)

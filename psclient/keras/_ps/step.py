@@ -5,7 +5,6 @@ which stages it in the backend's step."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,47 +124,29 @@ class WorkerStep:
             self._inflight = None
         return values
 
-    def _push_pull(
-        self, gmap: dict[str, Any], local_tables: list[str]
-    ) -> concurrent.futures.Future[dict[str, Any]]:
+    def _push_pull(self, gmap: dict[str, Any], local_tables: list[str]) -> concurrent.futures.Future[Any]:
         """Starts this step's push_pull; the rows ``prefetch_rows`` asked for (the next batches' ids of
-        the ``psclient.keras.Embedding`` layers) are read with it, once it is applied."""
-        wants = [(name, layer, layer.wanted_rows()) for name, layer in self._remote.items()]
-        wants = [(name, layer, asked) for name, layer, asked in wants if asked is not None]
+        the ``psclient.keras.Embedding`` layers) are read with it, once it is applied.
+
+        One future for the step and its layers: its values (``push_pull``), or ``(values, rows)``
+        (``push_pull_lookup``) whose rows each layer takes by its table's name (``rows_coming``). No
+        futures chained behind it: each would take a lock and wake its waiters again on the loop's
+        thread, every step.
+        """
+        wants = [
+            (name, layer, asked)
+            for name, layer in self._remote.items()
+            if (asked := layer.wanted_rows()) is not None
+        ]
         if not wants:
             return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
         lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
         both = self.client.push_pull_lookup_future(
             gmap, lookup, step=self.step, return_rows=local_tables, distinct=True
         )
-        values: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
-        parts = []  # (table, the future of its rows)
         for name, layer, (key, _) in wants:
-            part: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-            parts.append((name, part))
-            layer.rows_coming(key, part)
-
-        def done(f: concurrent.futures.Future[Any]) -> None:
-            if f.cancelled():
-                outcomes: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-                for out in [values, *(p for _, p in parts)]:
-                    out.cancel()
-            elif (err := f.exception()) is not None:
-                outcomes = [(out, None, err) for out in [values, *(p for _, p in parts)]]
-            else:
-                got, rows = f.result()
-                outcomes = [(part, rows[name], None) for name, part in parts]
-                outcomes.append((values, got, None))
-            for out, result, error in outcomes:
-                with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled by its waiter
-                    if error is not None:
-                        out.set_exception(error)
-                    else:
-                        out.set_result(result)
-
-        both.add_done_callback(done)
-        values.add_done_callback(lambda f: both.cancel() if f.cancelled() else None)
-        return values
+            layer.rows_coming(key, both, name)
+        return both
 
     def apply_gradients(
         self,

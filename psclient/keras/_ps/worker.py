@@ -141,7 +141,7 @@ class PSWorker(WorkerSetup, WorkerStep, DeferredExchanges):
         self._base: dict[str, np.ndarray] = {}  # state: the value last loaded from the shards
         self._optimizers: dict[int, DistributedOptimizer] = {}  # those that applied gradients
         self._sent_lr: dict[int, float] = {}
-        self._inflight: concurrent.futures.Future[dict[str, np.ndarray]] | None = None
+        self._inflight: concurrent.futures.Future[Any] | None = None  # values, or (values, rows)
         self._attached = False
         self._pending: tuple[keras.Model, Any] | None = None  # attached once its first step builds it
         self._left = False  # told the shards it is done (sync/ssp); a push counts it in again
@@ -222,12 +222,14 @@ class PSWorker(WorkerSetup, WorkerStep, DeferredExchanges):
         if fut is not None:
             self._wait(fut)
 
-    def _wait(self, fut: concurrent.futures.Future[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def _wait(self, fut: concurrent.futures.Future[Any]) -> dict[str, np.ndarray]:
+        """The values of an exchange (``WorkerStep._push_pull``'s future: values, or ``(values, rows)``)."""
         try:
-            return fut.result(self.client.wait_timeout)
+            got = fut.result(self.client.wait_timeout)
         except TimeoutError:
             fut.cancel()
             raise
+        return got[0] if isinstance(got, tuple) else got  # type: ignore[no-any-return]
 
     # -- Keras -----------------------------------------------------------------
 
