@@ -487,6 +487,12 @@ def add_rate_args(parser: argparse.ArgumentParser, unit: str) -> None:
     )
 
 
+def peer_queues_text(args: argparse.Namespace) -> str:
+    """The note for the rows where each host's data goes through queues by peer ("" if one FIFO)."""
+    queues = getattr(args, "peer_queues", 0)
+    return f", each host's data in {queues} queues by peer served in turn" if queues else ""
+
+
 def parts_text(args: argparse.Namespace) -> str:
     """How a sync step's push goes (``--parts``), for the results' header: nothing for whole pushes."""
     parts = getattr(args, "parts", 1)
@@ -501,7 +507,8 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"Command: `{command}`",
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{rate_text(args)} (htb{', small packets first' if args.acks == 'first' else ''}), "
+        f"{rate_text(args)} (htb{', small packets first' if args.acks == 'first' else ''}"
+        f"{peer_queues_text(args)}), "
         f"{cm.congestion_text(args)}; "
         f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
@@ -644,6 +651,13 @@ def main(argv: list[str] | None = None) -> int:
         "queued: one queue for all, ACKs behind up to 1,000 packets of data (the results before)",
     )
     parser.add_argument(
+        "--peer-queues",
+        type=int,
+        default=0,
+        help="each host sends its data through this many queues by peer, served in turn "
+        "(NetnsCluster(peer_queues=...), a power of two; as a Linux host's per-flow qdisc); 0: one FIFO",
+    )
+    parser.add_argument(
         "--parts",
         type=int,
         default=1,
@@ -691,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         congestion=cm.congestion_of(args),
         sysctls=cm.sysctls_of(args),
         small_first=args.acks == "first",
+        peer_queues=args.peer_queues,
     ) as net:
         cm.note_congestion(args, net, net.hosts[0])
         shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]

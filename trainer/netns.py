@@ -61,6 +61,7 @@ _HOST_IF = "eth0"  # the veth end inside a host
 # on a link shaped with ``small_first``: pure ACKs (52 bytes with timestamps, up to 88 with SACK blocks).
 SMALL_PACKET_BYTES = 128
 _SMALL_SHARE = 0.05  # the small packets' class's guaranteed share of the rate (it may borrow all of it)
+_PEER_QUANTUM = 3028  # bytes a peer's class sends a turn (two full frames; a 64 KiB TSO frame overdraws it)
 _SUBNET_FMT = "10.77.{}.0/24"  # a private range; the third octet comes from the cluster's suffix
 # Linux's default TCP congestion control, and what a stock cluster node runs. A namespace inherits the
 # machine's default otherwise, which on some kernels is bbr: BBRv1 paces at its own estimate of the
@@ -202,6 +203,11 @@ class NetnsCluster:
         small_first: every shaped link puts packets under ``SMALL_PACKET_BYTES`` (pure ACKs) in a class
             of their own that goes first, as a switch port's small queue does (see ``shape``); False:
             one queue for all.
+        peer_queues: on each host's own side of its link, its data goes to this many queues by the
+            peer's address (the last octet's low bits: each of up to ``peer_queues`` peers a queue of
+            its own) served in turn, as a Linux host's per-flow default qdisc (fq_codel) serves its
+            connections; 0 (default): one FIFO. A power of two up to 256. The bridge's side (the switch
+            port) stays one FIFO. See ``shape`` for why a FIFO at the sender is unfair.
 
     Raises:
         NetnsError: the machine cannot make namespaces (see ``netns_available``) or a command failed.
@@ -217,7 +223,10 @@ class NetnsCluster:
         sysctls: Mapping[str, str] | None = None,
         workdir: str | os.PathLike[str] | None = None,
         small_first: bool = False,
+        peer_queues: int = 0,
     ) -> None:
+        if peer_queues < 0 or peer_queues > 256 or peer_queues & (peer_queues - 1):
+            raise ValueError(f"peer_queues must be 0 or a power of two up to 256, got {peer_queues!r}")
         if congestion is not None and not congestion.isidentifier():
             raise ValueError(f"congestion must name a TCP congestion control ('cubic'), got {congestion!r}")
         for key in sysctls or {}:
@@ -231,6 +240,7 @@ class NetnsCluster:
         self.rate_mbit = rate_mbit
         self.burst_kib = burst_kib
         self.small_first = small_first
+        self.peer_queues = peer_queues
         self.congestion = congestion
         self.sysctls = dict(sysctls or {})
         self.hosts: list[Host] = []
@@ -342,35 +352,53 @@ class NetnsCluster:
         share the rate. With one queue a connection's ACKs wait behind the data the host sends the
         other way (up to 1,000 packets: smoothed RTTs of 18-81 ms on links of 0.02-5 ms).
 
+        With ``peer_queues`` (the cluster's), the host's side puts its data in one class per peer
+        bucket (``u32`` on the destination's last octet), served in turn (htb's round robin, a small
+        quantum). In one FIFO at the sender, TCP's small queues (TSQ) keep each connection to ~2 of its
+        own frames in the qdisc and TSO autosizing sizes them by its pacing rate (cwnd / RTT): a
+        connection that fell behind gets a share of the link in proportion to its rate, sends ~4
+        segments an RTT and is never cwnd-limited enough to grow (a shard's answers to one worker at
+        0.2-0.3 Mbit/s for 13 s of a 30 Mbit/s link shared by 16; docs/benchmarks/scaling.md). This
+        kernel has no fair-queueing qdisc (fq_codel, fq, sfq), hence the classes.
+
         Raises:
             NetnsError: ``tc`` failed.
         """
         for tc, dev in zip(self._link_ends(host), self._link_devs(host), strict=True):
             _sh([*tc, "qdisc", "del", "dev", dev, "root"], check=False)
-            if rate_mbit is None:
-                continue
-            burst = ["burst", f"{burst_kib}kb", "cburst", f"{burst_kib}kb"] if burst_kib else []
-            _sh([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
-            rate = ["rate", f"{rate_mbit}mbit", "ceil", f"{rate_mbit}mbit", "quantum", "60000", *burst]
-            if not self.small_first:
-                _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", *rate])
-                continue
-            _sh([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", *rate])
-            small = rate_mbit * _SMALL_SHARE
-            for classid, share, prio in (("1:20", small, "0"), ("1:10", rate_mbit - small, "1")):
-                _sh([
-                    *tc, "class", "add", "dev", dev, "parent", "1:1", "classid", classid, "htb",
-                    "rate", f"{share:g}mbit", "ceil", f"{rate_mbit}mbit", "prio", prio, "quantum", "60000",
-                    *burst,
-                ])  # fmt: skip
-            _sh([
-                *tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-                "match", "u16", "0", f"{0x10000 - SMALL_PACKET_BYTES:#06x}", "at", "2",  # short
-                "match", "u8", "6", "0xff", "at", "9",  # TCP
-                "match", "u8", "0x10", "0xff", "at", "33",  # flags ACK only (a 20-byte IP header)
-                "flowid", "1:20",
-            ])  # fmt: skip
+            if rate_mbit is not None:
+                _sh([*tc, "-batch", "-"], stdin="\n".join(self._htb_lines(dev, rate_mbit, burst_kib)) + "\n")
         host.rate_mbit = rate_mbit
+
+    def _htb_lines(self, dev: str, rate_mbit: float, burst_kib: float | None) -> list[str]:
+        """The ``tc -batch`` lines that shape ``dev`` (one end of a host's link): see ``shape``."""
+        burst = f" burst {burst_kib}kb cburst {burst_kib}kb" if burst_kib else ""
+        peers = self.peer_queues if dev == _HOST_IF else 0
+        lines = [f"qdisc add dev {dev} root handle 1: htb default 10"]
+        top = f"htb rate {rate_mbit}mbit ceil {rate_mbit}mbit quantum 60000{burst}"
+        if not self.small_first and not peers:
+            return [*lines, f"class add dev {dev} parent 1: classid 1:10 {top}"]
+        lines.append(f"class add dev {dev} parent 1: classid 1:1 {top}")
+        small = rate_mbit * _SMALL_SHARE if self.small_first else 0.0
+        classes = [("1:20", small, 0, 60000)] if self.small_first else []
+        data = (rate_mbit - small) / (1 + peers)  # the default class (not IP: ARP) and each peer's
+        classes += [("1:10", data, 1, 60000)] + [
+            (f"1:{0x100 + b:x}", data, 1, _PEER_QUANTUM) for b in range(peers)
+        ]
+        for classid, share, prio, quantum in classes:
+            lines.append(
+                f"class add dev {dev} parent 1:1 classid {classid} htb rate {share:g}mbit "
+                f"ceil {rate_mbit}mbit prio {prio} quantum {quantum}{burst}"
+            )
+        filt = f"filter add dev {dev} parent 1: protocol ip"
+        if self.small_first:  # short, TCP, flags ACK only (a 20-byte IP header)
+            lines.append(
+                f"{filt} prio 1 u32 match u16 0 {0x10000 - SMALL_PACKET_BYTES:#06x} at 2 "
+                "match u8 6 0xff at 9 match u8 0x10 0xff at 33 flowid 1:20"
+            )
+        for b in range(peers):  # the destination address's last octet, its low bits
+            lines.append(f"{filt} prio 2 u32 match u8 {b} {peers - 1:#x} at 19 flowid 1:{0x100 + b:x}")
+        return lines
 
     def link_stats(self, host: Host) -> dict[str, dict[str, int]]:
         """Root qdisc counters of ``host``'s link: ``{"egress": {...}, "ingress": {...}}``, each with

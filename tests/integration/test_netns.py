@@ -105,6 +105,47 @@ def test_netns_small_first_puts_pure_acks_in_a_class_of_their_own() -> None:
         assert small.link_stats(receiver)["ingress"]["htb"]
 
 
+def _class_bytes(tc: list[str], dev: str) -> dict[str, int]:
+    """Bytes sent by each htb class of ``dev``, by class id (from the text, as ``_class_packets``)."""
+    text = subprocess.run(
+        [*tc, "-s", "class", "show", "dev", dev], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
+    return {c: int(b) for c, b in re.findall(r"class htb (\S+) .*?\n\s*Sent (\d+) bytes", text)}
+
+
+def test_netns_peer_queues_give_each_peer_a_class_of_its_own() -> None:
+    """A host shaped with ``peer_queues`` sends 2 MiB to one peer and 1 MiB to another: each peer's
+    data leaves through the class of its address's bucket, the ACKs through the small class, and the
+    bridge's side (the switch port) keeps one data class. Bad ``peer_queues`` are refused."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    for bad in (-1, 3, 512):
+        with pytest.raises(ValueError, match="peer_queues"):
+            NetnsCluster(peer_queues=bad)
+    with NetnsCluster(3, rate_mbit=50, small_first=True, peer_queues=4) as fair:
+        sender, *receivers = fair.hosts
+        for i, (receiver, nbytes) in enumerate(zip(receivers, (2 * MIB, MIB), strict=True)):
+            ready = fair.workdir / f"peer{i}.addr"
+            server = fair.popen(
+                receiver,
+                [sys.executable, PEER, "serve", receiver.address, str(ready)],
+                stdout=subprocess.PIPE,
+            )
+            addr = wait_until(
+                lambda ready=ready: ready.exists() and ready.read_text(), "a receiver's ready file"
+            )
+            _peer(fair, sender, "send", str(addr), str(nbytes))
+            assert json.loads(server.communicate(timeout=CALL_TIMEOUT_S)[0])["bytes"] == nbytes
+        sent = _class_bytes(["tc", "-n", sender.netns], "eth0")
+        buckets = [f"1:{0x100 + int(r.address.rsplit('.', 1)[1]) % 4:x}" for r in receivers]
+        assert len(set(buckets)) == 2, buckets
+        assert 2 * MIB <= sent[buckets[0]] < 3 * MIB and MIB <= sent[buckets[1]] < 2 * MIB, (buckets, sent)
+        assert sent["1:20"] < MIB // 10, sent  # the sender's few ACKs
+        towards = _class_bytes(["tc"], receivers[0].veth)  # the bridge's side: one data class and the ACKs'
+        assert set(towards) == {"1:1", "1:10", "1:20"} and towards["1:10"] >= 2 * MIB, towards
+
+
 def test_netns_cut_and_heal(net: NetnsCluster) -> None:
     ps, a, b = net.hosts
     shards = net.shards([ps]).start()
