@@ -67,6 +67,17 @@ class Adapter(EagerAdapter):
             return np.asarray(value.numpy())
         return super().to_numpy(value)
 
+    def read_rate(self, rate: Any) -> float | None:
+        """One ``ReadVariableOp`` when eager (``PSCallback`` reads the rate every batch): ``numpy()``'s
+        path (a name scope, the read, an identity, the tape's bookkeeping) costs several times that."""
+        var = getattr(rate, "value", None)
+        if isinstance(var, tf.Variable) and tf.executing_eagerly():
+            try:
+                return float(tf.raw_ops.ReadVariableOp(resource=var.handle, dtype=var.dtype))
+            except (AttributeError, ValueError, TypeError):  # a distributed variable: its replicas hold it
+                pass
+        return super().read_rate(rate)
+
     def prepare_fit(self, worker: Any, model: keras.Model, what: str) -> None:
         check_no_jit(model, what)
 
