@@ -308,6 +308,37 @@ def add_congestion_arg(parser: Any) -> None:
     )
 
 
+def add_link_args(parser: Any) -> None:
+    """``--acks`` and ``--peer-queues``: how a namespace cluster's shaped links queue (``link_options``)."""
+    parser.add_argument(
+        "--acks",
+        choices=("first", "queued"),
+        default="first",
+        help="first (default since 2026-12-07): every link puts pure ACKs in an htb class of their own that "
+        "goes first (NetnsCluster(small_first=True)), as a host's fq_codel and a shallow switch queue would; "
+        "queued: one queue for all, ACKs behind up to 1,000 packets of data (the results before)",
+    )
+    parser.add_argument(
+        "--peer-queues",
+        type=int,
+        default=32,
+        help="each host sends its data through this many queues by peer, served in turn "
+        "(NetnsCluster(peer_queues=...), a power of two; as a Linux host's per-flow qdisc; default 32 since "
+        "2026-12-07); 0: one FIFO (the results before)",
+    )
+
+
+def link_options(args: Any) -> dict[str, Any]:
+    """``--acks`` and ``--peer-queues`` as ``NetnsCluster``'s keyword arguments."""
+    return {"small_first": args.acks == "first", "peer_queues": args.peer_queues}
+
+
+def link_text(args: Any) -> str:
+    """How a report names the links' queues: "htb, ACKs first, 32 queues by peer on the hosts' side"."""
+    text = "htb" + (", ACKs first" if args.acks == "first" else "")
+    return text + (f", {args.peer_queues} queues by peer on the hosts' side" if args.peer_queues else "")
+
+
 def add_sysctl_arg(parser: Any) -> None:
     """``--sysctl KEY=VALUE`` (repeatable): a per-namespace setting of every host of a namespace cluster."""
     parser.add_argument(

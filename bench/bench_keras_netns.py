@@ -331,7 +331,7 @@ def render(
         f"x n, as the demo scales it), batch {bench.batch_size} per worker, {bench.epochs} epochs of "
         f"scikit-learn's digits upscaled to 28x28 ({bench.num_train} training images, split between the "
         "workers). Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{bench.rate_mbit:g} Mbit/s each way (htb).",
+        f"{bench.rate_mbit:g} Mbit/s each way ({info.get('links', 'htb')}).",
         "",
         "Steps/s: per worker, over the window from the end of its first epoch to the end of its last "
         f"({window}). Bytes: per step on the worker's link (its qdisc counters over the window), up "
@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default 1e-3)")
     parser.add_argument("--rate-mbit", type=float, default=100, help="every link, each way (default 100)")
+    cm.add_link_args(parser)
     parser.add_argument("--no-local", action="store_true", help="skip the local run")
     parser.add_argument("--quick", action="store_true", help="async k=1 and the ring, n=2, 3 epochs")
     parser.add_argument("--out", help="write OUT.md and OUT.json (e.g. bench/results/keras_netns)")
@@ -463,9 +464,11 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         m_bytes = model_bytes(bench.model)
-        info.update(model_bytes=m_bytes, params=m_bytes // 4)
+        info.update(model_bytes=m_bytes, params=m_bytes // 4, links=cm.link_text(bench))
         num_hosts = bench.max_shards + max([*bench.workers, *bench.ring])
-        with NetnsCluster(num_hosts, rate_mbit=bench.rate_mbit, workdir=Path(tmp) / "net") as net:
+        with NetnsCluster(
+            num_hosts, rate_mbit=bench.rate_mbit, workdir=Path(tmp) / "net", **cm.link_options(bench)
+        ) as net:
             suffix = net.suffix
             plan = [("ps", m, n, k) for n in bench.workers for k in bench.shards for m in modes]
             plan += [("ring", "allreduce", n, 0) for n in bench.ring]

@@ -351,7 +351,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         "",
         f"Every shard in a network namespace of its own; the simulated workers (an `AsyncPSClient` and "
         f"worker id each) packed into up to {args.worker_hosts} `psload` worker processes, each in a "
-        f"namespace of its own; every link shaped to {rate_text(args, 'case')} (htb), "
+        f"namespace of its own; every link shaped to {rate_text(args, 'case')} ({cm.link_text(args)}), "
         f"{cm.congestion_text(args)}. {args.seconds:g} s measured per case, push_pull, exact counters on. "
         f"Machine: {note['cpus']} x "
         f"{note['cpu_model']}, load before {note['loadavg_1_5_15']}. CPU: the machine's busy % over the "
@@ -499,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conns-model", default="4x16KiB", help="psload model of conns (default 4x16KiB)")
     add_rate_args(parser, "case")
     cm.add_congestion_arg(parser)
+    cm.add_link_args(parser)
     cm.add_sysctl_arg(parser)
     parser.add_argument("--seconds", type=float, help="measured seconds per case (default 15; --quick: 5)")
     parser.add_argument("--timeout", type=float, default=60.0, help="psload's per-call deadline (default 60)")
@@ -552,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir,
         congestion=cm.congestion_of(args),
         sysctls=cm.sysctls_of(args),
+        **cm.link_options(args),
     ) as net:
         shard_hosts = [net.add_host(f"ps{i}") for i in range(args.shards)]
         worker_hosts = [net.add_host(f"w{i}") for i in range(args.worker_hosts)]

@@ -17,7 +17,9 @@ push, then read the whole answer) and ``raw-stream`` (the answer streamed back i
 while the push arrives: what the link can carry). Beside each cell: the machine's CPU (busy % of all
 cores, from /proc/stat) and the busiest process of the cell (cores), to show the links were the limit.
 Each link's htb class serves pure ACKs first (``--acks first``, the default since 2026-12-07; ``--acks
-queued``: one queue, as the results before). ``--mode sync --parts P``: a sync step pushed in P parts.
+queued``: one queue, as the results before); each host sends its data through a queue per peer, served in
+turn (``--peer-queues 32``, the default since 2026-12-07; 0: one FIFO, as the results before).
+``--mode sync --parts P``: a sync step pushed in P parts.
 
     sudo python bench/bench_scaling.py --quick                       # n in 1,2; k in 1,2; ring n=2
     sudo python bench/bench_scaling.py --workers 16,32 --shards 8,16,32 --ring 16 --rate-mbit auto
@@ -487,12 +489,6 @@ def add_rate_args(parser: argparse.ArgumentParser, unit: str) -> None:
     )
 
 
-def peer_queues_text(args: argparse.Namespace) -> str:
-    """The note for the rows where each host's data goes through queues by peer ("" if one FIFO)."""
-    queues = getattr(args, "peer_queues", 0)
-    return f", each host's data in {queues} queues by peer served in turn" if queues else ""
-
-
 def parts_text(args: argparse.Namespace) -> str:
     """How a sync step's push goes (``--parts``), for the results' header: nothing for whole pushes."""
     parts = getattr(args, "parts", 1)
@@ -507,8 +503,7 @@ def render(args: argparse.Namespace, cells: list[dict[str, Any]], note: dict[str
         f"Command: `{command}`",
         "",
         f"Every shard and worker in a network namespace of its own, each link shaped to "
-        f"{rate_text(args)} (htb{', small packets first' if args.acks == 'first' else ''}"
-        f"{peer_queues_text(args)}), "
+        f"{rate_text(args)} ({cm.link_text(args)}), "
         f"{cm.congestion_text(args)}; "
         f"model M = {args.size_mib} MiB in {args.vars} float32 variables; "
         f"{args.seconds:g} s and at least {args.min_rounds} rounds per worker per cell; "
@@ -642,21 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the shards' mode (default async; sync: every round a sync step of all n workers, one round in "
         "flight, as a sync worker trains)",
     )
-    parser.add_argument(
-        "--acks",
-        choices=("first", "queued"),
-        default="first",
-        help="first (default since 2026-12-07): every link puts pure ACKs in an htb class of their own that "
-        "goes first (NetnsCluster(small_first=True)), as a host's fq_codel and a shallow switch queue would; "
-        "queued: one queue for all, ACKs behind up to 1,000 packets of data (the results before)",
-    )
-    parser.add_argument(
-        "--peer-queues",
-        type=int,
-        default=0,
-        help="each host sends its data through this many queues by peer, served in turn "
-        "(NetnsCluster(peer_queues=...), a power of two; as a Linux host's per-flow qdisc); 0: one FIFO",
-    )
+    cm.add_link_args(parser)
     parser.add_argument(
         "--parts",
         type=int,
@@ -704,8 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         rate_mbit=args.rate_mbit or args.max_rate_mbit,
         congestion=cm.congestion_of(args),
         sysctls=cm.sysctls_of(args),
-        small_first=args.acks == "first",
-        peer_queues=args.peer_queues,
+        **cm.link_options(args),
     ) as net:
         cm.note_congestion(args, net, net.hosts[0])
         shard_hosts, worker_hosts = net.hosts[: args.max_shards], net.hosts[args.max_shards :]
