@@ -84,6 +84,9 @@ BACKUP_ADDRESS_KEY = "ps-backup-address"  # call metadata: where the backup serv
 BACKUP_TERM_KEY = "ps-backup-term"  # call metadata: the newest replication term the backup has seen
 _PEER_CHECK_EVERY_S = 0.5  # a primary without its lease asks its peer this often whether it took over
 _PEER_CHECK_TIMEOUT_S = 2.0
+# An update not acknowledged this long, while the lease holds (the backup acknowledges its heartbeats), is
+# logged once: a backup that reads its stream but does not apply what it reads.
+_SLOW_ACK_S = 5.0
 
 
 class Primary:
@@ -524,14 +527,25 @@ class Primary:
         Raises:
             UnavailableError: not acknowledged, and this primary may not answer without it.
         """
-        deadline = lease.clock() + self.ack_timeout_s
+        begun = lease.clock()
+        deadline = begun + self.ack_timeout_s
+        slow_at = begun + _SLOW_ACK_S if self.ack_timeout_s > _SLOW_ACK_S else float("inf")
         while not waiter.done():
-            left = deadline - lease.clock()
+            now = lease.clock()
+            left = deadline - now
             if left <= 0:
                 self._detach(link, f"{what} not acknowledged within {self.ack_timeout_s:g}s")
                 break
+            if now >= slow_at:
+                slow_at = float("inf")
+                log.warning(
+                    "shard %d: %s not acknowledged by backup %s for %.1fs (%d updates unacknowledged; the "
+                    "lease %s); it is detached after %gs", self.shard, what, link.peer, now - begun,
+                    len(link.waiting), "holds" if self.holds_lease() else "ran out", self.ack_timeout_s,
+                )  # fmt: skip
+            left = min(left, max(slow_at - now, 0.001))
             if self.required and link.confirmed:
-                lease_left = self._lease_until - lease.clock()
+                lease_left = self._lease_until - now
                 if lease_left <= 0:
                     break
                 left = min(left, lease_left)
