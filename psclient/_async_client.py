@@ -515,6 +515,8 @@ class AsyncPSClient(TableMethods):
             header = ps_pb2.PushRequest(worker_id=self.config.worker_id, seq=part_seq, session=self.session)
             if part_step:
                 header.step = part_step
+            if part is not None:
+                header.parts = parts
             if shards:
                 header.shards.extend(shards)
             if self._checkpoint_step:

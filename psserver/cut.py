@@ -392,6 +392,9 @@ class StepCuts:
         self.checkpointer = checkpointer
         self.shard = shard
         self.target = 0  # the boundary picked or learnt (0: none yet)
+        # The parts a worker's step is pushed in (PushRequest.parts, the latest seen; 1: whole steps): the
+        # mode counts each part as a step, and a boundary is picked at a whole step of the workers'.
+        self.parts = 1
         self.saving: asyncio.Task[None] | None = None
         mode.on_step = self._stepped
 
@@ -417,9 +420,10 @@ class StepCuts:
             self._stepped(step)  # at the boundary already
 
     def pick(self) -> None:
-        """Shard 0's timer: the next boundary is two steps on (unless one is pending)."""
+        """Shard 0's timer: the next boundary is two steps on (unless one is pending), the first whole step
+        from there for a step pushed in parts."""
         if self.target < self.mode.step:
-            self.target = self.mode.step + 2
+            self.target = -(-(self.mode.step + 2) // self.parts) * self.parts
             log.debug("shard %d: next periodic checkpoint at step %d", self.shard, self.target)
 
     def _stepped(self, step: int) -> None:
@@ -456,7 +460,7 @@ class StepCuts:
             if not self.checkpointer.dirty or self.saving is not None:
                 last = self.mode.step
                 continue
-            if self.mode.step == last and self.mode.idle():
+            if self.mode.step == last and self.mode.idle() and self.mode.step % self.parts == 0:
                 self.saving = asyncio.create_task(self._save(self.mode.step, held=False))
                 await asyncio.shield(self.saving)
             elif self.shard == 0:

@@ -511,8 +511,11 @@ class ShardService:
     async def _push_updating(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
     ) -> ps_pb2.PushResponse:
-        if self.step_cuts is not None and header.checkpoint_step:  # before the push can complete a step
-            self.step_cuts.learn(header.checkpoint_step)
+        if self.step_cuts is not None:
+            if header.parts > 1:  # a step in parts: periodic checkpoints at whole steps
+                self.step_cuts.parts = header.parts
+            if header.checkpoint_step:  # before the push can complete a step
+                self.step_cuts.learn(header.checkpoint_step)
         outcome = await self.mode.push(
             header.worker_id, header.seq, header.step, grads, header.session, deadline
         )

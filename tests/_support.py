@@ -88,3 +88,19 @@ def small_disk(path: Path, size: str = "4m") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=10)
+
+
+def cut_steps(directory: Path, shard: int) -> set[int]:
+    """The steps of ``shard`` 's periodic sync checkpoints in ``directory`` (their manifests' cut)."""
+    from psserver import ckptfile
+
+    steps = set()
+    for f in ckptfile.list_files(directory):
+        if f.shard == shard:
+            try:
+                cut = ckptfile.read_manifest(f.path).get("cut") or {}
+            except ckptfile.CheckpointError:  # pruned while read
+                continue
+            if "step" in cut:
+                steps.add(int(cut["step"]))
+    return steps

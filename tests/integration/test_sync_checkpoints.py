@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _support import CALL_TIMEOUT_S as TIMEOUT_S
-from _support import wait_until
+from _support import cut_steps, wait_until
 
 import psclient
 from psserver import ckptfile
@@ -22,19 +22,6 @@ from trainer.cluster import LocalCluster
 pytestmark = pytest.mark.timeout(180)
 
 COUNTERS = [f"count/{i}" for i in range(4)]
-
-
-def _cut_steps(directory: Path, shard: int) -> set[int]:
-    steps = set()
-    for f in ckptfile.list_files(directory):
-        if f.shard == shard:
-            try:
-                cut = ckptfile.read_manifest(f.path).get("cut") or {}
-            except ckptfile.CheckpointError:  # pruned while read
-                continue
-            if "step" in cut:
-                steps.add(int(cut["step"]))
-    return steps
 
 
 def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_restore(tmp_path: Path) -> None:
@@ -72,7 +59,7 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
             t.start()
         try:
             wait_until(
-                lambda: min(len(_cut_steps(tmp_path, s)) for s in range(2)) >= 2,
+                lambda: min(len(cut_steps(tmp_path, s)) for s in range(2)) >= 2,
                 "two periodic checkpoints",
                 timeout=60.0,
             )
@@ -119,13 +106,13 @@ def test_sync_checkpoints_share_a_step_and_workers_resume_after_all_shards_resto
         # on the other shard, whose timer runs on its own clock.
         try:
             wait_until(
-                lambda: _cut_steps(tmp_path, 0) - {0} == _cut_steps(tmp_path, 1) - {0},
+                lambda: cut_steps(tmp_path, 0) - {0} == cut_steps(tmp_path, 1) - {0},
                 "the same checkpoint steps",
                 timeout=10.0,
             )
         except AssertionError as err:
             raise AssertionError(
-                f"{err}: shard 0 {sorted(_cut_steps(tmp_path, 0))}, "
-                f"shard 1 {sorted(_cut_steps(tmp_path, 1))}\n"
+                f"{err}: shard 0 {sorted(cut_steps(tmp_path, 0))}, "
+                f"shard 1 {sorted(cut_steps(tmp_path, 1))}\n"
                 + "\n".join(cluster.log_tail(s, 60) for s in range(2))
             ) from None

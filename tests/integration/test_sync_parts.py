@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from _support import cut_steps
 from _workers import CALL_TIMEOUT_S, close_all, worker_clients
 
 import psclient
@@ -121,5 +122,39 @@ async def test_bad_parts_are_refused_before_anything_is_sent(make_cluster) -> No
                 await w0.push_pull({"v": np.ones(4, np.float32)}, step=0, parts=parts)  # type: ignore[arg-type]
         assert [s.step for s in await w0.status()] == [0]
         np.testing.assert_array_equal((await w0.pull())["v"], np.zeros(4, np.float32))
+    finally:
+        await close_all(clients)
+
+
+async def test_periodic_checkpoints_fall_at_whole_steps_of_a_step_in_parts(make_cluster, tmp_path) -> None:
+    """A shard counts each part as a step of its own; its periodic checkpoints (cut at one boundary on every
+    shard) fall only where a worker's whole step ends: at shard steps that are multiples of ``parts``
+    (``PushRequest.parts``), never between two parts of a step. A run of 3 parts a step takes at least
+    three checkpoints a shard (a boundary picked with no regard for parts would be a multiple of 3 by chance
+    in one case of three)."""
+    parts, workers = 3, 2
+    args = [*_sync_args(workers), "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "0.2"]
+    cluster = make_cluster(num_shards=2, server_args=args)
+    clients = worker_clients(cluster, workers)
+    try:
+        shapes = {f"v{i}": (256,) for i in range(4)}
+        await clients[0].create_many(
+            {n: np.zeros(s, np.float32) for n, s in shapes.items()}, optimizer=psclient.SGD(1.0)
+        )
+        grads = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+        cuts: list[set[int]] = [set(), set()]
+        for step in range(400):  # bounded: ~10 ms a step; stops once every shard cut 3 checkpoints
+            await asyncio.wait_for(
+                asyncio.gather(*(c.push_pull(grads, step=step, parts=parts) for c in clients)), CALL_TIMEOUT_S
+            )
+            if step % 10 == 9:
+                cuts = [cut_steps(tmp_path, s) for s in range(2)]
+                if min(map(len, cuts)) >= 3:
+                    break
+        assert min(map(len, cuts)) >= 3, cuts
+        for shard, steps in enumerate(cuts):
+            assert all(s % parts == 0 for s in steps), f"shard {shard} cut between parts: {sorted(steps)}"
+        values = await clients[0].pull(list(shapes))
+        np.testing.assert_array_equal(values["v0"], np.full(256, -(step + 1), np.float32))  # every step once
     finally:
         await close_all(clients)
