@@ -68,6 +68,7 @@ class Probe:
     free: np.ndarray  # (n, 2): their free places as bytes, when read
     keys: np.ndarray  # the table's keys array then (a rebuild makes another)
     inserts: int  # the table's inserts then
+    places: np.ndarray  # each id's place (-1: absent): good while ``keys`` is the table's and it is in
 
 
 class HashIndex:
@@ -211,27 +212,27 @@ class HashIndex:
         pos, both, keys = self._find(ids)
         out = np.take(self.vals, pos)
         out[pos < 0] = -1
-        return out, Probe(both, _free_bytes(keys == EMPTY), self.keys, self._inserts)
+        return out, Probe(both, _free_bytes(keys == EMPTY), self.keys, self._inserts, pos)
 
     def insert(
         self, ids: np.ndarray, vals: np.ndarray, probe: Probe | None = None, at: np.ndarray | None = None
-    ) -> None:
+    ) -> np.ndarray:
         """Adds distinct ids that are absent, with their values: each in the emptier of its two buckets (the
-        other if the batch's own ids fill that one first; past the second if both are full).
+        other if the batch's own ids fill that one first; past the second if both are full). Returns
+        their places (``positions``).
 
         ``probe``: a ``lookup``'s of ids among which these are ``probe``'s ``at`` (all, in order, without
         ``at``): their buckets as it read them, if still good (``Probe``)."""
         ids = np.asarray(ids, np.int64).reshape(-1)
         vals = np.asarray(vals, np.int64).reshape(-1)
         if not ids.size:
-            return
+            return np.zeros(0, np.int64)
         if self.needs_rebuild(ids.size):
             self._rebuild(self.live + ids.size)
         self._inserts += 1
         if ids.size > _CHUNK:  # distinct ids: one chunk after the other is the same
-            for i in range(0, ids.size, _CHUNK):
-                self.insert(ids[i : i + _CHUNK], vals[i : i + _CHUNK])
-            return
+            chunks = range(0, ids.size, _CHUNK)
+            return np.concatenate([self.insert(ids[i : i + _CHUNK], vals[i : i + _CHUNK]) for i in chunks])
         self.live += ids.size
         if probe is not None and (probe.keys is not self.keys or probe.inserts != self._inserts - 1):
             probe = None  # stale: the table changed otherwise than by removals since
@@ -239,10 +240,18 @@ class HashIndex:
             at_empty = ids == EMPTY
             self.vals[self.size] = vals[at_empty][0]
             self.has_empty_id = True
-            ids, vals = ids[~at_empty], vals[~at_empty]
-            probe = None
-            if not ids.size:
-                return
+            rest = np.flatnonzero(~at_empty)
+            out = np.full(at_empty.size, self.size, np.int64)
+            if rest.size:
+                out[rest] = self._insert(ids[rest], vals[rest], None, None)
+            return out
+        return self._insert(ids, vals, probe, at)
+
+    def _insert(
+        self, ids: np.ndarray, vals: np.ndarray, probe: Probe | None, at: np.ndarray | None
+    ) -> np.ndarray:
+        """``insert``'s placing of at most ``_CHUNK`` ids that are not ``EMPTY``; returns their places."""
+        out = np.empty(ids.size, np.int64)
         if probe is not None:
             both = probe.both if at is None else probe.both[at]
             free_bytes = probe.free if at is None else probe.free[at]
@@ -254,20 +263,21 @@ class HashIndex:
         second = free[:, 1] > free[:, 0]
         first = np.where(second, b2, b1)
         chosen = np.where(second, free_bytes[:, 1], free_bytes[:, 0])
-        todo = np.arange(ids.size)[self._place(ids, vals, np.arange(ids.size), first, chosen)]
+        todo = np.arange(ids.size)[self._place(ids, vals, np.arange(ids.size), first, out, chosen)]
         if todo.size:  # the emptier bucket filled up: the other one
             other = np.where(first[todo] == b1[todo], b2[todo], b1[todo])
-            todo = todo[self._place(ids, vals, todo, other)]
+            todo = todo[self._place(ids, vals, todo, other, out)]
         at = b2[todo]
         for _ in range(self.mask + 1):  # both full: the buckets after the second, each passed counting it
             if not todo.size:
                 break
             np.add.at(self.overflow, at, 1)
             at = (at + 1) & self.mask
-            left = self._place(ids, vals, todo, at)
+            left = self._place(ids, vals, todo, at, out)
             self.overflowed += todo.size - left.size
             todo, at = todo[left], at[left]
         assert not todo.size, "a table at most 3/4 full has room in some bucket"
+        return out
 
     def _place(
         self,
@@ -275,10 +285,12 @@ class HashIndex:
         vals: np.ndarray,
         todo: np.ndarray,
         bucket: np.ndarray,
+        out: np.ndarray,
         free_bytes: np.ndarray | None = None,
     ) -> np.ndarray:
         """Puts ``ids[todo]`` (with their values) in the free places of their ``bucket`` (one each), as many
-        as a bucket has free places; returns the indices into ``todo`` of those left out. ``free_bytes``:
+        as a bucket has free places (each one's place into ``out``); returns the indices into ``todo`` of
+        those left out. ``free_bytes``:
         each bucket's free places as a byte (``_free_bytes``) if the caller has them (read now)."""
         m = bucket.size
         order = np.argsort(bucket, kind="stable")
@@ -301,6 +313,7 @@ class HashIndex:
         place = b[fits] * _BUCKET + first[fits]
         who = todo[order[fits]]
         self.keys[place] = ids[who]
+        out[who] = place
         self.vals[place] = vals[who]
         return order[~fits]
 

@@ -81,7 +81,6 @@ from psserver.tier import (
     TierDirError,
     TierFullError,
     TierView,
-    scratch_array,
 )
 
 _REGION_MIN_BYTES = 64 << 10
@@ -182,7 +181,7 @@ class LogTier(ColdTier):
         self._free = list(range(regions))  # region numbers not in use (a heap: the lowest first)
         self._held: dict[int, int] = {}  # bytes still allocated in a free region (its blocks not given back)
         self.compaction = CompactionStats()
-        self._index = HashIndex(0, self._index_zeros)
+        self._index = HashIndex(0, self.index_zeros)
         self._segs: dict[int, _Segment] = {}  # by region: the current ones and those retired, still pinned
         self._active: _Segment | None = None  # the one appended to
         self._allocated = 0  # bytes allocated on disk in the regions
@@ -283,10 +282,13 @@ class LogTier(ColdTier):
                 self._held[seg.no] = seg.reserved
         heapq.heappush(self._free, seg.no)
 
-    def _positions(self, ids: np.ndarray, gen: int) -> tuple[np.ndarray, np.ndarray]:
+    def _positions(
+        self, ids: np.ndarray, gen: int, hints: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Each id's record position as of generation ``gen`` (-1: none), and its place in the index now
-        (-1: none; ``ColdTier.read``'s places); holds ``_lock``."""
-        places = self._index.positions(ids)
+        (-1: none; ``ColdTier.read``'s places; ``hints``: places known before, checked); holds ``_lock``."""
+        index = self._index
+        places = index.positions(ids) if hints is None else index.positions_hinted(ids, hints)
         pos = np.take(self._index.vals, places)
         pos[places < 0] = -1
         for at_gen, undo_ids, before in reversed(self._undo):  # newest first: the oldest after ``gen`` wins
@@ -304,9 +306,11 @@ class LogTier(ColdTier):
         rows = np.take(self._all_bytes, pos, axis=0)[:, : self.record.itemsize]
         return np.ascontiguousarray(rows).view(self.record).reshape(-1)
 
-    def _fetch(self, ids: np.ndarray, handle: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fetch(
+        self, ids: np.ndarray, handle: int, hints: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with self._lock:
-            pos, places = self._positions(ids, handle)
+            pos, places = self._positions(ids, handle, hints)
         got = pos >= 0
         return got, self._gather(pos[got]), places[got]
 
@@ -479,11 +483,11 @@ class LogTier(ColdTier):
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
         places: np.ndarray | None = None,
-    ) -> None:
+    ) -> np.ndarray | None:
         """Appends ``records`` under ``ids`` (their older copies become dead records), deletes the
         ``delete`` ids: one change of the index, visible together. ``older`` is not needed here;
         ``places`` (hints of the ids' places in the index, from the reads of their older copies) spare
-        the index lookups of the ids whose hint still holds.
+        the index lookups of the ids whose hint still holds. Returns the ids' places in the index now.
 
         Raises:
             TierFullError: the disk or the size limit is full (after compacting what could be); nothing
@@ -493,13 +497,14 @@ class LogTier(ColdTier):
         dels = [np.asarray(d, np.int64) for d in delete]
         dels = [d for d in dels if d.size]
         if not ids.size and not dels:
-            return
+            return np.zeros(0, np.int64)
         with self._writing_now([ids, *dels]), self._writer:
             self._reserve_index(ids.size)
             placed = self._append(ids, np.ascontiguousarray(records, self.record))
             gone = np.concatenate(dels) if dels else ids[:0]
-            self._commit(ids, placed, gone, places)
+            out = self._commit(ids, placed, gone, places)
         self.stats.spilled += ids.size
+        return out
 
     def write_chunks(self, count: int, chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
         """Appends ``count`` rows given as ``(ids, records)`` chunks (distinct ids), then changes the index
@@ -532,15 +537,6 @@ class LogTier(ColdTier):
             self._forget([ids])
             self._commit(ids, np.concatenate(all_pos) if all_pos else ids, ids[:0])
         self.stats.spilled += count
-
-    def _index_zeros(self, size: int, dtype: type) -> np.ndarray:
-        """The index's arrays: in files of the piece's directory (the page cache's pages, as the LMDB
-        tier's B-tree pages are, not the shard's own memory: ``--table-memory`` bounds the rows in memory).
-
-        Raises:
-            OSError: the disk cannot hold them.
-        """
-        return scratch_array(self.path, (size,), np.dtype(dtype))
 
     def _reserve_index(self, more: int) -> None:
         """Grows the index ahead of a write of ``more`` ids, so its commit cannot fail (holds ``_writer``).
@@ -742,11 +738,11 @@ class LogTier(ColdTier):
 
     def _commit(
         self, ids: np.ndarray, placed: np.ndarray, gone: np.ndarray, hints: np.ndarray | None = None
-    ) -> None:
+    ) -> np.ndarray:
         """Points the index at the appended records and drops the ``gone`` ids (deleted first): one
         generation. Keeps an undo entry while views are open, from the same lookups. ``hints``: the ids'
-        places in the index as their reads found them (``HashIndex.positions_hinted``). Nothing here
-        fails."""
+        places in the index as their reads found them (``HashIndex.positions_hinted``). Returns the ids'
+        places. Nothing here fails."""
         index = self._index
         with self._lock:
             gone = np.unique(gone) if gone.size else gone
@@ -773,7 +769,8 @@ class LogTier(ColdTier):
                     old &= (ids != EMPTY) | index.has_empty_id
                 dead.append(index.vals[at_ids[old]])
                 index.vals[at_ids[old]] = placed[old]
-                index.insert(ids[~old], placed[~old])
+                at_ids = np.where(old, at_ids, -1)
+                at_ids[~old] = index.insert(ids[~old], placed[~old])
                 self._count_live(placed, 1)
             for d in dead:
                 self._count_live(d, -1)
@@ -782,6 +779,7 @@ class LogTier(ColdTier):
             due = self._retire_empty()
         if due:
             self._start_compaction()
+        return at_ids
 
     def _count_live(self, pos: np.ndarray, sign: int) -> None:
         """Counts the records at ``pos`` in (``sign`` 1: the index points at them now) or out (-1) of their

@@ -484,9 +484,12 @@ class ColdTier:
         """Releases a ``_pin``."""
         raise NotImplementedError
 
-    def _fetch(self, ids: np.ndarray, handle: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fetch(
+        self, ids: np.ndarray, handle: Any, hints: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Which ``ids`` had a record at ``handle``'s instant, those records in order (expired or not), and
-        their ``places`` (-1 where the store keeps none)."""
+        their ``places`` (-1 where the store keeps none). ``hints``: each id's place as known before (-1:
+        not known; ``read``'s ``places``), checked before use."""
         raise NotImplementedError
 
     def write(
@@ -496,8 +499,10 @@ class ColdTier:
         delete: Iterable[np.ndarray] = (),
         older: tuple[np.ndarray, np.ndarray] | None = None,
         places: np.ndarray | None = None,
-    ) -> None:
+    ) -> np.ndarray | None:
         """Puts ``records`` under ``ids`` (over older copies), deletes the ``delete`` ids: visible together.
+        Returns each id's place in the store's id index now (-1: not known), or None (a store without
+        places).
 
         ``older``: with an expiry index, the ids among ``ids`` that have an older copy on disk and that
         copy's stamps (``stamps``); a store that needs them uses them. ``places``: each id's place in the
@@ -594,7 +599,11 @@ class ColdTier:
         return found, records, dead
 
     def read(
-        self, ids: np.ndarray, remember: bool = False, at: TierView | None = None
+        self,
+        ids: np.ndarray,
+        remember: bool = False,
+        at: TierView | None = None,
+        places: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray]:
         """``lookup``, not counted in ``stats`` yet: it may run in a worker thread (a push's read, a large
         lookup's), and its cost (seconds, disk reads) is counted on the event loop (``count_read``).
@@ -602,11 +611,14 @@ class ColdTier:
         (-1: not known; a hint for ``write``, which checks it).
 
         ``at``: read the tier as it was when ``view`` made it (a lookup's instant); it is closed.
+        ``places``: each id's place as known before (-1: not known; the piece's index keeps the places
+        of its ids on disk, ``psserver.rows.tiering``), hints that spare the store's index lookups where
+        they hold.
         """
         ids = np.asarray(ids, np.int64)
         view = self.view() if at is None else at
         try:
-            found, records, places, cost = self._read(ids, remember, view)
+            found, records, places, cost = self._read(ids, remember, view, places)
         finally:
             view.close()
         if view.cut == NO_CUT or not records.size:
@@ -627,7 +639,7 @@ class ColdTier:
         return TierView(self._pin(), writes, self._recent, self.cut, self._unpin)
 
     def _read(
-        self, ids: np.ndarray, remember: bool, view: TierView
+        self, ids: np.ndarray, remember: bool, view: TierView, hints: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost]:
         if not ids.size or view.handle is None:
             return np.zeros(ids.size, bool), np.zeros(0, self.record), np.zeros(0, np.int64), (0.0, 0)
@@ -652,7 +664,7 @@ class ColdTier:
                 ask = ask[~known]
         fetched = ask.size > 0
         if fetched:
-            got, records, places = self._fetch(ids[ask], view.handle)
+            got, records, places = self._fetch(ids[ask], view.handle, None if hints is None else hints[ask])
             ask = ask[got]
         if not parts:  # all fetched, in order
             found = np.zeros(ids.size, bool)
@@ -727,6 +739,16 @@ class ColdTier:
         """A zeroed array in a file of the directory that holds this tier's store (``scratch_array``;
         not the store's own directory, which goes with the piece)."""
         return scratch_array(self.path.parent, shape, dtype)
+
+    def index_zeros(self, size: int, dtype: type) -> np.ndarray:
+        """An id index's arrays (``HashIndex``'s ``zeros``: the log's, and a tiered piece's, which holds
+        the ids on disk too) in files of the store's directory: the page cache's pages, as LMDB's B-tree
+        pages are, not the shard's own memory (``--table-memory`` bounds the rows in memory).
+
+        Raises:
+            OSError: the disk cannot hold them.
+        """
+        return scratch_array(self.path, (size,), np.dtype(dtype))
 
 
 class DiskTier(ColdTier):
@@ -813,7 +835,9 @@ class DiskTier(ColdTier):
     def _unpin(self, handle: lmdb.Transaction) -> None:
         handle.abort()
 
-    def _fetch(self, ids: np.ndarray, handle: lmdb.Transaction) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fetch(
+        self, ids: np.ndarray, handle: lmdb.Transaction, hints: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         vals = [handle.get(k, db=self._rows) for k in _keys(ids)]
         got = np.array([v is not None for v in vals], bool)
         records = np.frombuffer(b"".join(v for v in vals if v is not None), self.record)

@@ -132,8 +132,14 @@ class DynamicRows(RowReads, PushSteps, TierSteps, Growth, Exports, RowBudget):
         self.nfree -= n
         return rows
 
-    def _release(self, rows: np.ndarray) -> None:
-        self.index.remove(self.index.positions(self.slot_ids[rows]))
+    def _release(self, rows: np.ndarray, on_disk: np.ndarray | None = None) -> None:
+        """Frees ``rows``: their ids leave the index, or, spilled (``on_disk``: their index values now,
+        ``tiering.on_disk_entries``), stay in it pointing at their records."""
+        at = self.index.positions(self.slot_ids[rows])
+        if on_disk is None:
+            self.index.remove(at)
+        else:
+            self.index.vals[at] = on_disk
         self.live[rows] = False
         if self.stale:
             self.stale -= int(np.count_nonzero(self.on_disk[rows]))

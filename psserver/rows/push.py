@@ -71,7 +71,7 @@ class PushSteps:
             grow = functools.partial(self.grown, holder, optimizer, plan.grow_to)
             grown = yield holder.state[0].nbytes, grow
             self.adopt(holder, grown)
-        elif self.reindex_due(ids.size):
+        elif self.tier is None and self.reindex_due(ids.size):  # a tiered piece's ``tier_step`` made room
             self.index = yield self.index.nbytes, functools.partial(self.reindexed, ids.size)
         victims = None
         if plan.evict:

@@ -10,6 +10,7 @@ import numpy as np
 
 from pscore.embedding import init_rows
 from psserver.rows.config import Holder
+from psserver.rows.tiering import disk_places
 from psserver.tier import ReadCost, TierView
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class RowRead:
     found: np.ndarray | None = None  # which of the cold ones the disk has (``read_cold``)
     records: np.ndarray | None = None  # their records
     cost: ReadCost = (0.0, 0)
+    places: np.ndarray | None = None  # the cold ones' places in the tier's index, as the id index keeps them
 
 
 class RowReads:
@@ -58,15 +60,16 @@ class RowReads:
         self.tier.stats.hot_hits += ids.size - cold.size
         if not cold.size:
             return RowRead(self, ids, out, cold, None)
-        # cold rows are read (one batched read), not filled
-        return RowRead(self, ids, out, cold, self.tier.view(), cold.size * self.tier.record.itemsize)
+        # cold rows are read (one batched read), not filled; where they are, as the id index keeps it
+        view, nbytes = self.tier.view(), cold.size * self.tier.record.itemsize
+        return RowRead(self, ids, out, cold, view, nbytes, places=disk_places(slots[cold]))
 
     def read_cold(self, lookup: RowRead) -> None:
         """Reads ``lookup``'s rows on disk, as they were at its ``read_begin``; any thread."""
         if lookup.view is not None:
             assert self.tier is not None
             found, records, _, cost, _ = self.tier.read(
-                lookup.ids[lookup.cold], remember=True, at=lookup.view
+                lookup.ids[lookup.cold], remember=True, at=lookup.view, places=lookup.places
             )
             lookup.found, lookup.records, lookup.cost = found, records, cost
 

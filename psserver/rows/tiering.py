@@ -10,15 +10,38 @@ from typing import Any
 import numpy as np
 
 from pscore.errors import ResourceExhaustedError
+from psserver.hashindex import HashIndex
 from psserver.rows.budget import MIN_HOT_ROWS
 from psserver.rows.config import EVICT_SLACK, Holder, Work
-from psserver.tier import Cut, ReadCost, TierBudget, TierConfig, anonymous_array, higher_cut, record_dtype
+from psserver.tier import (
+    Cut,
+    ReadCost,
+    TierBudget,
+    TierConfig,
+    TierFullError,
+    anonymous_array,
+    higher_cut,
+    record_dtype,
+)
 
 _VICTIM_QUEUE = 8  # a tiered piece chooses the victims of this many spills at once (``_spill_victims``)
 _QUEUE_WINDOW = 4096  # the victim queue's rows a spill checks first, at least (``_queued_victims``)
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 _NO_PLACE = np.iinfo(np.int32).max  # ``disk_place`` holds places below this (a larger one: not kept)
+
+
+def on_disk_entries(places: np.ndarray | None, n: int) -> np.ndarray:
+    """The id index's values for ids whose rows are on disk only, from their places in the disk tier's
+    index (-1 or None: not known): ``-3 - place``, so every such value is below -1 (-1: absent)."""
+    if places is None:
+        return np.full(n, -2, np.int64)
+    return -3 - np.maximum(places, -1)
+
+
+def disk_places(values: np.ndarray) -> np.ndarray:
+    """The disk tier's index places kept in the id index's values (``on_disk_entries``; -1: none)."""
+    return np.where(values <= -2, -3 - values, -1)
 
 
 class TierSteps:
@@ -52,6 +75,10 @@ class TierSteps:
         c = self.config
         expiry = [kind for kind, ttl in (("last_step", c.ttl_steps), ("last_time", c.ttl_seconds)) if ttl]
         self.tier = tier.open_piece(name, record, c.table, expiry)
+        # One index for both tiers: an id maps to its row in memory (>= 0), or, once spilled, to its record's
+        # place in the tier's index (``on_disk_entries``). It holds every id the piece spilled, so its
+        # arrays live in files, as the tier's own index does (the page cache's pages, not the budget's).
+        self.index = HashIndex(0, self.tier.index_zeros)
         if self.tier.stamps is not None:
             self.disk_stamps = anonymous_array((self.allocated,), self.tier.stamps)
         self.budget = budget
@@ -104,7 +131,10 @@ class TierSteps:
         """
         c, tier = self.config, self.tier
         assert tier is not None
+        if self.index.needs_rebuild(ids.size):  # the push inserts at most its ids: room first, or fail now
+            self.index = yield self.index.nbytes, functools.partial(self._index_grown, ids.size)
         found, probe = self.index.lookup(ids)  # the fill's insert below reads no bucket again
+        where = probe.places if probe is not None else self.index.positions(ids)  # each id's place (-1: none)
         hot = found[found >= 0]
         cold_pos = np.flatnonzero(found < 0)
         clock = self.clock + 1
@@ -116,7 +146,7 @@ class TierSteps:
         batch_cut = cut if sweep or expiring else None  # then a batch of the expired records on disk
         cold_ids = ids[cold_pos]
         nbytes = cold_ids.size * tier.record.itemsize if len(tier) else 0
-        reads = functools.partial(self._tier_reads, cold_ids, batch_cut)
+        reads = functools.partial(self._tier_reads, cold_ids, disk_places(found[cold_pos]), batch_cut)
         on_disk, records, dead, cost, places, batch = yield nbytes, reads
         tier.count_read(cost)
         fill_ids = ids[cold_pos[on_disk]]
@@ -163,9 +193,10 @@ class TierSteps:
         if outdated.size and victims.size:
             outdated = np.setdiff1d(outdated, victims, assume_unique=True)
         deletes = (expired_cold, gone, self.slot_ids[outdated])
+        spilled = None
         if victims.size or any(d.size for d in deletes):
             nbytes = victims.size * tier.record.itemsize + sum(d.nbytes for d in deletes)
-            yield nbytes, functools.partial(self._spill, holder, victims, deletes)
+            spilled = yield nbytes, functools.partial(self._spill, holder, victims, deletes)
         # Nothing below fails.
         tier.cut, tier.expiring = cut, expiring
         self.on_disk[outdated] = False
@@ -175,12 +206,26 @@ class TierSteps:
             if expired_hot.size:
                 self._release(expired_hot)
         self.stats.expired += expired_hot.size + expired_cold.size
-        if victims.size:
-            self._release(victims)
+        if victims.size:  # their entries now point at their records
+            self._release(victims, on_disk=on_disk_entries(spilled, victims.size))
         assert need <= self.nfree, "the claim and the spill made room for every row of the push"
+        # Entries found (a removal or a value's change moves no other entry): the push's ids that were on
+        # disk once and are no more (expired, deleted) go, as new ids; those filled point at their rows.
+        lost = cold_pos[~on_disk]
+        lost = lost[where[lost] >= 0]
+        if lost.size:
+            self.index.remove(where[lost])
+            found[lost] = -1
+        if expired_cold.size:  # deleted from disk now: their entries go too (the push's own went above)
+            left = self.index.positions(expired_cold)
+            self.index.remove(left[left >= 0])
         if fill_ids.size:
             rows = self._take(fill_ids.size)
-            self.index.insert(fill_ids, rows, probe, cold_pos[on_disk])
+            filled = cold_pos[on_disk]
+            known = where[filled] >= 0
+            self.index.vals[where[filled[known]]] = rows[known]  # no insert: the value at the place found
+            if not known.all():
+                self.index.insert(fill_ids[~known], rows[~known], probe, filled[~known])
             self.slot_ids[rows] = fill_ids
             self.live[rows] = True
             self.last_step[rows] = records["last_step"]
@@ -201,22 +246,38 @@ class TierSteps:
         return found  # rows spilled or expired were none of the push's: only the filled ids' rows changed
 
     def _tier_reads(
-        self, ids: np.ndarray, batch_cut: Cut | None
+        self, ids: np.ndarray, places: np.ndarray, batch_cut: Cut | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReadCost, np.ndarray, np.ndarray | None]:
         """``tier_step``'s disk reads (it may run in a worker thread): ``ColdTier.read`` of the cold
-        ``ids`` (counted by the caller; with the records' places in the store's index), then, with
-        ``batch_cut``, a batch of the expired records' ids (``ColdTier.expired``)."""
+        ``ids`` (at their ``places`` as the id index keeps them; counted by the caller; with the records'
+        places in the store's index), then, with ``batch_cut``, a batch of the expired records' ids
+        (``ColdTier.expired``)."""
         assert self.tier is not None
         batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
-        return *self.tier.read(ids), batch
+        return *self.tier.read(ids, places=places), batch
 
-    def _spill(self, holder: Holder, rows: np.ndarray, deletes: tuple[np.ndarray, ...]) -> None:
+    def _index_grown(self, pushed: int) -> HashIndex:
+        """The id index rebuilt for a push of ``pushed`` ids (any thread: it reads the piece).
+
+        Raises:
+            TierFullError: the disk cannot hold the larger index (nothing changed).
+        """
+        try:
+            return self.index.rebuilt(self.index.live + pushed)
+        except OSError as err:
+            raise TierFullError(
+                f"table {self.config.table!r}: its id index cannot grow on the disk tier's disk "
+                f"({err.strerror or err}); nothing was applied. Free disk space, raise --table-memory, or "
+                "add shards"
+            ) from None
+
+    def _spill(self, holder: Holder, rows: np.ndarray, deletes: tuple[np.ndarray, ...]) -> np.ndarray | None:
         """``tier_step``'s write (it may run in a worker thread): ``rows`` in memory go to disk, over
-        their older copies, and the ``deletes`` ids' records go, in one transaction (``ColdTier.write``).
-        Reads the rows, changes nothing in memory."""
+        their older copies, and the ``deletes`` ids' records go, in one transaction (``ColdTier.write``,
+        whose places it returns). Reads the rows, changes nothing in memory."""
         assert self.tier is not None
         records = self._records(holder, rows)
-        self.tier.write(
+        return self.tier.write(
             self.slot_ids[rows], records, delete=deletes, older=self._older(rows), places=self._places(rows)
         )
 

@@ -153,6 +153,65 @@ def test_tier_spills_and_fills_to_the_same_rows_as_an_in_memory_table(
     _assert_same(tiered, plain)
 
 
+def _assert_one_index(t: _Table) -> None:
+    """The piece's id index is the one index of both tiers: each row in memory under its id, each id on
+    disk only (not in memory) with an entry below -1 (``tiering.on_disk_entries``), and no other entry;
+    on the log store, the places those entries keep are the ids' places in the log's index where they
+    hold (``HashIndex.positions_hinted`` checks them)."""
+    rows, disk = t.rows, t.rows.tier
+    assert disk is not None
+    ids, vals = rows.index.items()
+    hot = vals >= 0
+    np.testing.assert_array_equal(rows.slot_ids[vals[hot]], ids[hot])
+    assert rows.live[vals[hot]].all() and np.count_nonzero(hot) == rows.hot_len
+    on_disk = np.concatenate([c[0] for c in disk.items(cut=tier_module.NO_CUT)] or [np.zeros(0, np.int64)])
+    np.testing.assert_array_equal(np.sort(ids[~hot]), np.setdiff1d(on_disk, ids[hot]))
+    assert np.all(vals[~hot] <= -2)
+    places = tiering.disk_places(vals[~hot])
+    if _STORE == "lmdb":
+        assert np.all(places == -1)
+        return
+    index = disk._index  # type: ignore[attr-defined]
+    good = (places >= 0) & (index.keys[np.maximum(places, 0)] == ids[~hot])
+    np.testing.assert_array_equal(places[good], index.positions(ids[~hot][good]))
+    assert good.any() or not places.size  # the stale ones: the log's index grew since (another table)
+
+
+@pytest.mark.parametrize("ttl", [0, 30], ids=["no-ttl", "ttl"])
+def test_one_index_for_both_tiers_a_fill_and_a_spill_change_values_not_entries(
+    tmp_path: Path, ttl: int
+) -> None:
+    """A tiered piece's index maps each id to its row in memory or to its record on disk. Once every id
+    of a stream has been pushed, pushes of the same ids fill and spill rows without an insert or a
+    removal (the index keeps its size and its arrays); with a TTL the ids whose records expire leave it.
+    Lookups and pushes give what the same table in memory gives."""
+    kw = {"ttl_steps": ttl} if ttl else {}
+    tiered, plain = _Table(_tier(str(tmp_path), 96 << 10), **kw), _Table(None, **kw)
+    stream = _stream(80, 120, 4000)
+    for step, ids in enumerate(stream):
+        for t in (tiered, plain):
+            t.rows.read(t.var, ids)
+            t.push(ids, seed=step)
+        if step % 20 == 0:
+            _assert_one_index(tiered)
+    _assert_one_index(tiered)
+    _assert_same(tiered, plain)
+    if ttl:
+        return
+    seen = np.unique(np.concatenate(stream))
+    index = tiered.rows.index
+    assert len(index) == seen.size == len(tiered.rows)
+    keys, filled = index.keys, tiered.rows.tier.stats.filled  # type: ignore[union-attr]
+    for step, ids in enumerate(_stream(30, 120, 4000, seed=1)):
+        known = np.intersect1d(ids, seen)
+        for t in (tiered, plain):
+            t.push(known, seed=1000 + step)
+        assert len(tiered.rows.index) == seen.size and tiered.rows.index.keys is keys
+    assert tiered.rows.tier.stats.filled > filled  # type: ignore[union-attr]
+    _assert_one_index(tiered)
+    _assert_same(tiered, plain)
+
+
 @pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "its-caller-cancelled"])
 def test_a_push_reads_and_writes_the_disk_in_a_worker_thread_while_lookups_go_on(
     tmp_path: Path, cancelled: bool
