@@ -707,7 +707,8 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "",
         f"Model: Embedding {args.rows:,} x {args.dim} (float32, {args.rows * args.dim * 4 / mib:.0f} MiB), "
         f"{args.ids} power-law ids (zipf 1.2) per example mean-pooled, Dense 64 relu, Dense 1; Adagrad(0.1) "
-        f"on the shards; batch {args.batch_size}; 2 async shards (overlap on), {args.workers} worker(s); "
+        f"on the shards; batch {args.batch_size}; 2 async shards, no overlap (PSWorker's default: a step "
+        f"waits for its exchange), {args.workers} worker(s); "
         f"{args.steps_per_execution} step(s) per call of the step function; "
         f"`model.fit` with psclient.keras (`tf-ps`: TensorFlow's ParameterServerStrategy, 2 ps tasks, a "
         f"custom loop). Machine: {json.dumps(cm.machine_note())}",

@@ -112,7 +112,7 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
 
     Gradients, rows and ids sent; values, returned rows and looked-up rows received (gRPC framing
     not counted; ids counted as 8 bytes each, as they are given), lookups started ahead
-    (``lookup_future``) and read with a push (``push_pull_lookup_future``) included.
+    (``lookup_future``) and read with a push (``push_pull_lookup`` and its ``_future``) included.
     Returns the live counters.
     """
     box = {"sent": 0, "received": 0}
@@ -181,10 +181,26 @@ def count_payload_bytes(client: Any) -> dict[str, int]:
         fut.add_done_callback(read)
         return fut
 
+    push_pull, push_pull_lookup = client.push_pull, client.push_pull_lookup
+
+    def w_push_pull(grads: Any, **kw: Any) -> Any:
+        sent(grads)
+        return received(push_pull(grads, **kw))
+
+    def w_push_pull_lookup(grads: Any, lookup: Any, **kw: Any) -> Any:
+        sent(grads)
+        for ids in lookup.values():
+            lookup_sent(ids)
+        values, rows = push_pull_lookup(grads, lookup, **kw)
+        received(values)
+        box["received"] += sum(int(r.nbytes) for r in rows.values())
+        return values, rows
+
     client.push, client.push_pull_future, client.pull, client.lookup, client.lookup_future = (
         w_push, w_push_pull_future, w_pull, w_lookup, w_lookup_future,
     )  # fmt: skip
     client.push_pull_lookup_future = w_push_pull_lookup_future
+    client.push_pull, client.push_pull_lookup = w_push_pull, w_push_pull_lookup
     return box
 
 

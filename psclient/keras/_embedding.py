@@ -290,6 +290,10 @@ class Embedding(keras.layers.Layer):
         the exchange and every layer)."""
         self._prefetched.assign(key, fut, table)
 
+    def rows_read(self, key: Any, rows: np.ndarray) -> None:
+        """The exchange read the rows of ``key`` (from ``wanted_rows``): here they are."""
+        self._prefetched.assign(key, _Ready(rows))
+
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         ids = self._ids(ids)
         if ids.size and self.worker.attached:  # a prefetch's ids: checked when it was asked for
@@ -414,7 +418,20 @@ class Embedding(keras.layers.Layer):
         return config
 
 
-_Rows = concurrent.futures.Future[Any]  # rows being read (alone, or with an exchange's values)
+class _Ready:
+    """Rows an exchange already read (``rows_read``), taken as a future's result."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return self.rows
+
+
+# rows being read (alone, or with an exchange's values), or read
+_Rows = concurrent.futures.Future[Any] | _Ready
 # distinct ids; once an exchange reads them, their rows' future and the table's name in its result (or None)
 _Entry = tuple[np.ndarray, _Rows | None, str | None]
 
@@ -449,7 +466,7 @@ class _Prefetched:
         with self._lock:
             return next(((key, ids) for key, (ids, fut, _) in self._entries.items() if fut is None), None)
 
-    def assign(self, key: Any, fut: concurrent.futures.Future[Any], table: str | None = None) -> None:
+    def assign(self, key: Any, fut: _Rows, table: str | None = None) -> None:
         """``fut`` reads the rows of ``key``: its result is the rows, or with ``table`` an exchange's
         ``(values, rows by table)``."""
         with self._lock:

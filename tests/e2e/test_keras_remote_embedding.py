@@ -63,12 +63,17 @@ def test_trains_without_a_table_on_the_worker(make_cluster, var_name, mode) -> N
         np.testing.assert_allclose(fresh.layers[-1].kernel.numpy(), model.layers[-1].kernel.numpy())
 
 
-def test_prefetch_reads_each_batchs_rows_with_the_push_of_the_step_before(make_cluster, var_name) -> None:
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_prefetch_reads_each_batchs_rows_with_the_push_of_the_step_before(
+    make_cluster, var_name, overlap: bool
+) -> None:
     import tensorflow as tf
 
     cluster = make_cluster(num_shards=2)
     x, y = _data()
-    with psk.PSWorker(cluster.addresses, overlap=True) as worker:  # async, overlapped
+    # async; overlapped: the step's exchange and its layers share one future; not: the step waits for its
+    # exchange, which hands the rows it read to the layer
+    with psk.PSWorker(cluster.addresses, overlap=overlap) as worker:
         model, emb = _model(worker, var_name)
         model.compile(optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.05), worker), loss="mse")
         ds = psk.prefetch_rows(tf.data.Dataset.from_tensor_slices((x, y)).batch(32), model)

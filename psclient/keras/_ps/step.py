@@ -109,11 +109,13 @@ class WorkerStep:
                     self.worker_index, step, self.step,
                 )  # fmt: skip
             return values
+        if not self.overlap:  # the step waits for its own answer: the client's blocking call, no future
+            values = self._push_pull_now(gmap, local_tables)
+            self.step += 1
+            return values
         # Straight onto the client's loop: no helper thread blocks on the call.
         fut = self._push_pull(gmap, local_tables)
         self.step += 1
-        if not self.overlap:
-            return self._wait(fut)
         prev, self._inflight = self._inflight, fut
         if prev is None:  # first step: nothing earlier to take values from. Its own answer (the next
             return self._wait(fut)  # step takes it again, done): from then on one exchange is in flight
@@ -122,6 +124,30 @@ class WorkerStep:
         if not wanted <= set(values):  # variables the previous step did not push
             values = {**values, **self._wait(fut)}
             self._inflight = None
+        return values
+
+    def _wanted_rows(self) -> list[tuple[str, Any, tuple[Any, np.ndarray]]]:
+        """``(table, layer, (key, distinct ids))`` of the rows ``prefetch_rows`` asked for (the next
+        batches' ids of the ``psclient.keras.Embedding`` layers), to read with this step's push."""
+        return [
+            (name, layer, asked)
+            for name, layer in self._remote.items()
+            if (asked := layer.wanted_rows()) is not None
+        ]
+
+    def _push_pull_now(self, gmap: dict[str, Any], local_tables: list[str]) -> dict[str, Any]:
+        """This step's push_pull, waited for (no overlap); the rows ``prefetch_rows`` asked for are read
+        with it and handed to their layers (``rows_read``). The client's blocking calls hand the answer
+        back with one lock: no ``concurrent.futures.Future`` (a condition variable and its callbacks)."""
+        wants = self._wanted_rows()
+        if not wants:
+            return self.client.push_pull(gmap, step=self.step, return_rows=local_tables)
+        lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
+        values, rows = self.client.push_pull_lookup(
+            gmap, lookup, step=self.step, return_rows=local_tables, distinct=True
+        )
+        for name, layer, (key, _) in wants:
+            layer.rows_read(key, rows[name])
         return values
 
     def _push_pull(self, gmap: dict[str, Any], local_tables: list[str]) -> concurrent.futures.Future[Any]:
@@ -133,11 +159,7 @@ class WorkerStep:
         futures chained behind it: each would take a lock and wake its waiters again on the loop's
         thread, every step.
         """
-        wants = [
-            (name, layer, asked)
-            for name, layer in self._remote.items()
-            if (asked := layer.wanted_rows()) is not None
-        ]
+        wants = self._wanted_rows()
         if not wants:
             return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
         lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
