@@ -10,7 +10,7 @@ import numpy as np
 
 from pscore.embedding import init_rows
 from psserver.rows.config import Holder
-from psserver.rows.tiering import disk_places
+from psserver.rows.tiering import disk_places, keep_disk_places
 from psserver.tier import ReadCost, TierView
 
 if TYPE_CHECKING:
@@ -31,6 +31,11 @@ class RowRead:
     records: np.ndarray | None = None  # their records
     cost: ReadCost = (0.0, 0)
     places: np.ndarray | None = None  # the cold ones' places in the tier's index, as the id index keeps them
+    where: np.ndarray | None = None  # the cold ones' places in the id index then (-1: none)
+    keys: np.ndarray | None = None  # the id index's keys array then (``where`` holds while it is the same)
+    read_places: np.ndarray | None = (
+        None  # the found ones' places in the tier's index, as the read found them
+    )
 
 
 class RowReads:
@@ -51,7 +56,9 @@ class RowReads:
         read as they are now by ``read_cold`` (in any thread: its ``cold_bytes`` tell whether it is
         worth one), then ``read_end`` gives the rows. Lookups change nothing, so a push meanwhile changes
         none of them. Call ``read_begin`` and ``read_end`` on the event loop."""
-        slots = self.index.get(ids)
+        at = self.index.positions(ids)
+        slots = np.take(self.index.vals, at)
+        slots[at < 0] = -1
         # One gather: the rows of ids not in memory (-1, clipped to row 0) are overwritten by ``read_end``.
         out = np.take(holder.state[0], slots, axis=0, mode="clip")
         cold = np.flatnonzero(slots < 0)
@@ -62,16 +69,26 @@ class RowReads:
             return RowRead(self, ids, out, cold, None)
         # cold rows are read (one batched read), not filled; where they are, as the id index keeps it
         view, nbytes = self.tier.view(), cold.size * self.tier.record.itemsize
-        return RowRead(self, ids, out, cold, view, nbytes, places=disk_places(slots[cold]))
+        return RowRead(
+            self,
+            ids,
+            out,
+            cold,
+            view,
+            nbytes,
+            places=disk_places(slots[cold]),
+            where=at[cold],
+            keys=self.index.keys,
+        )
 
     def read_cold(self, lookup: RowRead) -> None:
         """Reads ``lookup``'s rows on disk, as they were at its ``read_begin``; any thread."""
         if lookup.view is not None:
             assert self.tier is not None
-            found, records, _, cost, _ = self.tier.read(
+            found, records, _, cost, places = self.tier.read(
                 lookup.ids[lookup.cold], remember=True, at=lookup.view, places=lookup.places
             )
-            lookup.found, lookup.records, lookup.cost = found, records, cost
+            lookup.found, lookup.records, lookup.cost, lookup.read_places = found, records, cost, places
 
     def read_end(self, lookup: RowRead) -> np.ndarray:
         """``lookup``'s rows (after its ``read_cold``); ids without one get their initializer's row."""
@@ -83,6 +100,9 @@ class RowReads:
             self.tier.count_read(lookup.cost)
             self.tier.stats.cold_hits += lookup.records.size
             self.tier.stats.cold_reads += lookup.records.size
+            if lookup.where is not None and lookup.read_places is not None and lookup.keys is self.index.keys:
+                found = lookup.found
+                keep_disk_places(self.index, lookup.where[found], lookup.ids[cold[found]], lookup.read_places)
             cold = cold[~lookup.found]
         if cold.size:
             out[cold] = self.initial_rows(lookup.ids[cold])

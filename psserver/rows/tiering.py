@@ -44,6 +44,16 @@ def disk_places(values: np.ndarray) -> np.ndarray:
     return np.where(values <= -2, -3 - values, -1)
 
 
+def keep_disk_places(index: HashIndex, at: np.ndarray, ids: np.ndarray, places: np.ndarray) -> None:
+    """Keeps the places a read found ``ids``' records at (``places``) in their id index entries at ``at``
+    (places in ``index`` found before the read; -1: none), where those entries are still the ids' and
+    still on disk only: a place kept goes stale when the tier's index grows (another table), and the
+    next read of the id would look it up again."""
+    look = np.where(at >= 0, at, index.size)  # the place after the buckets holds no id but ``EMPTY``'s
+    ok = (at >= 0) & (np.take(index.keys, look) == ids) & (np.take(index.vals, look) <= -2)
+    index.vals[at[ok]] = on_disk_entries(places[ok], 0)
+
+
 class TierSteps:
     """``DynamicRows``' disk tier (``attach_tier``): its pushes' fills and spills."""
 

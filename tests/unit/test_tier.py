@@ -210,6 +210,13 @@ def test_one_index_for_both_tiers_a_fill_and_a_spill_change_values_not_entries(
     assert tiered.rows.tier.stats.filled > filled  # type: ignore[union-attr]
     _assert_one_index(tiered)
     _assert_same(tiered, plain)
+    # A lookup keeps the places its read found in the entries of the ids it read from disk.
+    ids, vals = index.items()
+    cold = ids[vals < 0]
+    tiered.rows.read(tiered.var, cold)
+    kept = tiering.disk_places(index.get(cold))
+    if _STORE == "log":
+        np.testing.assert_array_equal(kept, tiered.rows.tier._index.positions(cold))  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("cancelled", [False, True], ids=["awaited", "its-caller-cancelled"])
