@@ -741,8 +741,9 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
     lines += [
         "",
         "Payload bytes are tensor bytes through the client (gradients and ids sent; values, returned rows "
-        "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull_future`, "
-        "`push_pull_lookup_future`, `pull` and `lookup`; framing is not counted. Bytes up to the end of "
+        "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull` and "
+        "`push_pull_lookup` (and their `_future`s), `pull` and `lookup`; framing is not counted. Bytes up "
+        "to the end of "
         "the first step (attach, the first pull, the first step's pull of every variable) are the setup "
         "column (the chief's table creation is not counted: `create_embedding` is not wrapped, and "
         "sends no rows for a named initializer); the final pull after training is not counted. Loss: "
