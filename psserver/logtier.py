@@ -200,6 +200,7 @@ class LogTier(ColdTier):
         # looks: the blocks before it hold no live record before the cut (``_append`` moves it back).
         self._expiring: dict[str, tuple[float, int]] = {}
         self._closed = False
+        self.index_epoch = 0
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -305,6 +306,11 @@ class LogTier(ColdTier):
         whole rows of bytes (a gather of the structured records copied them field by field: 3x slower)."""
         rows = np.take(self._all_bytes, pos, axis=0)[:, : self.record.itemsize]
         return np.ascontiguousarray(rows).view(self.record).reshape(-1)
+
+    def places_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's place in the index now (-1: none)."""
+        with self._lock:
+            return self._index.positions(ids)
 
     def _fetch(
         self, ids: np.ndarray, handle: int, hints: np.ndarray | None
@@ -549,6 +555,7 @@ class LogTier(ColdTier):
         try:
             with self._lock:
                 self._index.reserve(more)
+                self.index_epoch += 1  # every place moved (``ColdTier.index_epoch``)
         except OSError as err:
             raise TierFullError(
                 f"table {self.table!r}: its disk tier is full (its index cannot grow at {str(self.path)!r}: "

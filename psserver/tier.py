@@ -438,6 +438,9 @@ class ColdTier:
     """
 
     key_ordered = False  # whether a write goes faster with its ids in ascending order (LMDB's pages)
+    # How many times the store's id index moved its entries (grew into another table): the places it gave
+    # before (``read``, ``write``) are stale since. A store without places: always 0.
+    index_epoch = 0
 
     def __init__(self, path: Path, record: np.dtype, table: str, expiry: Iterable[str]) -> None:
         self.path = path
@@ -483,6 +486,10 @@ class ColdTier:
     def _unpin(self, handle: Any) -> None:
         """Releases a ``_pin``."""
         raise NotImplementedError
+
+    def places_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each id's place in the store's id index now (-1: none, or a store without places)."""
+        return np.full(np.size(ids), -1, np.int64)
 
     def _fetch(
         self, ids: np.ndarray, handle: Any, hints: np.ndarray | None

@@ -60,6 +60,7 @@ class DynamicRows(RowReads, PushSteps, TierSteps, Growth, Exports, RowBudget):
         # Where the disk tier's index held that copy's id when the fill read it (``ColdTier.read``'s places;
         # -1: not known): its next spill's hint (``ColdTier.write``), checked there.
         self.disk_place = zeros(rows, np.int32)
+        self.places_epoch = 0  # the disk tier's ``index_epoch`` when the index's entries took their places
         self.stale = 0
         # A tiered LRU piece's next spill victims, in LRU order (``_spill_victims``): rows, and their ids
         # and last steps when chosen.

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from pscore.errors import ResourceExhaustedError
-from psserver.hashindex import HashIndex
+from psserver.hashindex import EMPTY, HashIndex
 from psserver.rows.budget import MIN_HOT_ROWS
 from psserver.rows.config import EVICT_SLACK, Holder, Work
 from psserver.tier import (
@@ -143,6 +143,11 @@ class TierSteps:
         assert tier is not None
         if self.index.needs_rebuild(ids.size):  # the push inserts at most its ids: room first, or fail now
             self.index = yield self.index.nbytes, functools.partial(self._index_grown, ids.size)
+        if tier.index_epoch != self.places_epoch:  # the tier's index grew: the places kept are stale
+            epoch = tier.index_epoch
+            at, on_disk_ids, places = yield self.index.nbytes, self._places_now
+            keep_disk_places(self.index, at, on_disk_ids, places)
+            self.places_epoch = epoch
         found, probe = self.index.lookup(ids)  # the fill's insert below reads no bucket again
         where = probe.places if probe is not None else self.index.positions(ids)  # each id's place (-1: none)
         hot = found[found >= 0]
@@ -265,6 +270,15 @@ class TierSteps:
         assert self.tier is not None
         batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
         return *self.tier.read(ids, places=places), batch
+
+    def _places_now(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The id index's entries of ids on disk only (their places in it, their ids) and the ids' places
+        in the tier's index now (any thread: it reads the piece and the tier; ``keep_disk_places``)."""
+        assert self.tier is not None
+        index = self.index
+        at = np.flatnonzero((index.vals[: index.size] <= -2) & (index.keys[: index.size] != EMPTY))
+        on_disk_ids = index.keys[at]
+        return at, on_disk_ids, self.tier.places_of(on_disk_ids)
 
     def _index_grown(self, pushed: int) -> HashIndex:
         """The id index rebuilt for a push of ``pushed`` ids (any thread: it reads the piece).
