@@ -11,17 +11,26 @@ T = TypeVar("T")
 
 
 async def gather(coros: Iterable[Awaitable[T]]) -> list[T]:
-    """Runs awaitables concurrently; on failure cancels the rest and raises the first error itself."""
+    """Runs awaitables concurrently; on failure cancels the rest and raises the first error itself.
+
+    The first runs in the caller's task (one task fewer), and before the others start, as a first
+    task would: the order they start in is the order given.
+    """
+    items = list(coros)
+    if not items:
+        return []
+    first, rest = items[0], items[1:]
     tasks: list[asyncio.Task[T]] = []
     try:
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_as_coro(c)) for c in coros]
+            tasks = [tg.create_task(_as_coro(c)) for c in rest]
+            result = await first
     except BaseExceptionGroup as group:
-        first = group.exceptions[0]
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        raise first from None
-    return [t.result() for t in tasks]
+        error = group.exceptions[0]
+        while isinstance(error, BaseExceptionGroup):
+            error = error.exceptions[0]
+        raise error from None
+    return [result, *(t.result() for t in tasks)]
 
 
 async def _as_coro(aw: Awaitable[T]) -> T:
