@@ -212,7 +212,8 @@ class AsyncPSClient(TableMethods):
         for n in created:
             self._check_existing(n, arrays[n], opts[n], existing[n])
         new = {n: (a.shape, a.dtype) for n, a in arrays.items() if n not in existing}
-        placement = plan(new, self.num_shards, self.config.partition_bytes)
+        whole = {n for n in new if opts[n].needs_whole_variable}  # clipnorm, Adafactor, Lamb: never cut
+        placement = plan(new, self.num_shards, self.config.partition_bytes, whole)
         per_shard: dict[int, list[tuple[ps_pb2.VariableSpec, np.ndarray]]] = {}
         for name, pieces in placement.items():
             for piece in pieces:

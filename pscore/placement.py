@@ -5,7 +5,8 @@ Rules (the same on every worker, with no coordination):
 1. A variable of at least ``partition_bytes`` bytes is cut into
    ``k = min(num_shards, ceil(nbytes / partition_bytes))`` partitions: contiguous
    flat (C-order) element ranges of near-equal size, stored as 1-D tensors named
-   ``"<name>/part_<i>"``. Smaller variables stay whole.
+   ``"<name>/part_<i>"``. Smaller variables stay whole, and so does a variable
+   whose optimizer needs all of it (clipnorm, Adafactor, Lamb: ``plan``'s ``whole``).
 2. The pieces of one ``create`` call are placed greedily, largest first (ties by
    name): each goes to the shard that has been given the fewest bytes so far in
    this call; among equally loaded shards the search starts at
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,8 +208,12 @@ def plan(
     specs: Mapping[str, tuple[Sequence[int], np.dtype | str]],
     num_shards: int,
     partition_bytes: int = DEFAULT_PARTITION_BYTES,
+    whole: Container[str] = frozenset(),
 ) -> dict[str, list[Piece]]:
     """Places the variables of one create call; returns each variable's pieces in partition order.
+
+    ``whole``: variables never cut, whatever their size (their optimizer's rule needs the whole
+    variable: clipnorm, Adafactor, Lamb).
 
     Raises:
         ValueError: ``num_shards`` is not positive.
@@ -216,7 +221,9 @@ def plan(
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     pieces = [
-        p for name, (shape, dt) in specs.items() for p in split(name, shape, dt, num_shards, partition_bytes)
+        p
+        for name, (shape, dt) in specs.items()
+        for p in split(name, shape, dt, num_shards, 0 if name in whole else partition_bytes)
     ]
     load = [0] * num_shards
     placed: dict[str, Piece] = {}

@@ -608,8 +608,11 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int, alloc: Alloc
                 into = table_groups if t.spec.HasField("table") else groups
             into.setdefault(_variable_of(t.spec), []).append(t)
     shapes = {}
+    whole = set()  # kept whole as their creator placed them: an optimizer that needs all of the variable
     for name, pieces in groups.items():
         first = pieces[0].spec
+        if len(pieces) == 1 and optimizers.from_spec(first.optimizer).needs_whole_variable:
+            whole.add(name)
         full = tuple(first.partition.full_shape) if first.HasField("partition") else tuple(first.shape)
         covered = sum(p.value.size for p in pieces)
         if covered != math.prod(full):
@@ -617,7 +620,7 @@ def reshard(snapshots: list[Snapshot], shard: int, num_shards: int, alloc: Alloc
                 f"variable {name!r}: the checkpoint holds {covered} of its {math.prod(full)} elements"
             )
         shapes[name] = (full, codec.numpy_dtype(first.dtype))
-    placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES)
+    placement = plan(shapes, num_shards, DEFAULT_PARTITION_BYTES, whole)
     tensors = [_reshard_table(name, old, shard, num_shards) for name, old in sorted(table_groups.items())]
     tensors += [
         _reshard_dynamic(name, old, shard, num_shards, alloc) for name, old in sorted(dynamic_groups.items())

@@ -177,6 +177,30 @@ def test_a_2_shard_checkpoint_restores_into_3_shards_and_back(tmp_path: Path) ->
             np.testing.assert_array_equal(v, trained[n])
 
 
+def test_a_variable_whose_optimizer_needs_all_of_it_stays_whole_and_is_restored_whole(tmp_path: Path) -> None:
+    """Lamb (like Adafactor and clipnorm) uses norms over the whole variable: a variable over the client's
+    ``partition_bytes`` is placed whole on one shard instead of being cut and refused, and a restore into
+    another shard count keeps it whole (the checkpoint's re-cut leaves it as it was)."""
+    rng = np.random.default_rng(12)
+    big = rng.standard_normal((1200, 2000)).astype(np.float32)  # 9.6 MB: over the 8 MiB default
+    grads = [rng.standard_normal(big.shape).astype(np.float32) for _ in range(2)]
+    args = ["--checkpoint-dir", str(tmp_path)]
+    with LocalCluster(2, args) as two:
+        with psclient.PSClient(two.addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_many({"lamb": big, "adam": big}, optimizers={"lamb": psclient.Lamb(0.01)})
+            pieces = c.list_variables()
+            assert len(pieces["lamb"]) == 1 and len(pieces["adam"]) == 2, pieces  # Adam's rule is elementwise
+            for g in grads:
+                c.push({"lamb": g})
+            before = c.pull(["lamb"])["lamb"]
+        assert two.stop() == [0, 0]  # SIGTERM: final checkpoints
+    with LocalCluster(3, args) as three, psclient.PSClient(three.addresses, "w1", timeout=TIMEOUT_S) as c:
+        assert len(c.list_variables()["lamb"]) == 1
+        np.testing.assert_array_equal(c.pull(["lamb"])["lamb"], before)
+        c.push({"lamb": grads[0]})  # still Lamb, on one shard: applied, not refused
+        assert not np.array_equal(c.pull(["lamb"])["lamb"], before)
+
+
 def test_kill_9_during_checkpoint_writes_never_corrupts(tmp_path: Path) -> None:
     """A shard saving every 50 ms, killed at random moments under load, always restarts from a whole file."""
     ck = tmp_path / "ck"

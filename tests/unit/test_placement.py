@@ -90,3 +90,9 @@ def test_placement_spreads_single_variable_creates_by_hash() -> None:
 def test_placement_rejects_non_positive_shard_counts() -> None:
     with pytest.raises(ValueError, match="num_shards"):
         plan({"a": ((1,), "float32")}, num_shards=0)
+
+
+def test_placement_keeps_the_variables_named_whole_whatever_their_size() -> None:
+    specs = {"cut": ((1000,), "float32"), "kept": ((1000,), "float32")}
+    placed = plan(specs, 4, partition_bytes=400, whole={"kept"})
+    assert len(placed["cut"]) == 4 and [p.partitioned for p in placed["kept"]] == [False]
