@@ -86,6 +86,8 @@ def demo_args(bench: argparse.Namespace, mode: str, n: int, k: int, data_path: P
     argv = ["demo", "--mode", mode, "--workers", str(n), "--shards", str(k), "--model", bench.model,
             "--data", "mnist", "--data-path", str(data_path), "--epochs", str(bench.epochs),
             "--batch-size", str(bench.batch_size), "--learning-rate", str(bench.learning_rate)]  # fmt: skip
+    if getattr(bench, "partition_bytes", None) is not None:
+        argv += ["--partition-bytes", str(bench.partition_bytes)]
     args = build_parser().parse_args(argv)
     options.resolve_model_defaults(args)
     return args
@@ -416,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     parser.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's (default 1e-3)")
     parser.add_argument("--rate-mbit", type=float, default=100, help="every link, each way (default 100)")
+    parser.add_argument(
+        "--partition-bytes",
+        type=int,
+        help="the workers' partition_bytes (pstrain --partition-bytes; default the client's 8 MiB)",
+    )
     cm.add_link_args(parser)
     parser.add_argument("--no-local", action="store_true", help="skip the local run")
     parser.add_argument("--quick", action="store_true", help="async k=1 and the ring, n=2, 3 epochs")

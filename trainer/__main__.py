@@ -40,6 +40,20 @@ _NO_LR_SCALING_HELP = (
 )
 
 
+_PARTITION_HELP = (
+    "ps modes: a variable of at least this many bytes is cut over the shards (default 8 MiB; TensorFlow's "
+    "tutorials use 262144, 256 KiB pieces). A smaller value spreads a model's one large kernel (an MLP's "
+    "first layer) instead of loading one shard's link with most of every step"
+)
+
+
+def _partition_bytes(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: never cut), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pstrain",
@@ -64,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
+    demo.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
     demo.add_argument(
         "--backups",
         action="store_true",
@@ -98,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--ring-transport", choices=("grpc", "tcp"), default="tcp", help=_TRANSPORT_HELP)
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
+    worker.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
     options.add_train_flags(worker)
     options.add_security_flags(worker)
@@ -203,7 +219,8 @@ def run_worker(args: argparse.Namespace) -> int:
         mode=args.mode,
         overlap=not args.no_overlap,
         timeout=args.timeout,
-        client_options=options.ring_security_options(args),  # auth token and client TLS towards the shards
+        client_options=options.ring_security_options(args)  # auth token and client TLS towards the shards
+        | ({} if args.partition_bytes is None else {"partition_bytes": args.partition_bytes}),
     )
     print(
         f"[worker {index}] done: {result.steps} steps, {result.steps_per_second:.1f} steps/s"

@@ -81,6 +81,8 @@ def worker_command(
            "--result-json", str(result_json), *options.train_flags(args)]  # fmt: skip
     if args.no_overlap:
         cmd.append("--no-overlap")
+    if args.partition_bytes is not None:
+        cmd += ["--partition-bytes", str(args.partition_bytes)]
     return cmd
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from trainer import allreduce_loop, demo, options
 from trainer.__main__ import build_parser
 
@@ -29,6 +31,15 @@ def test_worker_command_is_a_ps_worker_of_the_demo() -> None:
     assert (w.mode, w.ps, w.worker_index, w.num_workers) == ("sync", "10.0.0.1:5000,10.0.0.2:5000", 2, 3)
     assert (w.model, w.epochs, w.result_json, w.no_overlap) == ("mlp", 4, "/tmp/w2.json", True)
     assert w.learning_rate == 3e-3  # sync: the demo's linear scaling, x workers
+    assert w.partition_bytes is None  # the client's default
+
+
+def test_partition_bytes_goes_to_every_worker_and_a_negative_one_is_refused() -> None:
+    args = _demo("--mode", "async", "--model", "mlp", "--partition-bytes", "262144")
+    w = _worker(demo.worker_command(args, 0, ["10.0.0.1:5000"], "/tmp/w0.json"))
+    assert w.partition_bytes == 262144
+    with pytest.raises(SystemExit):
+        _demo("--partition-bytes", "-1")
 
 
 def test_rank_command_is_a_ring_rank_of_the_demo() -> None:
