@@ -38,4 +38,14 @@ case "$1" in
     flock /tmp/bench.lock python bench/bench_keras_netns.py --workers 8 --shards 4 --modes async,sync --ring 8 \
       --rate-mbit 50 --epochs 6 --no-local --out $D/keras_n8 2>&1 | tail -3 >> $D/log.txt
     echo "   after: $(date -u +%T) $(cut -d' ' -f1-3 /proc/loadavg)" >> $D/log.txt ;;
+  n32)  # n = 32 with the queues by peer, as the cells before (15 Mbit/s, 24 s)
+    cell n32k16_default_1 --workers 32 --shards 16 --inflight 2 --rate-mbit 15 --size-mib 4 --seconds 24
+    cell n32k32_v32_default_1 --workers 32 --shards 32 --inflight 2 --rate-mbit 15 --size-mib 4 --vars 32 \
+      --seconds 24 ;;
+  ab16)  # n = k = 16 (30 Mbit/s, 12 s): one FIFO against 32 queues by peer, alternated
+    for i in 1 2; do
+      cell n16k16_fifo_$i --workers 16 --shards 16 --inflight 2 --rate-mbit 30 --size-mib 4 --seconds 12 \
+        --peer-queues 0
+      cell n16k16_peerq32_$i --workers 16 --shards 16 --inflight 2 --rate-mbit 30 --size-mib 4 --seconds 12
+    done ;;
 esac
