@@ -62,7 +62,9 @@ methods call each other directly: no layer between them):
 - ``budget``: the bytes it holds in memory and a tiered piece's claim on the shard's budget;
 - ``reads``: lookups and scans;
 - ``push``: a push's plan and its steps 1-5 (``update``, ``plan``, ``prepare``);
-- ``tiering``: the disk tier, a push's fill and spill (``tier_step``), rows as records;
+- ``tiering``: the disk tier, a push's fill and spill (``tier_step``), rows as records; a tiered piece's
+  id index is the index of both tiers (an id's row in memory, or its record's place in the tier's index:
+  ``on_disk_entries``), so a fill and a spill change values, not entries;
 - ``growth``: an unbounded piece's larger storage;
 - ``export``: export and load (checkpoints, backups, ``ExportTable``);
 - ``select``: choosing rows by the eviction policy's keys in one pass.
