@@ -48,4 +48,8 @@ case "$1" in
         --peer-queues 0
       cell n16k16_peerq32_$i --workers 16 --shards 16 --inflight 2 --rate-mbit 30 --size-mib 4 --seconds 12
     done ;;
+  if3)  # n = k = 16 with three rounds in flight: does a third round hide the later answers? (one each)
+    cell n16k16_if3_peerq32 --workers 16 --shards 16 --inflight 3 --rate-mbit 30 --size-mib 4 --seconds 12
+    cell n16k16_if3_fifo --workers 16 --shards 16 --inflight 3 --rate-mbit 30 --size-mib 4 --seconds 12 \
+      --peer-queues 0 ;;
 esac
