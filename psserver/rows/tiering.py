@@ -29,6 +29,7 @@ _QUEUE_WINDOW = 4096  # the victim queue's rows a spill checks first, at least (
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 _NO_PLACE = np.iinfo(np.int32).max  # ``disk_place`` holds places below this (a larger one: not kept)
+_PLACES_CHUNK = 1 << 18  # the id index's places ``_places_now`` looks at at once
 
 
 def on_disk_entries(places: np.ndarray | None, n: int) -> np.ndarray:
@@ -145,8 +146,7 @@ class TierSteps:
             self.index = yield self.index.nbytes, functools.partial(self._index_grown, ids.size)
         if tier.index_epoch != self.places_epoch:  # the tier's index grew: the places kept are stale
             epoch = tier.index_epoch
-            at, on_disk_ids, places = yield self.index.nbytes, self._places_now
-            keep_disk_places(self.index, at, on_disk_ids, places)
+            yield self.index.nbytes, self._places_now
             self.places_epoch = epoch
         found, probe = self.index.lookup(ids)  # the fill's insert below reads no bucket again
         where = probe.places if probe is not None else self.index.positions(ids)  # each id's place (-1: none)
@@ -271,14 +271,19 @@ class TierSteps:
         batch = None if batch_cut is None else self.tier.expired(*batch_cut, limit=_EXPIRE_BATCH)
         return *self.tier.read(ids, places=places), batch
 
-    def _places_now(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The id index's entries of ids on disk only (their places in it, their ids) and the ids' places
-        in the tier's index now (any thread: it reads the piece and the tier; ``keep_disk_places``)."""
+    def _places_now(self) -> None:
+        """Keeps in the id index's entries of ids on disk only their places in the tier's index now
+        (``keep_disk_places``), ``_PLACES_CHUNK`` places at a time (a few MiB of temporaries, whatever the
+        ids on disk). Any thread: the push holds the piece; a lookup's ``read_end`` meanwhile only keeps
+        places too."""
         assert self.tier is not None
         index = self.index
-        at = np.flatnonzero((index.vals[: index.size] <= -2) & (index.keys[: index.size] != EMPTY))
-        on_disk_ids = index.keys[at]
-        return at, on_disk_ids, self.tier.places_of(on_disk_ids)
+        for lo in range(0, index.size, _PLACES_CHUNK):
+            hi = min(index.size, lo + _PLACES_CHUNK)
+            at = lo + np.flatnonzero((index.vals[lo:hi] <= -2) & (index.keys[lo:hi] != EMPTY))
+            if at.size:
+                on_disk_ids = index.keys[at]
+                keep_disk_places(index, at, on_disk_ids, self.tier.places_of(on_disk_ids))
 
     def _index_grown(self, pushed: int) -> HashIndex:
         """The id index rebuilt for a push of ``pushed`` ids (any thread: it reads the piece).

@@ -181,12 +181,13 @@ def _assert_one_index(t: _Table) -> None:
 
 @pytest.mark.parametrize("ttl", [0, 30], ids=["no-ttl", "ttl"])
 def test_one_index_for_both_tiers_a_fill_and_a_spill_change_values_not_entries(
-    tmp_path: Path, ttl: int
+    tmp_path: Path, ttl: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A tiered piece's index maps each id to its row in memory or to its record on disk. Once every id
     of a stream has been pushed, pushes of the same ids fill and spill rows without an insert or a
     removal (the index keeps its size and its arrays); with a TTL the ids whose records expire leave it.
     Lookups and pushes give what the same table in memory gives."""
+    monkeypatch.setattr(tiering, "_PLACES_CHUNK", 64)  # places found again in many chunks
     kw = {"ttl_steps": ttl} if ttl else {}
     tiered, plain = _Table(_tier(str(tmp_path), 96 << 10), **kw), _Table(None, **kw)
     stream = _stream(80, 120, 4000)
