@@ -101,8 +101,12 @@ class RowReads:
             self.tier.stats.cold_hits += lookup.records.size
             self.tier.stats.cold_reads += lookup.records.size
             if lookup.where is not None and lookup.read_places is not None and lookup.keys is self.index.keys:
-                found = lookup.found
-                keep_disk_places(self.index, lookup.where[found], lookup.ids[cold[found]], lookup.read_places)
+                assert lookup.places is not None
+                found = np.flatnonzero(lookup.found)
+                new = lookup.read_places != lookup.places[found]  # only the places the entries lack
+                if new.any():
+                    found, places = found[new], lookup.read_places[new]
+                    keep_disk_places(self.index, lookup.where[found], lookup.ids[cold[found]], places)
             cold = cold[~lookup.found]
         if cold.size:
             out[cold] = self.initial_rows(lookup.ids[cold])
