@@ -88,6 +88,8 @@ def demo_args(bench: argparse.Namespace, mode: str, n: int, k: int, data_path: P
             "--batch-size", str(bench.batch_size), "--learning-rate", str(bench.learning_rate)]  # fmt: skip
     if getattr(bench, "partition_bytes", None) is not None:
         argv += ["--partition-bytes", str(bench.partition_bytes)]
+    if mode == "sync" and getattr(bench, "sync_parts", 1) != 1:
+        argv += ["--sync-parts", str(bench.sync_parts)]
     args = build_parser().parse_args(argv)
     options.resolve_model_defaults(args)
     return args
@@ -422,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
         "--partition-bytes",
         type=int,
         help="the workers' partition_bytes (pstrain --partition-bytes; default the client's 8 MiB)",
+    )
+    parser.add_argument(
+        "--sync-parts", type=int, default=1, help="sync runs: a step in N parts (pstrain --sync-parts; default 1)"
     )
     cm.add_link_args(parser)
     parser.add_argument("--no-local", action="store_true", help="skip the local run")

@@ -47,6 +47,21 @@ _PARTITION_HELP = (
 )
 
 
+_SYNC_PARTS_HELP = (
+    "sync: push each step to each shard in N parts, so that a shard answers the first part while the rest "
+    "still arrive (on slow links the answers' download overlaps the next parts' upload; the model's "
+    "variables must be cut small enough to fill the parts: --partition-bytes). Models without embedding "
+    "tables (default 1: one push per shard a step)"
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _partition_bytes(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -79,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
     )
     demo.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
+    demo.add_argument("--sync-parts", type=_positive_int, default=1, metavar="N", help=_SYNC_PARTS_HELP)
     demo.add_argument(
         "--backups",
         action="store_true",
@@ -114,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
     worker.add_argument("--no-overlap", action="store_true")
     worker.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
+    worker.add_argument("--sync-parts", type=_positive_int, default=1, metavar="N", help=_SYNC_PARTS_HELP)
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
     options.add_train_flags(worker)
     options.add_security_flags(worker)
@@ -219,6 +236,7 @@ def run_worker(args: argparse.Namespace) -> int:
         mode=args.mode,
         overlap=not args.no_overlap,
         timeout=args.timeout,
+        sync_parts=args.sync_parts,
         client_options=options.ring_security_options(args)  # auth token and client TLS towards the shards
         | ({} if args.partition_bytes is None else {"partition_bytes": args.partition_bytes}),
     )

@@ -83,6 +83,8 @@ def worker_command(
         cmd.append("--no-overlap")
     if args.partition_bytes is not None:
         cmd += ["--partition-bytes", str(args.partition_bytes)]
+    if args.sync_parts != 1:
+        cmd += ["--sync-parts", str(args.sync_parts)]
     return cmd
 
 

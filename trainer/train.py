@@ -199,11 +199,13 @@ def train_worker(
     mode: str = "async",
     overlap: bool = True,
     timeout: float = 120.0,
+    sync_parts: int = 1,
     client_options: dict[str, Any] | None = None,
 ) -> WorkerResult:
     """Trains one worker of a parameter-server job with Keras ``fit`` on its shard of the data.
 
-    ``client_options`` go to ``psclient.PSClient`` (``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``).
+    ``sync_parts`` goes to ``psclient.keras.PSWorker`` (sync: a step pushed in parts); ``client_options``
+    to ``psclient.PSClient`` (``auth_token``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``partition_bytes``).
 
     Raises:
         psclient.PSError: a shard failed, or a barrier timed out.
@@ -213,7 +215,7 @@ def train_worker(
 
         return recsys.train_worker(  # type: ignore[no-any-return]
             config, ps_addresses, worker_index=worker_index, num_workers=num_workers, mode=mode,
-            overlap=overlap, timeout=timeout, **(client_options or {}),
+            overlap=overlap, timeout=timeout, sync_parts=sync_parts, **(client_options or {}),
         )  # fmt: skip
     split = config.load()
     with psk.PSWorker(
@@ -223,6 +225,7 @@ def train_worker(
         mode=mode,
         overlap=overlap,
         timeout=timeout,
+        sync_parts=sync_parts,
         **(client_options or {}),
     ) as worker:
         optimizer = psk.DistributedOptimizer(keras.optimizers.Adam(config.learning_rate), worker)

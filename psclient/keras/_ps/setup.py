@@ -182,6 +182,11 @@ class WorkerSetup:
         if isinstance(model_or_variables, keras.Model):
             groups += [([v], remote[id(v)].server_optimizer) for v in own]
         self._register(groups, check=True)
+        if self.mode == "sync" and self.sync_parts > 1 and self._tables:
+            raise ValueError(
+                f"sync_parts={self.sync_parts} pushes dense variables only, and this model has embedding "
+                f"tables ({', '.join(sorted(self._tables))}), pushed by row: use sync_parts=1"
+            )
         self._attached = True
         if self._vars:
             self.refresh()
@@ -468,8 +473,10 @@ class WorkerSetup:
 
     def _shards_step(self) -> int:
         """Sync mode: the step the shards gather now (every shard completes every step): the smallest,
-        so that a shard restored from an earlier checkpoint gets every step from its own on."""
-        return min((s.step for s in self.client.status()), default=0)
+        so that a shard restored from an earlier checkpoint gets every step from its own on. A step in
+        ``sync_parts`` parts is that many steps on the shards: a step begun there is joined at the next."""
+        shard_step = min((s.step for s in self.client.status()), default=0)
+        return -(-shard_step // self.sync_parts)
 
     def sync_learning_rates(self) -> None:
         """Sends a learning rate changed on a ``DistributedOptimizer`` (by a callback) to the shards."""

@@ -94,7 +94,9 @@ class WorkerStep:
             # One round trip per shard: the push waits at the step's barrier, and its answer carries
             # the values after the step (a local table's pushed rows too).
             step = self.step
-            values = self.client.push_pull(gmap, step=step, every_shard=True, return_rows=local_tables)
+            values = self.client.push_pull(
+                gmap, step=step, every_shard=True, return_rows=local_tables, parts=self.sync_parts
+            )
             if values.applied:
                 self.step = step + 1
             else:

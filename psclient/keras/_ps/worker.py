@@ -76,12 +76,19 @@ class PSWorker(WorkerSetup, WorkerStep, DeferredExchanges):
             the shards that hold the rows (the table never travels whole): ``"lazy"`` (default) to
             the rows each step touches, as embedding systems do; ``"exact"`` to every row on every
             update, as local Keras does (each shard then updates its whole piece per push).
+        sync_parts: sync mode: each step's gradients go to each shard as this many pushes
+            (``PSClient.push_pull``'s ``parts``), so that a shard applies and answers the first part
+            while the later ones still arrive: on links, the answers' download overlaps the next
+            parts' upload (worth it where a step moves much more than a link carries in a few
+            milliseconds, with the model's variables cut small enough to fill the parts:
+            ``partition_bytes``). Every worker must give the same; dense variables only (a model
+            with embedding tables is refused at ``attach``). Default 1: one push per shard a step.
         **client_options: ``PSClient`` arguments (``timeout``, ``auth_token``, TLS paths, ...).
 
     Not thread-safe: one worker per training loop.
 
     Raises:
-        ValueError: an unknown mode, a bad index, or no addresses and no TF_CONFIG.
+        ValueError: an unknown mode, a bad index or ``sync_parts``, or no addresses and no TF_CONFIG.
     """
 
     def __init__(
@@ -96,13 +103,17 @@ class PSWorker(WorkerSetup, WorkerStep, DeferredExchanges):
         client: PSClient | None = None,
         attach_timeout: float = 120.0,
         table_regularization: str = "lazy",
+        sync_parts: int = 1,
         **client_options: Any,
     ) -> None:
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if table_regularization not in ("lazy", "exact"):
             raise ValueError(f"table_regularization must be 'lazy' or 'exact', got {table_regularization!r}")
+        if isinstance(sync_parts, bool) or not isinstance(sync_parts, int) or sync_parts < 1:
+            raise ValueError(f"sync_parts must be an int >= 1, got {sync_parts!r}")
         self.table_regularization = table_regularization
+        self.sync_parts = sync_parts
         worker_index, num_workers = _worker_from_tf_config(worker_index, num_workers)
         if not 0 <= worker_index < max(1, num_workers):
             raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
