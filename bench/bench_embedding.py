@@ -64,8 +64,10 @@ bytes per worker-step (tensor bytes through the client: gradients pushed, values
 pulled, rows looked up; framing not counted) against the goal of issue 11,
 ``2 x (rows touched x dim x 4 B) + the dense variables`` (rows touched: the mean
 distinct ids of a batch; the dense variables counted pushed and pulled, 2 x their
-bytes), the worker's peak RSS, CPU ms per step (workers and shards: what bounds
-steps/s when every core is busy, as on this 2-core machine), and the run's wall time
+bytes; counted over the 100 steps after the first, then the counter is taken off), the
+worker's peak RSS, CPU ms per step (workers and shards, over the steps after that
+window: the counter is the bench's cost, not psclient's; what bounds steps/s when
+every core is busy, as on this 2-core machine), and the run's wall time
 (worker start to exit: TensorFlow import, table creation, training).
 
 Usage:
@@ -105,6 +107,7 @@ _PREFILL_CHUNK = 8192  # ids per zero-gradient push of --prefill (a push must fi
 _LOSS_POINTS = 30  # points of the loss curve recorded per run
 _RESULT = "RESULT "
 _RSS_SAMPLE_S = 0.5
+_PAYLOAD_STEPS = 100  # psclient variants: payload counted over steps 2..101, CPU measured after them
 
 
 def _env() -> dict[str, str]:
@@ -152,7 +155,15 @@ def worker_main(args: argparse.Namespace) -> None:
     worker = psk.PSWorker(
         args.addresses.split(","), worker_index=args.index, num_workers=args.workers, **dense
     )
+    before = set(vars(worker.client))
     box = count_payload_bytes(worker.client)
+    wrapped = set(vars(worker.client)) - before  # the client's methods the counter wrapped
+
+    def uncount() -> None:
+        """The client's own methods again: the payload window is over, the CPU window starts."""
+        for name in wrapped:
+            delattr(worker.client, name)
+
     if args.variant in ("psk", "psk-prefetch"):
         emb: Any = psk.Embedding(args.rows, args.dim, worker=worker, name="emb")
     elif args.variant == "psk-capacity":
@@ -184,7 +195,10 @@ def worker_main(args: argparse.Namespace) -> None:
     end_bytes: dict[str, int] = {}
 
     rss_before_fit = rss_mib(field="VmRSS")
-    steps_seen = [0, 0]  # calls of the step function; steps done by the end of the first call
+    # calls of the step function; steps done by the end of the first call, and at the payload window's end
+    steps_seen = [0, 0, 0]
+    # steps after the first whose payload is counted (then the counter is taken off, and the CPU measured)
+    payload_steps = min(_PAYLOAD_STEPS, max(1, max(1, args.steps // 2) // 2))
     shard_pids = [int(p) for p in args.shard_pids.split(",") if p]
     cpu_at: dict[str, list[float]] = {}  # after step 1 and at the end: this worker's CPU s, the shards'
 
@@ -213,7 +227,10 @@ def worker_main(args: argparse.Namespace) -> None:
             prefill_s[0] = time.perf_counter() - t
 
     class Mark(keras.callbacks.Callback):
-        """Bytes of steps 2..n: not the attach, the first step's pull of every variable or the final pull."""
+        """Payload bytes of steps 2 .. 1 + ``payload_steps`` (not the attach, the first step's pull of every
+        variable or the final pull), then CPU from there to the end, without the counter: it wraps the
+        client's calls and sizes every array they take and give, a cost of this bench, not of psclient (TF's
+        PS has none)."""
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             steps_seen[0] += 1
@@ -223,7 +240,13 @@ def worker_main(args: argparse.Namespace) -> None:
                 attach_bytes.update(box)
                 cpu_at["first"] = cpu_now()
                 steps_seen[1] = cb.steps
-            end_bytes.update(box)
+            elif not steps_seen[2] and cb.steps - steps_seen[1] >= payload_steps:
+                end_bytes.update(box)
+                steps_seen[2] = cb.steps
+                uncount()
+                cpu_at["first"] = cpu_now()
+            if not steps_seen[2]:  # a run too short to close the window: payload and CPU over steps 2..n
+                end_bytes.update(box)
 
         def on_train_end(self, logs: Any = None) -> None:
             cpu_at["end"] = cpu_now()
@@ -233,14 +256,16 @@ def worker_main(args: argparse.Namespace) -> None:
     fit_seconds = time.perf_counter() - fit_started
     worker.close()
     steps = cb.steps
-    measured = max(1, steps - steps_seen[1])  # the steps after the first call of the step function
+    counted = max(1, (steps_seen[2] or steps) - steps_seen[1])  # the payload window's steps
+    measured = max(1, steps - (steps_seen[2] or steps_seen[1]))  # the CPU window's
     result = {
         "variant": args.variant,
         "index": args.index,
         "steps": steps,
         "steps_per_s": cb.steps_per_second,
-        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / measured,
-        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / measured,
+        "bytes_per_step": (sum(end_bytes.values()) - sum(attach_bytes.values())) / counted,
+        "sent_per_step": (end_bytes["sent"] - attach_bytes["sent"]) / counted,
+        "payload_steps": counted,
         "setup_bytes": sum(attach_bytes.values()),
         "peak_rss_mib": rss_mib(field="VmHWM"),
         "rss_before_fit_mib": rss_before_fit,
@@ -255,7 +280,8 @@ def worker_main(args: argparse.Namespace) -> None:
         "loss_curve": loss_curve,
         "prefill_s": prefill_s[0],
         "wall_s": time.perf_counter() - t0,
-        # CPU seconds over steps 2..n: this worker's, and the shards' (all workers' load)
+        # CPU seconds after the payload window (over steps 2..n when the run is too short for it): this
+        # worker's, and the shards' (all workers' load)
         "cpu_s": [b - a for a, b in zip(cpu_at["first"], cpu_at["end"], strict=True)],
         "measured_steps": measured,
     }
@@ -742,8 +768,9 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "",
         "Payload bytes are tensor bytes through the client (gradients and ids sent; values, returned rows "
         "and looked-up rows received), counted in the worker by wrapping `push`, `push_pull` and "
-        "`push_pull_lookup` (and their `_future`s), `pull` and `lookup`; framing is not counted. Bytes up "
-        "to the end of "
+        "`push_pull_lookup` (and their `_future`s), `pull` and `lookup`, over the first "
+        f"{_PAYLOAD_STEPS} steps after the first (then the wrappers are taken off, so that the CPU column, "
+        "measured after them, does not pay for them); framing is not counted. Bytes up to the end of "
         "the first step (attach, the first pull, the first step's pull of every variable) are the setup "
         "column (the chief's table creation is not counted: `create_embedding` is not wrapped, and "
         "sends no rows for a named initializer); the final pull after training is not counted. Loss: "
@@ -756,7 +783,8 @@ def _markdown(args: argparse.Namespace, results: list[dict[str, Any]], command: 
         "rows touched = the mean distinct ids of a batch; the ids themselves, sent with the lookup and "
         "with the push, are what `psk` sends beyond it: counted here as given (8 B each), they travel "
         "as int32 (4 B) for a fixed table. CPU ms / step: CPU time over the measured steps divided by "
-        "the steps (psclient variants: a worker's own, and the shards' over worker 0's measured steps "
+        f"the steps (psclient variants: the steps after the payload window, {_PAYLOAD_STEPS} steps after "
+        "the first; a worker's own, and the shards' over worker 0's measured steps "
         "for all the workers' steps in that time; `tf-ps`: the coordinator and the TF workers, and the "
         "ps tasks): on a machine whose cores are all busy, steps/s follows their sum. `keras-local`: the "
         "same model and data under Keras's own `fit` in one process, no parameter server, the table frozen "
