@@ -24,10 +24,14 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   lookup reads one instant in a worker thread; a checkpoint's or a backup's
   snapshot (``reader``) keeps its ids and reads them, in id order, as of its
   instant while pushes go on.
-- A record overwritten or deleted leaves a dead one behind. A segment whose
-  live records fall below ``_COMPACT_BELOW`` of it is compacted in a worker
-  thread: its live records are appended again, ``_COMPACT_STEP_BYTES`` at most
-  per step (the writer's lock is held for one step at a time, so a push waits
+- A record overwritten or deleted leaves a dead one behind. Once the segments
+  hold more than ``1 / _COMPACT_BELOW`` (2x) their live records, the full
+  segment with the fewest live ones (below ``_COMPACT_BELOW`` of it) is
+  compacted in a worker thread; a segment is not compacted as soon as it falls
+  below half live: meanwhile more of its records die, and fewer are moved (a
+  log-structured store's greedy cleaning; a third of the moves in
+  ``bench_tier_push.py``'s steady state). Its live records are appended
+  again, ``_COMPACT_STEP_BYTES`` at most per step (the writer's lock is held for one step at a time, so a push waits
   for one step at most), then it is removed: once the views older than that are
   closed (their reads may still look there), its region's blocks are punched out
   (``MADV_REMOVE``) and the region is reused. A
@@ -38,9 +42,10 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   backups.
 
 Disk space: the live records, plus the dead ones of segments not yet compacted
-(each full segment is compacted below half live: at most about 2x the live
-records' bytes), plus the active segment's and half a segment of headroom for
-the compaction itself; a segment is 1/16 of ``--table-disk-limit``, between 64
+(at most about 2x the live records' bytes, plus the segment under compaction;
+``compact_now`` and a write that needs room compact every full segment below
+half live), plus the active segment's and half a segment of headroom for the
+compaction itself; a segment is 1/16 of ``--table-disk-limit``, between 64
 KiB and 64 MiB. The index (about 50 bytes a record held: ids and positions in
 a table at most 3/4 full, doubled as it grows) lives in files of the piece's
 directory too (the page cache's pages, like LMDB's B-tree; not counted in the
@@ -804,17 +809,11 @@ class LogTier(ColdTier):
                 seg.alive[(pos if uniq.size == 1 else pos[nos == no]) - seg.base] = sign > 0
 
     def _retire_empty(self) -> bool:
-        """Retires the full segments nothing lives in (holds ``_lock``); whether any full one is due for
-        compaction."""
-        due = False
+        """Retires the full segments nothing lives in (holds ``_lock``); whether compaction is due."""
         for seg in self._current():
-            if seg is self._active or seg.used < seg.rows:
-                continue
-            if not seg.live:
+            if seg is not self._active and seg.used == seg.rows and not seg.live:
                 self._retire(seg)
-            elif seg.live < _COMPACT_BELOW * seg.rows:
-                due = True
-        return due
+        return self._victim() is not None
 
     def _retire(self, seg: _Segment) -> None:
         """Removes a segment nothing points at any more (holds ``_lock``): its file goes now, its map (and
@@ -846,25 +845,35 @@ class LogTier(ColdTier):
         finally:
             self._compactor = None
 
-    def _victim(self) -> _Segment | None:
-        """The full segment with the lowest live fraction below ``_COMPACT_BELOW`` (holds ``_writer``)."""
+    def _victim(self, eager: bool = False) -> _Segment | None:
+        """The full segment with the lowest live fraction below ``_COMPACT_BELOW`` (holds ``_writer`` or
+        ``_lock``): ``eager``, whenever there is one; else only while the segments hold more than
+        ``1 / _COMPACT_BELOW`` times their live records. A segment is then compacted when the space
+        is wanted, not as soon as it falls below the fraction: meanwhile more of its records die, and
+        fewer are moved (a log-structured store's greedy cleaning: at 2x the live records, each
+        compacted segment far less than half live where the rows are rewritten at random)."""
         best = None
+        held = live = 0
         for seg in self._current():
+            held += seg.used
+            live += seg.live
             if seg is self._active or seg.used < seg.rows or seg.live >= _COMPACT_BELOW * seg.rows:
                 continue
             if best is None or seg.live * best.rows < best.live * seg.rows:
                 best = seg
-        return best
+        if eager or held * _COMPACT_BELOW > live:
+            return best
+        return None
 
-    def _compact_step(self, limit_bytes: int = _COMPACT_STEP_BYTES) -> bool:
+    def _compact_step(self, limit_bytes: int = _COMPACT_STEP_BYTES, eager: bool = False) -> bool:
         """Moves up to ``limit_bytes`` of the live records of the segment under compaction (or of the next
-        victim) after the last records; holds ``_writer``. False: nothing to compact.
+        victim, ``_victim(eager)``) after the last records; holds ``_writer``. False: nothing to compact.
 
         Raises:
             TierFullError: no room to move them (nothing changed).
         """
         if self._compacting is None:
-            seg = self._victim()
+            seg = self._victim(eager)
             if seg is None:
                 return False
             self._compacting = (seg, 0)
@@ -896,11 +905,11 @@ class LogTier(ColdTier):
         """Compacts one victim whole for a write that needs room (holds ``_writer``); whether space came
         back (not while views older than it are open: their reads may still look there)."""
         before = self._allocated
-        if self._compacting is None and self._victim() is None:
+        if self._compacting is None and self._victim(eager=True) is None:
             return False
         while True:
             seg = self._compacting[0] if self._compacting is not None else None
-            if not self._compact_step(self.segment_rows * self.slot.itemsize):
+            if not self._compact_step(self.segment_rows * self.slot.itemsize, eager=True):
                 break
             if self._compacting is None or self._compacting[0] is not seg:
                 break
@@ -910,7 +919,7 @@ class LogTier(ColdTier):
         """Compacts every due segment at once (for tests and benchmarks: compaction otherwise runs in its
         thread, a bounded step at a time)."""
         with self._writer:
-            while self._compact_step():
+            while self._compact_step(eager=True):
                 pass
 
 

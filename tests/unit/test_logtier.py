@@ -116,6 +116,48 @@ def test_compaction_keeps_every_live_row_and_gives_the_space_back(tmp_path: Path
     assert len(tier._segs) < tier.compaction.segments  # the regions of compacted segments were reused
 
 
+def test_compaction_waits_for_the_space_and_moves_fewer_records_than_compacting_at_half_live(
+    tmp_path: Path,
+) -> None:
+    """The same random rewrites on two tiers, each compacting in the writer's thread after each write: one
+    as the compaction thread does (a segment below half live only once the segments hold more than twice
+    the live records), one compacting every segment below half live at once. Both hold every record,
+    bit-exact; the first stays within twice the live records (plus the segment under compaction and the
+    active one) and moves fewer records (with every segment compacted at half live, as many as it frees)."""
+    tiers = {kind: LogTier(tmp_path / kind, _RECORD, 1 << 30, "t") for kind in ("when-wanted", "at-half")}
+    for kind, tier in tiers.items():
+        eager = kind == "at-half"
+
+        def inline(tier: LogTier = tier, eager: bool = eager) -> None:  # the writer's lock is held
+            while tier._compact_step(eager=eager):
+                pass
+
+        tier._start_compaction = inline  # type: ignore[method-assign]
+    ids = np.arange(3000, dtype=np.int64)
+    model = {i: r.copy() for i, r in zip(ids.tolist(), _records(ids, 0), strict=True)}
+    for tier in tiers.values():
+        tier.write(ids, _records(ids, 0))
+    rng = np.random.default_rng(5)
+    lazy = tiers["when-wanted"]
+    for step in range(1, 200):
+        again = np.unique(rng.integers(0, ids.size, 150))
+        records = _records(again, step)
+        for tier in tiers.values():
+            tier.write(again, records)
+        model.update(zip(again.tolist(), (r.copy() for r in records), strict=True))
+        held = sum(seg.used for seg in lazy._current())
+        assert held <= 2 * len(lazy) + 2 * lazy.segment_rows
+    for tier in tiers.values():
+        _assert_holds(tier, model, walk=False)
+        assert tier.compaction.segments > 5
+    assert lazy.compaction.moved < 0.6 * tiers["at-half"].compaction.moved
+    lazy.compact_now()  # compacted now: every segment at least half live, as before
+    assert all(s.live >= s.rows // 2 for s in lazy._current() if s.used == s.rows and s is not lazy._active)
+    _assert_holds(lazy, model)
+    for tier in tiers.values():
+        tier.close()
+
+
 def test_a_view_and_a_snapshot_read_their_instant_while_writes_and_compaction_go_on(tmp_path: Path) -> None:
     tier = LogTier(tmp_path / "t", _RECORD, 1 << 30, "t")
     ids = np.arange(-1000, 1000, dtype=np.int64)
