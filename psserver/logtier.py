@@ -25,14 +25,15 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   snapshot (``reader``) keeps its ids and reads them, in id order, as of its
   instant while pushes go on.
 - A record overwritten or deleted leaves a dead one behind. Once the segments
-  hold more than ``1 / _COMPACT_BELOW`` (2x) their live records, the full
-  segment with the fewest live ones (below ``_COMPACT_BELOW`` of it) is
-  compacted in a worker thread; a segment is not compacted as soon as it falls
-  below half live: meanwhile more of its records die, and fewer are moved (a
-  log-structured store's greedy cleaning; a third of the moves in
-  ``bench_tier_push.py``'s steady state). Its live records are appended
-  again, ``_COMPACT_STEP_BYTES`` at most per step (the writer's lock is held for one step at a time, so a push waits
-  for one step at most), then it is removed: once the views older than that are
+  hold more than ``1 / _COMPACT_BELOW`` (2x) their live records, or take more
+  than ``_EAGER_NEAR_LIMIT`` of the limit, the full segment with the fewest
+  live ones (below ``_COMPACT_BELOW`` of it) is compacted in a worker thread.
+  A segment is not compacted as soon as it falls below half live: meanwhile
+  more of its records die, and fewer are moved (a log-structured store's
+  greedy cleaning; a tenth to a third of the moves in ``bench_tier_push.py``).
+  Its live records are appended again, ``_COMPACT_STEP_BYTES`` at most per
+  step (the writer's lock is held for one step at a time, so a push waits for
+  one step at most), then it is removed: once the views older than that are
   closed (their reads may still look there), its region's blocks are punched out
   (``MADV_REMOVE``) and the region is reused. A
   compaction moves records, never changes one: no reader can tell. A write that
@@ -94,6 +95,9 @@ _REGIONS_PER_LIMIT = 16  # a segment's region is at most this fraction of --tabl
 _ALLOC_STEP_BYTES = 1 << 20  # blocks allocated ahead in a segment at least this much at a time
 _SPARE_REGIONS = 4  # regions mapped beyond the limit's (a new segment while old ones wait for their views)
 _COMPACT_BELOW = 0.5  # a full segment whose live fraction is below this is compacted
+# Past this fraction of --table-disk-limit, a segment is compacted as soon as it falls below half live again
+# (else a push's write near the limit would compact a whole segment itself: ``_compact_for_room``).
+_EAGER_NEAR_LIMIT = 0.75
 _COMPACT_STEP_BYTES = 4 << 20  # records one compaction step reads and appends at most
 _JOIN_S = 10.0  # how long closing waits for the compaction thread's step
 _EXPIRY_BLOCK = 4096  # records per block of a segment's expiry bounds (``expired``)
@@ -848,10 +852,11 @@ class LogTier(ColdTier):
     def _victim(self, eager: bool = False) -> _Segment | None:
         """The full segment with the lowest live fraction below ``_COMPACT_BELOW`` (holds ``_writer`` or
         ``_lock``): ``eager``, whenever there is one; else only while the segments hold more than
-        ``1 / _COMPACT_BELOW`` times their live records. A segment is then compacted when the space
-        is wanted, not as soon as it falls below the fraction: meanwhile more of its records die, and
-        fewer are moved (a log-structured store's greedy cleaning: at 2x the live records, each
-        compacted segment far less than half live where the rows are rewritten at random)."""
+        ``1 / _COMPACT_BELOW`` times their live records, or take more than ``_EAGER_NEAR_LIMIT`` of the
+        limit. A segment is then compacted when the space is wanted, not as soon as it falls below the
+        fraction: meanwhile more of its records die, and fewer are moved (a log-structured store's
+        greedy cleaning: at 2x the live records, each compacted segment far less than half live where
+        the rows are rewritten at random)."""
         best = None
         held = live = 0
         for seg in self._current():
@@ -861,7 +866,7 @@ class LogTier(ColdTier):
                 continue
             if best is None or seg.live * best.rows < best.live * seg.rows:
                 best = seg
-        if eager or held * _COMPACT_BELOW > live:
+        if eager or held * _COMPACT_BELOW > live or self._allocated > _EAGER_NEAR_LIMIT * self.disk_bytes:
             return best
         return None
 
