@@ -95,8 +95,9 @@ _REGIONS_PER_LIMIT = 16  # a segment's region is at most this fraction of --tabl
 _ALLOC_STEP_BYTES = 1 << 20  # blocks allocated ahead in a segment at least this much at a time
 _SPARE_REGIONS = 4  # regions mapped beyond the limit's (a new segment while old ones wait for their views)
 _COMPACT_BELOW = 0.5  # a full segment whose live fraction is below this is compacted
-# Past this fraction of --table-disk-limit, a segment is compacted as soon as it falls below half live again
-# (else a push's write near the limit would compact a whole segment itself: ``_compact_for_room``).
+# Past this fraction of --table-disk-limit (or of what the filesystem's free space leaves it), a segment is
+# compacted as soon as it falls below half live again: else a push's write near the limit would compact a
+# whole segment itself (``_compact_for_room``), or one on a disk near full fail.
 _EAGER_NEAR_LIMIT = 0.75
 _COMPACT_STEP_BYTES = 4 << 20  # records one compaction step reads and appends at most
 _JOIN_S = 10.0  # how long closing waits for the compaction thread's step
@@ -853,10 +854,11 @@ class LogTier(ColdTier):
         """The full segment with the lowest live fraction below ``_COMPACT_BELOW`` (holds ``_writer`` or
         ``_lock``): ``eager``, whenever there is one; else only while the segments hold more than
         ``1 / _COMPACT_BELOW`` times their live records, or take more than ``_EAGER_NEAR_LIMIT`` of the
-        limit. A segment is then compacted when the space is wanted, not as soon as it falls below the
-        fraction: meanwhile more of its records die, and fewer are moved (a log-structured store's
-        greedy cleaning: at 2x the live records, each compacted segment far less than half live where
-        the rows are rewritten at random)."""
+        limit or of their bytes and the filesystem's free space (``disk_fill``). A segment is then
+        compacted when the space is wanted, not as soon as it falls below the fraction: meanwhile more
+        of its records die, and fewer are moved (a log-structured store's greedy cleaning: at 2x the
+        live records, each compacted segment far less than half live where the rows are rewritten at
+        random)."""
         best = None
         held = live = 0
         for seg in self._current():
@@ -866,9 +868,23 @@ class LogTier(ColdTier):
                 continue
             if best is None or seg.live * best.rows < best.live * seg.rows:
                 best = seg
-        if eager or held * _COMPACT_BELOW > live or self._allocated > _EAGER_NEAR_LIMIT * self.disk_bytes:
+        if best is None or eager or held * _COMPACT_BELOW > live or self._near_full():
             return best
         return None
+
+    def _near_full(self) -> bool:
+        return self.disk_fill() > _EAGER_NEAR_LIMIT
+
+    def disk_fill(self) -> float:
+        """The fraction the segments take of the limit, or of their bytes and the free space of the
+        filesystem where that is less (a disk whose free space cannot be read counts as full: 1.0)."""
+        room = self.disk_bytes
+        try:
+            st = os.fstatvfs(self._fd)
+            room = min(room, self._allocated + st.f_bavail * st.f_frsize)
+        except OSError:
+            return 1.0
+        return self._allocated / room if room else 1.0
 
     def _compact_step(self, limit_bytes: int = _COMPACT_STEP_BYTES, eager: bool = False) -> bool:
         """Moves up to ``limit_bytes`` of the live records of the segment under compaction (or of the next

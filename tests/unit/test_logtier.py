@@ -158,13 +158,20 @@ def test_compaction_waits_for_the_space_and_moves_fewer_records_than_compacting_
         tier.close()
 
 
-def test_near_its_limit_a_tier_compacts_at_half_live_again_so_writes_seldom_compact_themselves(
-    tmp_path: Path,
-) -> None:
-    """A tier whose live records take over a third of its limit (2x of them would pass ``_EAGER_NEAR_LIMIT``
-    of it): past that fraction the compaction (in the writer's thread here) takes every segment below half
-    live, as before, and the writes near the limit never compact a whole segment themselves."""
-    tier = LogTier(tmp_path / "t", _RECORD, 1 << 20, "t")
+@pytest.mark.parametrize("limit", ["size-cap", "full-disk"])
+def test_near_its_limit_or_a_full_disk_a_tier_compacts_at_half_live_again(tmp_path: Path, limit: str) -> None:
+    """A tier whose live records take over a third of its limit, or of a small disk (2x of them would pass
+    ``_EAGER_NEAR_LIMIT`` of it): there the compaction (in the writer's thread here) takes every segment
+    below half live, as before; the writes near the limit never compact a whole segment themselves, and
+    none fails on the small disk."""
+    if limit == "full-disk":  # a 1 MiB tmpfs, the index's files in it too
+        with small_disk(tmp_path / "small", "1m") as disk:
+            _rewrite_near_the_limit(LogTier(disk / "t", _RECORD, 1 << 30, "t"), 6000)
+    else:
+        _rewrite_near_the_limit(LogTier(tmp_path / "t", _RECORD, 1 << 20, "t"), 7500)
+
+
+def _rewrite_near_the_limit(tier: LogTier, rows: int) -> None:
     tier._start_compaction = lambda: _compact_all(tier)  # type: ignore[method-assign]
     own = 0
     for_room = tier._compact_for_room
@@ -175,22 +182,22 @@ def test_near_its_limit_a_tier_compacts_at_half_live_again_so_writes_seldom_comp
         return for_room()
 
     tier._compact_for_room = counted  # type: ignore[method-assign]
-    ids = np.arange(7500, dtype=np.int64)  # 420 KB of records in a limit of 1 MiB
+    ids = np.arange(rows, dtype=np.int64)  # 56 bytes a record
     model = {i: r.copy() for i, r in zip(ids.tolist(), _records(ids, 0), strict=True)}
     tier.write(ids, _records(ids, 0))
     rng = np.random.default_rng(7)
-    peak = 0
+    peak = 0.0
     for step in range(1, 120):
         again = np.unique(rng.integers(0, ids.size, 300))
         records = _records(again, step)
         tier.write(again, records)
         model.update(zip(again.tolist(), (r.copy() for r in records), strict=True))
-        peak = max(peak, tier.disk_used)
-        if tier.disk_used > logtier._EAGER_NEAR_LIMIT * tier.disk_bytes:
+        peak = max(peak, tier.disk_fill())
+        if tier.disk_fill() > logtier._EAGER_NEAR_LIMIT:
             full = [s for s in tier._current() if s.used == s.rows and s is not tier._active]
             assert all(s.live >= s.rows * logtier._COMPACT_BELOW for s in full)
-    assert peak > 0.7 * tier.disk_bytes and own == 0  # it came near the limit, and no write compacted
-    _assert_holds(tier, model)
+    assert peak > 0.7 and own == 0  # it came near the limit, and no write compacted
+    _assert_holds(tier, model, walk=False)
     tier.close()
 
 
