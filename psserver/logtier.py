@@ -30,7 +30,7 @@ DeepRec's ``SSDHASH`` is: nothing on disk is updated in place.
   live ones (below ``_COMPACT_BELOW`` of it) is compacted in a worker thread.
   A segment is not compacted as soon as it falls below half live: meanwhile
   more of its records die, and fewer are moved (a log-structured store's
-  greedy cleaning; a tenth to a third of the moves in ``bench_tier_push.py``).
+  greedy cleaning; a tenth to a quarter of the moves in ``bench_tier_push.py``).
   Its live records are appended again, ``_COMPACT_STEP_BYTES`` at most per
   step (the writer's lock is held for one step at a time, so a push waits for
   one step at most), then it is removed: once the views older than that are
