@@ -14,8 +14,10 @@ move it much. It is first filled with every id (zero gradients, ``--batch`` at a
 A variant listed more than once runs that often, in the order listed (interleave them: ``memory,
 tiered-log,tiered-lmdb,memory,...``), and the medians are reported.
 
-Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads), wall ms per
-step, and for the tier the rows filled and spilled and the rows in memory at the end.
+Reported: CPU ms per step (this process's, which includes LMDB's writes in worker threads and the log's
+compaction thread), wall ms per step, and for the tier the rows filled and spilled, the rows in memory at
+the end, the records the log's compaction moved (0 on LMDB) and the disk its files take at the end. The
+log starts compacting after about 1,000 steps of the defaults (``--steps 4000`` includes it).
 
 ``--time-parts``: named parts of the step (the lookup's three calls, the tier's step and its reads and
 spill, the id indexes' calls, the log's fetch/gather/append/commit, the optimizer's update) are wrapped and
@@ -141,6 +143,9 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
     if timed is not None:
         cell["timed_parts"] = timed.per_step(args.steps)
     if dyn.tier is not None:
+        compaction = getattr(dyn.tier, "compaction", None)  # the log store's (LMDB compacts nothing)
+        cell["moved"] = compaction.moved if compaction is not None else 0
+        cell["disk_mib"] = round(dyn.tier.disk_used / 2**20, 1)
         dyn.close()
     print(f"{name}: {cell}", file=sys.stderr, flush=True)
     return cell
@@ -280,13 +285,15 @@ def _markdown(
         f"(one shard's half of `bench_embedding.py`'s batches). `tiered`: `--table-memory "
         f"{args.table_memory}`. Machine: {note}",
         "",
-        "| variant | CPU ms / step | wall ms / step | ids / step | rows in memory | filled | spilled |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | CPU ms / step | wall ms / step | ids / step | rows in memory | filled | spilled "
+        "| moved by compaction | disk MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         lines.append(
             f"| {c['variant']} | {c['cpu_ms_per_step']} | {c['wall_ms_per_step']} | {c['ids_per_step']} | "
-            f"{c['rows_in_memory']:,} | {c['filled']:,} | {c['spilled']:,} |"
+            f"{c['rows_in_memory']:,} | {c['filled']:,} | {c['spilled']:,} | {c.get('moved', 0):,} | "
+            f"{c.get('disk_mib', 0)} |"
         )
     runs: dict[str, list[dict[str, Any]]] = {}
     for c in cells:
