@@ -254,6 +254,8 @@ class LocalCluster:
         ]
 
     def __enter__(self) -> LocalCluster:
+        if all(p is not None and p.poll() is None for p in self.procs):  # ``LocalCluster(...).start()``:
+            return self  # started already (starting again would leave the first shards running, unowned)
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
