@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the workers' partition_bytes (pstrain --partition-bytes; default the client's 8 MiB)",
     )
     parser.add_argument(
-        "--sync-parts", type=int, default=1, help="sync runs: a step in N parts (pstrain --sync-parts; default 1)"
+        "--sync-parts", type=int, default=1, help="sync runs: a step in N parts (pstrain --sync-parts)"
     )
     cm.add_link_args(parser)
     parser.add_argument("--no-local", action="store_true", help="skip the local run")

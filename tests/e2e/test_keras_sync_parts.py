@@ -1,4 +1,4 @@
-"""``PSWorker(sync_parts=N)``: a sync step pushed to each shard in N parts trains the same model as whole steps.
+"""``PSWorker(sync_parts=N)``: a sync step pushed to each shard in N parts trains the model whole steps train.
 
 Each part is a sync step of its own on a shard, applied once as the mean of every worker's gradients for the
 variables in it, so cutting a step changes when a shard answers, not what it computes: two workers' runs,
@@ -47,7 +47,8 @@ def _model() -> keras.Model:
 def _train_two_workers(addresses: list[str], sync_parts: int) -> dict[int, Any]:
     """Two sync workers in threads, each ``fit`` on its half; returns each worker's final weights."""
     keras.utils.set_random_seed(11)
-    models = {i: _model() for i in (0, 1)}  # built here: the seed is global; worker 1 takes the chief's values
+    # Built here (the seed is global); worker 1 takes the chief's values when it attaches.
+    models = {i: _model() for i in (0, 1)}
     weights: dict[int, Any] = {}
     errors: list[BaseException] = []
 
@@ -105,6 +106,8 @@ def test_sync_parts_refuses_a_model_with_embedding_tables_and_a_bad_count(make_c
                                                       "--total-replicas", "1"))  # fmt: skip
     model = keras.Sequential([keras.Input((4,), dtype="int64"), keras.layers.Embedding(100, 8),
                               keras.layers.Flatten(), keras.layers.Dense(1)])  # fmt: skip
-    with psk.PSWorker(cluster.addresses, sync_parts=2) as worker:
-        with pytest.raises(ValueError, match="embedding tables"):
-            worker.attach(model, keras.optimizers.SGD(0.1))
+    with (
+        psk.PSWorker(cluster.addresses, sync_parts=2) as worker,
+        pytest.raises(ValueError, match="embedding tables"),
+    ):
+        worker.attach(model, keras.optimizers.SGD(0.1))

@@ -241,7 +241,7 @@ def test_kill_9_during_checkpoint_writes_never_corrupts(tmp_path: Path) -> None:
             # backoff, a 16 MiB save outlasting a 0.1-0.5 s window; all 8 rounds restored version 0 there,
             # 2026-12-07), so pushes reaching a restored state are waited for, not assumed.
             newest = ckptfile.list_files(ck)[0].id
-            wait_until(lambda: ckptfile.list_files(ck)[0].id > newest, "a save after the restarts", timeout=60)
+            wait_until(lambda: ckptfile.list_files(ck)[0].id > newest, "a save after restarting", timeout=60)
             cluster.kill_shard(0)
             cluster.start_shard(0, port=port)
             with psclient.PSClient(cluster.addresses, "checker", timeout=TIMEOUT_S) as c:
