@@ -74,6 +74,13 @@ UNSENT_S: Final[float] = 0.002
 # for the ones before it to its shard as long as its request may (its deadline), not ``STAGGER_WAIT_S``: at
 # n = 8, k = 4 the last parts waited over 2 s and went up beside the others (0.73, 0.73 -> 0.75, 0.79).
 PART_NOTSENT_LOWAT: Final[int] = 32 << 10
+# ... and then until at most this much of it is unacknowledged (``transport.Conn.delivered``): on the wire is
+# not there. Where the shard's own link is the narrow one (n workers into it), a worker's link takes a part
+# faster than its share of the shard's, so the part waits in the network, not in the socket, and the next
+# part, sent beside it, arrived with it: every worker's parts reached the shard together at the end and the
+# answers followed, the parts gaining nothing (Keras, n = 8, k = 4, 50 Mbit/s, parts of 17-67 KB: 1.36
+# steps/s a worker whole, 1.35-1.36 in 4 or 8 parts). A few segments may stay unacknowledged (a delayed ACK).
+PART_DELIVERED_BYTES: Final[int] = 8 << 10
 # Set (by ``push_pull``) in the tasks that send the parts of a sync push: their uploads take the parts' rules.
 IN_PARTS: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("IN_PARTS", default=False)
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
@@ -457,7 +464,8 @@ class DataLink:
                 expired: list[bool] = []
                 timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
                 try:
-                    if uplink is not None and nbytes >= STAGGER_MIN_BYTES and IN_PARTS.get():
+                    in_parts = uplink is not None and IN_PARTS.get()
+                    if in_parts and nbytes > PART_NOTSENT_LOWAT:
                         # a part: its turn lasts until it is (almost) on the wire (the connection keeps
                         # the lower limit for later requests: more wake-ups, nothing else)
                         limit = part_unsent_limit(conn.delivery_rate())
@@ -465,11 +473,11 @@ class DataLink:
                             conn.limit_unsent(limit)
                     elif nbytes > NOTSENT_LOWAT:  # a smaller request is never held back
                         conn.limit_unsent(unsent_limit(conn.delivery_rate()))
-                    if uplink is None or nbytes < STAGGER_MIN_BYTES:  # a small one takes no turn
+                    if uplink is None or (nbytes < STAGGER_MIN_BYTES and not in_parts):  # small: no turn
                         await conn.send(frame, payload)
                     else:  # ``uplink.turn``, without its context manager; a free turn without a call
                         turns, wait_s = self._turns, STAGGER_WAIT_S
-                        if IN_PARTS.get():  # a sync push's part: this shard's parts one at a time, each
+                        if in_parts:  # a sync push's part (any size): this shard's parts one at a time, each
                             # waiting for the ones before it to this same shard (bounded by the deadline)
                             turns, wait_s = self._part_turns, max(deadline - time.monotonic(), 0.001)
                         elif turns is None:
@@ -480,6 +488,8 @@ class DataLink:
                             got = await turns.take(nbytes, wait_s)
                         try:
                             await conn.send(frame, payload)
+                            if in_parts and got:  # the next part to this shard once this one is there
+                                await conn.delivered(PART_DELIVERED_BYTES, deadline)
                         finally:
                             if got:
                                 turns.release()

@@ -588,9 +588,12 @@ class ShardLink:
             into = functools.partial(_receive, sink.place, spare)
         # Small requests may share a frame: a pull, a push (a push_pull's values are as big as its
         # gradients), a lookup whose rows' bytes its caller gave (``nbytes``; 0: not known). A push that reads
-        # rows too (``lookup_ids``) and a lookup of rows of unknown size go alone.
+        # rows too (``lookup_ids``) and a lookup of rows of unknown size go alone, and so does a sync push's
+        # part (``parts``), whatever its size: it takes its turn among its push's parts to the shard (_bulk).
         if size <= _bulk.BATCH_MAX_BYTES and (
-            (op is Op.PUSH and not header.lookup_ids) or op is Op.PULL or (op is Op.LOOKUP and size > 0)
+            (op is Op.PUSH and not header.lookup_ids and not header.parts)
+            or op is Op.PULL
+            or (op is Op.LOOKUP and size > 0)
         ):
             reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=size)
         else:

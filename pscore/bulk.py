@@ -242,6 +242,11 @@ class BulkConnection(FrameTransport[Frame]):
         """See ``transport.Conn.delivery_rate`` (0 on a reset connection)."""
         return self._conn.delivery_rate() if self._conn is not None else 0
 
+    async def delivered(self, nbytes: int, deadline: float) -> None:
+        """See ``transport.Conn.delivered`` (at once on a reset connection)."""
+        if self._conn is not None:
+            await self._conn.delivered(nbytes, deadline)
+
     def _live(self) -> Conn:
         if self._conn is None:
             raise UnavailableError(f"the data connection to {self.peer} is closed", address=self.peer)

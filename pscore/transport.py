@@ -32,11 +32,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import socket
 import ssl
 import struct
+import sys
+import termios
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Final, Generic, TypeVar
@@ -142,6 +145,10 @@ _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _TCP_INFO_BYTES = 232
 _DELIVERY_RATE = struct.Struct("=Q")
 _DELIVERY_RATE_AT = 160
+# ``Conn.queued``: the send queue's bytes (SIOCOUTQ, the same request as the terminals' TIOCOUTQ), a C int.
+_OUTQ_ARG = bytes(4)
+_DELIVERED_POLL_MIN_S = 0.003
+_DELIVERED_POLL_MAX_S = 0.02
 
 
 class Conn:
@@ -195,6 +202,30 @@ class Conn:
         if len(info) < _DELIVERY_RATE.size + _DELIVERY_RATE_AT:
             return 0
         return int(_DELIVERY_RATE.unpack_from(info, _DELIVERY_RATE_AT)[0])
+
+    def queued(self) -> int:
+        """Bytes written and not yet acknowledged by the peer: unsent and in flight (``SIOCOUTQ``, Linux);
+        0 where the system does not say."""
+        try:
+            return int.from_bytes(fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, _OUTQ_ARG), sys.byteorder)
+        except (OSError, ValueError):
+            return 0
+
+    async def delivered(self, nbytes: int, deadline: float) -> None:
+        """Returns once at most ``nbytes`` written are not yet acknowledged by the peer (``queued``), or at
+        ``deadline`` (``time.monotonic()``): the data reached the other end, not only the wire. The kernel
+        has no event for that: it sleeps about as long as the rest takes at the connection's delivery rate
+        (at least ``_DELIVERED_POLL_MIN_S``, at most ``_DELIVERED_POLL_MAX_S``) and asks again."""
+        left = self.queued() - nbytes
+        rate = 0
+        while left > 0:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            rate = rate or self.delivery_rate()
+            wait = left / rate if rate > 0 else _DELIVERED_POLL_MIN_S
+            await asyncio.sleep(min(max(wait, _DELIVERED_POLL_MIN_S), _DELIVERED_POLL_MAX_S, deadline - now))
+            left = self.queued() - nbytes
 
     async def handshake(self) -> None:
         """Nothing to negotiate on a plain connection."""

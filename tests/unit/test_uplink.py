@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 
@@ -108,6 +109,46 @@ async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_deli
                 await conn.sendall(payload)
                 await accepted[0].recv_exactly(memoryview(bytearray(len(payload))))
             assert conn.delivery_rate() > 0  # acknowledged bytes: the kernel measured a rate
+        finally:
+            conn.close()
+    finally:
+        await port.close()
+        for c in accepted:
+            c.close()
+
+
+async def test_a_connection_waits_until_its_bytes_reached_the_peer_or_its_deadline() -> None:
+    """``Conn.delivered``: the send queue (unsent and unacknowledged) drained to a bound, not only the bytes
+    handed to the kernel; a peer that does not read holds it until the deadline."""
+    accepted: list[transport.Conn] = []
+    arrived = asyncio.Event()
+
+    def on_connection(conn: transport.Conn, who: int) -> None:
+        accepted.append(conn)
+        arrived.set()
+
+    port = transport.DataPort("127.0.0.1", magic=b"TESTMAGC", on_connection=on_connection)
+    await port.start()
+    try:
+        conn = await transport.dial("127.0.0.1", port.port, magic=b"TESTMAGC", nonce=port.issue_nonce())
+        try:
+            async with asyncio.timeout(10):
+                await arrived.wait()
+                peer = accepted[0]
+                assert conn.queued() == 0
+                payload = bytes(16 << 20)  # more than the peer's receive buffer: it stays queued here
+                sending = asyncio.ensure_future(conn.sendall(payload))
+                await asyncio.sleep(0.05)
+                assert conn.queued() > 1 << 20
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                await conn.delivered(8 << 10, time.monotonic() + 0.2)  # the peer reads nothing: the deadline
+                assert loop.time() - start >= 0.15 and conn.queued() > 1 << 20
+                received = asyncio.ensure_future(peer.recv_exactly(memoryview(bytearray(len(payload)))))
+                await sending
+                await conn.delivered(8 << 10, time.monotonic() + 9)  # the peer read it: returns before
+                assert conn.queued() <= 8 << 10
+                await received
         finally:
             conn.close()
     finally:
