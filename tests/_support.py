@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -51,6 +52,34 @@ def pythonpath(*dirs: str | Path) -> str:
 def free_port() -> int:
     """A loopback port that was free a moment ago."""
     return int(free_addresses(1)[0].rpartition(":")[2])
+
+
+T = TypeVar("T")
+
+
+def in_threads(work: Callable[[int], T], count: int, timeout: float = 300.0) -> dict[int, T]:
+    """Runs ``work(i)`` for ``i`` in ``range(count)``, each in a thread of its own (workers of one process);
+    returns the results by ``i``. Fails with the threads' errors, or naming those still running after
+    ``timeout`` seconds (each join is bounded)."""
+    results: dict[int, T] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = work(index)
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(timeout=max(deadline - time.monotonic(), 0.0))
+    assert not errors, errors
+    unfinished = sorted(set(range(count)) - set(results))
+    assert not unfinished, f"threads {unfinished} still running after {timeout} s"
+    return results
 
 
 def wait_until(

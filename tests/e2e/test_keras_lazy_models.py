@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from _support import in_threads
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
@@ -217,27 +218,14 @@ ASYNC_MARGIN = 0.1  # see the test below
 
 @pytest.mark.parametrize("remote", [False, True], ids=["keras_embedding", "psk_embedding"])
 def test_a_model_without_call_trains_with_two_workers_as_well_as_locally(make_cluster, remote: bool) -> None:
-    import threading
-
     cluster = make_cluster(num_shards=2)
     local = _fit_towers(keras.optimizers.Adam(0.05))
-    results: dict[int, dict[str, list[float]]] = {}
-    errors: list[BaseException] = []
 
-    def run(index: int) -> None:
-        try:
-            with psk.PSWorker(cluster.addresses, worker_index=index, num_workers=2, overlap=False) as worker:
-                results[index] = _fit_towers(keras.optimizers.Adam(0.05), worker, remote)
-        except BaseException as err:  # reported below
-            errors.append(err)
+    def run(index: int) -> dict[str, list[float]]:
+        with psk.PSWorker(cluster.addresses, worker_index=index, num_workers=2, overlap=False) as worker:
+            return _fit_towers(keras.optimizers.Adam(0.05), worker, remote)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    assert sorted(results) == [0, 1]
+    results = in_threads(run, 2)
     # The learnable rule (u % 3 == i % 3) is learned as locally: the last epoch's running accuracy (its 20
     # batches' mean) within ASYNC_MARGIN of local's (1.0; a model that learned nothing scores 0.67). Two async
     # workers step one Adam(0.05) on each other's stale values: under load one's second epoch can be thrown

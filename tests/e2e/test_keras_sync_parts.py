@@ -7,11 +7,11 @@ whole and in parts, end with the same weights (a sum of two gradients does not d
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 import pytest
+from _support import in_threads
 
 pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 
@@ -49,35 +49,23 @@ def _train_two_workers(addresses: list[str], sync_parts: int) -> dict[int, Any]:
     keras.utils.set_random_seed(11)
     # Built here (the seed is global); worker 1 takes the chief's values when it attaches.
     models = {i: _model() for i in (0, 1)}
-    weights: dict[int, Any] = {}
-    errors: list[BaseException] = []
 
-    def run(index: int) -> None:
-        try:
-            with psk.PSWorker(
-                addresses, worker_index=index, num_workers=2, sync_parts=sync_parts, partition_bytes=2048
-            ) as worker:
-                model = models[index]
-                model.compile(
-                    optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker),
-                    loss="sparse_categorical_crossentropy",
-                )
-                x, y = _data(index)
-                model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
-                          callbacks=[psk.PSCallback(worker)])  # fmt: skip
-                assert worker.stale_steps == 0
-                weights[index] = [np.array(w) for w in model.get_weights()]
-        except BaseException as err:  # reported below
-            errors.append(err)
+    def run(index: int) -> list[np.ndarray]:
+        with psk.PSWorker(
+            addresses, worker_index=index, num_workers=2, sync_parts=sync_parts, partition_bytes=2048
+        ) as worker:
+            model = models[index]
+            model.compile(
+                optimizer=psk.DistributedOptimizer(keras.optimizers.Adam(0.01), worker),
+                loss="sparse_categorical_crossentropy",
+            )
+            x, y = _data(index)
+            model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+                      callbacks=[psk.PSCallback(worker)])  # fmt: skip
+            assert worker.stale_steps == 0
+            return [np.array(w) for w in model.get_weights()]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    assert sorted(weights) == [0, 1]
-    return weights
+    return in_threads(run, 2)
 
 
 def test_a_sync_step_in_parts_trains_the_same_weights_as_whole_steps(make_cluster) -> None:

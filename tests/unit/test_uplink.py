@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -80,8 +82,9 @@ async def test_an_upload_that_fails_gives_its_turn_back() -> None:
             pass
 
 
-@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="the system has no TCP_NOTSENT_LOWAT")
-async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_delivery_rate() -> None:
+@contextlib.asynccontextmanager
+async def _dialed() -> AsyncIterator[tuple[transport.Conn, transport.Conn]]:
+    """A data connection dialed to a ``DataPort`` on loopback, and the port's end of it."""
     accepted: list[transport.Conn] = []
     arrived = asyncio.Event()
 
@@ -94,67 +97,54 @@ async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_deli
     try:
         conn = await transport.dial("127.0.0.1", port.port, magic=b"TESTMAGC", nonce=port.issue_nonce())
         try:
-
-            def lowat() -> int:
-                return conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
-
-            assert lowat() == 0  # none until asked for
-            conn.limit_unsent(_bulk.NOTSENT_LOWAT)
-            assert lowat() == _bulk.NOTSENT_LOWAT
-            conn.limit_unsent(0)
-            assert lowat() == 0
             async with asyncio.timeout(5):
                 await arrived.wait()
-                payload = bytes(1 << 20)
-                await conn.sendall(payload)
-                await accepted[0].recv_exactly(memoryview(bytearray(len(payload))))
-            assert conn.delivery_rate() > 0  # acknowledged bytes: the kernel measured a rate
+            yield conn, accepted[0]
         finally:
             conn.close()
     finally:
         await port.close()
         for c in accepted:
             c.close()
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_NOTSENT_LOWAT"), reason="the system has no TCP_NOTSENT_LOWAT")
+async def test_a_connection_limits_its_unsent_bytes_on_demand_and_knows_its_delivery_rate() -> None:
+    async with _dialed() as (conn, peer):
+
+        def lowat() -> int:
+            return conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT)
+
+        assert lowat() == 0  # none until asked for
+        conn.limit_unsent(_bulk.NOTSENT_LOWAT)
+        assert lowat() == _bulk.NOTSENT_LOWAT
+        conn.limit_unsent(0)
+        assert lowat() == 0
+        async with asyncio.timeout(5):
+            payload = bytes(1 << 20)
+            await conn.sendall(payload)
+            await peer.recv_exactly(memoryview(bytearray(len(payload))))
+        assert conn.delivery_rate() > 0  # acknowledged bytes: the kernel measured a rate
 
 
 async def test_a_connection_waits_until_its_bytes_reached_the_peer_or_its_deadline() -> None:
     """``Conn.delivered``: the send queue (unsent and unacknowledged) drained to a bound, not only the bytes
     handed to the kernel; a peer that does not read holds it until the deadline."""
-    accepted: list[transport.Conn] = []
-    arrived = asyncio.Event()
-
-    def on_connection(conn: transport.Conn, who: int) -> None:
-        accepted.append(conn)
-        arrived.set()
-
-    port = transport.DataPort("127.0.0.1", magic=b"TESTMAGC", on_connection=on_connection)
-    await port.start()
-    try:
-        conn = await transport.dial("127.0.0.1", port.port, magic=b"TESTMAGC", nonce=port.issue_nonce())
-        try:
-            async with asyncio.timeout(10):
-                await arrived.wait()
-                peer = accepted[0]
-                assert conn.queued() == 0
-                payload = bytes(16 << 20)  # more than the peer's receive buffer: it stays queued here
-                sending = asyncio.ensure_future(conn.sendall(payload))
-                await asyncio.sleep(0.05)
-                assert conn.queued() > 1 << 20
-                loop = asyncio.get_running_loop()
-                start = loop.time()
-                await conn.delivered(8 << 10, time.monotonic() + 0.2)  # the peer reads nothing: the deadline
-                assert loop.time() - start >= 0.15 and conn.queued() > 1 << 20
-                received = asyncio.ensure_future(peer.recv_exactly(memoryview(bytearray(len(payload)))))
-                await sending
-                await conn.delivered(8 << 10, time.monotonic() + 9)  # the peer read it: returns before
-                assert conn.queued() <= 8 << 10
-                await received
-        finally:
-            conn.close()
-    finally:
-        await port.close()
-        for c in accepted:
-            c.close()
+    async with _dialed() as (conn, peer), asyncio.timeout(10):
+        assert conn.queued() == 0
+        payload = bytes(16 << 20)  # more than the peer's receive buffer: it stays queued here
+        sending = asyncio.ensure_future(conn.sendall(payload))
+        await asyncio.sleep(0.05)
+        assert conn.queued() > 1 << 20
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await conn.delivered(8 << 10, time.monotonic() + 0.2)  # the peer reads nothing: the deadline
+        assert loop.time() - start >= 0.15 and conn.queued() > 1 << 20
+        received = asyncio.ensure_future(peer.recv_exactly(memoryview(bytearray(len(payload)))))
+        await sending
+        await conn.delivered(8 << 10, time.monotonic() + 9)  # the peer read it: returns before
+        assert conn.queued() <= 8 << 10
+        await received
 
 
 def test_a_large_request_leaves_unsent_what_its_link_carries_in_two_milliseconds_or_256_kib() -> None:
