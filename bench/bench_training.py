@@ -122,6 +122,8 @@ def run_ps(
                    *_data_flags(args, 2), "--result-json", str(out)]  # fmt: skip
             if not overlap:
                 cmd.append("--no-overlap")
+            if getattr(args, "partition_bytes", None) is not None:
+                cmd += ["--partition-bytes", str(args.partition_bytes)]
             run_env = _env(**(env or {}))
             pipe, both = subprocess.PIPE, subprocess.STDOUT
             procs.append(subprocess.Popen(cmd, stdout=pipe, stderr=both, env=run_env, cwd=cm.REPO))
@@ -315,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="tensorflow", help=f"Keras backends, of {', '.join(BACKENDS)}")
     p.add_argument("--steps", type=int, default=200, help="training steps per worker")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument(
+        "--partition-bytes",
+        type=int,
+        help="ps systems: the workers' partition_bytes (pstrain --partition-bytes; default 8 MiB)",
+    )
     p.add_argument("--out", help="write OUT.md and OUT.json")
     p.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster", help=argparse.SUPPRESS)
