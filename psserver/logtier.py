@@ -868,12 +868,9 @@ class LogTier(ColdTier):
                 continue
             if best is None or seg.live * best.rows < best.live * seg.rows:
                 best = seg
-        if best is None or eager or held * _COMPACT_BELOW > live or self._near_full():
+        if best is None or eager or held * _COMPACT_BELOW > live or self.disk_fill() > _EAGER_NEAR_LIMIT:
             return best
         return None
-
-    def _near_full(self) -> bool:
-        return self.disk_fill() > _EAGER_NEAR_LIMIT
 
     def disk_fill(self) -> float:
         """The fraction the segments take of the limit, or of their bytes and the free space of the
