@@ -269,6 +269,12 @@ class AsyncPSClient(TableMethods):
     ) -> dict[str, np.ndarray]:
         """Reads current values: all variables, or ``names``. Returned arrays are read-only.
 
+        Each stored tensor is read at one version, never half of a push. A variable
+        cut over the shards (``partition_bytes``) is read piece by piece, each at its
+        shard's version, so beside pushes its pieces can differ by the pushes in
+        flight (as TensorFlow's partitioned variables); ``save_checkpoint(consistent=True)``
+        gives one version of the whole model.
+
         >>> averages = await client.pull(["dense/kernel"], ema=True)  # doctest: +SKIP
 
         Args:

@@ -41,9 +41,9 @@ _NO_LR_SCALING_HELP = (
 
 
 _PARTITION_HELP = (
-    "ps modes: a variable of at least this many bytes is cut over the shards (default 8 MiB; TensorFlow's "
-    "tutorials use 262144, 256 KiB pieces). A smaller value spreads a model's one large kernel (an MLP's "
-    "first layer) instead of loading one shard's link with most of every step"
+    "ps modes: a variable of at least this many bytes is cut over the shards, into up to one piece a "
+    "shard (default 65536, 64 KiB; TensorFlow's tutorials use 262144). It spreads a model's large kernels "
+    "(an MLP's first layer) instead of loading one shard's link with most of every step; 0 never cuts"
 )
 
 

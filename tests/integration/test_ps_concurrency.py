@@ -60,19 +60,31 @@ def test_ps_no_lost_updates_from_concurrent_worker_processes(cluster: LocalClust
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mib", [2, 6], ids=["unary-pull", "streamed-pull"])
+@pytest.mark.parametrize(
+    ("mib", "partition_bytes"),
+    [(2, 0), (6, 0), (2, None), (6, None)],
+    ids=["unary-pull", "streamed-pull", "cut-unary-pull", "cut-streamed-pull"],
+)
 def test_ps_concurrent_pull_never_sees_a_half_applied_tensor(
-    cluster: LocalCluster, var_name: str, mib: int
+    cluster: LocalCluster, var_name: str, mib: int, partition_bytes: int | None
 ) -> None:
-    """Both sizes are above the shard's in-thread apply threshold (1 MiB) and below the partition size
-    (8 MiB), so the update runs off the event loop while pulls are served; 6 MiB pulls are streamed."""
+    """A pull reads each stored tensor at one version: a variable kept whole never mixes two versions, and
+    one cut over the shards (the default ``partition_bytes`` cuts both sizes) never mixes them inside a piece.
+
+    Both sizes are above the shard's in-thread apply threshold (1 MiB), so the update runs off the event
+    loop while pulls are served; 6 MiB pulls are streamed."""
     n = (mib << 20) // 4
     duration_s = 2.0
+    placement = {} if partition_bytes is None else {"partition_bytes": partition_bytes}
     with (
-        psclient.PSClient(cluster.addresses, worker_id="pusher") as pusher,
+        psclient.PSClient(cluster.addresses, worker_id="pusher", **placement) as pusher,
         psclient.PSClient(cluster.addresses, worker_id="puller") as puller,
     ):
         pusher.create(var_name, np.zeros(n, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+        puller.pull([var_name])  # the puller learns the placement from the shards
+        pieces = puller._async.registry.pieces[var_name]
+        assert len(pieces) == (1 if partition_bytes == 0 else 2), pieces  # whole, or one piece a shard
+        bounds = [(p.offset, p.offset + p.size) for p in pieces] if len(pieces) > 1 else [(0, n)]
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -92,10 +104,14 @@ def test_ps_concurrent_pull_never_sees_a_half_applied_tensor(
             while time.monotonic() < deadline and not errors:
                 values, versions = puller.pull_with_versions([var_name])
                 v = values[var_name]
-                first = v[0]
-                assert (v == first).all(), f"pull {pulls} mixes values {np.unique(v)[:5]}"
-                assert first == -versions[var_name], (first, versions)  # value and version agree
-                seen.add(int(first))
+                firsts = []
+                for lo, hi in bounds:
+                    piece = v[lo:hi]
+                    assert (piece == piece[0]).all(), f"pull {pulls} mixes values {np.unique(piece)[:5]}"
+                    firsts.append(int(piece[0]))
+                # the variable's version is its oldest piece's: the value of the piece that applied fewest
+                assert -max(firsts) == versions[var_name], (firsts, versions)
+                seen.add(min(firsts))
                 pulls += 1
         finally:
             stop.set()
