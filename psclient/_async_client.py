@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,7 +169,36 @@ class AsyncPSClient(TableMethods):
         missing = [n for n in names if not self.registry.complete(n)]
         if missing:
             await self.list_variables(missing)
+            await self._await_pieces(missing)
         return self.registry.resolve(names)
+
+    async def _await_pieces(self, names: Sequence[str]) -> None:
+        """Waits, up to the client's timeout, until each of ``names`` found partly on the shards is whole.
+
+        A variable cut over the shards (or a table) is created piece by piece, each on its shard at once:
+        a listing can find some of the pieces of one that another client is creating (every worker of a
+        job creates the model at start). Names with no piece at all are left to the caller.
+
+        Raises:
+            NotFoundError: a variable still partly there at the deadline (its creator failed mid-way).
+        """
+        pieces = self.registry.pieces
+        partial = [n for n in names if n in pieces and not self.registry.complete(n)]
+        deadline = time.monotonic() + self.config.timeout
+        delay = 0.005
+        while partial:
+            if time.monotonic() + delay > deadline:
+                group = pieces[partial[0]]
+                shards = sorted({p.shard for p in group})
+                raise NotFoundError(
+                    f"variable {partial[0]!r} is only partly on the shards after {self.config.timeout:g} s: "
+                    f"{len(group)} of its {group[0].count} pieces (on shards {shards}); "
+                    "the client that created it failed before it created the rest"
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            await self.list_variables(partial)
+            partial = [n for n in partial if not self.registry.complete(n)]
 
     # -- create -------------------------------------------------------------
 
@@ -208,6 +239,7 @@ class AsyncPSClient(TableMethods):
                 raise InvalidArgumentError(f"initial value of {name!r}: {err}") from None
         opts = {n: (optimizers or {}).get(n, optimizer) for n in arrays}
         existing = await self.list_variables(list(arrays))
+        await self._await_pieces(list(existing))  # another client's create of the same ones, in progress
         created = {n: False for n in arrays if n in existing}
         for n in created:
             self._check_existing(n, arrays[n], opts[n], existing[n])

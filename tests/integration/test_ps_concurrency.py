@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import psclient
+from pscore.placement import plan
+from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
 
 WORKERS = 4
@@ -119,3 +121,72 @@ def test_ps_concurrent_pull_never_sees_a_half_applied_tensor(
         assert not errors, errors
         assert not thread.is_alive()
     assert pulls >= 3 and len(seen) >= 2, (pulls, seen)  # the pulls really overlapped updates
+
+
+def _create_piece(stubs: list[ps_pb2_grpc.ParameterServerStub], name: str, n: int, index: int) -> None:
+    """Creates piece ``index`` of a float32 variable of ``n`` zeros cut at 64 KiB over the stubs' shards, as
+    a creating client does on each shard (by itself: a creator part-way through)."""
+    piece = plan({name: ((n,), np.dtype(np.float32))}, len(stubs), 64 << 10)[name][index]
+    spec = ps_pb2.VariableSpec(
+        name=piece.stored_name,
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        shape=[piece.size],
+        optimizer=psclient.SGD(learning_rate=1.0).to_proto(),
+        partition=ps_pb2.Partition(
+            variable=name, full_shape=[n], index=index, count=piece.count, offset=piece.offset
+        ),
+    )
+    chunk = ps_pb2.TensorChunk(
+        name=piece.stored_name,
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        shape=[piece.size],
+        offset=0,
+        data=b"\0" * 4 * piece.size,
+    )
+    created = stubs[piece.shard].CreateVariables(
+        iter([ps_pb2.CreateVariablesRequest(variables=[spec], values=[chunk])]), timeout=30
+    )
+    assert list(created.created) == [True]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_finds_part_of_a_variable_waits_for_the_rest(
+    cluster: LocalCluster, raw_stubs: list[ps_pb2_grpc.ParameterServerStub], var_name: str
+) -> None:
+    """Every worker of a job creates the model's variables at start (idempotent) and pushes at once. A
+    variable cut over the shards is created piece by piece, so a worker's listing can find part of one that
+    another worker is creating: it waits for the rest instead of taking the variable as there (and then
+    failing its first push with 'does not exist')."""
+    n = 64 << 10  # 256 KiB of float32: one piece a shard at 64 KiB
+    _create_piece(raw_stubs, var_name, n, 0)  # the other worker's first shard is done, its second not yet
+    done = threading.Event()
+
+    def worker() -> bool:
+        with psclient.PSClient(cluster.addresses, worker_id="w1", partition_bytes=64 << 10) as c:
+            created = c.create(var_name, np.zeros(n, np.float32), optimizer=psclient.SGD(learning_rate=1.0))
+            done.set()
+            assert c.push({var_name: np.ones(n, np.float32)}) is True
+            return created
+
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(worker()), daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the worker is waiting: its create cannot return with half the variable
+    assert not done.is_set()
+    _create_piece(raw_stubs, var_name, n, 1)  # the other worker's second shard
+    thread.join(timeout=30)
+    assert results == [False]  # the other worker created it; this one pushed into the whole of it
+    with psclient.PSClient(cluster.addresses) as c:
+        np.testing.assert_array_equal(c.pull([var_name])[var_name], np.full(n, -1.0, np.float32))
+
+
+@pytest.mark.timeout(60)
+def test_a_variable_left_partly_created_is_a_clear_error(
+    cluster: LocalCluster, raw_stubs: list[ps_pb2_grpc.ParameterServerStub], var_name: str
+) -> None:
+    n = 64 << 10
+    _create_piece(raw_stubs, var_name, n, 1)  # a creator that failed after one of its two shards
+    with psclient.PSClient(cluster.addresses, timeout=1.0, partition_bytes=64 << 10) as c:
+        for call in (lambda: c.pull([var_name]), lambda: c.create(var_name, np.zeros(n, np.float32))):
+            with pytest.raises(psclient.NotFoundError, match=r"partly on the shards .* 1 of its 2 pieces"):
+                call()  # after the client's timeout (the test's own bounds a hang)
