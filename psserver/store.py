@@ -435,7 +435,14 @@ class Store:
                 raise InvalidArgumentError(
                     f"variable {name!r} has dtype {var.dtype.name} and is not trainable"
                 )
-            if not self.allow_non_finite and not np.logical_and.reduce(np.isfinite(grad), axis=None):
+            # A finite sum of squares: every element finite (a NaN or an Inf makes it NaN or Inf; no
+            # finite square is negative), in one pass with no temporary array; an overflow (huge, finite
+            # elements) is told apart by the element-wise check.
+            if (
+                not self.allow_non_finite
+                and not math.isfinite(np.vdot(grad, grad))
+                and not np.logical_and.reduce(np.isfinite(grad), axis=None)
+            ):
                 bad = int(grad.size - np.count_nonzero(np.isfinite(grad)))
                 raise InvalidArgumentError(
                     f"gradient for {name!r} has {bad} non-finite (NaN or Inf) elements; rejected "

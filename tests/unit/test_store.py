@@ -169,6 +169,22 @@ def test_store_validate_grads_rejects_bad_gradients_naming_the_variable(grad: np
     assert "'w'" in str(info.value)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_store_validate_grads_accepts_huge_finite_gradients(dtype: type) -> None:
+    """Finite elements whose sum of squares overflows (the quick check's Inf) are accepted; a NaN or
+    an Inf among them is not."""
+    store = Store()
+    big = np.finfo(dtype).max / 2
+    make(store, w=np.zeros((2, 2), dtype))
+    grad = np.array([[big, -big], [big, 1]], dtype)
+    ((_, got),) = store.validate_grads({"w": grad})
+    assert got is grad
+    for bad in (np.nan, np.inf):
+        grad = np.array([[big, -big], [bad, 1]], dtype)
+        with pytest.raises(InvalidArgumentError, match="1 non-finite"):
+            store.validate_grads({"w": grad})
+
+
 def test_store_validate_grads_rejects_empty_pushes_and_integer_variables() -> None:
     store = Store()
     make(store, i=np.zeros(3, np.int32))
