@@ -1035,9 +1035,10 @@ class _PushAnswers:
         """
         if self.into is None:  # a plain push
             return {}
-        values: dict[str, Any] = dict(self.into.result())
-        if plan.returned_tables:
-            values.update(returned_rows(plan.returned_tables, plan.known, self._row_parts))
+        values: dict[str, Any] = self.into.result()  # a dict of its own
+        if not plan.returned_tables:  # arrays only: no rows, none under keys
+            return values
+        values.update(returned_rows(plan.returned_tables, plan.known, self._row_parts))
         for name, rows in values.items():  # a string-keyed table's rows come back under their keys
             if isinstance(rows, Rows) and plan.known[name][0].keys == "string":
                 keys = np.asarray(grads[name].ids).reshape(-1)

@@ -667,12 +667,14 @@ def _receive(
         CodecError: a tensor that was not asked for, or a malformed description.
     """
     views = []
-    tensors = frame.tensors()
-    for chunk, (_, _, _, size) in zip(tensors, bulk.tensor_layout(tensors), strict=True):
+    for chunk in frame.tensors():
         view = place(chunk) if place is not None and "\x00" not in chunk.name else None
-        if view is None:
+        if view is None:  # its own buffer, of the size its description gives (``tensor_layout``'s checks)
+            ((name, _, shape, size),) = bulk.tensor_layout((chunk,))
             view = memoryview(bytearray(size))
-            spare.append(codec.WireChunk(chunk.name, chunk.dtype, tuple(chunk.shape), 0, view))
+            spare.append(codec.WireChunk(name, chunk.dtype, shape, 0, view))
+        elif chunk.offset or chunk.data:  # placed: its dtype and shape are the piece's (``place``)
+            raise codec.CodecError(f"tensor {chunk.name!r}: on the data port a tensor travels whole")
         views.append(view)
     return views
 

@@ -266,6 +266,8 @@ class Gather:
             self._covered(piece).add(0, piece.size)
         else:  # the common case: no Coverage to make and check
             self._filled[piece.stored_name] = _WHOLE
+        if piece.size == flat.size:  # the whole variable: the array itself, no slice of it
+            return memoryview(flat).cast("B")
         return memoryview(flat[piece.offset : piece.offset + piece.size]).cast("B")
 
     def add(self, chunk: Any) -> None:

@@ -116,42 +116,37 @@ async def _averages(variables: Iterable[Variable], named: bool = True) -> Snapsh
     return out
 
 
-class _Reads:
-    """What a call returns, read at one instant (no await between the ``value`` and ``rows`` calls),
-    then the rows of dynamic table pieces on disk, as they were then (``result``)."""
+class _Reads(list[tuple[str, "np.ndarray | RowRead", int]]):
+    """What a call returns, read at one instant (no await between the ``value`` and ``rows`` calls): a
+    list of ``(name, value, version)``, then the rows of dynamic table pieces on disk, as they were then
+    (``result``). Where no dynamic piece is read, the list is the snapshot itself (made with no call of
+    its own: ``list``'s)."""
 
-    def __init__(self) -> None:
-        self._items: list[tuple[str, np.ndarray | RowRead, int]] = []
-        self._dynamic = False  # whether an item is a dynamic piece's RowRead
+    dynamic = False  # whether an item is a dynamic piece's RowRead (set on the instance)
 
     def value(self, name: str, value: np.ndarray, version: int) -> None:
-        self._items.append((name, value, version))
+        self.append((name, value, version))
 
     def rows(self, name: str, var: Variable, ids: np.ndarray) -> None:
         """The rows of global ids ``ids`` of table piece ``var`` (copies; the ids of a dynamic piece
         without a row get their initializer's row), and its version, under ``name``."""
         if var.dyn is not None:
-            self._items.append((name, var.dyn.read_begin(var, ids), var.version))
-            self._dynamic = True
+            self.append((name, var.dyn.read_begin(var, ids), var.version))
+            self.dynamic = True
         else:
             value, version = var.state
-            self._items.append((name, value[tables.local_rows(var.spec, ids)], version))
-
-    def now(self) -> Snapshot:
-        """The values and rows, where no dynamic piece is read (``result`` with nothing to await)."""
-        assert not self._dynamic, "a dynamic piece's rows are read by result()"
-        return self._items  # type: ignore[return-value]
+            self.append((name, value[tables.local_rows(var.spec, ids)], version))
 
     async def result(self, inline_bytes: int) -> Snapshot:
         """The values and rows; the disk reads in a worker thread when more than ``inline_bytes``."""
-        if not self._dynamic:  # arrays only: nothing to read or to end
-            return self._items  # type: ignore[return-value]
-        reads = [read for _, read, _ in self._items if isinstance(read, RowRead)]
+        if not self.dynamic:  # arrays only: nothing to read or to end
+            return self  # type: ignore[return-value]
+        reads = [read for _, read, _ in self if isinstance(read, RowRead)]
         if sum(read.cold_bytes for read in reads) > inline_bytes:
             await asyncio.to_thread(_read_cold, reads)
         else:
             _read_cold(reads)
-        return [(n, r.piece.read_end(r) if isinstance(r, RowRead) else r, v) for n, r, v in self._items]
+        return [(n, r.piece.read_end(r) if isinstance(r, RowRead) else r, v) for n, r, v in self]
 
 
 def _read_cold(reads: list[RowRead]) -> None:
@@ -491,7 +486,7 @@ class ShardService:
             return response, None
         reads = _Reads()  # async mode: a read waits for nothing (``before_pull``)
         self._after_push(tensors, request.omit_values, reads)
-        return response, reads.now()
+        return response, reads  # no dynamic piece here (``Store.applies_now``): the snapshot
 
     async def _push(
         self, header: ps_pb2.PushRequest, grads: dict[str, tables.Grad], deadline: float | None
@@ -560,7 +555,7 @@ class ShardService:
                 reads.rows(embedding.values_name(name), var, ids)
             else:  # reads.value(name, *var.stable_value()), inline
                 value, version = var.state
-                reads._items.append((name, value.copy() if value.flags.writeable else value, version))
+                reads.append((name, value.copy() if value.flags.writeable else value, version))
 
     async def leave(self, request: ps_pb2.LeaveRequest) -> ps_pb2.LeaveResponse:
         """Worker ``request.worker_id`` leaves: sync barriers and ssp clocks stop waiting for it."""
