@@ -25,10 +25,11 @@ import asyncio
 import functools
 import logging
 import ssl
+import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 
@@ -181,7 +182,7 @@ class ShardLink:
         # Replicated shards: per replica, its calls waiting and whether its process still answers.
         self._liveness: list[_stall.Liveness] = []
         self._closed = False
-        self._descriptions = bulk.Descriptions()  # the pushed tensors' descriptions in data-port heads
+        self._descriptions = bulk.Descriptions(ps_pb2.PushRequest, "grads")  # pushed tensors' head entries
 
     # -- gRPC ----------------------------------------------------------------
 
@@ -566,21 +567,21 @@ class ShardLink:
                 raise _bulk.Unusable
         left = _retry.ATTEMPT_TIMEOUT.get()
         timeout = self._config.timeout if left is None else left
-        head = header
+        head: Any = header
         payload = []
-        if op is Op.PUSH:
-            head = ps_pb2.PushRequest()
-            head.CopyFrom(header)
-            described = head.grads
+        if op is Op.PUSH:  # the head as sent: the header's fields, this attempt's timeout, the gradients'
+            # descriptions (``bulk.Descriptions``), encoded one after the other; the header is left as it is
+            encoded = [header.SerializeToString(), _TIMEOUT_FIELD.pack(_TIMEOUT_TAG, timeout)]
             descriptions = self._descriptions
             for n, t in tensors:  # bulk.describe and bulk.payload_of, inline (wire arrays: little-endian)
-                described.append(descriptions[n, t.dtype, t.shape])
+                encoded.append(descriptions[n, t.dtype, t.shape])
                 payload.append(memoryview(t.reshape(-1)).cast("B"))
+            head = b"".join(encoded)
             kind = bulk.PUSH
         else:
             kind = bulk.PULL if op is Op.PULL else bulk.LOOKUP
-        if op is not Op.LOOKUP:  # the shard bounds its waits (a barrier, the staleness bound) by this
-            head.timeout_s = timeout
+            if op is Op.PULL:  # the shard bounds its waits (a barrier, the staleness bound) by this
+                head.timeout_s = timeout
         spare: list[codec.WireChunk] = []
         if op is Op.PUSH and not (header.return_values or header.lookup_ids):
             into = None  # a plain push: its answer carries no tensors (none to place, none kept)
@@ -627,6 +628,10 @@ class ShardLink:
 
 
 _DISCARD = Sink(lambda chunk: None)  # a request whose answer carries no tensors the caller keeps
+# A data-port push's timeout, encoded after its header's fields (of a field given twice, the last one counts):
+# ``PushRequest.timeout_s``, a 32-bit float (wire type 5) whose tag is one byte.
+_TIMEOUT_TAG: Final[int] = ps_pb2.PushRequest.DESCRIPTOR.fields_by_name["timeout_s"].number << 3 | 5
+_TIMEOUT_FIELD: Final = struct.Struct("<Bf")
 # The answer of most pushes (applied, no checkpoint announced): one, read and never changed by ``_push``.
 _APPLIED = Answer()
 

@@ -73,7 +73,7 @@ ANSWERS: Final[frozenset[int]] = frozenset({PUSHED, PULLED, ERROR, LOOKED_UP})  
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """A frame's kind and its head (a message of ``HEADS[kind]``)."""
+    """A frame's kind and its head (a message of ``HEADS[kind]``; a frame to send: or its encoding, bytes)."""
 
     kind: int
     head: Any
@@ -95,7 +95,7 @@ def entries(items: Iterable[tuple[int, Frame, Sequence[Buffer]]]) -> list[Buffer
     out: list[Buffer] = []
     pack = _ENTRY.pack
     for index, frame, payload in items:
-        head = frame.head.SerializeToString()
+        head = frame.head if type(frame.head) is bytes else frame.head.SerializeToString()
         size = 0
         for part in payload:
             size += len(part)
@@ -160,29 +160,37 @@ def describe(name: str, value: np.ndarray) -> ps_pb2.TensorChunk:
     return ps_pb2.TensorChunk(name=name, dtype=codec.wire_dtype(value.dtype), shape=value.shape)
 
 
-class Descriptions(dict[tuple[str, np.dtype, tuple[int, ...]], ps_pb2.TensorChunk]):
-    """``describe`` 's descriptions by (name, dtype, shape), made on first use (``d[name, dtype, shape]``)
-    and kept for the next heads that announce the same tensor: a head's repeated field takes a copy of one
-    (``append``) in about a third of the time a ``TensorChunk`` takes to make from keywords. At most
-    ``limit`` are kept (a table's rows vary in shape from push to push): then they start over.
+class Descriptions(dict[tuple[str, np.dtype, tuple[int, ...]], bytes]):
+    """``describe`` 's descriptions as encoded entries of the repeated ``TensorChunk`` field ``field`` of
+    ``message``, by (name, dtype, shape), made on first use (``d[name, dtype, shape]``) and kept for the
+    next heads that announce the same tensor. A head to send is then the encoding of its other fields
+    followed by these entries, as bytes (a ``Frame`` 's head may be; a message's encoding may come in
+    parts, a repeated field's entries in order): neither a ``TensorChunk`` nor a copy of one per head
+    (about 1 us a tensor). At most ``limit`` are kept (a table's rows vary in shape from push to push):
+    then they start over.
 
-    >>> d = Descriptions()
-    >>> d["w", np.dtype(np.float32), (2, 3)].shape
-    [2, 3]
+    >>> d = Descriptions(ps_pb2.PushRequest, "grads")
+    >>> encoded = ps_pb2.PushRequest(seq=7).SerializeToString() + d["w", np.dtype(np.float32), (2, 3)]
+    >>> head = ps_pb2.PushRequest.FromString(encoded)
+    >>> head.seq, head.grads[0].name, list(head.grads[0].shape)
+    (7, 'w', [2, 3])
     """
 
-    def __init__(self, limit: int = 1024) -> None:
+    def __init__(self, message: type, field: str, limit: int = 1024) -> None:
         super().__init__()
         self.limit = limit
+        self._message = message
+        self._field = field
 
-    def __missing__(self, key: tuple[str, np.dtype, tuple[int, ...]]) -> ps_pb2.TensorChunk:
+    def __missing__(self, key: tuple[str, np.dtype, tuple[int, ...]]) -> bytes:
         if len(self) >= self.limit:
             self.clear()
         name, dtype, shape = key
-        chunk = self[key] = ps_pb2.TensorChunk(
+        chunk = ps_pb2.TensorChunk(
             name=name, dtype=codec.DTYPE_WIRES.get(dtype) or codec.wire_dtype(dtype), shape=shape
         )
-        return chunk
+        entry = self[key] = self._message(**{self._field: [chunk]}).SerializeToString()
+        return entry
 
 
 # An announced tensor: its name, dtype, shape and byte count (``tensor_layout``).
@@ -256,7 +264,7 @@ class BulkConnection(FrameTransport[Frame]):
         conn = self._conn
         if conn is None:
             conn = self._live()  # raises
-        head = header.head.SerializeToString()
+        head = header.head if type(header.head) is bytes else header.head.SerializeToString()
         size = sum(map(len, payload))
         first = _PREFIX.pack(header.kind, len(head), size) + head
         try:

@@ -142,7 +142,7 @@ class DataPortServer:
         self._idle: set[asyncio.Task[None]] = set()  # serving tasks waiting for a request
         self._busy: set[asyncio.Task[None]] = set()  # serving tasks answering one
         self._links: set[bulk.BulkConnection] = set()
-        self._descriptions = bulk.Descriptions()  # push_pull's values' descriptions in answer heads
+        self._descriptions = bulk.Descriptions(ps_pb2.PushResponse, "values")  # push_pull's values' entries
         self._quiet: asyncio.Event | None = None  # made by stop(): set once no request is in progress
         self.stopping = False
 
@@ -363,13 +363,17 @@ class DataPortServer:
                     )
                 response, snapshot = done
                 if snapshot is not None:  # push_pull: the values, straight from the stored arrays
-                    versions, values = response.versions, response.values
+                    versions = response.versions
                     descriptions = self._descriptions
+                    encoded = [b""]  # the head as sent: its fields, then the values' encoded descriptions
                     for name, value, version in snapshot:
                         versions.append(version)
-                        values.append(descriptions[name, value.dtype, value.shape])
+                        encoded.append(descriptions[name, value.dtype, value.shape])
                         payload.append(memoryview(value.reshape(-1)).cast("B"))
-                reply = bulk.Frame(bulk.PUSHED, response)
+                    encoded[0] = response.SerializeToString()
+                    reply = bulk.Frame(bulk.PUSHED, b"".join(encoded))
+                else:
+                    reply = bulk.Frame(bulk.PUSHED, response)
             elif kind == bulk.LOOKUP:
                 rows = await self._service.lookup_rows(head, None)
                 described = rows.header.values
