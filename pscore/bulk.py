@@ -270,8 +270,11 @@ class BulkConnection(FrameTransport[Frame]):
         try:
             if size <= _SMALL_FRAME:
                 await conn.sendall(b"".join((first, *payload)))
-                return
-            await conn.send_views((first, *payload))
+            else:
+                await conn.send_views((first, *payload))
+            # A request or an answer: the peer sends nothing on this connection before it has it (a BATCH's
+            # answers may come in several frames: the first read waits, the next ones try at once).
+            conn.answer_due = True
         except OSError as err:
             self.reset()
             raise UnavailableError(

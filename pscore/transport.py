@@ -179,6 +179,11 @@ class Conn:
         # about six a request, each side).
         self._reader_fd = -1
         self._waiter: asyncio.Future[None] | None = None  # the wait ``_readable`` ends
+        # Set by a user whose peer sends nothing before it answers what was just sent (a request and its
+        # answer, one at a time on the connection: ``bulk.BulkConnection.send``): the next small read waits
+        # for the socket to turn readable before it tries, where a try would find nothing (a system call
+        # and a caught BlockingIOError, each side of a round trip). Cleared by that read.
+        self.answer_due = False
 
     def limit_unsent(self, nbytes: int) -> None:
         """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
@@ -308,12 +313,20 @@ class Conn:
             got = min(n, self._hi - self._lo)
             view[:got] = self._ahead[self._lo : self._lo + got]  # type: ignore[index]
             self._lo += got
+            self.answer_due = False
         while got < n:
             need = n - got
             ahead = need < READ_AHEAD_BYTES // 2
             if ahead and self._ahead is None:
                 self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
             target = self._ahead if ahead else view[got:]
+            if self.answer_due:  # nothing is there yet: the first read waits for the answer to begin
+                self.answer_due = False
+                try:
+                    await self._wait_readable()
+                except BaseException:  # cancelled: the socket is no longer watched
+                    self._stop_reading()
+                    raise
             try:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
