@@ -37,7 +37,7 @@ import time
 import weakref
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import grpc
 
@@ -336,6 +336,12 @@ class DataLink:
         # order of their deadlines: it is armed about once a timeout).
         self._expiry: asyncio.TimerHandle | None = None
         self._expiry_at = 0.0  # when it fires (time.monotonic())
+        # The requests in flight alone, by their task: each one's deadline and the mark its expiry leaves
+        # (``_expire_alone`` cancels the task). One timer for them all too, armed for the earliest deadline
+        # and again when it fires (about once a timeout), not a ``call_later`` and a ``cancel`` a request.
+        self._alone: dict[asyncio.Task[Any], tuple[float, list[bool]]] = {}
+        self._alone_timer: asyncio.TimerHandle | None = None
+        self._alone_at = 0.0  # when it fires (time.monotonic())
         # The event loop of the link's requests (a link is shared on one loop: ``shared_link``), kept:
         # asyncio.get_running_loop() and current_task() are a getpid() system call each in Python 3.11.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -453,16 +459,20 @@ class DataLink:
         assert task is not None
         if small is not None:
             self._small += 1
+        alone = self._alone
         try:
             while True:
                 reused = bool(self._idle)
                 left = max(deadline - time.monotonic(), 0.001)
                 conn = self._idle.pop() if reused else await self._connect(left)
                 # asyncio.timeout's work without its context manager and state machine (six Python calls a
-                # request): a timer cancels the task at the deadline; a cancel it made ends as a timeout.
+                # request): the link's timer cancels the task at the deadline (``_expire_alone``); a cancel
+                # it made ends as a timeout.
                 cancelling = task.cancelling()
                 expired: list[bool] = []
-                timer = loop.call_later(max(deadline - time.monotonic(), 0.001), _expire, task, expired)
+                alone[task] = (deadline, expired)
+                if self._alone_timer is None or deadline < self._alone_at:
+                    self._arm_alone(deadline)
                 try:
                     in_parts = uplink is not None and IN_PARTS.get()
                     if in_parts and nbytes > PART_NOTSENT_LOWAT:
@@ -495,7 +505,7 @@ class DataLink:
                                 turns.release()
                     reply, _ = await conn.recv(into)
                 except BaseException as exc:
-                    timer.cancel()
+                    del alone[task]
                     timed_out = isinstance(exc, TimeoutError)
                     if expired and task.uncancel() <= cancelling and isinstance(exc, asyncio.CancelledError):
                         timed_out = True  # the timer's cancel, not the caller's
@@ -515,7 +525,7 @@ class DataLink:
                     if isinstance(exc, PSError):
                         raise RequestError(exc.code, exc.details) from None
                     raise
-                timer.cancel()
+                del alone[task]
                 if expired:  # it fired as the answer came: its cancel is taken back, as asyncio.timeout does
                     task.uncancel()
                 if len(self._idle) < MAX_IDLE and not self._closed:
@@ -565,6 +575,30 @@ class DataLink:
         self._expiry_at = deadline
         assert self._loop is not None  # set by ``request``, the only caller
         self._expiry = self._loop.call_later(max(deadline - time.monotonic(), 0.0), self._expire_waiting)
+
+    def _arm_alone(self, deadline: float) -> None:
+        """Arms the link's timer of the requests in flight alone (``_expire_alone``) for ``deadline``."""
+        if self._alone_timer is not None:
+            self._alone_timer.cancel()
+        self._alone_at = deadline
+        assert self._loop is not None  # set by ``request``, the only caller
+        self._alone_timer = self._loop.call_later(max(deadline - time.monotonic(), 0.001), self._expire_alone)
+
+    def _expire_alone(self) -> None:
+        """The timer of the requests in flight alone: the task of each whose deadline passed is cancelled
+        (its ``request`` ends as a timeout, DEADLINE_EXCEEDED); armed again for the earliest deadline left."""
+        self._alone_timer = None
+        now = time.monotonic()
+        earliest = float("inf")
+        for task, (deadline, expired) in list(self._alone.items()):
+            if expired:  # cancelled already; ``request`` takes it out
+                continue
+            if deadline <= now:
+                _expire(task, expired)
+            elif deadline < earliest:
+                earliest = deadline
+        if earliest != float("inf"):
+            self._arm_alone(earliest)
 
     def _expire_waiting(self) -> None:
         """The link's timer: every request that waited (to leave, or in a batch in flight) and whose deadline

@@ -407,6 +407,49 @@ async def test_a_batched_request_fails_at_its_own_deadline_while_its_neighbours_
     assert values["short"][0] in (-1.0, -2.0)  # its second push may or may not have been applied
 
 
+async def test_a_lone_request_fails_at_its_own_deadline_before_an_earlier_ones(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """The requests in flight alone share one timer as well (``DataLink._expire_alone``), armed for the
+    earliest deadline: with the shard stopped, a request with a short timeout that went alone after one with
+    a long timeout fails at its own deadline (DEADLINE_EXCEEDED); the other waits on and is applied once."""
+    cluster = make_cluster(num_shards=1)
+    async with psclient.AsyncPSClient(cluster.addresses, "setup", **WIRE) as setup:
+        await setup.create_many(
+            {n: np.zeros(4, np.float32) for n in ("long", "short")}, optimizer=psclient.SGD(1.0)
+        )
+    clients = {
+        name: psclient.AsyncPSClient(cluster.addresses, name, data_port_min_bytes=0, timeout=timeout)
+        for name, timeout in (("long", CALL_TIMEOUT_S), ("short", 1.0))
+    }
+    pid = cluster.procs[0].pid
+    try:
+        async with asyncio.timeout(CALL_TIMEOUT_S):  # data connections open, placement known
+            await asyncio.gather(*(c.push({n: np.ones(4, np.float32)}) for n, c in clients.items()))
+        (link,) = _links(list(clients.values()))
+        batches = link.batches
+        os.kill(pid, signal.SIGSTOP)
+        try:  # both alone (SMALL_IN_FLIGHT), "long" first: the timer armed for its deadline, then "short"'s
+            tasks = {
+                n: asyncio.ensure_future(c.push({n: np.ones(4, np.float32)})) for n, c in clients.items()
+            }
+            done, _ = await asyncio.wait([tasks["short"]], timeout=CALL_TIMEOUT_S / 2)
+            assert done, "the short request is still waiting"
+            assert not tasks["long"].done()
+            assert link.batches == batches
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with pytest.raises(DeadlineExceededError, match="no answer from the data port within 1 s"):
+            await tasks["short"]
+        async with asyncio.timeout(CALL_TIMEOUT_S):
+            assert await tasks["long"]
+        values = await clients["long"].pull(["long"])
+    finally:
+        for c in clients.values():
+            await c.close()
+    np.testing.assert_array_equal(values["long"], np.full(4, -2.0, np.float32))  # applied once
+
+
 # -- the frame by hand ------------------------------------------------------------------------
 
 
