@@ -133,6 +133,7 @@ def family_of(host: str) -> socket.AddressFamily:
 
 
 READ_AHEAD_BYTES = 64 << 10  # a plain connection's read-ahead buffer (see ``Conn.recv_exactly``)
+ANSWER_WAITS = 3  # answers whose first read waits before trying, after one that tried in vain (``Conn``)
 _MAX_UNSENT_LIMIT = (1 << 31) - 1  # TCP_NOTSENT_LOWAT is a C int
 _MAX_IOV = 512  # views per recvmsg_into at most (the system's IOV_MAX is 1024 on Linux)
 # A read that waits for the rest of a payload asks the kernel to wake it only once this much of it is in
@@ -180,10 +181,13 @@ class Conn:
         self._reader_fd = -1
         self._waiter: asyncio.Future[None] | None = None  # the wait ``_readable`` ends
         # Set by a user whose peer sends nothing before it answers what was just sent (a request and its
-        # answer, one at a time on the connection: ``bulk.BulkConnection.send``): the next small read waits
-        # for the socket to turn readable before it tries, where a try would find nothing (a system call
-        # and a caught BlockingIOError, each side of a round trip). Cleared by that read.
+        # answer, one at a time on the connection: ``bulk.BulkConnection.send``); cleared by the next read.
+        # That read's try at once finds nothing where the peer has not run since the send (a system call and
+        # a caught BlockingIOError, each side of a round trip): after such a try, the first reads of the next
+        # ``ANSWER_WAITS`` answers wait for the socket to turn readable before they try; then one tries at
+        # once again (where the peer ran meanwhile, a loaded machine, the answer is there: no wait at all).
         self.answer_due = False
+        self._answer_waits = 0
 
     def limit_unsent(self, nbytes: int) -> None:
         """Holds at most ``nbytes`` written and not yet sent in the kernel (``TCP_NOTSENT_LOWAT``, where
@@ -309,27 +313,32 @@ class Conn:
         call, and the next reads take them from memory. A larger read goes straight into ``view``.
         """
         got, n = 0, len(view)
+        due, self.answer_due = self.answer_due, False  # the first read of an answer (``answer_due``)
         if self._hi > self._lo:
             got = min(n, self._hi - self._lo)
             view[:got] = self._ahead[self._lo : self._lo + got]  # type: ignore[index]
             self._lo += got
-            self.answer_due = False
+            due = False
         while got < n:
             need = n - got
             ahead = need < READ_AHEAD_BYTES // 2
             if ahead and self._ahead is None:
                 self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
             target = self._ahead if ahead else view[got:]
-            if self.answer_due:  # nothing is there yet: the first read waits for the answer to begin
-                self.answer_due = False
+            probe = due and not self._answer_waits  # an answer's first read, tried at once
+            if due and not probe:  # the last such try found nothing yet: wait for the answer to begin
+                self._answer_waits -= 1
                 try:
                     await self._wait_readable()
                 except BaseException:  # cancelled: the socket is no longer watched
                     self._stop_reading()
                     raise
+            due = False
             try:
                 k = self.sock.recv_into(target)
             except (BlockingIOError, InterruptedError):
+                if probe:  # in vain: the first reads of the next answers wait first
+                    self._answer_waits = ANSWER_WAITS
                 if not ahead:  # the rest of a large read: filled by the loop, this task woken once
                     try:
                         await self._moved([view[got:]], writer=False)
