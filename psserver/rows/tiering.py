@@ -26,6 +26,10 @@ from psserver.tier import (
 
 _VICTIM_QUEUE = 8  # a tiered piece chooses the victims of this many spills at once (``_spill_victims``)
 _QUEUE_WINDOW = 4096  # the victim queue's rows a spill checks first, at least (``_queued_victims``)
+# A spill takes at least this many rows more than it needs (``spill_slack``), or an eighth of memory's if
+# fewer: a spill costs about 0.2 ms besides 0.3 us a row (its numpy calls, the store's write and commit),
+# and ``limit // EVICT_SLACK`` extra rows made a small piece spill at every push or two.
+_SPILL_MIN_ROWS = 2048
 _EXPIRE_BATCH = 2048  # expired records a push deletes from the disk tier at most (per expiry index)
 RECORD_META = ("last_step", "hits", "last_time")  # a row's bookkeeping, as the disk tier's records hold it
 _NO_PLACE = np.iinfo(np.int32).max  # ``disk_place`` holds places below this (a larger one: not kept)
@@ -38,6 +42,12 @@ def on_disk_entries(places: np.ndarray | None, n: int) -> np.ndarray:
     if places is None:
         return np.full(n, -2, np.int64)
     return -3 - np.maximum(places, -1)
+
+
+def spill_slack(limit: int) -> int:
+    """The rows a push of a piece holding ``limit`` rows in memory claims or spills more than it needs:
+    ``limit // EVICT_SLACK``, and at least ``_SPILL_MIN_ROWS`` or an eighth of them."""
+    return max(limit // EVICT_SLACK, min(limit // 8, _SPILL_MIN_ROWS))
 
 
 def disk_places(values: np.ndarray) -> np.ndarray:
@@ -115,7 +125,7 @@ class TierSteps:
         One batched read finds the push's cold rows; if memory has too little room
         for them and the admitted new ids, the piece claims more of the shard's
         budget (``_claim``), and if that is not enough, rows not in the push are
-        spilled (by the table's eviction policy, ``limit // 64`` extra at once); a due expiry
+        spilled (by the table's eviction policy, ``spill_slack`` extra at once); a due expiry
         sweep runs here, over both tiers: the expired rows in memory go, and the disk
         tier's cut rises (``ColdTier.cut``: reads skip the records before it at once).
         Then one write transaction puts the spilled rows on disk (over their older
@@ -191,7 +201,7 @@ class TierSteps:
         need = fill_ids.size + admitted
         room = self.nfree + expired_hot.size
         if need > room:  # more of the shard's budget (where rows live changes nothing)
-            room += self._claim(need - room + self.limit // EVICT_SLACK, up_to_fair=True)
+            room += self._claim(need - room + spill_slack(self.limit), up_to_fair=True)
         victims = ids[:0]
         if need > room:
             candidates = self.live[: self.limit].copy()
@@ -203,7 +213,7 @@ class TierSteps:
                     f"this shard's in-memory tier holds {self.limit} of them (raise --table-memory, or push "
                     "fewer ids at once); nothing was applied"
                 )
-            victims = self._by_id(self._spill_victims(candidates, need - room + self.limit // EVICT_SLACK))
+            victims = self._by_id(self._spill_victims(candidates, need - room + spill_slack(self.limit)))
         gone = self.slot_ids[expired_hot[self.on_disk[expired_hot]]]  # their older copies go too
         if outdated.size and victims.size:
             outdated = np.setdiff1d(outdated, victims, assume_unique=True)
