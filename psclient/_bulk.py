@@ -569,20 +569,23 @@ class DataLink:
         del self._batches[task]
 
     def _arm_expiry(self, deadline: float) -> None:
-        """Arms the link's timer (``_expire_waiting``) for ``deadline``."""
-        if self._expiry is not None:
-            self._expiry.cancel()
+        """Arms the link's timer of the waiting requests (``_expire_waiting``) for ``deadline``."""
         self._expiry_at = deadline
-        assert self._loop is not None  # set by ``request``, the only caller
-        self._expiry = self._loop.call_later(max(deadline - time.monotonic(), 0.0), self._expire_waiting)
+        self._expiry = self._timer(self._expiry, deadline, self._expire_waiting)
 
     def _arm_alone(self, deadline: float) -> None:
         """Arms the link's timer of the requests in flight alone (``_expire_alone``) for ``deadline``."""
-        if self._alone_timer is not None:
-            self._alone_timer.cancel()
         self._alone_at = deadline
-        assert self._loop is not None  # set by ``request``, the only caller
-        self._alone_timer = self._loop.call_later(max(deadline - time.monotonic(), 0.001), self._expire_alone)
+        self._alone_timer = self._timer(self._alone_timer, deadline, self._expire_alone)
+
+    def _timer(
+        self, timer: asyncio.TimerHandle | None, deadline: float, fire: Callable[[], None]
+    ) -> asyncio.TimerHandle:
+        """A timer that calls ``fire`` at ``deadline``, in place of ``timer`` (cancelled)."""
+        if timer is not None:
+            timer.cancel()
+        assert self._loop is not None  # set by ``request``, the only caller of the arming methods
+        return self._loop.call_later(max(deadline - time.monotonic(), 0.0), fire)
 
     def _expire_alone(self) -> None:
         """The timer of the requests in flight alone: the task of each whose deadline passed is cancelled
