@@ -1,13 +1,25 @@
 """Samples every qdisc's backlog in the root namespace (the bridge-side veth ends) for T seconds."""
-import json, subprocess, sys, time, collections
-T = float(sys.argv[1]); out = sys.argv[2]
+
+import collections
+import json
+import subprocess
+import sys
+import time
+
+T = float(sys.argv[1])
+out = sys.argv[2]
 mx = collections.defaultdict(lambda: [0, 0, 0, 0])  # dev/handle -> max bytes, max packets, drops, samples>0
 hist = collections.Counter()
 end = time.monotonic() + T
 n = 0
 while time.monotonic() < end:
     try:
-        qs = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show"], capture_output=True, text=True, timeout=5).stdout or "[]")
+        qs = json.loads(
+            subprocess.run(
+                ["tc", "-s", "-j", "qdisc", "show"], capture_output=True, text=True, timeout=5
+            ).stdout
+            or "[]"
+        )
     except Exception:
         continue
     n += 1
@@ -15,10 +27,12 @@ while time.monotonic() < end:
         dev = q.get("dev", "")
         if not dev.startswith("v") and "ps" not in dev:
             pass
-        key = f"{dev} {q.get('kind')} {q.get('handle')} {q.get('parent','root')}"
+        key = f"{dev} {q.get('kind')} {q.get('handle')} {q.get('parent', 'root')}"
         b, p = q.get("backlog", 0), q.get("qlen", 0)
         m = mx[key]
-        m[0] = max(m[0], b); m[1] = max(m[1], p); m[2] = q.get("drops", 0)
+        m[0] = max(m[0], b)
+        m[1] = max(m[1], p)
+        m[2] = q.get("drops", 0)
         if q.get("kind") != "htb" and b:
             m[3] += 1
             hist[min(b // 100000, 50)] += 1
