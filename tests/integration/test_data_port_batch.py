@@ -427,12 +427,27 @@ async def test_a_lone_request_fails_at_its_own_deadline_before_an_earlier_ones(
         async with asyncio.timeout(CALL_TIMEOUT_S):  # data connections open, placement known
             await asyncio.gather(*(c.push({n: np.ones(4, np.float32)}) for n, c in clients.items()))
         (link,) = _links(list(clients.values()))
+        for _ in range(20):  # two open connections, so that neither request below has to connect (a connect
+            if len(link._idle) >= 2:  # to a stopped shard fails at the short timeout by itself)
+                break
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await asyncio.gather(*(c.push({n: np.zeros(4, np.float32)}) for n, c in clients.items()))
+        assert len(link._idle) >= 2, "the link keeps one connection"
+        for _ in range(500):  # the timer the warm-up's requests armed has fired (bounded: 5 s), so "long"
+            if link._alone_timer is None:  # arms it below for its own deadline
+                break
+            await asyncio.sleep(0.01)
+        assert link._alone_timer is None, "the link's timer is still armed after its requests ended"
         batches = link.batches
         os.kill(pid, signal.SIGSTOP)
         try:  # both alone (SMALL_IN_FLIGHT), "long" first: the timer armed for its deadline, then "short"'s
-            tasks = {
-                n: asyncio.ensure_future(c.push({n: np.ones(4, np.float32)})) for n, c in clients.items()
-            }
+            tasks = {"long": asyncio.ensure_future(clients["long"].push({"long": np.ones(4, np.float32)}))}
+            for _ in range(500):  # "long" in flight before "short" leaves (bounded: 5 s)
+                if link._alone or tasks["long"].done():
+                    break
+                await asyncio.sleep(0.01)
+            assert len(link._alone) == 1 and not tasks["long"].done(), "the long request is not in flight"
+            tasks["short"] = asyncio.ensure_future(clients["short"].push({"short": np.ones(4, np.float32)}))
             done, _ = await asyncio.wait([tasks["short"]], timeout=CALL_TIMEOUT_S / 2)
             assert done, "the short request is still waiting"
             assert not tasks["long"].done()
