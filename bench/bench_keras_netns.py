@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--partition-bytes",
         type=int,
-        help="the workers' partition_bytes (pstrain --partition-bytes; default the client's 8 MiB)",
+        help="the workers' partition_bytes (pstrain --partition-bytes; default: the client's)",
     )
     parser.add_argument(
         "--sync-parts", type=int, default=1, help="sync runs: a step in N parts (pstrain --sync-parts)"

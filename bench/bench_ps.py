@@ -88,7 +88,6 @@ SYSTEMS = ("raw", "echo", "ps", "ps_grpc", "tf")
 _RAW_OPS = {"pull": 1, "push": 2, "push_pull": 3, "lookup": 1}  # a lookup's peer: N bytes answered
 _RAW_HEAD = struct.Struct("<BQ")  # op, bytes
 MAX_MESSAGE = 256 << 20
-TF_SPLIT_BYTES = 8 << 20  # psclient's default partition size: bigger variables go to both ps tasks
 ECHO_SERVICE = "/bench.Echo/"
 CHILD_TIMEOUT_S = 900
 
@@ -392,6 +391,8 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
     import numpy as np
     import tensorflow as tf
 
+    from pscore.placement import DEFAULT_PARTITION_BYTES
+
     cluster = tf.train.ClusterSpec(json.loads(args.target))
     tf.config.experimental_connect_to_cluster(cluster, job_name="chief", protocol="grpc")
     stats = []
@@ -399,7 +400,7 @@ def _tf_client(args: argparse.Namespace) -> list[cm.Stat]:
     tables: dict[int, tuple[Any, np.ndarray]] = {}  # size -> a lookup's table variable and ids
     for op, n, conc, budget_s in _feed():
         count = n // 4
-        parts = 2 if n >= TF_SPLIT_BYTES else 1
+        parts = 2 if n >= DEFAULT_PARTITION_BYTES else 1  # as psclient cuts them over its 2 shards
         bounds = np.linspace(0, count, parts + 1).astype(int)
         if n not in variables:
             variables[n] = []

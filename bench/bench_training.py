@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--partition-bytes",
         type=int,
-        help="ps systems: the workers' partition_bytes (pstrain --partition-bytes; default 8 MiB)",
+        help="ps systems: the workers' partition_bytes (pstrain --partition-bytes; default: the client's)",
     )
     p.add_argument("--out", help="write OUT.md and OUT.json")
     p.add_argument("--tf-coordinator", action="store_true", help=argparse.SUPPRESS)
