@@ -34,6 +34,7 @@ class UpdateGate:
         self._updating = 0
         self._idle: asyncio.Event | None = None  # set (and dropped) when the last update in progress ends
         self._holds = 0
+        self.held = False  # True while a hold keeps updates back (an attribute: read on every push)
         self._snapshots = 0
         self._let_through: set[Hashable] = set()
         self._gate = asyncio.Event()  # replaced (and the old one set) whenever the gate changes
@@ -99,6 +100,7 @@ class UpdateGate:
         held.
         """
         self._holds += 1
+        self.held = True
 
     def release(self) -> None:
         """Ends one ``hold``; the last one lets the waiting updates go on."""
@@ -106,13 +108,9 @@ class UpdateGate:
             raise RuntimeError("UpdateGate.release without a hold")
         self._holds -= 1
         if not self._holds:
+            self.held = False
             self._let_through.clear()
         self._notify()
-
-    @property
-    def held(self) -> bool:
-        """True while a hold keeps updates back."""
-        return self._holds > 0
 
     @property
     def updating(self) -> int:

@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -167,10 +167,12 @@ class Mode(abc.ABC):
 
     def push_now(
         self, worker_id: str, seq: int, session: int, grads: Mapping[str, tables.Grad]
-    ) -> bool | None:
+    ) -> list[tuple[Variable, tables.Grad]] | Literal[False] | None:
         """``push``'s common case served with no await, where the mode allows it (async mode: a push that
-        waits for nothing): True applied, False a duplicate, None not served so (nothing done: serve it
-        with ``push``). The push waits for nothing, so the ``listener`` never sees it waiting.
+        waits for nothing): applied, the variables and gradients applied (``Store.validate_grads``'
+        pairs, never empty: push_pull's values are read from those variables, not looked up again);
+        False a duplicate; None not served so (nothing done: serve it with ``push``). The push waits for
+        nothing, so the ``listener`` never sees it waiting.
 
         Raises:
             PSError: as ``push`` (nothing applied).
@@ -260,13 +262,15 @@ class AsyncMode(Mode):
 
     def push_now(
         self, worker_id: str, seq: int, session: int, grads: Mapping[str, tables.Grad]
-    ) -> bool | None:
+    ) -> list[tuple[Variable, tables.Grad]] | Literal[False] | None:
         """``_push`` with no await, where the store applies the push inline (``Store.applies_now``)."""
         store = self.store
-        pairs = store.validate_grads(grads)
+        pairs = store.validate_grads(grads)  # refuses a push without gradients: never empty
         if not store.applies_now((worker_id, session, seq), pairs):
             return None
-        return store.apply_once_now(worker_id, seq, session, pairs, time.time()) is not None
+        if store.apply_once_now(worker_id, seq, session, pairs, time.time()) is None:
+            return False
+        return pairs
 
     async def _push(
         self,

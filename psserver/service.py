@@ -485,7 +485,16 @@ class ShardService:
         if not request.return_values:
             return response, None
         reads = _Reads()  # async mode: a read waits for nothing (``before_pull``)
-        self._after_push(tensors, request.omit_values, reads)
+        if applied and not request.omit_values:  # the variables just updated, not looked up again
+            for var, grad in applied:  # ``_after_push``'s dense branch, inline
+                if isinstance(grad, tables.RowGrad):  # a table's rows: ``_after_push`` reads them all
+                    reads.clear()
+                    self._after_push(tensors, (), reads)
+                    break
+                value, version = var.state
+                reads.append((var.name, value.copy() if value.flags.writeable else value, version))
+        else:
+            self._after_push(tensors, request.omit_values, reads)
         return response, reads  # no dynamic piece here (``Store.applies_now``): the snapshot
 
     async def _push(
