@@ -362,7 +362,11 @@ class AsyncPSClient(TableMethods):
                 names=[p.stored_name for p in wanted], worker_id=self.worker_id, step=step,
                 max_chunk_bytes=self.config.chunk_bytes, ema=ema,
             )  # fmt: skip
-            sink = _link.Sink(into.add, into.place, functools.partial(into.restart, wanted))
+            sink = (  # one shard's answer holds all of it: the Gather is the sink itself
+                into
+                if len(per_shard) == 1
+                else _link.Sink(into.add, into.place, functools.partial(into.restart, wanted))
+            )
             answer = await self._shards[shard].request(
                 Op.PULL, request, (), sink, nbytes=sum(p.nbytes for p in wanted)
             )
@@ -536,11 +540,19 @@ class AsyncPSClient(TableMethods):
         seq = next(self._seq)
         # Every shard's piece of the push names them all: a consistent cut holds it on all or none.
         shards = sorted(per_shard) if len(per_shard) > 1 else []
-        answers = (  # a plain push keeps nothing of its answers
-            _PushAnswers(plan.pieces, reading, self._pool if return_values else None)
-            if return_values or reading
-            else None
-        )
+        answers = None  # a plain push keeps nothing of its answers
+        # push_pull's arrays from one shard, no table's rows among them: their Gather is the sink itself
+        whole = None
+        if (
+            return_values
+            and not reading
+            and parts == 1
+            and len(per_shard) == 1
+            and len(plan.pieces) == len(plan.known)
+        ):
+            whole = rq.Gather(plan.pieces, self._pool.take, self._pool.min_bytes)
+        elif return_values or reading:
+            answers = _PushAnswers(plan.pieces, reading, self._pool if return_values else None)
 
         def push_to(
             shard: int, tensors: list[tuple[str, np.ndarray]], part: tuple[int, int] | None = None
@@ -566,7 +578,7 @@ class AsyncPSClient(TableMethods):
                     header.omit_values.extend(plan.omit[shard])
             if shard in lookup_ids:
                 header.lookup_ids.extend(lookup_ids[shard])
-            sink = None  # a plain push: nothing in its answer to keep (the link's own discarding sink)
+            sink: _link.Sink | rq.Gather | None = whole  # None: a plain push (the link's discarding sink)
             if answers is not None:
                 place = answers.into.place if answers.into is not None else None
                 names = None if part is None else {name for name, _ in tensors}  # a retry restarts its own
@@ -619,11 +631,11 @@ class AsyncPSClient(TableMethods):
         if answers is not None and reading:
             answers.check_read()
         looked_up = {name: read.result() for name, read in reads.items()} if reads else {}
-        return (
-            applied,
-            answers.values(grads, plan) if answers is not None and return_values else {},
-            looked_up,
-        )
+        if whole is not None:
+            return applied, whole.result(), looked_up
+        if answers is None or not return_values:
+            return applied, {}, looked_up
+        return applied, answers.values(grads, plan), looked_up
 
     async def _push_plan(
         self, grads: Tensors, return_rows: bool | Iterable[str], every_shard: bool
@@ -953,7 +965,8 @@ def _check_optimizer_update(name: str, spec: ps_pb2.OptimizerSpec, params: Mappi
         raise InvalidArgumentError(f"variable {name!r}: {err}") from None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__ (one a push).
+@dataclass(slots=True, kw_only=True)
 class _PushPlan:
     """Where a push's gradients go (``AsyncPSClient._push_plan``)."""
 

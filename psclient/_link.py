@@ -466,7 +466,7 @@ class ShardLink:
         op: Op,
         header: Any,
         tensors: Sequence[tuple[str, Any]] = (),
-        sink: Sink | None = None,
+        sink: Sink | rq.Gather | None = None,
         *,
         nbytes: int | None = None,
     ) -> Answer:
@@ -476,7 +476,8 @@ class ShardLink:
             op: what the request is; ``header`` is its ``PullRequest``, ``PushRequest`` or
                 ``LookupRequest`` (without tensors).
             tensors: a push's gradients, ``(wire name, wire array)``.
-            sink: where the answer's tensors go (default: nowhere).
+            sink: where the answer's tensors go (default: nowhere); an ``rq.Gather`` of the whole answer is
+                one as it is (its ``add``, ``place`` and ``restart()``).
             nbytes: the request's size for the choice of wire and for frame sharing (default: the
                 tensors' bytes; a pull gives the bytes it reads, a lookup the bytes of the rows it reads:
                 a small one shares a frame with the link's other small requests, ``_bulk.DataLink``; a
@@ -492,7 +493,16 @@ class ShardLink:
         else:
             size = nbytes
         into = sink or _DISCARD
-        if _wire.takes_data_port(op, size, self._config) and self.data_link() is not None:
+        cfg = self._config
+        link = self._data.get(self.current)
+        if (
+            cfg.data_port
+            and (op is Op.LOOKUP or size >= cfg.data_port_min_bytes)  # ``_wire.takes_data_port``, inline
+            and (
+                (link is not None and not self._closed and time.monotonic() >= link.off_until)
+                or self.data_link() is not None  # ``data_link``: its common case above, without its call
+            )
+        ):
             wire = Wire.DATA_PORT  # the common case, as ``wire`` picks it (without its closure and calls)
         else:
             wire = self.wire(op, size)
@@ -514,7 +524,7 @@ class ShardLink:
             wire = self.wire(op, size, after=wire)
 
     async def _attempt(
-        self, op: Op, wire: Wire, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink
+        self, op: Op, wire: Wire, header: Any, tensors: Sequence[tuple[str, Any]], sink: Sink | rq.Gather
     ) -> Answer:
         """One attempt of ``request`` over ``wire``."""
         sink.restart()
@@ -546,7 +556,7 @@ class ShardLink:
         op: Op,
         header: Any,
         tensors: Sequence[tuple[str, Any]],
-        sink: Sink,
+        sink: Sink | rq.Gather,
         size: int,
     ) -> Answer:
         """One attempt of ``request`` over the data port: the tensors straight from their arrays to the
@@ -558,8 +568,6 @@ class ShardLink:
             _bulk.Unusable: the data port cannot be used (the data link said why); RequestError,
                 grpc.RpcError.
         """
-        if sink is not _DISCARD:  # a sink that keeps nothing has nothing to forget
-            sink.restart()
         link = self._data.get(self.current)  # ``data_link`` 's common case, without its call
         if link is None or self._closed or time.monotonic() < link.off_until:
             link = self.data_link()
@@ -591,16 +599,28 @@ class ShardLink:
         # gradients), a lookup whose rows' bytes its caller gave (``nbytes``; 0: not known). A push that reads
         # rows too (``lookup_ids``) and a lookup of rows of unknown size go alone, and so does a sync push's
         # part (``parts``), whatever its size: it takes its turn among its push's parts to the shard (_bulk).
-        if size <= _bulk.BATCH_MAX_BYTES and (
-            (op is Op.PUSH and not header.lookup_ids and not header.parts)
-            or op is Op.PULL
-            or (op is Op.LOOKUP and size > 0)
-        ):
-            reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=size)
-        else:
-            reply = await link.request(
-                bulk.Frame(kind, head), payload, into, timeout, uplink=self._uplink if op is Op.PUSH else None
-            )
+        try:
+            if size <= _bulk.BATCH_MAX_BYTES and (
+                (op is Op.PUSH and not header.lookup_ids and not header.parts)
+                or op is Op.PULL
+                or (op is Op.LOOKUP and size > 0)
+            ):
+                reply = await link.request(bulk.Frame(kind, head), payload, into, timeout, small=size)
+            else:
+                reply = await link.request(
+                    bulk.Frame(kind, head),
+                    payload,
+                    into,
+                    timeout,
+                    uplink=self._uplink if op is Op.PUSH else None,
+                )
+        except BaseException:
+            # What this attempt received is forgotten as it fails, not as the next one begins: the first
+            # attempt (nearly every request) then makes no call for it. ``request`` tries the data port
+            # before any other wire, so no attempt over another one came before.
+            if into is not None:
+                sink.restart()
+            raise
         for chunk in spare:
             sink.add(chunk)
         head = reply.head
@@ -636,7 +656,7 @@ _TIMEOUT_FIELD: Final = struct.Struct("<Bf")
 _APPLIED = Answer()
 
 
-def _take(op: Op, response: Any, sink: Sink, answer: Answer) -> None:
+def _take(op: Op, response: Any, sink: Sink | rq.Gather, answer: Answer) -> None:
     """One gRPC answer message: its tensors to ``sink``, the rest to ``answer``."""
     for chunk in response.values:
         sink.add(chunk)
@@ -672,7 +692,8 @@ def _receive(
         CodecError: a tensor that was not asked for, or a malformed description.
     """
     views = []
-    for chunk in frame.tensors():
+    field = bulk.TENSOR_FIELDS.get(frame.kind)  # ``frame.tensors()``, inline
+    for chunk in getattr(frame.head, field) if field is not None else ():
         view = place(chunk) if place is not None and "\x00" not in chunk.name else None
         if view is None:  # its own buffer, of the size its description gives (``tensor_layout``'s checks)
             ((name, _, shape, size),) = bulk.tensor_layout((chunk,))

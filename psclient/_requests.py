@@ -222,10 +222,16 @@ class Gather:
                 out[name] = min(got)
         return out
 
-    def restart(self, pieces: Iterable[Piece]) -> None:
-        """Forgets what arrived for ``pieces`` (a retried stream sends them again)."""
+    def restart(self, pieces: Iterable[Piece] | None = None) -> None:
+        """Forgets what arrived for ``pieces`` (None: every piece; a retried stream sends them again).
+
+        With ``add`` and ``place``, a Gather is the ``Sink`` of a request whose answer holds all of it
+        (one shard's): ``_link.ShardLink.request`` takes it as one.
+        """
         if not self.arrived:  # nothing arrived yet (a first attempt): nothing to forget
             return
+        if pieces is None:
+            pieces = [p for group in self._pieces.values() for p in group]
         for p in pieces:
             self._filled.pop(p.stored_name, None)
             flat = self._flat.get(p.variable)

@@ -275,7 +275,7 @@ class Conn:
 
     def _wait_readable(self) -> asyncio.Future[None]:
         """A future done once the socket turns readable (``_reader_fd``)."""
-        loop = self._loop_now()
+        loop = self._loop or self._loop_now()  # ``_loop_now``'s common case without its call
         waiter = self._waiter = loop.create_future()
         if self._reader_fd < 0:
             fd = self._reader_fd = self.sock.fileno()
