@@ -144,6 +144,9 @@ class Primary:
         self.term = term
         self.unprotected = False  # promoted with --serve-alone and no backup confirmed yet
         self._link: _Link | None = None
+        # Whether a backup is attached (an update is answered once it acknowledged it): ``_link`` is not
+        # None. An attribute, set with ``_link``: read on every push.
+        self.forwarding = False
         self._ids = itertools.count(1)
         self._lease_until = 0.0  # lease clock; 0: none held
         self._released = False  # stopped serving for good (SIGTERM): never serves again
@@ -167,11 +170,6 @@ class Primary:
         """The confirmed backup's address ("" when none)."""
         link = self._link
         return link.peer if link is not None and link.confirmed else ""
-
-    @property
-    def forwarding(self) -> bool:
-        """Whether a backup is attached (an update is answered once it acknowledged it)."""
-        return self._link is not None
 
     @property
     def unacknowledged(self) -> int:
@@ -351,6 +349,7 @@ class Primary:
 
         def attach() -> None:  # at the snapshot's instant: every later update is forwarded
             self._link = link
+            self.forwarding = True
 
         try:
             snap = await checkpoint.take_snapshot(
@@ -463,6 +462,7 @@ class Primary:
         if self._link is not link:
             return
         self._link = None
+        self.forwarding = False
         if link.confirmed and self.required:
             self._lease_until = 0.0  # nothing can be replicated any more: serve nothing more
         if not quiet:

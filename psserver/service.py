@@ -470,7 +470,8 @@ class ShardService:
         worker_id = request.worker_id
         if not worker_id:
             _header_ok(worker_id)
-        self.check_serving("Push")
+        if primary is not None:  # ``check_serving``, inline: no backup here
+            primary.check("Push")
         seq, session = request.seq, request.session
         tensors = tables.pair(grads)
         applied = self.mode.push_now(worker_id, seq, session, tensors)
