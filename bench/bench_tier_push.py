@@ -25,6 +25,12 @@ timed in this thread's CPU (``time.thread_time``: a compaction thread's work is 
 what they call; the wrappers add about a microsecond a call. Listed per variant, us per step and calls per
 step; parts nest (the index's calls are inside the others).
 
+``--paired K``: every variant's piece is made and filled first, then the steps run in blocks of ``K``, the
+variants taking turns (each block in the other order from the last), and a tiered variant's CPU is also given
+as the median, over the blocks, of its block's CPU over memory's block beside it (with the quartiles). The
+machine's load then falls on both alike: on a 2-CPU machine shared with other sessions (loads 6-14), three
+runs gave 2.13x, 2.21x and 2.19x, where runs of a variant each (the default) gave 1.84x-4.04x.
+
 ``--profile-parts N``: each variant's steps run under ``cProfile`` too (a second pass of the steps is not
 made: the profiled run is the measured run, so its CPU per step is inflated by the profiler, several
 times for numpy-heavy code; read its parts as shares), and the ``N`` functions of ``psserver``/``pscore``
@@ -33,6 +39,7 @@ with the most cumulative time are listed per variant, in microseconds per step, 
 Usage:
     python bench/bench_tier_push.py --out bench/results/tier_push
     python bench/bench_tier_push.py --rows 200000 --steps 200     # a quick look
+    python bench/bench_tier_push.py --variants memory,tiered-log --paired 50   # on a loaded machine
 """
 
 from __future__ import annotations
@@ -76,38 +83,90 @@ def _batches(rows: int, steps: int) -> list[np.ndarray]:
     return out
 
 
-async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    tier = None
-    if name.startswith("tiered"):  # tiered: the default store; tiered-log, tiered-lmdb: that one
-        kind = name.partition("-")[2] or DEFAULT_STORE
-        where = str(workdir / f"{name}-{time.monotonic_ns()}")  # a variant may run more than once
-        tier = TierConfig(where, parse_bytes(args.table_memory), store=kind)
-    store = Store(tier=tier)
-    spec = ps_pb2.VariableSpec(
-        name="t/rows_0", dtype=ps_pb2.DTYPE_FLOAT32, shape=[0, args.dim], optimizer=Adagrad(0.1).to_proto()
-    )
-    spec.dynamic.CopyFrom(
-        ps_pb2.DynamicTable(
-            table="t", dim=args.dim, index=0, count=1,
-            initializer=ps_pb2.RowInitializer(name="uniform", args=[-1.0, 1.0]),
+class _Piece:
+    """One variant's dynamic table piece in a ``Store`` of its own (``make``), filled with every id."""
+
+    def __init__(self, name: str, args: argparse.Namespace, workdir: Path) -> None:
+        tier = None
+        if name.startswith("tiered"):  # tiered: the default store; tiered-log, tiered-lmdb: that one
+            kind = name.partition("-")[2] or DEFAULT_STORE
+            where = str(workdir / f"{name}-{time.monotonic_ns()}")  # a variant may run more than once
+            tier = TierConfig(where, parse_bytes(args.table_memory), store=kind)
+        self.name, self.dim, self.tiered = name, args.dim, tier is not None
+        self.store = Store(tier=tier)
+        self.spec = ps_pb2.VariableSpec(
+            name="t/rows_0",
+            dtype=ps_pb2.DTYPE_FLOAT32,
+            shape=[0, args.dim],
+            optimizer=Adagrad(0.1).to_proto(),
         )
-    )  # fmt: skip
-    store.create([spec], {})
-    var = store.get(spec.name)
-    dyn = var.dyn
-    assert dyn is not None
-    now = 1000.0
+        self.spec.dynamic.CopyFrom(
+            ps_pb2.DynamicTable(
+                table="t", dim=args.dim, index=0, count=1,
+                initializer=ps_pb2.RowInitializer(name="uniform", args=[-1.0, 1.0]),
+            )
+        )  # fmt: skip
+        self.store.create([self.spec], {})
+        self.var = self.store.get(self.spec.name)
+        dyn = self.var.dyn
+        assert dyn is not None
+        self.dyn = dyn
+        self.now = 1000.0
+        self.fill_s = 0.0
 
-    async def push(ids: np.ndarray, grad: float) -> None:
-        nonlocal now
-        now += 1.0
-        rows = np.full((ids.size, args.dim), grad, np.float32)
-        await store.apply(store.validate_grads({spec.name: tables.RowGrad(ids, rows)}), now)
+    @classmethod
+    async def make(cls, name: str, args: argparse.Namespace, workdir: Path) -> _Piece:
+        piece = cls(name, args, workdir)
+        t0 = time.perf_counter()
+        for start in range(0, args.rows, args.batch):
+            await piece.push(np.arange(start, min(args.rows, start + args.batch), dtype=np.int64), 0.0)
+        piece.fill_s = time.perf_counter() - t0
+        return piece
 
-    t0 = time.perf_counter()
-    for start in range(0, args.rows, args.batch):
-        await push(np.arange(start, min(args.rows, start + args.batch), dtype=np.int64), 0.0)
-    fill_s = time.perf_counter() - t0
+    async def push(self, ids: np.ndarray, grad: float) -> None:
+        self.now += 1.0
+        rows = np.full((ids.size, self.dim), grad, np.float32)
+        store = self.store
+        await store.apply(store.validate_grads({self.spec.name: tables.RowGrad(ids, rows)}), self.now)
+
+    async def step(self, batches: list[np.ndarray], i: int) -> float:
+        """Step ``i``: a lookup of the next batch, a push of this one; returns the lookup's process CPU."""
+        t = time.process_time()
+        lookup = self.dyn.read_begin(
+            self.var, batches[i + 1]
+        )  # the next batch's rows, as the worker prefetches
+        self.dyn.read_cold(lookup)
+        self.dyn.read_end(lookup)
+        lookup_cpu = time.process_time() - t
+        await self.push(batches[i], 0.01)
+        return lookup_cpu
+
+    def cell(
+        self, args: argparse.Namespace, batches: list[np.ndarray], cpu: float, wall: float
+    ) -> dict[str, Any]:
+        """The variant's results after its steps (and the tier closed)."""
+        dyn, name = self.dyn, self.name
+        stats = dyn.proto_stats()
+        cell = {
+            "variant": name,
+            "fill_s": round(self.fill_s, 2),
+            "cpu_ms_per_step": round(1e3 * cpu / args.steps, 3),
+            "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
+            "ids_per_step": round(float(np.mean([b.size for b in batches])), 1),
+            "rows_in_memory": int(stats.rows_in_memory) if self.tiered else int(stats.rows),
+            "filled": int(stats.filled),
+            "spilled": int(stats.spilled),
+        }
+        if dyn.tier is not None:
+            compaction = getattr(dyn.tier, "compaction", None)  # the log store's (LMDB compacts nothing)
+            cell["moved"] = compaction.moved if compaction is not None else 0
+            cell["disk_mib"] = round(dyn.tier.disk_used / 2**20, 1)
+            dyn.close()
+        return cell
+
+
+async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    piece = await _Piece.make(name, args, workdir)
     batches = _batches(args.rows, args.steps)
     profile = cProfile.Profile() if args.profile_parts else None
     parts = _PartTimes() if args.time_parts else contextlib.nullcontext(None)
@@ -117,38 +176,55 @@ async def _measure(name: str, args: argparse.Namespace, workdir: Path) -> dict[s
         profile.enable()
     with parts as timed:
         for i in range(args.steps):
-            t = time.process_time()
-            lookup = dyn.read_begin(var, batches[i + 1])  # the next batch's rows, as the worker prefetches
-            dyn.read_cold(lookup)
-            dyn.read_end(lookup)
-            lookup_cpu += time.process_time() - t
-            await push(batches[i], 0.01)
+            lookup_cpu += await piece.step(batches, i)
     if profile is not None:
         profile.disable()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    stats = dyn.proto_stats()
-    cell = {
-        "variant": name,
-        "fill_s": round(fill_s, 2),
-        "cpu_ms_per_step": round(1e3 * cpu / args.steps, 3),
-        "lookup_cpu_ms_per_step": round(1e3 * lookup_cpu / args.steps, 3),
-        "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
-        "ids_per_step": round(float(np.mean([b.size for b in batches])), 1),
-        "rows_in_memory": int(stats.rows_in_memory) if tier else int(stats.rows),
-        "filled": int(stats.filled),
-        "spilled": int(stats.spilled),
-    }
+    cell = piece.cell(args, batches, cpu, wall)
+    cell["lookup_cpu_ms_per_step"] = round(1e3 * lookup_cpu / args.steps, 3)
     if profile is not None:
         cell["parts"] = _parts(profile, args.steps, args.profile_parts)
     if timed is not None:
         cell["timed_parts"] = timed.per_step(args.steps)
-    if dyn.tier is not None:
-        compaction = getattr(dyn.tier, "compaction", None)  # the log store's (LMDB compacts nothing)
-        cell["moved"] = compaction.moved if compaction is not None else 0
-        cell["disk_mib"] = round(dyn.tier.disk_used / 2**20, 1)
-        dyn.close()
     print(f"{name}: {cell}", file=sys.stderr, flush=True)
     return cell
+
+
+async def _measure_paired(names: list[str], args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """``--paired K``: every variant's piece made and filled first, then the steps run in blocks of ``K``,
+    the variants taking turns (each block in the other order from the last), so that the machine's load
+    falls on all of them alike. Each block's process CPU is added to its variant's; a tiered variant's
+    ``paired_ratio`` is the median, over the blocks, of its block's CPU over the memory variant's block
+    beside it (with the quartiles)."""
+    pieces = [await _Piece.make(name, args, workdir) for name in names]
+    batches = _batches(args.rows, args.steps)
+    k = args.paired
+    cpu = [0.0] * len(pieces)
+    wall = [0.0] * len(pieces)
+    blocks: list[list[float]] = [[] for _ in pieces]
+    for b, lo in enumerate(range(0, args.steps, k)):
+        order = range(len(pieces)) if b % 2 == 0 else range(len(pieces) - 1, -1, -1)
+        for j in order:
+            c0, w0 = time.process_time(), time.perf_counter()
+            for i in range(lo, min(args.steps, lo + k)):
+                await pieces[j].step(batches, i)
+            blocks[j].append(time.process_time() - c0)
+            cpu[j] += blocks[j][-1]
+            wall[j] += time.perf_counter() - w0
+    cells = [p.cell(args, batches, cpu[j], wall[j]) for j, p in enumerate(pieces)]
+    base = next((j for j, name in enumerate(names) if name == "memory"), None)
+    for j, cell in enumerate(cells):
+        cell["paired_blocks"] = len(blocks[j])
+        if base is not None and j != base:
+            ratios = np.array(blocks[j]) / np.maximum(np.array(blocks[base]), 1e-9)
+            q1, q2, q3 = np.percentile(ratios, [25, 50, 75])
+            cell["paired_ratio"] = {
+                "median": round(float(q2), 3),
+                "q1": round(float(q1), 3),
+                "q3": round(float(q3), 3),
+            }
+        print(f"{cell['variant']}: {cell}", file=sys.stderr, flush=True)
+    return cells
 
 
 def _timed_methods() -> list[tuple[str, type, str]]:
@@ -308,6 +384,15 @@ def _markdown(
     for v in med:
         if v.startswith("tiered") and "memory" in med:
             lines += ["", f"The tier's own cost ({v}): {med[v] - med['memory']:.3f} ms of CPU per step."]
+    for c in cells:
+        if "paired_ratio" in c:  # --paired
+            r = c["paired_ratio"]
+            lines += [
+                "",
+                f"Paired (`--paired {args.paired}`, {c['paired_blocks']} blocks a variant): "
+                f"`{c['variant']}`'s CPU is {r['median']:.2f}x memory's, the median of its blocks' ratios "
+                f"(quartiles {r['q1']:.2f}-{r['q3']:.2f}).",
+            ]
     timed: dict[str, list[dict[str, Any]]] = {}
     for c in cells:
         if "timed_parts" in c:
@@ -357,7 +442,42 @@ def main(argv: list[str] | None = None) -> None:
         help="profile the steps (cProfile) and list each variant's N psserver/pscore functions with the most "
         "cumulative time per step (default 0: no profile)",
     )
-    run_variants("bench_tier_push.py", argv, ap.parse_args(argv), "bench-tier-push-", run_variant, _markdown)
+    ap.add_argument(
+        "--paired",
+        type=int,
+        default=0,
+        metavar="K",
+        help="make and fill every variant's piece first, then run the steps in blocks of K steps, the "
+        "variants taking turns, and give each tiered variant's CPU as a median ratio of its blocks to "
+        "memory's beside them (steadier on a loaded machine; default 0: each variant's steps in a run of "
+        "its own)",
+    )
+    args = ap.parse_args(argv)
+    if args.paired:
+        if args.time_parts or args.profile_parts:
+            ap.error("--paired times whole blocks: not with --time-parts or --profile-parts")
+        run_variants("bench_tier_push.py", argv, args, "bench-tier-push-", _paired_runner(args), _markdown)
+        return
+    run_variants("bench_tier_push.py", argv, args, "bench-tier-push-", run_variant, _markdown)
+
+
+def _paired_runner(args: argparse.Namespace) -> Any:
+    """``run_variants``' ``run_variant`` for ``--paired``: its first call runs every variant listed
+    (``_measure_paired``), and each call returns the next variant's cell, in the order listed."""
+    names = [v for v in args.variants.split(",") if v]
+    cells: list[dict[str, Any]] = []
+    calls = 0
+
+    def run(name: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+        nonlocal calls
+        if not cells:
+            cells.extend(asyncio.run(_measure_paired(names, args, workdir)))
+        cell = cells[calls]
+        calls += 1
+        assert cell["variant"] == name
+        return cell
+
+    return run
 
 
 if __name__ == "__main__":
