@@ -473,7 +473,11 @@ class ShardService:
         if primary is not None:  # ``check_serving``, inline: no backup here
             primary.check("Push")
         seq, session = request.seq, request.session
-        tensors = tables.pair(grads)
+        tensors = grads  # dense gradients only (the common case): as they are, ``tables.pair`` 's copy
+        for name in grads:
+            if "\x00" in name:  # a table's rows: paired into RowGrads
+                tensors = tables.pair(grads)
+                break
         applied = self.mode.push_now(worker_id, seq, session, tensors)
         if applied is None:
             return None
