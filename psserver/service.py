@@ -491,13 +491,15 @@ class ShardService:
             return response, None
         reads = _Reads()  # async mode: a read waits for nothing (``before_pull``)
         if applied and not request.omit_values:  # the variables just updated, not looked up again
-            for var, grad in applied:  # ``_after_push``'s dense branch, inline
+            # ``_after_push``'s dense branch, inline; the pairs come in the order of ``tensors`` (its names:
+            # no ``Variable.name`` property call)
+            for name, (var, grad) in zip(tensors, applied, strict=True):
                 if isinstance(grad, tables.RowGrad):  # a table's rows: ``_after_push`` reads them all
                     reads.clear()
                     self._after_push(tensors, (), reads)
                     break
                 value, version = var.state
-                reads.append((var.name, value.copy() if value.flags.writeable else value, version))
+                reads.append((name, value.copy() if value.flags.writeable else value, version))
         else:
             self._after_push(tensors, request.omit_values, reads)
         return response, reads  # no dynamic piece here (``Store.applies_now``): the snapshot
