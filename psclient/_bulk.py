@@ -81,6 +81,20 @@ PART_NOTSENT_LOWAT: Final[int] = 32 << 10
 # answers followed, the parts gaining nothing (Keras, n = 8, k = 4, 50 Mbit/s, parts of 17-67 KB: 1.36
 # steps/s a worker whole, 1.35-1.36 in 4 or 8 parts). A few segments may stay unacknowledged (a delayed ACK).
 PART_DELIVERED_BYTES: Final[int] = 8 << 10
+# Any other upload that took its turn on the uplink, on a slow link (the rest of it takes at least
+# ``UPLOAD_WAIT_WORTH_S`` at the connection's delivery rate), stays undelivered beside at most
+# ``UPLOADS_UNDELIVERED - 1`` others: it passes the turn on once one of those slots is free, and frees its own
+# once at most ``UPLOAD_DELIVERED_BYTES`` of it is unacknowledged (``Turns.deliver``). A turn that ended when
+# the kernel had the upload ordered the hand-overs only: with congestion windows of up to 400 KB the kernel
+# took a whole 256 KiB part at once, and both rounds in flight shared every shard's queue (an answer's first
+# byte 531 ms after its part left, p50, where a part takes 70 ms: n = k = 16, 30 Mbit/s, 0.74-0.78 of the
+# bound). One upload undelivered at a time (each turn until delivered) was bimodal (0.74-0.92): workers that
+# upload in the same cyclic order fall into step after a few stalls and then share one shard while another
+# idles. Three at a time: 0.77-0.98, median 0.89 (bench/results/scaling_2026-12-07c_nk16/). On a fast link
+# (loopback, 200 Mbit/s and up with parts of a few hundred KiB) nothing waits: the turn ends at the hand-over.
+UPLOADS_UNDELIVERED: Final[int] = 3
+UPLOAD_DELIVERED_BYTES: Final[int] = 64 << 10
+UPLOAD_WAIT_WORTH_S: Final[float] = 0.01
 # Set (by ``push_pull``) in the tasks that send the parts of a sync push: their uploads take the parts' rules.
 IN_PARTS: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("IN_PARTS", default=False)
 # Smaller uploads go out at once: their turn costs more than it saves. Parts of 64 KiB and up take turns:
@@ -160,11 +174,14 @@ class Turns:
     """One event loop's turns on the uplink (``Uplink``): first come, first served; a free uplink is
     taken with no call (``busy``, ``waiting``: the caller tests them and sets ``busy`` itself)."""
 
-    __slots__ = ("busy", "waiting")
+    __slots__ = ("busy", "delivering", "slots", "waiting")
 
     def __init__(self) -> None:
         self.busy = False  # an upload holds the turn
         self.waiting: collections.deque[asyncio.Future[None]] = collections.deque()  # in the order they asked
+        self.delivering = 0  # uploads past their turn, not yet delivered (``deliver``)
+        # Turns' holders waiting for one of those to be delivered, in the order they asked:
+        self.slots: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def take(self, nbytes: int, wait_s: float = STAGGER_WAIT_S) -> bool:
         """Waits for the turn (bounded), for an upload of ``nbytes``: True once taken (the caller then
@@ -191,6 +208,46 @@ class Turns:
                 self.release()
             raise
         return True
+
+    async def deliver(self, conn: bulk.BulkConnection, deadline: float) -> None:
+        """Called by the turn's holder once its upload is handed to the kernel, on a slow link: passes the
+        turn on (``release``) once fewer than ``UPLOADS_UNDELIVERED - 1`` other uploads are still being
+        delivered (waiting for one of them, up to ``deadline``: ``time.monotonic()``), then returns once at
+        most ``UPLOAD_DELIVERED_BYTES`` of this one is unacknowledged, or at ``deadline``."""
+        try:
+            if self.delivering >= UPLOADS_UNDELIVERED - 1:
+                slot = asyncio.get_running_loop().create_future()
+                self.slots.append(slot)
+                try:
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                        await slot  # ``_delivered`` hands its slot over by its result
+                except TimeoutError:
+                    if slot.done() and not slot.cancelled():  # handed over as the time ran out: pass it on
+                        self._delivered()
+                    return
+                except BaseException:
+                    if slot.done() and not slot.cancelled():  # handed over to a caller cancelled meanwhile
+                        self._delivered()
+                    raise
+            else:
+                self.delivering += 1
+        finally:
+            self.release()
+        try:
+            await conn.delivered(UPLOAD_DELIVERED_BYTES, deadline)
+        finally:
+            self._delivered()
+
+    def _delivered(self) -> None:
+        """Frees an upload's slot (``deliver``): the next waiting holder's (cancelled ones skipped), or
+        nobody's."""
+        slots = self.slots
+        while slots:
+            slot = slots.popleft()
+            if not slot.done():
+                slot.set_result(None)  # the slot passes on: delivering stays as it is
+                return
+        self.delivering -= 1
 
     def release(self) -> None:
         """Ends the holder's turn: the next waiting upload's now (cancelled ones skipped), or nobody's."""
@@ -500,6 +557,9 @@ class DataLink:
                             await conn.send(frame, payload)
                             if in_parts and got:  # the next part to this shard once this one is there
                                 await conn.delivered(PART_DELIVERED_BYTES, deadline)
+                            elif got and conn.delivery_wait(UPLOAD_DELIVERED_BYTES) >= UPLOAD_WAIT_WORTH_S:
+                                got = False  # a slow link: the turn passes on in ``deliver``
+                                await turns.deliver(conn, deadline)
                         finally:
                             if got:
                                 turns.release()

@@ -252,6 +252,10 @@ class BulkConnection(FrameTransport[Frame]):
         """See ``transport.Conn.delivery_rate`` (0 on a reset connection)."""
         return self._conn.delivery_rate() if self._conn is not None else 0
 
+    def delivery_wait(self, nbytes: int) -> float:
+        """See ``transport.Conn.delivery_wait`` (0 on a reset connection)."""
+        return self._conn.delivery_wait(nbytes) if self._conn is not None else 0.0
+
     async def delivered(self, nbytes: int, deadline: float) -> None:
         """See ``transport.Conn.delivered`` (at once on a reset connection)."""
         if self._conn is not None:

@@ -220,6 +220,16 @@ class Conn:
         except (OSError, ValueError):
             return 0
 
+    def delivery_wait(self, nbytes: int) -> float:
+        """Seconds the bytes written beyond the last ``nbytes`` not yet acknowledged by the peer take at the
+        rate the kernel last measured (``queued``, ``delivery_rate``): 0 where there are none, or where the
+        rate is not known yet (no data acknowledged, another system)."""
+        left = self.queued() - nbytes
+        if left <= 0:
+            return 0.0
+        rate = self.delivery_rate()
+        return left / rate if rate > 0 else 0.0
+
     async def delivered(self, nbytes: int, deadline: float) -> None:
         """Returns once at most ``nbytes`` written are not yet acknowledged by the peer (``queued``), or at
         ``deadline`` (``time.monotonic()``): the data reached the other end, not only the wire. The kernel

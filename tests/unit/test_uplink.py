@@ -257,3 +257,91 @@ async def test_a_turn_waits_as_long_as_its_caller_says() -> None:
         assert await patient  # handed the turn, however long the holder took
     turns.release()
     assert not turns.busy and not turns.waiting
+
+
+class _Delivery:
+    """A connection's delivery as ``Turns.deliver`` waits for it: ``delivered`` returns once ``done`` is
+    set."""
+
+    def __init__(self) -> None:
+        self.done = asyncio.Event()
+
+    async def delivered(self, nbytes: int, deadline: float) -> None:
+        assert nbytes == _bulk.UPLOAD_DELIVERED_BYTES
+        await asyncio.wait_for(self.done.wait(), max(deadline - time.monotonic(), 0.0))
+
+
+async def test_uploads_on_a_slow_link_pass_the_turn_on_while_at_most_three_are_undelivered() -> None:
+    """``Turns.deliver``: an upload handed to the kernel passes the turn on at once while fewer than
+    ``UPLOADS_UNDELIVERED - 1`` others are being delivered; the next holds the turn until one of them is
+    delivered, and the uploads after it wait for the turn meanwhile."""
+    assert _bulk.UPLOADS_UNDELIVERED == 3
+    turns = _bulk.Turns()
+    deliveries = {name: _Delivery() for name in "abcde"}
+    events: list[str] = []
+
+    async def upload(name: str) -> None:
+        assert await turns.take(BIG, 5)
+        events.append(f"{name} has the turn")
+        await turns.deliver(deliveries[name], time.monotonic() + 5)  # type: ignore[arg-type]
+        events.append(f"{name} delivered")
+
+    async with asyncio.timeout(5):
+        tasks = [asyncio.ensure_future(upload(name)) for name in "abcde"]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert events == ["a has the turn", "b has the turn", "c has the turn"]  # c holds it: two undelivered
+        assert turns.delivering == 2 and len(turns.waiting) == 2
+        deliveries["b"].done.set()  # one of the two: c takes its slot and passes the turn on to d
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert events[3:] == ["b delivered", "d has the turn"]
+        assert turns.delivering == 2 and len(turns.waiting) == 1
+        for name in "acde":
+            deliveries[name].done.set()
+        await asyncio.gather(*tasks)
+    assert sorted(events) == sorted(
+        [f"{n} has the turn" for n in "abcde"] + [f"{n} delivered" for n in "abcde"]
+    )
+    assert turns.delivering == 0 and not turns.busy and not turns.waiting and not turns.slots
+
+
+async def test_a_holder_waiting_for_a_delivery_slot_gives_up_at_its_deadline_and_passes_the_turn_on() -> None:
+    turns = _bulk.Turns()
+    stuck = _Delivery()  # never delivered
+    assert await turns.take(BIG, 5)
+    first = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 5))  # type: ignore[arg-type]
+    assert await turns.take(BIG, 5)
+    second = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 5))  # type: ignore[arg-type]
+    assert await turns.take(BIG, 5)  # two undelivered: this holder waits for a slot, up to its deadline
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await turns.deliver(stuck, time.monotonic() + 0.1)  # type: ignore[arg-type]
+    assert loop.time() - start >= 0.05
+    assert not turns.busy and turns.delivering == 2  # the turn passed on, no slot taken
+    assert all(slot.done() for slot in turns.slots)  # nobody waits for one
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+    assert turns.delivering == 0
+
+
+async def test_a_connection_says_how_long_its_undelivered_bytes_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Conn.delivery_wait``: what decides whether an upload waits for its delivery
+    (``_bulk.UPLOAD_WAIT_WORTH_S``): 0 with nothing beyond the bound unacknowledged, or no rate
+    measured yet."""
+    async with _dialed() as (conn, peer), asyncio.timeout(10):
+        assert conn.delivery_wait(0) == 0.0
+        payload = bytes(16 << 20)  # more than the peer's receive buffer: it stays queued here
+        sending = asyncio.ensure_future(conn.sendall(payload))
+        await asyncio.sleep(0.05)
+        queued = conn.queued()
+        assert queued > 1 << 20
+        monkeypatch.setattr(conn, "delivery_rate", lambda: 0)  # not measured yet
+        assert conn.delivery_wait(8 << 10) == 0.0
+        monkeypatch.setattr(conn, "delivery_rate", lambda: queued)  # about a second's worth
+        assert 0.5 < conn.delivery_wait(8 << 10) <= 1.0
+        assert conn.delivery_wait(queued) == 0.0
+        received = asyncio.ensure_future(peer.recv_exactly(memoryview(bytearray(len(payload)))))
+        await sending
+        await received
