@@ -363,8 +363,10 @@ async def test_sync_mode_barrier_stale_push_and_timeout(make_cluster: Callable[.
         )
         assert both == [True, True]  # the push is the barrier: both return once the step is applied
         assert not await clients[0].push({"v": np.ones(64, np.float32)}, step=0)  # stale: dropped
-        # Nobody else comes: the barrier gives up just before the push's own deadline (sent with it).
-        async with psclient.AsyncPSClient(cluster.addresses, "late", timeout=2.0, **WIRE) as late:
+        # Nobody else comes: the barrier gives up just before the push's own deadline (sent with it). The
+        # margin it leaves the answer is a tenth of the time left (0.25-1 s): 6 s leave 0.6 s, where 2 s left
+        # 0.25 s, which a loaded machine's answer once outlasted (the client's own deadline fired first).
+        async with psclient.AsyncPSClient(cluster.addresses, "late", timeout=6.0, **WIRE) as late:
             with pytest.raises(psclient.DeadlineExceededError, match=r"sync barrier for step 1.*deadline"):
                 await late.push({"v": np.ones(64, np.float32)}, step=1)
         values, versions = await clients[1].pull_with_versions(["v"])
@@ -387,8 +389,8 @@ async def test_ssp_mode_pull_waits_for_the_slowest_worker(make_cluster: Callable
     ):
         await fast.create("v", np.zeros(64, np.float32), optimizer=psclient.SGD(1.0))
         assert await fast.push({"v": np.ones(64, np.float32)}, step=0)
-        # "slow" has not pushed step 0: the wait gives up just before the pull's own deadline.
-        async with psclient.AsyncPSClient(cluster.addresses, "fast", timeout=2.0, **WIRE) as hasty:
+        # "slow" has not pushed step 0: the wait gives up just before the pull's own deadline (6 s: as above).
+        async with psclient.AsyncPSClient(cluster.addresses, "fast", timeout=6.0, **WIRE) as hasty:
             with pytest.raises(psclient.DeadlineExceededError, match=r"ssp wait timed out.*deadline"):
                 await hasty.pull(["v"], step=1)
         assert await slow.push({"v": np.ones(64, np.float32)}, step=0)
