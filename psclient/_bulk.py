@@ -212,18 +212,24 @@ class Turns:
     async def deliver(self, conn: bulk.BulkConnection, deadline: float) -> None:
         """Called by the turn's holder once its upload is handed to the kernel, on a slow link: passes the
         turn on (``release``) once fewer than ``UPLOADS_UNDELIVERED - 1`` other uploads are still being
-        delivered (waiting for one of them, up to ``deadline``: ``time.monotonic()``), then returns once at
-        most ``UPLOAD_DELIVERED_BYTES`` of this one is unacknowledged, or at ``deadline``."""
+        delivered, then returns once at most ``UPLOAD_DELIVERED_BYTES`` of this one is unacknowledged. Each
+        of the two waits lasts ``STAGGER_WAIT_S`` at most (as long as a turn is waited for), and not past
+        ``deadline`` (``time.monotonic()``): uploads whose deliveries stall do not hold the uplink, nor their
+        requests' answers (a worker at 8 Mbit/s among 64 hosts, n = k = 32, waited out its 60 s request
+        timeout when a delivery was waited for until the deadline). A slot waited for in vain: the turn
+        passes on and it returns at once."""
         try:
             if self.delivering >= UPLOADS_UNDELIVERED - 1:
                 slot = asyncio.get_running_loop().create_future()
                 self.slots.append(slot)
                 try:
-                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    async with asyncio.timeout(min(max(deadline - time.monotonic(), 0.0), STAGGER_WAIT_S)):
                         await slot  # ``_delivered`` hands its slot over by its result
                 except TimeoutError:
                     if slot.done() and not slot.cancelled():  # handed over as the time ran out: pass it on
                         self._delivered()
+                    log.debug("an upload waited %.3g s for one of %d others to be delivered; on beside them",
+                              STAGGER_WAIT_S, self.delivering)  # fmt: skip
                     return
                 except BaseException:
                     if slot.done() and not slot.cancelled():  # handed over to a caller cancelled meanwhile
@@ -233,8 +239,8 @@ class Turns:
                 self.delivering += 1
         finally:
             self.release()
-        try:
-            await conn.delivered(UPLOAD_DELIVERED_BYTES, deadline)
+        try:  # at most ``STAGGER_WAIT_S`` too: the request reads its answer once the wait is over
+            await conn.delivered(UPLOAD_DELIVERED_BYTES, min(deadline, time.monotonic() + STAGGER_WAIT_S))
         finally:
             self._delivered()
 

@@ -261,14 +261,15 @@ async def test_a_turn_waits_as_long_as_its_caller_says() -> None:
 
 class _Delivery:
     """A connection's delivery as ``Turns.deliver`` waits for it: ``delivered`` returns once ``done`` is
-    set."""
+    set, or at its deadline."""
 
     def __init__(self) -> None:
         self.done = asyncio.Event()
 
     async def delivered(self, nbytes: int, deadline: float) -> None:
         assert nbytes == _bulk.UPLOAD_DELIVERED_BYTES
-        await asyncio.wait_for(self.done.wait(), max(deadline - time.monotonic(), 0.0))
+        with contextlib.suppress(TimeoutError):  # as ``Conn.delivered``: returns at the deadline
+            await asyncio.wait_for(self.done.wait(), max(deadline - time.monotonic(), 0.0))
 
 
 async def test_uploads_on_a_slow_link_pass_the_turn_on_while_at_most_three_are_undelivered() -> None:
@@ -306,24 +307,49 @@ async def test_uploads_on_a_slow_link_pass_the_turn_on_while_at_most_three_are_u
     assert turns.delivering == 0 and not turns.busy and not turns.waiting and not turns.slots
 
 
-async def test_a_holder_waiting_for_a_delivery_slot_gives_up_at_its_deadline_and_passes_the_turn_on() -> None:
+@pytest.mark.parametrize("bound", ["deadline", "stagger wait"])
+async def test_a_holder_waiting_for_a_delivery_slot_gives_up_and_passes_the_turn_on(
+    monkeypatch: pytest.MonkeyPatch, bound: str
+) -> None:
+    """Two uploads whose deliveries stall (a connection in TCP's backoff) hold the slots: the next holder
+    waits for one until its deadline or ``STAGGER_WAIT_S``, whichever comes first, then passes the turn
+    on, takes no slot and returns (its request then reads its answer in the time it has left)."""
+    wait_s, deadline_s = (5.0, 0.1) if bound == "deadline" else (0.1, 60.0)
+    monkeypatch.setattr(_bulk, "STAGGER_WAIT_S", wait_s)
     turns = _bulk.Turns()
     stuck = _Delivery()  # never delivered
     assert await turns.take(BIG, 5)
-    first = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 5))  # type: ignore[arg-type]
+    first = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 60))  # type: ignore[arg-type]
     assert await turns.take(BIG, 5)
-    second = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 5))  # type: ignore[arg-type]
-    assert await turns.take(BIG, 5)  # two undelivered: this holder waits for a slot, up to its deadline
+    second = asyncio.ensure_future(turns.deliver(stuck, time.monotonic() + 60))  # type: ignore[arg-type]
+    assert await turns.take(BIG, 5)  # two undelivered: this holder waits for a slot
     loop = asyncio.get_running_loop()
     start = loop.time()
-    await turns.deliver(stuck, time.monotonic() + 0.1)  # type: ignore[arg-type]
-    assert loop.time() - start >= 0.05
+    async with asyncio.timeout(5):
+        await turns.deliver(stuck, time.monotonic() + deadline_s)  # type: ignore[arg-type]
+    assert 0.05 <= loop.time() - start < 2.0
     assert not turns.busy and turns.delivering == 2  # the turn passed on, no slot taken
     assert all(slot.done() for slot in turns.slots)  # nobody waits for one
     for task in (first, second):
         task.cancel()
     await asyncio.gather(first, second, return_exceptions=True)
     assert turns.delivering == 0
+
+
+async def test_a_delivery_that_stalls_is_waited_for_no_longer_than_a_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An upload's own delivery is waited for ``STAGGER_WAIT_S`` at most, not until its request's deadline:
+    its request then reads its answer, and its slot is free again."""
+    monkeypatch.setattr(_bulk, "STAGGER_WAIT_S", 0.1)
+    turns = _bulk.Turns()
+    assert await turns.take(BIG, 5)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    async with asyncio.timeout(5):
+        await turns.deliver(_Delivery(), time.monotonic() + 60)  # type: ignore[arg-type]  # never delivered
+    assert 0.05 <= loop.time() - start < 2.0
+    assert turns.delivering == 0 and not turns.busy
 
 
 async def test_a_connection_says_how_long_its_undelivered_bytes_take(monkeypatch: pytest.MonkeyPatch) -> None:
