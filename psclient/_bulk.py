@@ -247,23 +247,24 @@ class Turns:
     def _delivered(self) -> None:
         """Frees an upload's slot (``deliver``): the next waiting holder's (cancelled ones skipped), or
         nobody's."""
-        slots = self.slots
-        while slots:
-            slot = slots.popleft()
-            if not slot.done():
-                slot.set_result(None)  # the slot passes on: delivering stays as it is
-                return
-        self.delivering -= 1
+        if not _hand_over(self.slots):  # else the slot passes on: delivering stays as it is
+            self.delivering -= 1
 
     def release(self) -> None:
         """Ends the holder's turn: the next waiting upload's now (cancelled ones skipped), or nobody's."""
-        waiting = self.waiting
-        while waiting:
-            handed = waiting.popleft()
-            if not handed.done():
-                handed.set_result(None)  # the turn passes on: busy stays True
-                return
-        self.busy = False
+        if not _hand_over(self.waiting):  # else the turn passes on: busy stays True
+            self.busy = False
+
+
+def _hand_over(waiting: collections.deque[asyncio.Future[None]]) -> bool:
+    """Wakes the first of ``waiting`` still waiting (cancelled ones skipped, and dropped): whether there was
+    one (``Turns``: a turn or a delivery slot passes on to it)."""
+    while waiting:
+        handed = waiting.popleft()
+        if not handed.done():
+            handed.set_result(None)
+            return True
+    return False
 
 
 _PROCESS_UPLINK = Uplink()
