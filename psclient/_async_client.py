@@ -442,7 +442,9 @@ class AsyncPSClient(TableMethods):
                 (all workers, with ``replicas_to_aggregate == total_replicas``); so every worker
                 must push with the same ``parts`` and variables, and the shards count ``parts``
                 steps per step (``GetStatus.step``; a periodic checkpoint may fall between two
-                parts). Arrays only (no ``Rows``). Default 1: one push per shard.
+                parts). Async and ssp modes: each part is a push of its own, applied as it comes (a
+                shard holding fewer tensors than ``parts`` gets empty parts, answered as applied).
+                Arrays only (no ``Rows``). Default 1: one push per shard.
 
         Returns:
             A ``PushedValues`` (a ``dict``; ``.applied``: whether every shard applied the push, as

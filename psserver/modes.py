@@ -263,11 +263,12 @@ class AsyncMode(Mode):
     def push_now(
         self, worker_id: str, seq: int, session: int, grads: Mapping[str, tables.Grad]
     ) -> list[tuple[Variable, tables.Grad]] | Literal[False] | None:
-        """``_push`` with no await, where the store applies the push inline (``Store.applies_now``)."""
+        """``_push`` with no await, where the store applies the push inline (``Store.applies_now``); an empty
+        push goes to ``_push``."""
         store = self.store
-        pairs = store.validate_grads(grads)  # refuses a push without gradients: never empty
-        if not store.applies_now((worker_id, session, seq), pairs):
-            return None
+        pairs = store.validate_grads(grads)
+        if not pairs or not store.applies_now((worker_id, session, seq), pairs):
+            return None  # an empty push (a part with nothing for this shard): ``_push`` notes it
         if store.apply_once_now(worker_id, seq, session, pairs, time.time()) is None:
             return False
         return pairs
@@ -281,6 +282,8 @@ class AsyncMode(Mode):
         session: int = 0,
         deadline: float | None = None,
     ) -> PushOutcome:
+        # An empty push is a push all the same: one part of a push in parts (``PushRequest.parts``) or
+        # ``every_shard`` may hold nothing for this shard, and a consistent cut counts it with the others
         pairs = self.store.validate_grads(grads)
         now = time.time()
         versions = await self.store.apply_once(worker_id, seq, session, pairs, now)
@@ -487,7 +490,7 @@ class SyncMode(Mode):
         session: int = 0,
         deadline: float | None = None,
     ) -> PushOutcome:
-        pairs = self.store.validate_grads(grads, allow_empty=True)
+        pairs = self.store.validate_grads(grads)
         self._check_serving()  # a barrier gathered now would never complete
         self._seen(worker_id)
         if step < 0:
@@ -781,7 +784,7 @@ class SSPMode(Mode):
         session: int = 0,
         deadline: float | None = None,
     ) -> PushOutcome:
-        pairs = self.store.validate_grads(grads, allow_empty=True)
+        pairs = self.store.validate_grads(grads)
         if step < 0:
             raise InvalidArgumentError(f"ssp mode: step must be >= 0, got {step}")
         now = time.time()

@@ -395,24 +395,18 @@ class Store:
 
     # -- push ---------------------------------------------------------------
 
-    def validate_grads(
-        self, grads: Mapping[str, tables.Grad], *, allow_empty: bool = False
-    ) -> list[tuple[Variable, tables.Grad]]:
+    def validate_grads(self, grads: Mapping[str, tables.Grad]) -> list[tuple[Variable, tables.Grad]]:
         """Checks every gradient before any is applied.
 
         Args:
             grads: name -> gradient: an array, or a ``RowGrad`` for a table piece
                 (returned with its duplicate ids summed).
-            allow_empty: accept a push without gradients (sync and ssp modes: it marks the
-                worker's step on a shard that holds none of the step's variables).
 
         Raises:
             NotFoundError: an unknown variable.
-            InvalidArgumentError: no gradients (unless allowed), a dtype or shape mismatch, a
+            InvalidArgumentError: a dtype or shape mismatch, a
                 non-finite gradient, or a bad row gradient (``tables.validate``).
         """
-        if not grads and not allow_empty:
-            raise InvalidArgumentError("push carries no gradients")
         pairs: list[tuple[Variable, tables.Grad]] = []
         known = self._vars
         for name, grad in grads.items():

@@ -158,3 +158,32 @@ async def test_periodic_checkpoints_fall_at_whole_steps_of_a_step_in_parts(make_
         np.testing.assert_array_equal(values["v0"], np.full(256, -(step + 1), np.float32))  # every step once
     finally:
         await close_all(clients)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+async def test_a_push_in_parts_on_async_and_ssp_shards_applies_every_part(make_cluster, mode: str) -> None:
+    """``parts`` on shards that do not run sync steps: each part is a push of its own, applied as it comes,
+    and a shard holding fewer tensors than ``parts`` gets empty parts it answers (nothing to apply), not
+    a refused push. 2 shards, 3 variables (so a shard has empty parts), 4 parts, 3 steps: the values are
+    those of 3 whole pushes, and every step is applied."""
+    args = ["--mode", mode, "--total-replicas", "1"] if mode == "ssp" else []
+    cluster = make_cluster(num_shards=2, server_args=args)
+    (w0,) = clients = worker_clients(cluster, 1)
+    try:
+        shapes = {"a": (_SIZE,), "b": (8,), "c": (4, 4)}
+        await w0.create_many(
+            {n: np.zeros(s, np.float32) for n, s in shapes.items()}, optimizer=psclient.SGD(1.0)
+        )
+        pieces = sum(len(infos) for infos in (await w0.list_variables()).values())
+        assert pieces < 2 * 4, pieces  # a shard with empty parts
+        grads = {n: np.ones(s, np.float32) for n, s in shapes.items()}
+        for step in range(3):
+            answer = await asyncio.wait_for(w0.push_pull(grads, step=step, parts=4), CALL_TIMEOUT_S)
+            assert answer.applied
+            for name, shape in shapes.items():
+                np.testing.assert_array_equal(answer[name], np.full(shape, -(step + 1.0), np.float32))
+        values = await w0.pull()
+        assert sorted(values) == sorted(shapes)
+        np.testing.assert_array_equal(values["b"], np.full(8, -3.0, np.float32))
+    finally:
+        await close_all(clients)

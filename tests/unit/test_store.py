@@ -185,11 +185,10 @@ def test_store_validate_grads_accepts_huge_finite_gradients(dtype: type) -> None
             store.validate_grads({"w": grad})
 
 
-def test_store_validate_grads_rejects_empty_pushes_and_integer_variables() -> None:
+def test_store_validate_grads_takes_empty_pushes_and_rejects_integer_variables() -> None:
     store = Store()
     make(store, i=np.zeros(3, np.int32))
-    with pytest.raises(InvalidArgumentError, match="no gradients"):
-        store.validate_grads({})
+    assert store.validate_grads({}) == []  # a part of a push in parts with nothing for this shard
     with pytest.raises(InvalidArgumentError, match=r"'i'.*not trainable"):
         store.validate_grads({"i": np.zeros(3, np.int32)})
 
