@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
+import statistics
 import subprocess
 from typing import Any
 
@@ -156,6 +157,54 @@ def plot_scaling() -> None:
     save(fig, OUT / "scaling.png")
 
 
+# The runs of the tree as it is, per cell (async, two rounds in flight, 4 MiB; each cell at a link rate where
+# its own processes use under 60 % of the cores): docs/benchmarks/scaling.md's leading table.
+SCALING_LATEST = (
+    "scaling_2026-12-07c_nk16/small/small.json",
+    "scaling_2026-12-07c_nk16/bounded/final_*.json",
+    "scaling_2026-12-07c_nk16/deliver_ab/n32k32_new_1.json",
+    "scaling_2026-12-07c_nk16/bounded/n32k32_8m_c.json",
+)
+
+
+def plot_scaling_latest() -> None:
+    """Achieved / link bound of every run of the cells with k = n and k = n / 2, one dot a run, the median
+    joined, against the 0.85 goal (issue 45)."""
+    runs = [
+        (f, json.loads(f.read_text())) for pattern in SCALING_LATEST for f in sorted(RESULTS.glob(pattern))
+    ]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, of_n, marker in (
+        ("k = n shards", lambda n: n, "o"),
+        ("k = n / 2 shards", lambda n: n // 2, "s"),
+    ):
+        by_n: dict[int, list[tuple[float, float]]] = {}
+        for _, data in runs:
+            for c in data["cells"]:
+                if c["system"] == "ps" and c["k"] == of_n(c["n"]) and c["k"] >= 1:
+                    by_n.setdefault(c["n"], []).append((c["ratio"], c["rate_mbit"]))
+        ns = sorted(by_n)
+        line = ax.plot(ns, [statistics.median(r for r, _ in by_n[n]) for n in ns], marker=marker, label=label)
+        for n in ns:
+            ax.scatter(
+                [n] * len(by_n[n]), [r for r, _ in by_n[n]], s=12, color=line[0].get_color(), alpha=0.5
+            )
+            rates = sorted({rate for _, rate in by_n[n]})
+            ax.annotate("/".join(f"{r:g}" for r in rates), (n, min(r for r, _ in by_n[n])), fontsize=6,
+                        textcoords="offset points", xytext=(4, -9), color=line[0].get_color())  # fmt: skip
+    ax.axhline(0.85, color="0.5", linestyle=":", linewidth=1, label="goal 0.85")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0.5, 1.05)
+    ax.set_xlabel("workers n (labels: link Mbit/s)")
+    ax.set_ylabel("achieved / link bound")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("Async push_pull, 2 rounds in flight, 4 MiB; each cell under 60 % of 2 cores", fontsize=10)
+    dates = sorted({f.parent.parent.name.split("_")[1] for f, _ in runs})
+    folders = sorted({str(f.parent.relative_to(RESULTS)) for f, _ in runs})
+    fig.text(0.01, 0.01, f"bench/results/: {', '.join(folders)} ({dates[-1]})", fontsize=6, color="0.4")
+    save(fig, OUT / "scaling_latest.png")
+
+
 def plot_replication() -> None:
     data = load("replication")
     fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -174,7 +223,8 @@ def plot_replication() -> None:
 
 def main() -> None:
     started = datetime.datetime.now(datetime.UTC)
-    for plot in (plot_ps, plot_training, plot_allreduce, plot_embedding, plot_scaling, plot_replication):
+    plots = (plot_ps, plot_training, plot_allreduce, plot_embedding, plot_scaling, plot_scaling_latest)
+    for plot in (*plots, plot_replication):
         plot()
     print(f"done in {(datetime.datetime.now(datetime.UTC) - started).total_seconds():.1f}s")
 
