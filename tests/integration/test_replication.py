@@ -156,6 +156,29 @@ def test_the_backup_is_bit_identical_after_concurrent_pushes() -> None:
         np.testing.assert_array_equal(on_backup[k], on_primary[k])  # bit for bit: values and Adam's slots
 
 
+def test_empty_parts_of_a_push_in_parts_reach_the_backup_as_applied_pushes() -> None:
+    """An async shard answers the empty parts of ``push_pull(parts=P)`` (it holds fewer tensors than P) as
+    applied pushes; with a backup they are forwarded as any push, and the backup ends bit-identical."""
+    shapes = {"a": 1000, "b": 8}
+    with _pair() as (primary, backup):
+        addresses = _both(primary, backup)
+        with psclient.PSClient(addresses, "w0", timeout=TIMEOUT_S) as c:
+            c.create_many(
+                {k: np.zeros(s, np.float32) for k, s in shapes.items()}, optimizer=psclient.Adam(0.01)
+            )
+            for step in range(3):  # 2 tensors in 4 parts: two of each step's parts are empty
+                grads = {k: np.full(s, step + 1.0, np.float32) for k, s in shapes.items()}
+                assert c.push_pull(grads, step=step, parts=4).applied
+        with psclient.PSClient(primary.addresses, "reader", timeout=TIMEOUT_S) as c:
+            on_primary, primary_versions = c.pull_with_versions()
+        primary.kill_shard(0)
+        with psclient.PSClient(addresses, "reader2", timeout=TIMEOUT_S) as c:
+            on_backup, backup_versions = c.pull_with_versions()
+    assert primary_versions == backup_versions == {"a": 3, "b": 3}
+    for k in shapes:
+        np.testing.assert_array_equal(on_backup[k], on_primary[k])
+
+
 def test_the_backups_moving_averages_are_bit_identical() -> None:
     """use_ema: the backup replays the pushes with the same code, so its ``average`` slots match too."""
     shapes = {"mid": 4096, "small": 8}
