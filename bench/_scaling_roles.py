@@ -57,9 +57,11 @@ def _timed_rounds(round_fn: Callable[[], object], seconds: float, rounds: int) -
 
 def _trace_uploads(events: list[dict[str, Any]]) -> None:
     """Records each large data-port request of this process in ``events``: its shard, when it asked for its
-    turn on the uplink, when its upload began and was handed to the kernel, when its answer began (the
-    answer's head read) and ended (``time.monotonic()``: one clock for every namespace of the machine).
-    For ``--trace``: wraps ``DataLink.request`` and ``BulkConnection.send`` of this benchmark's process."""
+    turn on the uplink, when its upload began and was handed to the kernel, when its delivery wait ended
+    (``Turns.deliver``, slow links: "delivered", with the bytes unacknowledged then, "left"), when its answer
+    began (the answer's head read) and ended (``time.monotonic()``: one clock for every namespace of the
+    machine). For ``--trace``: wraps ``DataLink.request``, ``Turns.deliver`` and ``BulkConnection.send`` of
+    this benchmark's process."""
     import asyncio
 
     from psclient import _bulk
@@ -94,6 +96,18 @@ def _trace_uploads(events: list[dict[str, Any]]) -> None:
         if event is not None:
             event["sent"] = time.monotonic()
 
+    deliver = _bulk.Turns.deliver
+
+    async def traced_deliver(self: Any, conn: Any, deadline: float) -> None:
+        event = current.get(asyncio.current_task())
+        try:
+            await deliver(self, conn, deadline)
+        finally:
+            if event is not None:
+                event["delivered"] = time.monotonic()
+                event["left"] = conn._conn.queued() if conn._conn is not None else -1  # reset: -1
+
+    _bulk.Turns.deliver = traced_deliver  # type: ignore[method-assign]
     _bulk.DataLink.request = traced_request  # type: ignore[method-assign]
     bulk.BulkConnection.send = traced_send  # type: ignore[method-assign]
 

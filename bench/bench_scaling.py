@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -382,6 +383,9 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
     - ``worker_up`` / ``worker_down``: the share of the time a worker was uploading / receiving an answer;
     - ``answer_wait_ms``: from a part handed to the kernel to its answer's first bytes (p50, p90): the
       upload's last bytes on the link, the shard's apply and the answer's queue;
+    - ``turn_wait_ms``: from a part asking for its turn on the uplink to its upload's start (p50, p90);
+    - ``delivered_ms``: from a part handed to the kernel to the end of its delivery wait
+      (``Turns.deliver``, slow links only: delivered, or given up at ``STAGGER_WAIT_S``; p50, p90);
     - ``collisions_repeated``: of the pairs of parts of two workers that went up to one shard at once (for
       at least 30 % of the shorter), the share whose next parts did too (``_collisions_repeated``).
     """
@@ -389,8 +393,9 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
     events = [e for w in workers for e in w if {"up", "sent", "answer", "end"} <= e.keys()]
     if not events:
         return {}
-    t0 = max(min(e["up"] for e in w) for w in workers if w)
-    t1 = min(max(e["end"] for e in w) for w in workers if w)
+    # a request that failed before its upload began (a retry) has no "up"
+    t0 = max(min((e["up"] for e in w if "up" in e), default=math.inf) for w in workers if w)
+    t1 = min(max((e["end"] for e in w if "end" in e), default=-math.inf) for w in workers if w)
     span = max(t1 - t0, 1e-9)
 
     def shares(groups: dict[str, list[tuple[float, float]]]) -> list[float]:
@@ -412,6 +417,8 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
         for w in workers
     ]
     waits = sorted(e["answer"] - e["sent"] for e in events)
+    turn = sorted(e["up"] - e["asked"] for e in events)
+    delivered = sorted(e["delivered"] - e["sent"] for e in events if "delivered" in e)
     return {
         "collisions_repeated": _collisions_repeated(workers),
         "seconds": round(span, 2),
@@ -420,6 +427,8 @@ def trace_summary(files: list[Path]) -> dict[str, Any]:
         "worker_up": round(sum(1 - _busy(u, t0, t1)[0] / span for u, _ in mine) / len(mine), 3),
         "worker_down": round(sum(1 - _busy(d, t0, t1)[0] / span for _, d in mine) / len(mine), 3),
         "answer_wait_ms": [round(1e3 * cm.percentile(waits, q), 1) for q in (50, 90)],
+        "turn_wait_ms": [round(1e3 * cm.percentile(turn, q), 1) for q in (50, 90)],
+        "delivered_ms": [round(1e3 * cm.percentile(delivered, q), 1) for q in (50, 90)] if delivered else [],
     }
 
 

@@ -52,3 +52,20 @@ def test_a_collision_that_moves_on_together_counts_as_repeated() -> None:
     assert bs._collisions_repeated([w0, w1]) == [2, 1]
     # a brush (under 30 % of the shorter part) is no collision
     assert bs._collisions_repeated([[part("a", 0.0, 1.0)], [part("a", 0.9, 2.0)]]) == [0, 0]
+
+
+def test_trace_summary_takes_requests_that_never_went_up_and_reads_turns_and_deliveries(
+    tmp_path: Path,
+) -> None:
+    # w0's first request failed before its upload (no "up", no "answer": a retry); its others waited for
+    # their turns 0.5 s and 1.5 s, and were delivered 0.2 s and 0.4 s after they left
+    w0 = [
+        {"shard": "a", "asked": 0.0, "end": 0.1},
+        {"shard": "a", "asked": 0.0, "up": 0.5, "sent": 0.5, "delivered": 0.7, "answer": 0.8, "end": 1.0},
+        {"shard": "b", "asked": 0.0, "up": 1.5, "sent": 1.5, "delivered": 1.9, "answer": 2.0, "end": 2.2},
+    ]
+    (tmp_path / "w0.json").write_text(json.dumps(w0))
+    summary = bs.trace_summary([tmp_path / "w0.json"])
+    assert summary["seconds"] == pytest.approx(1.7)
+    assert summary["turn_wait_ms"] == pytest.approx([1500.0, 1500.0])  # of two: the upper (cm.percentile)
+    assert summary["delivered_ms"] == pytest.approx([400.0, 400.0])
