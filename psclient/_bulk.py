@@ -101,7 +101,11 @@ IN_PARTS: Final[contextvars.ContextVar[bool]] = contextvars.ContextVar("IN_PARTS
 # 64 clients of 4 x 256 KiB on 4 shards, 16 a process, were 1.5-1.8x apart in steps/s taking turns,
 # 3.3-3.8x apart without (bench/bench_many_workers.py, docs/benchmarks/scaling.md).
 STAGGER_MIN_BYTES: Final[int] = 64 << 10
-STAGGER_WAIT_S: Final[float] = 2.0  # an upload that waited this long for its turn goes out beside the others
+# An upload that waited this long for its turn while the turns stood still (a part stuck behind a shard
+# that does not read) goes out beside the others (``Turns.take``); while they move, it waits for at most
+# this share of its request's time left (the rest is for its answer).
+STAGGER_WAIT_S: Final[float] = 2.0
+TURN_WAIT_SHARE: Final[float] = 0.5
 # Small requests (a request of at most BATCH_MAX_BYTES that expects an answer of at most as much) leave
 # alone while fewer than SMALL_IN_FLIGHT of their frames are in flight on a link; the ones that arrive
 # meanwhile wait, and leave together in BATCH frames once the event loop's turn in which they came is
@@ -134,9 +138,9 @@ class Uplink:
     and only then do the shards' answers start down: the link carries one direction at a
     time. Taking turns, the first shard's part is in after 1/k of the time and its answer
     comes down while the next part goes up: a round of M bytes over k shards takes about
-    (1 + 1/k) M / B instead of 2 M / B. A turn that waited ``STAGGER_WAIT_S`` (a part
-    stuck behind a shard that does not read: a cut link is dropped after
-    ``transport.SILENT_LINK_S``) goes out beside the others.
+    (1 + 1/k) M / B instead of 2 M / B. An upload whose turn did not move for
+    ``STAGGER_WAIT_S`` (a part stuck behind a shard that does not read: a cut link is dropped
+    after ``transport.SILENT_LINK_S``) goes out beside the others.
 
     Clients that each send in their own time through one FIFO link get unequal shares of it (TCP
     flows whose windows stayed open outrun those that start again): 16 simulated workers in one
@@ -174,7 +178,7 @@ class Turns:
     """One event loop's turns on the uplink (``Uplink``): first come, first served; a free uplink is
     taken with no call (``busy``, ``waiting``: the caller tests them and sets ``busy`` itself)."""
 
-    __slots__ = ("busy", "delivering", "slots", "waiting")
+    __slots__ = ("busy", "delivering", "moved", "slots", "waiting")
 
     def __init__(self) -> None:
         self.busy = False  # an upload holds the turn
@@ -182,11 +186,18 @@ class Turns:
         self.delivering = 0  # uploads past their turn, not yet delivered (``deliver``)
         # Turns' holders waiting for one of those to be delivered, in the order they asked:
         self.slots: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.moved = 0  # turns ended and delivery slots freed so far (``take``: the turns move)
 
-    async def take(self, nbytes: int, wait_s: float = STAGGER_WAIT_S) -> bool:
+    async def take(self, nbytes: int, wait_s: float = STAGGER_WAIT_S, until: float | None = None) -> bool:
         """Waits for the turn (bounded), for an upload of ``nbytes``: True once taken (the caller then
-        ``release`` s it), False for a small upload, or one that waited ``wait_s`` and goes out
-        beside the others."""
+        ``release`` s it), False for a small upload, or one that goes out beside the others.
+
+        ``until`` None: it waits ``wait_s`` at most. Else (``time.monotonic()``) it waits as long as the
+        turns move: it goes out beside the others once no turn and no delivery slot (``deliver``) has
+        passed on for ``wait_s``, or at ``until``. A worker's queue of turns is as long as its rounds in
+        flight: two rounds of 32 parts of 128 KiB at 8 Mbit/s take 8.4 s, and with a plain 2 s bound 83 %
+        of the uploads of n = k = 32 gave up waiting and went out beside the others (every part of both
+        rounds at once: 0.6 of the links' bound, RTTs of 0.6-1 s, thousands of TCP timeouts a run)."""
         if nbytes < STAGGER_MIN_BYTES:
             return False
         if not self.busy and not self.waiting:
@@ -195,18 +206,21 @@ class Turns:
         handed = asyncio.get_running_loop().create_future()
         self.waiting.append(handed)
         try:
-            async with asyncio.timeout(wait_s):
-                await handed  # ``release`` hands the turn over by its result
-        except TimeoutError:
-            log.debug("an upload of %d bytes waited %.3g s for its turn; sent beside the others", nbytes,
-                      wait_s)  # fmt: skip
-            if handed.done() and not handed.cancelled():  # handed over as the time ran out: pass it on
-                self.release()
-            return False
+            while True:
+                moved = self.moved
+                left = wait_s if until is None else min(wait_s, until - time.monotonic())
+                if left > 0:
+                    await _turn_window(handed, left)
+                if handed.done() or until is None or self.moved == moved or time.monotonic() >= until:
+                    break
         except BaseException:
-            if handed.done() and not handed.cancelled():  # handed over to a caller cancelled meanwhile
-                self.release()
+            if not handed.cancel() and not handed.cancelled():  # handed over to a caller cancelled meanwhile
+                self.release()  # pass it on
             raise
+        if handed.cancel():  # not handed over: skipped by ``release`` from now on
+            log.debug("an upload of %d bytes waited for its turn while the turns stood still %.3g s; sent "
+                      "beside the others", nbytes, wait_s)  # fmt: skip
+            return False
         return True
 
     async def deliver(self, conn: bulk.BulkConnection, deadline: float) -> None:
@@ -247,13 +261,21 @@ class Turns:
     def _delivered(self) -> None:
         """Frees an upload's slot (``deliver``): the next waiting holder's (cancelled ones skipped), or
         nobody's."""
+        self.moved += 1
         if not _hand_over(self.slots):  # else the slot passes on: delivering stays as it is
             self.delivering -= 1
 
     def release(self) -> None:
         """Ends the holder's turn: the next waiting upload's now (cancelled ones skipped), or nobody's."""
+        self.moved += 1
         if not _hand_over(self.waiting):  # else the turn passes on: busy stays True
             self.busy = False
+
+
+async def _turn_window(handed: asyncio.Future[None], seconds: float) -> None:
+    """One window of ``Turns.take``'s wait: until the turn is handed over or ``seconds`` pass (``handed`` is
+    not cancelled either way)."""
+    await asyncio.wait((handed,), timeout=seconds)
 
 
 def _hand_over(waiting: collections.deque[asyncio.Future[None]]) -> bool:
@@ -550,7 +572,7 @@ class DataLink:
                     if uplink is None or (nbytes < STAGGER_MIN_BYTES and not in_parts):  # small: no turn
                         await conn.send(frame, payload)
                     else:  # ``uplink.turn``, without its context manager; a free turn without a call
-                        turns, wait_s = self._turns, STAGGER_WAIT_S
+                        turns, wait_s, until = self._turns, STAGGER_WAIT_S, None
                         if in_parts:  # a sync push's part (any size): this shard's parts one at a time, each
                             # waiting for the ones before it to this same shard (bounded by the deadline)
                             turns, wait_s = self._part_turns, max(deadline - time.monotonic(), 0.001)
@@ -559,7 +581,10 @@ class DataLink:
                         if not turns.busy and not turns.waiting:
                             turns.busy = got = True
                         else:
-                            got = await turns.take(nbytes, wait_s)
+                            if not in_parts:  # while the turns move, for half its time left at most
+                                now = time.monotonic()
+                                until = now + (deadline - now) * TURN_WAIT_SHARE
+                            got = await turns.take(nbytes, wait_s, until)
                         try:
                             await conn.send(frame, payload)
                             if in_parts and got:  # the next part to this shard once this one is there

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -257,6 +257,86 @@ async def test_a_turn_waits_as_long_as_its_caller_says() -> None:
         assert await patient  # handed the turn, however long the holder took
     turns.release()
     assert not turns.busy and not turns.waiting
+
+
+class _Windows:
+    """Stands in for ``_bulk._turn_window``: each window of a turn's wait passes at once, after the turns do
+    what the test scripts for it (``None``: they stand still)."""
+
+    def __init__(self, steps: list[Callable[[], object] | None]) -> None:
+        self.steps = steps
+        self.passed = 0
+
+    async def __call__(self, handed: asyncio.Future[None], seconds: float) -> None:
+        step = self.steps[self.passed] if self.passed < len(self.steps) else None
+        self.passed += 1
+        if step is not None:
+            step()
+        await asyncio.sleep(0)
+
+
+def _undelivered(turns: _bulk.Turns, count: int) -> None:
+    """``count`` uploads past their turn, being delivered (as ``Turns.deliver`` counts them)."""
+    turns.delivering = count
+
+
+async def test_a_turn_waits_while_the_turns_move_and_goes_out_once_they_stand_still(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``until`` (a large upload's ``DataLink.request``), a waiting upload waits as long as turns pass
+    or delivery slots free up, however long that is: a worker's queue of turns holds its rounds in flight
+    (64 parts at n = k = 32, 8 Mbit/s: 8 s). It goes out beside the others once they stood still for a
+    whole window (``STAGGER_WAIT_S``)."""
+    turns = _bulk.Turns()
+    assert await turns.take(BIG)  # the holder
+    _undelivered(turns, 3)
+    windows = _Windows([turns._delivered, turns._delivered, turns._delivered, None])
+    monkeypatch.setattr(_bulk, "_turn_window", windows)
+    async with asyncio.timeout(5):
+        assert not await turns.take(BIG, 2.0, time.monotonic() + 60)  # sent beside the holder
+    assert windows.passed == 4  # three windows with a delivery in each, then one with nothing
+    assert turns.busy and not any(not f.done() for f in turns.waiting)  # the holder's turn; nobody queued
+    turns.release()
+    assert not turns.busy
+
+
+async def test_a_turn_handed_over_after_many_windows_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    turns = _bulk.Turns()
+    assert await turns.take(BIG)
+    _undelivered(turns, 2)
+    windows = _Windows([turns._delivered, turns._delivered, turns.release])  # the holder ends its turn
+    monkeypatch.setattr(_bulk, "_turn_window", windows)
+    async with asyncio.timeout(5):
+        assert await turns.take(BIG, 2.0, time.monotonic() + 60)
+    assert windows.passed == 3 and turns.busy
+    turns.release()
+    assert not turns.busy and not turns.waiting
+
+
+@pytest.mark.parametrize("until", [None, "passed"])
+async def test_a_turn_without_until_or_past_it_waits_one_window_however_the_turns_move(
+    monkeypatch: pytest.MonkeyPatch, until: str | None
+) -> None:
+    """Without ``until`` (a sync push's part: ``wait_s`` is its deadline) a wait lasts one window, as
+    before; past ``until`` (half the request's time left) an upload goes out beside the others even while
+    the turns move."""
+    turns = _bulk.Turns()
+    assert await turns.take(BIG)
+    _undelivered(turns, 3)
+    at = None if until is None else time.monotonic() + 0.01
+
+    def delivered() -> None:
+        if at is not None:
+            time.sleep(0.02)  # the window outlasts ``until``
+        turns._delivered()
+
+    windows = _Windows([delivered, delivered])
+    monkeypatch.setattr(_bulk, "_turn_window", windows)
+    async with asyncio.timeout(5):
+        assert not await turns.take(BIG, 2.0, at)
+    assert windows.passed == 1
+    turns.release()
+    assert not turns.busy
 
 
 class _Delivery:
