@@ -90,9 +90,13 @@ PART_DELIVERED_BYTES: Final[int] = 8 << 10
 # byte 531 ms after its part left, p50, where a part takes 70 ms: n = k = 16, 30 Mbit/s, 0.74-0.78 of the
 # bound). One upload undelivered at a time (each turn until delivered) was bimodal (0.74-0.92): workers that
 # upload in the same cyclic order fall into step after a few stalls and then share one shard while another
-# idles. Three at a time: 0.77-0.98, median 0.89 (bench/results/scaling_2026-12-07c_nk16/). On a fast link
-# (loopback, 200 Mbit/s and up with parts of a few hundred KiB) nothing waits: the turn ends at the hand-over.
-UPLOADS_UNDELIVERED: Final[int] = 3
+# idles. Three at a time: 0.77-0.98, median 0.89 (bench/results/scaling_2026-12-07c_nk16/). Five: with
+# the uploads of n workers spread over k shards, a shard's link idles for want of one about e^(-U n / k) of
+# the time. With three, at n = k = 32 (8 Mbit/s) a shard had no upload coming 16 % of the time (traced) and
+# the cell reached 0.69 of the bound; with five 0.5 % and 0.96 on a quiet machine, 0.74-0.81 at load 11-20
+# (0.62-0.64 before; bench/results/scaling_2026-12-07d/). On a fast link (loopback, 200 Mbit/s and up with
+# parts of a few hundred KiB) nothing waits: the turn ends at the hand-over.
+UPLOADS_UNDELIVERED: Final[int] = 5
 UPLOAD_DELIVERED_BYTES: Final[int] = 64 << 10
 UPLOAD_WAIT_WORTH_S: Final[float] = 0.01
 # Set (by ``push_pull``) in the tasks that send the parts of a sync push: their uploads take the parts' rules.

@@ -352,11 +352,15 @@ class _Delivery:
             await asyncio.wait_for(self.done.wait(), max(deadline - time.monotonic(), 0.0))
 
 
-async def test_uploads_on_a_slow_link_pass_the_turn_on_while_at_most_three_are_undelivered() -> None:
+async def test_uploads_on_a_slow_link_pass_the_turn_on_while_at_most_three_are_undelivered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``Turns.deliver``: an upload handed to the kernel passes the turn on at once while fewer than
     ``UPLOADS_UNDELIVERED - 1`` others are being delivered; the next holds the turn until one of them is
-    delivered, and the uploads after it wait for the turn meanwhile."""
-    assert _bulk.UPLOADS_UNDELIVERED == 3
+    delivered, and the uploads after it wait for the turn meanwhile (the rule with three slots; the
+    client keeps five)."""
+    assert _bulk.UPLOADS_UNDELIVERED == 5
+    monkeypatch.setattr(_bulk, "UPLOADS_UNDELIVERED", 3)
     turns = _bulk.Turns()
     deliveries = {name: _Delivery() for name in "abcde"}
     events: list[str] = []
@@ -396,6 +400,7 @@ async def test_a_holder_waiting_for_a_delivery_slot_gives_up_and_passes_the_turn
     on, takes no slot and returns (its request then reads its answer in the time it has left)."""
     wait_s, deadline_s = (5.0, 0.1) if bound == "deadline" else (0.1, 60.0)
     monkeypatch.setattr(_bulk, "STAGGER_WAIT_S", wait_s)
+    monkeypatch.setattr(_bulk, "UPLOADS_UNDELIVERED", 3)  # two stalled deliveries hold every slot
     turns = _bulk.Turns()
     stuck = _Delivery()  # never delivered
     assert await turns.take(BIG, 5)
