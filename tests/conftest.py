@@ -51,6 +51,17 @@ _FAILED = pytest.StashKey[bool]()
 _SITE = str(Path(__file__).resolve().parent / "_site")
 if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH")) if p)
+# One intra-op (compute) thread in every TensorFlow process the suite starts, one OpenMP/OpenBLAS thread in
+# every numpy and PyTorch one (set where not set already): 3 test processes, each with its 2-4 TensorFlow,
+# shard and worker processes, share 2 cores, and a pool of a thread per core per process spins while it
+# waits for work. Both sides of every comparison (a distributed run and its local baseline, the ranks of a
+# ring) run with the same setting. Three e2e files in 3 processes: 415, 417 -> 404, 408 s of CPU and
+# 231, 242 -> 220, 221 s (bench/results/suite_cpu_2026-12-07d). The inter-op pool keeps its default:
+# with TF_NUM_INTEROP_THREADS=1, two workers in one process (tests/e2e/test_keras_sync_parts.py) deadlock,
+# one's blocking exchange holding the only thread the other's step needs.
+SUBPROCESS_THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "OMP_NUM_THREADS": "1"}
+for _key, _value in SUBPROCESS_THREADS.items():
+    os.environ.setdefault(_key, _value)
 _site = sys.modules.get("sitecustomize")
 if _site is not None and str(getattr(_site, "__file__", "")).startswith(_SITE):
     _site.restore()  # this process (pytest, or an xdist worker started with it) keeps what is installed
