@@ -148,8 +148,12 @@ _DELIVERY_RATE = struct.Struct("=Q")
 _DELIVERY_RATE_AT = 160
 # ``Conn.queued``: the send queue's bytes (SIOCOUTQ, the same request as the terminals' TIOCOUTQ), a C int.
 _OUTQ_ARG = bytes(4)
+# ``Conn.delivered`` asks the kernel again after half the time the rest takes at the measured rate, within
+# these bounds: a few asks an upload. Capped at 20 ms, each of the 160 uploads on the way at n = k = 32
+# (8 Mbit/s, 0.5-1 s each) asked 25-50 times, and the cell used 1.0-1.2 cores at 0.74-0.96 of the bound;
+# at half the rest, 0.76-1.0 cores at 0.77-0.97 (bench/results/scaling_2026-12-07d/).
 _DELIVERED_POLL_MIN_S = 0.003
-_DELIVERED_POLL_MAX_S = 0.02
+_DELIVERED_POLL_MAX_S = 0.25
 
 
 class Conn:
@@ -233,7 +237,7 @@ class Conn:
     async def delivered(self, nbytes: int, deadline: float) -> None:
         """Returns once at most ``nbytes`` written are not yet acknowledged by the peer (``queued``), or at
         ``deadline`` (``time.monotonic()``): the data reached the other end, not only the wire. The kernel
-        has no event for that: it sleeps about as long as the rest takes at the connection's delivery rate
+        has no event for that: it sleeps half as long as the rest takes at the connection's delivery rate
         (at least ``_DELIVERED_POLL_MIN_S``, at most ``_DELIVERED_POLL_MAX_S``) and asks again."""
         left = self.queued() - nbytes
         rate = 0
@@ -242,7 +246,7 @@ class Conn:
             if now >= deadline:
                 return
             rate = rate or self.delivery_rate()
-            wait = left / rate if rate > 0 else _DELIVERED_POLL_MIN_S
+            wait = left / rate / 2 if rate > 0 else _DELIVERED_POLL_MIN_S
             await asyncio.sleep(min(max(wait, _DELIVERED_POLL_MIN_S), _DELIVERED_POLL_MAX_S, deadline - now))
             left = self.queued() - nbytes
 

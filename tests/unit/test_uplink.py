@@ -147,6 +147,26 @@ async def test_a_connection_waits_until_its_bytes_reached_the_peer_or_its_deadli
         await received
 
 
+async def test_a_delivery_wait_asks_again_after_half_the_time_the_rest_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``Conn.delivered`` sleeps half of what the rest takes at the measured rate between asks (at most
+    250 ms, at least 3 ms): a few asks an upload, not one every 20 ms."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(round(seconds, 4))
+
+    async with _dialed() as (conn, _peer), asyncio.timeout(10):
+        left = iter([1_000_000, 400_000, 20_000, 2_000, 0])  # unacknowledged beyond the 8 KiB allowed
+        monkeypatch.setattr(conn, "queued", lambda: next(left) + (8 << 10))
+        monkeypatch.setattr(conn, "delivery_rate", lambda: 1_000_000)  # 8 Mbit/s
+        monkeypatch.setattr(transport.asyncio, "sleep", sleep)
+        await conn.delivered(8 << 10, time.monotonic() + 60)
+        monkeypatch.undo()
+    assert slept == [0.25, 0.2, 0.01, 0.003]
+
+
 def test_a_large_request_leaves_unsent_what_its_link_carries_in_two_milliseconds_or_256_kib() -> None:
     assert _bulk.unsent_limit(0) == _bulk.NOTSENT_LOWAT  # no rate measured yet
     assert _bulk.unsent_limit(25_000_000) == _bulk.NOTSENT_LOWAT  # 200 Mbit/s: 50 KB in 2 ms
