@@ -157,13 +157,19 @@ def plot_scaling() -> None:
     save(fig, OUT / "scaling.png")
 
 
-# The runs of the tree as it is, per cell (async, two rounds in flight, 4 MiB; each cell at a link rate where
-# its own processes use under 60 % of the cores): docs/benchmarks/scaling.md's leading table.
+# The latest runs of each cell (async, two rounds in flight, 4 MiB; each cell at a link rate where its own
+# processes use under 60 % of the cores): docs/benchmarks/scaling.md's leading tables. n <= 16: 2026-12-07c
+# (before the turns waited while they move, with five uploads on the way; n = k = 16 also after); n = 32:
+# with them (2026-12-07d: n = k = 32 the final tree's and the same code's, n = 32, k = 16 also without the
+# last change to the delivery polls).
 SCALING_LATEST = (
     "scaling_2026-12-07c_nk16/small/small.json",
-    "scaling_2026-12-07c_nk16/bounded/final_*.json",
-    "scaling_2026-12-07c_nk16/deliver_ab/n32k32_new_1.json",
-    "scaling_2026-12-07c_nk16/bounded/n32k32_8m_c.json",
+    "scaling_2026-12-07c_nk16/bounded/final_n16k*.json",
+    "scaling_2026-12-07d/runs/final_*.json",
+    "scaling_2026-12-07d/runs/poll_*.json",
+    "scaling_2026-12-07d/runs/new5_*.json",
+    "scaling_2026-12-07d/runs/ab_n16k16_new_*.json",
+    "scaling_2026-12-07d/runs/ab_n32k16_new_*.json",
 )
 
 
