@@ -412,7 +412,7 @@ class Backup:
         self._remaining[message.id] = len(tensors)
         if assign:
             self._assigns.add(message.id)
-        if not tensors:  # an empty push or step (sync and ssp allow them): nothing waits
+        if not tensors:  # an empty push or step (every mode takes them): nothing waits
             self._remaining[message.id] = 1
             self._done(message.id)
             return

@@ -174,13 +174,16 @@ def test_ps_errors_push_without_worker_id_is_invalid(
     _assert_unchanged(client, var_name, np.zeros((2, 3)), 0)
 
 
-def test_ps_errors_empty_push_and_empty_stream_are_invalid(
+def test_ps_errors_an_empty_push_is_a_push_and_an_empty_stream_is_invalid(
     raw_stubs: list[ps_pb2_grpc.ParameterServerStub],
 ) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        raw_stubs[0].Push(ps_pb2.PushRequest(worker_id="raw", seq=1), timeout=RPC_TIMEOUT_S)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as info:
+    # A push with no gradients (a part of a push in parts, or ``every_shard``, with nothing for this shard) is
+    # applied as a push that changes nothing, in every mode: claimed once, its retry a duplicate.
+    first = raw_stubs[0].Push(ps_pb2.PushRequest(worker_id="raw-empty", seq=1), timeout=RPC_TIMEOUT_S)
+    assert first.applied
+    again = raw_stubs[0].Push(ps_pb2.PushRequest(worker_id="raw-empty", seq=1), timeout=RPC_TIMEOUT_S)
+    assert not again.applied and again.reason == "duplicate"
+    with pytest.raises(grpc.RpcError) as info:  # no header at all
         list(raw_stubs[0].PushStream(iter([]), timeout=RPC_TIMEOUT_S))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
