@@ -57,8 +57,8 @@ if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 # waits for work. Both sides of every comparison (a distributed run and its local baseline, the ranks of a
 # ring) run with the same setting. Three e2e files in 3 processes: 415, 417 -> 404, 408 s of CPU and
 # 231, 242 -> 220, 221 s (bench/results/suite_cpu_2026-12-07d). The inter-op pool keeps its default:
-# with TF_NUM_INTEROP_THREADS=1, two workers in one process (tests/e2e/test_keras_sync_parts.py) deadlock,
-# one's blocking exchange holding the only thread the other's step needs.
+# with TF_NUM_INTEROP_THREADS=1, two workers in one process (tests/e2e/test_keras_sync_parts.py) stall until
+# the barrier times out, one's blocking exchange holding the only thread the other's step needs.
 SUBPROCESS_THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "OMP_NUM_THREADS": "1"}
 for _key, _value in SUBPROCESS_THREADS.items():
     os.environ.setdefault(_key, _value)

@@ -71,7 +71,8 @@ class _TappedBatches(keras.callbacks.Callback):
 
     def __init__(self, emb: psk.Embedding, batches: int = 8) -> None:
         super().__init__()
-        self.batches, self.late, self._asked, self._epoch = batches, 0, threading.Semaphore(0), 0
+        self.batches, self.late, self._asked = batches, 0, threading.Semaphore(0)
+        self._seen = 0  # batches of this epoch asked for, as far as waited for
         start = emb.start_prefetch
 
         def counted(ids: object) -> bool:
@@ -83,7 +84,7 @@ class _TappedBatches(keras.callbacks.Callback):
         emb.start_prefetch = counted  # what tf.data's thread calls: counted, then done as before
 
     def on_epoch_begin(self, epoch: int, logs: object = None) -> None:
-        self._seen = 0  # batches of this epoch asked for, as far as waited for
+        self._seen = 0
 
     def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
         while batch and self._seen < min(batch + 2, self.batches):
