@@ -90,6 +90,7 @@ def demo_args(bench: argparse.Namespace, mode: str, n: int, k: int, data_path: P
         argv += ["--partition-bytes", str(bench.partition_bytes)]
     if mode == "sync" and getattr(bench, "sync_parts", 1) != 1:
         argv += ["--sync-parts", str(bench.sync_parts)]
+    argv += ["--overlap", getattr(bench, "overlap", "auto")]
     args = build_parser().parse_args(argv)
     options.resolve_model_defaults(args)
     return args
@@ -332,7 +333,8 @@ def render(
         "",
         f"Model: `pstrain demo --model {bench.model}` ({info['params']:,} float32 parameters, "
         f"M = {info['model_bytes'] / 1e6:.2f} MB), Adam {bench.learning_rate:g} (sync and all-reduce: "
-        f"x n, as the demo scales it), batch {bench.batch_size} per worker, {bench.epochs} epochs of "
+        f"x n, as the demo scales it), async with `--overlap {getattr(bench, 'overlap', 'on')}`, "
+        f"batch {bench.batch_size} per worker, {bench.epochs} epochs of "
         f"scikit-learn's digits upscaled to 28x28 ({bench.num_train} training images, split between the "
         "workers). Every shard and worker in a network namespace of its own, each link shaped to "
         f"{bench.rate_mbit:g} Mbit/s each way ({info.get('links', 'htb')}).",
@@ -427,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sync-parts", type=int, default=1, help="sync runs: a step in N parts (pstrain --sync-parts)"
+    )
+    parser.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="async runs: pstrain --overlap (default auto: on up to 4 workers; runs before 2026-12-07e: on)",
     )
     cm.add_link_args(parser)
     parser.add_argument("--no-local", action="store_true", help="skip the local run")

@@ -90,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--ring-transport", choices=("grpc", "tcp"), default="tcp", help=_TRANSPORT_HELP)
     demo.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
-    demo.add_argument(
-        "--no-overlap", action="store_true", help="async/ssp: do not overlap push_pull and compute"
-    )
+    options.add_overlap_flags(demo)
     demo.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
     demo.add_argument("--sync-parts", type=_positive_int, default=1, metavar="N", help=_SYNC_PARTS_HELP)
     demo.add_argument(
@@ -128,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--compression", choices=("none", "fp16"), default="none", help="allreduce")
     worker.add_argument("--ring-transport", choices=("grpc", "tcp"), default="tcp", help=_TRANSPORT_HELP)
     worker.add_argument("--no-lr-scaling", action="store_true", help=_NO_LR_SCALING_HELP)
-    worker.add_argument("--no-overlap", action="store_true")
+    options.add_overlap_flags(worker)
     worker.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
     worker.add_argument("--sync-parts", type=_positive_int, default=1, metavar="N", help=_SYNC_PARTS_HELP)
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
@@ -228,13 +226,20 @@ def run_worker(args: argparse.Namespace) -> int:
         count = count if args.num_workers is None else args.num_workers
     from trainer.train import train_worker
 
+    overlap = options.overlap(args.overlap, args.mode, count)
+    if args.overlap == "auto" and args.mode in ("async", "ssp") and not overlap and index == 0:
+        print(
+            f"[worker {index}] overlap off (--overlap auto): with {count} {args.mode} workers it would make "
+            f"each gradient about {2 * count - 1} updates stale, not {count - 1}; --overlap on keeps it",
+            flush=True,
+        )
     result = train_worker(
         options.train_config(args),
         ps,
         worker_index=index,
         num_workers=count,
         mode=args.mode,
-        overlap=not args.no_overlap,
+        overlap=overlap,
         timeout=args.timeout,
         sync_parts=args.sync_parts,
         client_options=options.ring_security_options(args)  # auth token and client TLS towards the shards

@@ -79,8 +79,8 @@ def worker_command(
     cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
            "--worker-index", str(index), "--num-workers", str(args.workers), "--mode", args.mode,
            "--result-json", str(result_json), *options.train_flags(args)]  # fmt: skip
-    if args.no_overlap:
-        cmd.append("--no-overlap")
+    if args.overlap != "auto":
+        cmd += ["--overlap", args.overlap]
     if args.partition_bytes is not None:
         cmd += ["--partition-bytes", str(args.partition_bytes)]
     if args.sync_parts != 1:

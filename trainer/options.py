@@ -121,6 +121,39 @@ def train_config(args: argparse.Namespace) -> Any:
     )
 
 
+# Overlap (``PSWorker(overlap=True)``) adds a round of staleness: with n async workers each gradient lands
+# about 2n - 1 updates late instead of n - 1. Adam 1e-3 on the demo's MLP (in-process simulation of delayed
+# gradients, bench/results/async_staleness_sim_2026-12-07e/) reached 0.95 test accuracy at a delay of 3,
+# 0.91-0.92 at 7, and 0.60-0.61 at 15 (local 0.96); 8 async workers with overlap on 50 Mbit/s links scored
+# 0.33-0.84. So ``--overlap auto`` overlaps while 2n - 1 <= 7: up to 4 workers.
+AUTO_OVERLAP_MAX_WORKERS = 4
+OVERLAP_HELP = (
+    "async/ssp: overlap a step's push_pull with the next step's compute, one round more of staleness for "
+    f"less waiting. auto (default): on up to {AUTO_OVERLAP_MAX_WORKERS} workers, off above, where each "
+    "gradient would land about 2 x workers updates late (a staleness that made 8 async workers train "
+    "worse than locally)"
+)
+
+
+def add_overlap_flags(p: argparse.ArgumentParser) -> None:
+    """``--overlap auto|on|off`` (``args.overlap``), and ``--no-overlap``, the same as ``--overlap off``."""
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help=OVERLAP_HELP)
+    p.add_argument(
+        "--no-overlap", dest="overlap", action="store_const", const="off", help="the same as --overlap off"
+    )
+
+
+def overlap(choice: str, mode: str, num_workers: int) -> bool:
+    """Whether a worker overlaps (``PSWorker(overlap=...)``) for ``--overlap choice``.
+
+    >>> overlap("auto", "async", 4), overlap("auto", "async", 8), overlap("on", "async", 8)
+    (True, False, True)
+    """
+    if choice != "auto":
+        return choice == "on"
+    return mode in ("async", "ssp") and num_workers <= AUTO_OVERLAP_MAX_WORKERS
+
+
 def learning_rate(args: argparse.Namespace) -> float:
     """The workers' learning rate: in sync mode each update averages N gradients, an N-times larger
     batch, so the linear scaling rule multiplies the rate by N (unless --no-lr-scaling)."""

@@ -29,7 +29,7 @@ def test_worker_command_is_a_ps_worker_of_the_demo() -> None:
     args = _demo("--mode", "sync", "--workers", "3", "--model", "mlp", "--epochs", "4", "--no-overlap")
     w = _worker(demo.worker_command(args, 2, ["10.0.0.1:5000", "10.0.0.2:5000"], "/tmp/w2.json"))
     assert (w.mode, w.ps, w.worker_index, w.num_workers) == ("sync", "10.0.0.1:5000,10.0.0.2:5000", 2, 3)
-    assert (w.model, w.epochs, w.result_json, w.no_overlap) == ("mlp", 4, "/tmp/w2.json", True)
+    assert (w.model, w.epochs, w.result_json, w.overlap) == ("mlp", 4, "/tmp/w2.json", "off")
     assert w.learning_rate == 3e-3  # sync: the demo's linear scaling, x workers
     assert w.partition_bytes is None  # the client's default
 
@@ -40,6 +40,27 @@ def test_partition_bytes_goes_to_every_worker_and_a_negative_one_is_refused() ->
     assert w.partition_bytes == 262144
     with pytest.raises(SystemExit):
         _demo("--partition-bytes", "-1")
+
+
+@pytest.mark.parametrize(
+    ("flags", "workers", "mode", "passed", "overlaps"),
+    [
+        ((), 2, "async", "auto", True),  # the demo's default cluster keeps overlapping
+        ((), 4, "ssp", "auto", True),
+        ((), 5, "async", "auto", False),  # 2n - 1 = 9 updates stale with it: past what trained
+        ((), 8, "sync", "auto", False),  # sync never overlaps
+        (("--overlap", "on"), 8, "async", "on", True),
+        (("--no-overlap",), 2, "async", "off", False),
+        (("--overlap", "off"), 2, "async", "off", False),
+    ],
+)
+def test_overlap_auto_stops_where_the_staleness_it_adds_would_hurt(
+    flags: tuple[str, ...], workers: int, mode: str, passed: str, overlaps: bool
+) -> None:
+    args = _demo("--mode", mode, "--workers", str(workers), "--model", "mlp", *flags)
+    w = _worker(demo.worker_command(args, 0, ["10.0.0.1:5000"], "/tmp/w0.json"))
+    assert w.overlap == passed  # the worker decides "auto" itself, from its own --num-workers
+    assert options.overlap(w.overlap, w.mode, w.num_workers) is overlaps
 
 
 def test_rank_command_is_a_ring_rank_of_the_demo() -> None:
