@@ -271,3 +271,15 @@ def test_store_refuses_bad_regularizers() -> None:
     spec.table.regularizer.l2 = -1.0
     with pytest.raises(InvalidArgumentError, match=r"table .t..*finite number >= 0"):
         Store().create([spec], {spec.name: np.zeros((3, 2), np.float32)})
+
+
+def test_rows_already_distinct_and_sorted_are_returned_as_they_are() -> None:
+    values = np.array([[1.0], [2.0], [3.0]], np.float32)
+    ids, summed = embedding.sum_duplicates(np.array([1, 4, 9]), values)
+    np.testing.assert_array_equal(ids, [1, 4, 9])
+    assert summed is values  # no sort, no copy
+    ids, summed = embedding.sum_duplicates(np.array([4, 1, 9]), values)  # distinct, not sorted: sorted
+    np.testing.assert_array_equal(ids, [1, 4, 9])
+    np.testing.assert_array_equal(summed, [[2.0], [1.0], [3.0]])
+    ids, summed = embedding.sum_duplicates(np.array([7]), values[:1])
+    assert ids.tolist() == [7] and summed is not None and summed.tolist() == [[1.0]]
