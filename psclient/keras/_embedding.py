@@ -343,7 +343,7 @@ class Embedding(keras.layers.Layer):
         @tf.custom_gradient
         def hook(rows: Any, anchor: Any) -> Any:
             def grad(dy: Any) -> Any:
-                layer._pending.append((_graph_key(), unique, tf.convert_to_tensor(dy)))
+                layer._pending.append((_graph_key(), unique, _summed_rows(dy, tf.shape(unique)[0])))
                 return None, tf.zeros_like(anchor)
 
             return tf.identity(rows), grad
@@ -526,6 +526,21 @@ def string_ids(values: Any, bits: int | None = None) -> np.ndarray:
     if bits == 64:
         return ids
     return (ids & np.int64((1 << bits) - 1)).astype(np.int64 if bits > 31 else np.int32)
+
+
+def _summed_rows(dy: Any, n: Any) -> Any:
+    """The distinct rows' gradient, dense ``[n, dim]``: ``dy`` (the gather's gradient, an ``IndexedSlices``
+    of one row per looked-up id) summed per row.
+
+    Sorted, then summed by ``tf.sparse.segment_sum`` (which reads the rows in that order, no copy):
+    converting the ``IndexedSlices`` (``UnsortedSegmentSum``) costs about twice the CPU on TensorFlow 2.21,
+    ~325 against ~145 us a step for bench_embedding's 2,048 x 64 float32 on the 2-core VM (issue 42).
+    The stable sort keeps each row's terms in their order; the sum's rounding may differ from the
+    unsorted one's in the last bits."""
+    if not isinstance(dy, tf.IndexedSlices):
+        return tf.convert_to_tensor(dy)
+    order = tf.argsort(dy.indices, stable=True)
+    return tf.sparse.segment_sum(dy.values, order, tf.gather(dy.indices, order), num_segments=n)
 
 
 def _first_seen_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
