@@ -243,9 +243,17 @@ class AsyncPSClient(TableMethods):
         created = {n: False for n in arrays if n in existing}
         for n in created:
             self._check_existing(n, arrays[n], opts[n], existing[n])
-        new = {n: (a.shape, a.dtype) for n, a in arrays.items() if n not in existing}
-        whole = {n for n in new if opts[n].needs_whole_variable}  # clipnorm, Adafactor, Lamb: never cut
-        placement = plan(new, self.num_shards, self.config.partition_bytes, whole)
+        # The new ones go where a plan of the whole batch puts them, not a plan of the new ones alone: every
+        # worker of a job creates the model at start, and one whose listing found part of the batch there
+        # (another worker's creates in flight) placed the rest by its own plan, on other shards than the
+        # other worker was creating them on: those variables then stood twice, the workers pushing into
+        # different copies, and some shards held twice the others' bytes (n = k = 16 async, 30 Mbit/s:
+        # 6 of 16 workers sent 2.3x as much to 4 shards, 0.76 of the link bound; bench/results/
+        # scaling_2026-12-07e/). One plan of the batch is the same in every worker.
+        whole = {n for n in arrays if opts[n].needs_whole_variable}  # clipnorm, Adafactor, Lamb: never cut
+        batch = plan({n: (a.shape, a.dtype) for n, a in arrays.items()}, self.num_shards,
+                     self.config.partition_bytes, whole)  # fmt: skip
+        placement = {n: pieces for n, pieces in batch.items() if n not in existing}
         per_shard: dict[int, list[tuple[ps_pb2.VariableSpec, np.ndarray]]] = {}
         for name, pieces in placement.items():
             for piece in pieces:

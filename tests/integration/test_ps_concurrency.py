@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import psclient
+from psclient import _requests as rq
 from pscore.placement import plan
 from psproto.v1 import ps_pb2, ps_pb2_grpc
 from trainer.cluster import LocalCluster
@@ -178,6 +179,47 @@ def test_a_worker_that_finds_part_of_a_variable_waits_for_the_rest(
     assert results == [False]  # the other worker created it; this one pushed into the whole of it
     with psclient.PSClient(cluster.addresses) as c:
         np.testing.assert_array_equal(c.pull([var_name])[var_name], np.full(n, -1.0, np.float32))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_finds_part_of_a_batch_places_the_rest_as_the_batch_plan_does(
+    cluster: LocalCluster, raw_stubs: list[ps_pb2_grpc.ParameterServerStub], var_name: str
+) -> None:
+    """Another worker's create of the same batch is part-way: its first variable is there, the rest not yet.
+    This worker creates the rest where the whole batch's plan puts them (where the other worker creates
+    them), not where a plan of the rest alone would: no variable stands on two shards."""
+    sizes = {"a": 4000, "b": 3000, "c": 2000, "d": 1000}  # float32 elements: not cut (under 64 KiB)
+    specs = {f"{var_name}/{k}": ((n,), np.dtype(np.float32)) for k, n in sizes.items()}
+    first = f"{var_name}/a"
+    batch = plan(specs, len(raw_stubs), 64 << 10)
+    rest = plan({n: s for n, s in specs.items() if n != first}, len(raw_stubs), 64 << 10)
+    assert any(rest[n][0].shard != batch[n][0].shard for n in rest)  # the case the test is about
+    piece = batch[first][0]
+    created = raw_stubs[piece.shard].CreateVariables(
+        iter([
+            ps_pb2.CreateVariablesRequest(
+                variables=[rq.spec_of(piece, psclient.SGD(learning_rate=1.0))],
+                values=[ps_pb2.TensorChunk(name=first, dtype=ps_pb2.DTYPE_FLOAT32, shape=[piece.size],
+                                           offset=0, data=b"\0" * 4 * piece.size)],
+            )
+        ]),
+        timeout=30,
+    )  # fmt: skip
+    assert list(created.created) == [True]
+    with psclient.PSClient(cluster.addresses, worker_id="w1", partition_bytes=64 << 10) as c:
+        zeros = {n: np.zeros(shape, np.float32) for n, (shape, _) in specs.items()}
+        created = c.create_many(zeros, optimizer=psclient.SGD(learning_rate=1.0))
+        assert created == {n: n != first for n in specs}
+        assert c.push({n: np.ones_like(v) for n, v in zeros.items()}) is True
+    where: dict[str, list[int]] = {}
+    for shard, stub in enumerate(raw_stubs):
+        listed = stub.ListVariables(ps_pb2.ListVariablesRequest(names=list(specs)), timeout=30)
+        for info in listed.variables:
+            where.setdefault(info.spec.name, []).append(shard)
+    assert where == {n: [batch[n][0].shard] for n in specs}
+    with psclient.PSClient(cluster.addresses) as c:
+        for name, value in c.pull(list(specs)).items():
+            np.testing.assert_array_equal(value, np.full(sizes[name.rsplit("/", 1)[1]], -1.0, np.float32))
 
 
 @pytest.mark.timeout(60)
