@@ -15,10 +15,10 @@ Design (why it trains correctly in every mode):
   the shards, so ``PSWorker.attach`` creates (chief) or finds (others) the table
   with the same optimizer logic as every other variable.
 - Forward (inside ``fit``'s compiled step): the batch's distinct ids
-  (``tf.unique``) are looked up through the client in a ``tf.numpy_function``, and
-  the output is gathered from those rows: ``ids.shape + (output_dim,)``.
+  (``tf.unique``) are looked up through the client in a ``tf.numpy_function``, which
+  also spreads those rows to the batch's ids: ``ids.shape + (output_dim,)``.
 - Backward: a ``tf.custom_gradient`` on the looked-up rows hands the rows' gradient
-  (one per distinct id) to the layer, and gives the anchor a zero gradient so that
+  (summed per distinct id) to the layer, and gives the anchor a zero gradient so that
   the tape reaches the layer at all (a tape only differentiates paths from its
   variables). When the ``DistributedOptimizer`` applies the step, the worker
   replaces the anchor's gradient by those rows and pushes them as
@@ -317,6 +317,10 @@ class Embedding(keras.layers.Layer):
         rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step, distinct=True)
         return np.asarray(rows, dtype)
 
+    def _lookup_each(self, ids: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """The rows of distinct ``ids`` (``_lookup``), one for each entry of ``where`` (indices into them)."""
+        return self._lookup(ids)[where]
+
     def call(self, inputs: Any) -> Any:
         if backend_name() != "tensorflow":
             return self._call_host(inputs)
@@ -334,22 +338,27 @@ class Embedding(keras.layers.Layer):
                 )
             ids = tf.cast(ids, tf.int64)
         unique, where = tf.unique(tf.reshape(ids, [-1]))
-        rows = tf.numpy_function(
-            self._lookup, [unique], Tout=tf.as_dtype(self.variable_dtype), stateful=True, name="ps_lookup"
+        # The host call reads the distinct rows and spreads them to the batch's ids itself (numpy): a
+        # tf.gather of them costs more, in TensorFlow's thread pool, than the copy (issue 42).
+        out = tf.numpy_function(
+            self._lookup_each,
+            [unique, where],
+            Tout=tf.as_dtype(self.variable_dtype),
+            stateful=True,
+            name="ps_lookup",
         )
-        rows.set_shape([None, self.output_dim])
+        out.set_shape([None, self.output_dim])
         layer = self
 
         @tf.custom_gradient
-        def hook(rows: Any, anchor: Any) -> Any:
+        def hook(out: Any, anchor: Any) -> Any:
             def grad(dy: Any) -> Any:
-                layer._pending.append((_graph_key(), unique, _summed_rows(dy, tf.shape(unique)[0])))
+                layer._pending.append((_graph_key(), unique, _summed_rows(dy, where, tf.shape(unique)[0])))
                 return None, tf.zeros_like(anchor)
 
-            return tf.identity(rows), grad
+            return tf.identity(out), grad
 
-        rows = hook(rows, tf.convert_to_tensor(self.anchor.value))
-        out = tf.gather(rows, where)
+        out = hook(out, tf.convert_to_tensor(self.anchor.value))
         out = tf.reshape(out, tf.concat([tf.shape(ids), [self.output_dim]], 0))
         return tf.cast(out, self.compute_dtype)
 
@@ -528,19 +537,21 @@ def string_ids(values: Any, bits: int | None = None) -> np.ndarray:
     return (ids & np.int64((1 << bits) - 1)).astype(np.int64 if bits > 31 else np.int32)
 
 
-def _summed_rows(dy: Any, n: Any) -> Any:
-    """The distinct rows' gradient, dense ``[n, dim]``: ``dy`` (the gather's gradient, an ``IndexedSlices``
-    of one row per looked-up id) summed per row.
+def _summed_rows(dy: Any, where: Any, n: Any) -> Any:
+    """The distinct rows' gradient, dense ``[n, dim]``: ``dy``, the gradient of the rows of each looked-up
+    id (``where``: which distinct row each is), summed per distinct row.
 
-    Sorted, then summed by ``tf.sparse.segment_sum`` (which reads the rows in that order, no copy):
-    converting the ``IndexedSlices`` (``UnsortedSegmentSum``) costs about twice the CPU on TensorFlow 2.21,
-    ~325 against ~145 us a step for bench_embedding's 2,048 x 64 float32 on the 2-core VM (issue 42).
-    The stable sort keeps each row's terms in their order; the sum's rounding may differ from the
-    unsorted one's in the last bits."""
-    if not isinstance(dy, tf.IndexedSlices):
-        return tf.convert_to_tensor(dy)
-    order = tf.argsort(dy.indices, stable=True)
-    return tf.sparse.segment_sum(dy.values, order, tf.gather(dy.indices, order), num_segments=n)
+    Sorted, then summed by ``tf.sparse.segment_sum`` (which reads the rows in that order, no copy): an
+    ``UnsortedSegmentSum`` (what converting a gather's ``IndexedSlices`` runs) costs about twice the CPU on
+    TensorFlow 2.21, ~325 against ~145 us a step for bench_embedding's 2,048 x 64 float32 on the 2-core VM
+    (issue 42). The stable sort keeps each row's terms in their order; the sum's rounding may differ from
+    the unsorted one's in the last bits."""
+    if isinstance(dy, tf.IndexedSlices):  # some of the looked-up rows (the output read by a gather)
+        values, segments = dy.values, tf.gather(where, dy.indices)
+    else:
+        values, segments = dy, where
+    order = tf.argsort(segments, stable=True)
+    return tf.sparse.segment_sum(values, order, tf.gather(segments, order), num_segments=n)
 
 
 def _first_seen_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
