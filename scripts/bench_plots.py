@@ -164,12 +164,11 @@ def plot_scaling() -> None:
 # last change to the delivery polls).
 SCALING_LATEST = (
     "scaling_2026-12-07c_nk16/small/small.json",
-    "scaling_2026-12-07c_nk16/bounded/final_n16k*.json",
-    "scaling_2026-12-07d/runs/final_*.json",
-    "scaling_2026-12-07d/runs/poll_*.json",
-    "scaling_2026-12-07d/runs/new5_*.json",
-    "scaling_2026-12-07d/runs/ab_n16k16_new_*.json",
-    "scaling_2026-12-07d/runs/ab_n32k16_new_*.json",
+    # n = 16 and 32 with create_many placing by the batch's plan (3135534), untraced runs
+    "scaling_2026-12-07e/runs/ab_n16k16_new_*.json",
+    "scaling_2026-12-07e/runs/ab_n32k16_new_*.json",
+    "scaling_2026-12-07e/runs/new_n16k8_*.json",
+    "scaling_2026-12-07e/runs/new_n32k32_*.json",
 )
 
 
