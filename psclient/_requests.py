@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from pscore import codec
-from pscore.errors import InvalidArgumentError, NotFoundError
+from pscore.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from pscore.optimizers import Optimizer
 from pscore.placement import Piece
 from psproto.v1 import ps_pb2
@@ -44,9 +44,20 @@ class Registry:
         self.by_stored: dict[str, Piece] = {}
 
     def add(self, pieces: Iterable[Piece]) -> None:
+        """Learns where pieces live.
+
+        Raises:
+            FailedPreconditionError: a piece this registry knows on one shard is found on another: the
+                variable is stored twice, and workers may be updating different copies.
+        """
         for piece in pieces:
+            known = self.pieces.get(piece.variable, [])
+            for p in known:
+                if p.index == piece.index and (p.shard, p.stored_name) != (piece.shard, piece.stored_name):
+                    del self.pieces[piece.variable]  # unknown again: the next call lists it, and fails too
+                    raise _stored_twice(piece, p)
             self.by_stored[piece.stored_name] = piece
-            group = [p for p in self.pieces.get(piece.variable, []) if p.index != piece.index]
+            group = [p for p in known if p.index != piece.index]
             group.append(piece)
             group.sort(key=lambda p: p.index)
             self.pieces[piece.variable] = group
@@ -65,6 +76,17 @@ class Registry:
                 raise NotFoundError(f"variable {name!r} does not exist on any shard")
             out[name] = group
         return out
+
+
+def _stored_twice(piece: Piece, other: Piece) -> FailedPreconditionError:
+    return FailedPreconditionError(
+        f"variable {piece.variable!r} is stored twice: as {other.stored_name!r} on shard {other.shard} "
+        f"and as {piece.stored_name!r} on shard {piece.shard}, two copies that workers may be updating "
+        "apart. Workers that create the same variables must place them alike (the same partition_bytes; "
+        "psclient before 2026-12-07 could place a create_many batch apart when workers created it at "
+        "once). Restore the job from a checkpoint taken before, or restart the shards and create the "
+        "model once"
+    )
 
 
 def piece_from_spec(spec: ps_pb2.VariableSpec, shard: int) -> Piece:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -232,3 +233,37 @@ def test_a_variable_left_partly_created_is_a_clear_error(
         for call in (lambda: c.pull([var_name]), lambda: c.create(var_name, np.zeros(n, np.float32))):
             with pytest.raises(psclient.NotFoundError, match=r"partly on the shards .* 1 of its 2 pieces"):
                 call()  # after the client's timeout (the test's own bounds a hang)
+
+
+@pytest.mark.timeout(60)
+def test_a_variable_stored_on_two_shards_is_a_clear_error_not_two_copies(
+    cluster: LocalCluster, raw_stubs: list[ps_pb2_grpc.ParameterServerStub], var_name: str
+) -> None:
+    """The same whole variable created on both shards (two workers that placed it apart): a client that
+    finds it says so, instead of pushing into whichever copy it listed last while another worker pushes
+    into the other."""
+    value = np.zeros(16, np.float32)
+    spec = ps_pb2.VariableSpec(
+        name=var_name,
+        dtype=ps_pb2.DTYPE_FLOAT32,
+        shape=[16],
+        optimizer=psclient.SGD(learning_rate=1.0).to_proto(),
+    )
+    chunk = ps_pb2.TensorChunk(name=var_name, dtype=ps_pb2.DTYPE_FLOAT32, shape=[16], offset=0,
+                               data=value.tobytes())  # fmt: skip
+    for stub in raw_stubs:
+        request = ps_pb2.CreateVariablesRequest(variables=[spec], values=[chunk])
+        assert list(stub.CreateVariables(iter([request]), timeout=30).created) == [True]
+    twice = rf"{var_name!r} is stored twice: as {var_name!r} on shard 0 and as {var_name!r} on shard 1"
+    with psclient.PSClient(cluster.addresses, worker_id="w0") as c:
+        for call in (
+            lambda: c.list_variables(),
+            lambda: c.pull([var_name]),
+            lambda: c.push({var_name: np.ones(16, np.float32)}),
+            lambda: c.create(var_name, value, optimizer=psclient.SGD(learning_rate=1.0)),
+        ):
+            with pytest.raises(psclient.FailedPreconditionError, match=re.escape(twice)):
+                call()
+    for stub in raw_stubs:  # nothing was pushed into either copy
+        pulled = stub.Pull(ps_pb2.PullRequest(names=[var_name]), timeout=30)
+        assert [t.data for t in pulled.values] == [value.tobytes()]
