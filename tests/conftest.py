@@ -62,6 +62,28 @@ if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 SUBPROCESS_THREADS = {"TF_NUM_INTRAOP_THREADS": "1", "OMP_NUM_THREADS": "1"}
 for _key, _value in SUBPROCESS_THREADS.items():
     os.environ.setdefault(_key, _value)
+
+
+def _compile_project() -> None:
+    """Writes the ``.pyc`` of every module of the project's packages, the tests' helpers, the examples and the
+    benchmarks (in each folder's ``__pycache__``, which git ignores) where they are missing or stale.
+
+    Where ``PYTHONDONTWRITEBYTECODE`` is set (many container images set it, the machines this project is
+    built on among them) no process writes them, so each of the ~750 Python processes the suite starts (shards,
+    workers, launchers) compiled every project module it imported from source: 60-70 modules in a shard.
+    Reading a ``.pyc`` is not writing one, so once they exist every process reads them, as it does those of
+    the installed packages (pip writes them at install). Run by the controller before its workers start."""
+    import compileall
+
+    root = Path(__file__).resolve().parents[1]
+    packages = ("pscore", "psserver", "psclient", "psload", "psproto", "trainer")
+    for name in (*packages, "tests", "examples", "bench"):
+        if (root / name).is_dir():  # bench's results hold scripts no test imports
+            compileall.compile_dir(root / name, maxlevels=0 if name == "bench" else 10, quiet=2)
+
+
+if sys.flags.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:
+    _compile_project()
 _site = sys.modules.get("sitecustomize")
 if _site is not None and str(getattr(_site, "__file__", "")).startswith(_SITE):
     _site.restore()  # this process (pytest, or an xdist worker started with it) keeps what is installed
