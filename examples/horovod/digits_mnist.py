@@ -16,11 +16,11 @@ _TRAIN = 1500  # of sklearn's 1,797 digits; the rest are the test split
 
 def load_data(path: str = "mnist.npz") -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     """``((x_train, y_train), (x_test, y_test))`` like ``mnist.load_data`` (``path`` is accepted, unused)."""
-    from sklearn.datasets import load_digits
+    from trainer.data import digits  # scikit-learn's, read without importing scikit-learn (~0.9 s of CPU)
 
-    digits = load_digits()
-    images = np.kron(digits.images, np.ones((3, 3)))  # 8x8 -> 24x24
+    images, labels = digits()
+    images = np.kron(images, np.ones((3, 3)))  # 8x8 -> 24x24
     images = np.pad(images, ((0, 0), (2, 2), (2, 2)))  # -> 28x28, as MNIST's centered digits
     images = np.round(images * (255.0 / 16.0)).astype(np.uint8)
-    labels = digits.target.astype(np.uint8)
+    labels = labels.astype(np.uint8)
     return (images[:_TRAIN], labels[:_TRAIN]), (images[_TRAIN:], labels[_TRAIN:])
