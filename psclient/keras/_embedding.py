@@ -14,19 +14,15 @@ Design (why it trains correctly in every mode):
   *anchor* (zeros, never used as a value): its stable name is the table's name on
   the shards, so ``PSWorker.attach`` creates (chief) or finds (others) the table
   with the same optimizer logic as every other variable.
-- Forward (inside ``fit``'s compiled step): one ``tf.numpy_function`` takes the batch's
-  ids, finds the distinct ones (numpy, sorted), looks them up through the client and
-  spreads those rows to the batch's ids: ``ids.shape + (output_dim,)``.
+- Forward (inside ``fit``'s compiled step): the batch's distinct ids
+  (``tf.unique``) are looked up through the client in a ``tf.numpy_function``, which
+  also spreads those rows to the batch's ids: ``ids.shape + (output_dim,)``.
 - Backward: a ``tf.custom_gradient`` on the looked-up rows hands the rows' gradient
-  (summed per distinct id, by the order the lookup's host call found) to the layer,
-  and gives the anchor a zero gradient so that the tape reaches the layer at all (a
-  tape only differentiates paths from its variables). When the
-  ``DistributedOptimizer`` applies the step, the worker replaces the anchor's
-  gradient by those rows and pushes them as ``psclient.Rows`` *in the same
-  exchange* as the dense gradients. The table's part of the step is two host calls
-  (the lookup, the exchange) and one graph op (the sum): each op alone wakes
-  TensorFlow's thread pool, which costs more CPU than most of these ops' work
-  (issue 42). So sync mode
+  (summed per distinct id) to the layer, and gives the anchor a zero gradient so that
+  the tape reaches the layer at all (a tape only differentiates paths from its
+  variables). When the ``DistributedOptimizer`` applies the step, the worker
+  replaces the anchor's gradient by those rows and pushes them as
+  ``psclient.Rows`` *in the same exchange* as the dense gradients. So sync mode
   keeps one push (one global step) per batch, and async/ssp keep their overlap;
   nothing is pulled back for the table (the next lookup reads the rows).
 - On JAX and PyTorch (the backend's adapter, ``lookup_rows``): the batch's ids come as they are
@@ -317,9 +313,13 @@ class Embedding(keras.layers.Layer):
         dtype = np.dtype(self.variable_dtype)
         if not ids.size:
             return np.zeros((0, self.output_dim), dtype)
-        # ``ids`` are distinct (``_distinct``'s): the client need not deduplicate them again
+        # ``ids`` are tf.unique's: the client need not deduplicate them again
         rows = self.worker.client.lookup(self.table_name, ids, step=self.worker.step, distinct=True)
         return np.asarray(rows, dtype)
+
+    def _lookup_each(self, ids: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """The rows of distinct ``ids`` (``_lookup``), one for each entry of ``where`` (indices into them)."""
+        return self._lookup(ids)[where]
 
     def call(self, inputs: Any) -> Any:
         if backend_name() != "tensorflow":
@@ -337,29 +337,23 @@ class Embedding(keras.layers.Layer):
                     "int64 ids (create the layer with input_dim=None, key_type='string')"
                 )
             ids = tf.cast(ids, tf.int64)
-        flat = tf.reshape(ids, [-1])
-        # One host call (issue 42) finds the batch's distinct ids (numpy, sorted), reads their rows, spreads
-        # them to the batch's ids, and hands the graph what the backward's sum needs (which looked-up id is
-        # which distinct row, in sorted order). Each graph op it replaces (tf.unique, a tf.gather of the
-        # rows, an argsort and its gathers) would, alone, wake TensorFlow's thread pool: that costs more CPU
-        # than their work (~35 us of CPU a step for the tf.unique, ~150 for the gather).
-        out, unique, order, segments = tf.numpy_function(
-            self._lookup_host,
-            [flat],
-            Tout=[tf.as_dtype(self.variable_dtype), flat.dtype, tf.int64, tf.int64],
+        unique, where = tf.unique(tf.reshape(ids, [-1]))
+        # The host call reads the distinct rows and spreads them to the batch's ids itself (numpy): a
+        # tf.gather of them costs more, in TensorFlow's thread pool, than the copy (issue 42).
+        out = tf.numpy_function(
+            self._lookup_each,
+            [unique, where],
+            Tout=tf.as_dtype(self.variable_dtype),
             stateful=True,
             name="ps_lookup",
         )
         out.set_shape([None, self.output_dim])
-        for t in (unique, order, segments):
-            t.set_shape([None])
         layer = self
 
         @tf.custom_gradient
         def hook(out: Any, anchor: Any) -> Any:
             def grad(dy: Any) -> Any:
-                rows = _summed_rows(dy, order, segments, tf.shape(unique)[0])
-                layer._pending.append((_graph_key(), unique, rows))
+                layer._pending.append((_graph_key(), unique, _summed_rows(dy, where, tf.shape(unique)[0])))
                 return None, tf.zeros_like(anchor)
 
             return tf.identity(out), grad
@@ -381,18 +375,10 @@ class Embedding(keras.layers.Layer):
         out = keras.ops.reshape(rows, (*tuple(ids.shape), self.output_dim))
         return keras.ops.cast(out, self.compute_dtype)
 
-    def _lookup_host(self, flat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """TensorFlow's lookup (``call``'s host function): ``(the rows of flat ids [n, dim], the distinct ids
-        sorted, the stable order that sorts the ids, the distinct row of each id in that order)``."""
-        unique, order, segments = _sorted_segments(self._ids(flat))
-        where = np.empty_like(order)
-        where[order] = segments
-        return self._lookup(unique)[where], unique, order, segments
-
     def _lookup_all(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ids with repeats, ``[ids.size, dim]``: each distinct id read once (``_lookup``; the
-        distinct ids sorted, as ``prefetch_rows`` asks for them, so that a prefetch of the batch matches)."""
-        unique, inverse = _distinct(self._ids(ids).reshape(-1))
+        """Rows of ids with repeats: each distinct id read once (``_lookup``; in first-seen order, as
+        ``tf.unique`` gives them, so that a prefetch of the batch matches)."""
+        unique, inverse = _first_seen_unique(self._ids(ids).reshape(-1))
         return self._lookup(unique)[inverse]
 
     def _keep_rows(self, ids: np.ndarray, grads: np.ndarray) -> None:
@@ -551,54 +537,34 @@ def string_ids(values: Any, bits: int | None = None) -> np.ndarray:
     return (ids & np.int64((1 << bits) - 1)).astype(np.int64 if bits > 31 else np.int32)
 
 
-def _summed_rows(dy: Any, order: Any, segments: Any, n: Any) -> Any:
-    """The distinct rows' gradient, dense ``[n, dim]``: ``dy``, the gradient of the rows of each looked-up id,
-    summed per distinct row (``order``: the stable order that sorts the looked-up ids; ``segments``: the
-    distinct row of each id in that order, as ``_sorted_segments`` gives them).
+def _summed_rows(dy: Any, where: Any, n: Any) -> Any:
+    """The distinct rows' gradient, dense ``[n, dim]``: ``dy``, the gradient of the rows of each looked-up
+    id (``where``: which distinct row each is), summed per distinct row.
 
-    ``tf.sparse.segment_sum`` reads the rows in that order (no copy): an ``UnsortedSegmentSum`` (what
-    converting a gather's ``IndexedSlices`` runs) costs about twice the CPU on TensorFlow 2.21, ~325 against
-    ~145 us a step for bench_embedding's 2,048 x 64 float32 on the 2-core VM (issue 42). The stable order
-    keeps each row's terms in their order; the sum's rounding may differ from the unsorted one's in the
-    last bits."""
+    Sorted, then summed by ``tf.sparse.segment_sum`` (which reads the rows in that order, no copy): an
+    ``UnsortedSegmentSum`` (what converting a gather's ``IndexedSlices`` runs) costs about twice the CPU on
+    TensorFlow 2.21, ~325 against ~145 us a step for bench_embedding's 2,048 x 64 float32 on the 2-core VM
+    (issue 42). The stable sort keeps each row's terms in their order; the sum's rounding may differ from
+    the unsorted one's in the last bits."""
     if isinstance(dy, tf.IndexedSlices):  # some of the looked-up rows (the output read by a gather)
-        where = tf.gather(segments, tf.math.invert_permutation(order))  # each looked-up id's distinct row
         values, segments = dy.values, tf.gather(where, dy.indices)
-        order = tf.argsort(segments, stable=True)
-        return tf.sparse.segment_sum(values, order, tf.gather(segments, order), num_segments=n)
-    return tf.sparse.segment_sum(dy, order, segments, num_segments=n)
+    else:
+        values, segments = dy, where
+    order = tf.argsort(segments, stable=True)
+    return tf.sparse.segment_sum(values, order, tf.gather(segments, order), num_segments=n)
 
 
-def _sorted_segments(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(distinct ids, sorted; the stable order that sorts ids; the distinct id of each sorted position)``
-    of 1-D ids (int64, or a string-keyed table's values), by ndarray methods.
+def _first_seen_unique(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(distinct ids in first-seen order, index of each id in them)``, as ``tf.unique``.
 
-    >>> u, order, segments = _sorted_segments(np.array([5, 3, 5, 1]))
-    >>> u.tolist(), order.tolist(), segments.tolist()
-    ([1, 3, 5], [3, 1, 0, 2], [0, 1, 2, 2])
+    >>> _first_seen_unique(np.array([5, 3, 5, 1]))
+    (array([5, 3, 1]), array([0, 1, 0, 2]))
     """
-    order = ids.argsort(kind="stable")
-    ordered = ids[order]
-    first = np.empty(ordered.shape, dtype=bool)  # where a run of equal ids starts
-    first[:1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-    segments = first.cumsum()
-    segments -= 1
-    return ordered[first], order.astype(np.int64, copy=False), segments
-
-
-def _distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(distinct ids, sorted; index of each id in them)``: ``np.unique(ids, return_inverse=True)`` of 1-D
-    ids (int64, or a string-keyed table's values).
-
-    >>> u, where = _distinct(np.array([5, 3, 5, 1]))
-    >>> u.tolist(), where.tolist()
-    ([1, 3, 5], [2, 1, 2, 0])
-    """
-    unique, order, segments = _sorted_segments(ids)
-    where = np.empty_like(order)
-    where[order] = segments
-    return unique, where
+    sorted_ids, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return sorted_ids[order], rank[inverse.reshape(-1)]
 
 
 def _key(ids: np.ndarray) -> Any:
@@ -656,8 +622,8 @@ def prefetch_rows(
 
     def start(*uniques: np.ndarray) -> np.bool_:
         for layer, unique in zip(layers, uniques, strict=True):
-            try:  # sorted: the distinct ids as the layer's lookup finds them
-                layer.start_prefetch(np.sort(unique))
+            try:
+                layer.start_prefetch(unique)
             except (PSError, RuntimeError) as err:  # a closed client: the step reads (and reports) itself
                 log.debug("prefetch for %s not asked: %s", layer.name, err)
         return np.bool_(True)
@@ -669,9 +635,7 @@ def prefetch_rows(
             t = tf.convert_to_tensor(t)
             if layer.key_type != "string":
                 t = tf.cast(t, tf.int64)
-            # tf.unique here, in tf.data's thread (~140 us of CPU an element less than finding them in the
-            # host call, issue 42); the host call sorts the distinct ids
-            uniques.append(tf.unique(tf.reshape(t, [-1]))[0])
+            uniques.append(tf.unique(tf.reshape(t, [-1]))[0])  # as the layer's call computes them
         started = tf.numpy_function(start, uniques, Tout=tf.bool, stateful=True, name="ps_prefetch")
         with tf.control_dependencies([started]):
             out = tf.nest.map_structure(tf.identity, element)

@@ -144,7 +144,7 @@ class WorkerStep:
         wants = self._wanted_rows()
         if not wants:
             return self.client.push_pull(gmap, step=self.step, return_rows=local_tables)
-        lookup = {name: ids for name, _, (_, ids) in wants}  # the layers' distinct ids already
+        lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
         values, rows = self.client.push_pull_lookup(
             gmap, lookup, step=self.step, return_rows=local_tables, distinct=True
         )
@@ -164,7 +164,7 @@ class WorkerStep:
         wants = self._wanted_rows()
         if not wants:
             return self.client.push_pull_future(gmap, step=self.step, return_rows=local_tables)
-        lookup = {name: ids for name, _, (_, ids) in wants}  # the layers' distinct ids already
+        lookup = {name: ids for name, _, (_, ids) in wants}  # tf.unique's: distinct already
         both = self.client.push_pull_lookup_future(
             gmap, lookup, step=self.step, return_rows=local_tables, distinct=True
         )
