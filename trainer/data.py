@@ -45,7 +45,8 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
         ImportError: scikit-learn is not installed (``pip install paramserver[tf]``).
     """
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or ():
         path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             data = np.loadtxt(path, delimiter=",")  # 64 pixels, then the label, a row per image
@@ -64,9 +65,10 @@ def stratified_split(
     order; the same for the same ``seed``."""
     rng = np.random.default_rng(seed)
     classes, counts = np.unique(labels, return_counts=True)
-    quota = counts * math.ceil(len(labels) * test_fraction) / len(labels)
+    n_test = math.ceil(len(labels) * test_fraction)
+    quota = counts * n_test / len(labels)
     k = np.floor(quota).astype(np.int64)
-    k[np.argsort(k - quota, kind="stable")[: round(quota.sum()) - int(k.sum())]] += 1
+    k[np.argsort(k - quota, kind="stable")[: n_test - int(k.sum())]] += 1  # the largest remainders
     train: list[np.ndarray] = []
     test: list[np.ndarray] = []
     for label, n_test in zip(classes, k, strict=True):
