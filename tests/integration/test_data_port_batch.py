@@ -383,6 +383,16 @@ async def test_a_batched_request_fails_at_its_own_deadline_while_its_neighbours_
         async with asyncio.timeout(CALL_TIMEOUT_S):  # data connections open, placement known
             await asyncio.gather(*(c.push(g) for c, g in zip(clients, grads, strict=True)))
         (link,) = _links(clients)
+        # Three open connections (two requests alone, one BATCH frame), so that none below has to connect: a
+        # connect asks the stopped shard for its data port, and the batch would count only once connected.
+        for _ in range(20):
+            if len(link._idle) >= 3:
+                break
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await asyncio.gather(
+                    *(c.push({n: np.zeros(4, np.float32)}) for c, n in zip(clients, names, strict=True))
+                )
+        assert len(link._idle) >= 3, f"the link keeps {len(link._idle)} connections"
         batches = link.batches
         os.kill(pid, signal.SIGSTOP)
         try:
