@@ -252,8 +252,9 @@ class WorkerStep:
             )
         # What each gradient is on the wire: "dense" (a variable), "rows" (a table's gradient that holds the
         # batch's rows: ids and rows in, the ids and their new rows out), "table" (a table's dense gradient:
-        # every row travels; its new value out), "host" (a psclient.keras.Embedding's rows that the backward
-        # pass handed to the host, JAX and PyTorch: its anchor's gradient in, to order the two; none out).
+        # every row travels; its new value out), "remote" (a psclient.keras.Embedding's batch rows: ids and
+        # rows in, none out), "host" (a psclient.keras.Embedding's rows that the backward pass handed to the
+        # host, JAX and PyTorch: its anchor's gradient in, to order the two; none out).
         kinds: list[str] = []
         inputs: list[Any] = []
         outputs: list[_backend.OutputSpec] = []
@@ -263,11 +264,13 @@ class WorkerStep:
             if name in self._remote and backend.host_row_gradients:
                 kinds.append("host")
                 inputs.append(g)
-            elif rows is not None:  # an Embedding's gradient: only the batch's rows
+            elif rows is not None and name in self._remote:  # a psclient.keras.Embedding's batch rows
+                kinds.append("remote")  # none come back: the layer's next lookup reads them
+                inputs += list(rows)
+            elif rows is not None:  # a keras Embedding's gradient: only the batch's rows
                 kinds.append("rows")
                 inputs += list(rows)
-                width = None if name in self._remote else var.shape[1]  # a remote table: none come back
-                outputs += [((None,), "int64"), ((None, width), dtype)]
+                outputs += [((None,), "int64"), ((None, var.shape[1]), dtype)]
             elif name in self._tables:
                 self._warn_dense(name, g)
                 kinds.append("table")
@@ -284,7 +287,9 @@ class WorkerStep:
             def exchange(state_of: Callable[[Any], Any]) -> tuple[list[Any], list[Any]]:
                 state = [state_of(v) for v in state_vars]
                 new = iter(backend.host_call(fn, inputs + state, outputs, "ps_exchange"))
-                assigned = [var for (_, var), kind in zip(pairs, kinds, strict=True) if kind != "host"]
+                assigned = [
+                    var for (_, var), k in zip(pairs, kinds, strict=True) if k not in ("host", "remote")
+                ]
                 return [(var, next(new)) for var in assigned], [(var, next(new)) for var in state_vars]
 
             self._deferred.append(exchange)  # type: ignore[union-attr]  # checked above
@@ -292,13 +297,12 @@ class WorkerStep:
         inputs += [v.value for v in state_vars]
         new = backend.host_call(fn, inputs, outputs, "ps_exchange")
         out = iter(new)
-        for (_, var), kind, name in zip(pairs, kinds, var_names, strict=True):
-            if kind == "host":  # nothing comes back: the layer's next lookup reads the rows
+        for (_, var), kind in zip(pairs, kinds, strict=True):
+            if kind in ("host", "remote"):  # nothing comes back: the layer's next lookup reads the rows
                 continue
             if kind == "rows":  # the rows that came back: written into the worker's copy of the table
                 ids, rows = next(out), next(out)
-                if name not in self._remote:  # none come back: no local copy
-                    backend.scatter_rows(var, ids, rows)
+                backend.scatter_rows(var, ids, rows)
             else:
                 var.assign(next(out))
         for var in state_vars:
@@ -326,7 +330,8 @@ class WorkerStep:
 def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callable[..., list[np.ndarray]]:
     """The host function of a step: the inputs are each gradient (a table's batch rows as ids and rows, a
     table's dense gradient whole), then the shared state; the outputs the new values in the same order
-    (the ids and new rows of a table's batch rows; a table whose gradient was dense, whole)."""
+    (the ids and new rows of a table's batch rows; a table whose gradient was dense, whole; nothing for a
+    ``psclient.keras.Embedding``'s rows, "remote" or "host")."""
 
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         grads: list[Any] = []
@@ -335,7 +340,7 @@ def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callab
             if kind == "host":  # the rows the backward pass handed over (none: an empty push of the table)
                 grads.append(worker._remote[name].take_rows() or _NO_ROWS)
                 k += 1
-            elif kind == "rows":
+            elif kind in ("rows", "remote"):
                 grads.append(Rows(arrays[k], arrays[k + 1]))
                 k += 2
             elif kind == "table":
@@ -347,7 +352,7 @@ def _exchange_fn(worker: PSWorker, names: list[str], kinds: list[str]) -> Callab
         values = worker.exchange(names, grads, arrays[k:])
         out: list[np.ndarray] = []
         for value, kind, grad in zip(values[: len(kinds)], kinds, grads, strict=True):
-            if kind == "host":
+            if kind in ("host", "remote"):
                 continue
             if kind == "table":  # every row was pushed, so every row came back
                 whole = np.empty_like(grad.values)
