@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--partition-bytes", type=_partition_bytes, help=_PARTITION_HELP)
     worker.add_argument("--sync-parts", type=_positive_int, default=1, metavar="N", help=_SYNC_PARTS_HELP)
     worker.add_argument("--timeout", type=float, default=120.0, help="per-call deadline, seconds")
+    # ``pstrain demo``'s worker 0: after training, waits for FILE.go (the demo writes it once every worker
+    # is done), scores the shards' model on the test split and writes the scores to FILE, so that the
+    # demo's own process needs no TensorFlow
+    worker.add_argument("--evaluate-json", metavar="FILE", help=argparse.SUPPRESS)
     options.add_train_flags(worker)
     options.add_security_flags(worker)
 
@@ -251,6 +255,42 @@ def run_worker(args: argparse.Namespace) -> int:
         flush=True,
     )
     report.write_json(args.result_json, {"mode": args.mode, **result.to_dict()})
+    if args.evaluate_json:
+        return evaluate_when_told(args, ps)
+    return 0
+
+
+EVALUATE_WAIT_S = 1800.0  # bounds the wait for the word to evaluate (the demo's bound on its workers)
+
+
+def evaluate_when_told(args: argparse.Namespace, ps: list[str]) -> int:
+    """``--evaluate-json FILE``: waits until ``FILE.go`` exists (the demo writes it once every worker is
+    done), then scores the model on the shards with the test split and writes the scores to ``FILE``
+    (``test_accuracy``; the wide_deep model's AUC and table counts too). Gives up (exit 1) when its
+    parent process is gone or after ``EVALUATE_WAIT_S``."""
+    import time
+    from pathlib import Path
+
+    go = Path(f"{args.evaluate_json}.go")
+    parent = os.getppid()
+    deadline = time.monotonic() + EVALUATE_WAIT_S
+    while not go.exists():
+        if os.getppid() != parent or time.monotonic() > deadline:
+            print(
+                f"[worker {args.worker_index}] no word to evaluate the model came; not evaluating", flush=True
+            )
+            return 1
+        time.sleep(0.05)
+    config = options.train_config(args)
+    if args.model == "wide_deep":
+        from trainer import recsys
+
+        scores = recsys.evaluate_from_ps(config, ps)
+    else:
+        from trainer.train import evaluate_from_ps
+
+        scores = {"test_accuracy": evaluate_from_ps(config, ps)}
+    report.write_json(args.evaluate_json, scores)
     return 0
 
 

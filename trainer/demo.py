@@ -68,10 +68,15 @@ def _server_args(args: argparse.Namespace) -> list[str]:
 
 
 def worker_command(
-    args: argparse.Namespace, index: int, addresses: list[str], result_json: str | os.PathLike[str]
+    args: argparse.Namespace,
+    index: int,
+    addresses: list[str],
+    result_json: str | os.PathLike[str],
+    evaluate_json: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """The ``pstrain worker`` command line of parameter-server worker ``index`` of the demo ``args``
-    describe, training against the shards at ``addresses`` and writing its result to ``result_json``.
+    describe, training against the shards at ``addresses`` and writing its result to ``result_json``
+    (with ``evaluate_json``, it then scores the shards' model when told: ``--evaluate-json``).
 
     The demo runs it on loopback; ``bench/bench_keras_netns.py`` runs the same command inside a network
     namespace host, against shards on other hosts.
@@ -79,6 +84,8 @@ def worker_command(
     cmd = [sys.executable, "-m", "trainer", "worker", "--ps", ",".join(addresses),
            "--worker-index", str(index), "--num-workers", str(args.workers), "--mode", args.mode,
            "--result-json", str(result_json), *options.train_flags(args)]  # fmt: skip
+    if evaluate_json is not None:
+        cmd += ["--evaluate-json", str(evaluate_json)]
     if args.overlap != "auto":
         cmd += ["--overlap", args.overlap]
     if args.partition_bytes is not None:
@@ -150,8 +157,11 @@ def run_demo(args: argparse.Namespace) -> int:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         env.pop("TF_CONFIG", None)
         try:
+            scores = workdir / "evaluation.json"  # worker 0 scores the shards' model once all are done
             for i in range(args.workers):
-                cmd = worker_command(args, i, addresses, workdir / f"worker{i}.json")
+                cmd = worker_command(
+                    args, i, addresses, workdir / f"worker{i}.json", scores if i == 0 else None
+                )
                 proc = subprocess.Popen(
                     cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
                 )
@@ -162,21 +172,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 threads.append(t)
             if drill is not None:
                 drill.start()
-            deadline = time.monotonic() + _WORKER_TIMEOUT_S
-            failed = []
-            for i, proc in enumerate(procs):
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    code = proc.wait()
-                threads[i].join(timeout=5)
-                if code != 0:
-                    failed.append(i)
-                    if len(failed) == 1:
-                        for other in procs:  # a failed worker stalls the others in sync/ssp modes
-                            if other.poll() is None:
-                                other.terminate()
+            failed = _wait_for_workers(procs, threads, workdir / "worker0.json", scores)
             if failed:
                 for i in failed:
                     print(f"--- worker {i} failed; last lines ---\n{''.join(tails[i])}", file=sys.stderr)
@@ -187,23 +183,15 @@ def run_demo(args: argparse.Namespace) -> int:
                     proc.kill()
                     proc.wait()
         workers = [json.loads((workdir / f"worker{i}.json").read_text()) for i in range(args.workers)]
-        extra: dict[str, Any] = {}
-        with native_stderr_held():
-            if args.model == "wide_deep":
-                from trainer import recsys  # imports TensorFlow
-
-                extra = recsys.evaluate_from_ps(options.train_config(args), addresses)
-                accuracy = extra["test_accuracy"]
-                extra.update(
-                    bytes_per_step=sum(w["bytes_per_step"] for w in workers) / len(workers),
-                    worker_peak_rss_mib=[w["peak_rss_mib"] for w in workers],
-                    shard_rss_mib=cluster.shard_rss_mib(),
-                    shard_peak_rss_mib=cluster.shard_rss_mib("VmHWM"),
-                )
-            else:
-                from trainer.train import evaluate_from_ps  # imports TensorFlow
-
-                accuracy = evaluate_from_ps(options.train_config(args), addresses)
+        extra: dict[str, Any] = json.loads(scores.read_text())  # worker 0's scores of the shards' model
+        accuracy = extra.pop("test_accuracy")
+        if args.model == "wide_deep":
+            extra.update(
+                bytes_per_step=sum(w["bytes_per_step"] for w in workers) / len(workers),
+                worker_peak_rss_mib=[w["peak_rss_mib"] for w in workers],
+                shard_rss_mib=cluster.shard_rss_mib(),
+                shard_peak_rss_mib=cluster.shard_rss_mib("VmHWM"),
+            )
         killed = fired.is_set()
     report.print_result(
         {
@@ -224,6 +212,42 @@ def run_demo(args: argparse.Namespace) -> int:
         args.result_json,
     )
     return 0
+
+
+def _wait_for_workers(
+    procs: list[subprocess.Popen[str]], relays: list[threading.Thread], trained: Path, scores: Path
+) -> list[int]:
+    """Waits for the workers to end (``_WORKER_TIMEOUT_S`` at most, then kills them); returns the indices
+    of those that failed. The first failure ends the others (a failed worker stalls them in sync and ssp
+    modes). Once worker 0 trained (its result file ``trained`` exists) and every other worker ended well, it
+    is told to score the shards' model (``scores``'s ``.go`` file: ``--evaluate-json``)."""
+    deadline = time.monotonic() + _WORKER_TIMEOUT_S
+    running = set(range(len(procs)))
+    failed: list[int] = []
+    told = False
+    while running and time.monotonic() < deadline:
+        for i in sorted(running):
+            code = procs[i].poll()
+            if code is None:
+                continue
+            running.discard(i)
+            relays[i].join(timeout=5)
+            if code != 0:
+                failed.append(i)
+                if len(failed) == 1:
+                    for other in procs:
+                        if other.poll() is None:
+                            other.terminate()
+        if not told and not failed and running == {0} and trained.exists():
+            Path(f"{scores}.go").touch()
+            told = True
+        time.sleep(0.05)
+    for i in sorted(running):  # hung: the deadline passed
+        procs[i].kill()
+        procs[i].wait()
+        relays[i].join(timeout=5)
+        failed.append(i)
+    return failed
 
 
 def _kill_primary(cluster: LocalCluster, backup: str, fired: threading.Event) -> None:

@@ -32,6 +32,13 @@ def test_worker_command_is_a_ps_worker_of_the_demo() -> None:
     assert (w.model, w.epochs, w.result_json, w.overlap) == ("mlp", 4, "/tmp/w2.json", "off")
     assert w.learning_rate == 3e-3  # sync: the demo's linear scaling, x workers
     assert w.partition_bytes is None  # the client's default
+    assert w.evaluate_json is None  # only worker 0 scores the model, when the demo asks it to
+
+
+def test_the_demos_worker_0_scores_the_model_for_it() -> None:
+    args = _demo("--mode", "async", "--model", "mlp")
+    w = _worker(demo.worker_command(args, 0, ["10.0.0.1:5000"], "/tmp/w0.json", "/tmp/scores.json"))
+    assert (w.worker_index, w.result_json, w.evaluate_json) == (0, "/tmp/w0.json", "/tmp/scores.json")
 
 
 def test_partition_bytes_goes_to_every_worker_and_a_negative_one_is_refused() -> None:
