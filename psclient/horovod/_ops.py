@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from psclient import elastic
+from psclient._tf_host import numpy_call
 from psclient.collective import ALLREDUCE_DTYPES
 from psclient.horovod._compression import Compression, Compressor
 from psclient.horovod._state import check_process_set, local_rank, local_size, unsupported, worker
@@ -60,16 +61,25 @@ def _wire_dtype(dtype: tf.DType) -> tf.DType:
 
 
 def _host_call(
-    fn: Callable[..., list[np.ndarray]], tensors: Sequence[tf.Tensor], tout: Sequence[tf.DType], name: str
+    fn: Callable[..., list[np.ndarray]],
+    tensors: Sequence[tf.Tensor],
+    tout: Sequence[tf.DType],
+    name: str,
+    like_inputs: bool = False,
 ) -> list[tf.Tensor]:
-    """Runs ``fn`` on the tensors' numpy values: now when eager, in a ``tf.numpy_function`` in a graph."""
+    """Runs ``fn`` on the tensors' numpy values: now when eager, in a ``tf.numpy_function`` in a graph. With
+    ``like_inputs``, each output has its input's shape (an all-reduce's, a broadcast's), so the small ones
+    leave the host function packed (``numpy_call``); else their shapes are set by the caller."""
     if tf.executing_eagerly():
         return [
             tf.convert_to_tensor(a, dtype=d)
             for a, d in zip(fn(*[t.numpy() for t in tensors]), tout, strict=True)
         ]
-    out = tf.numpy_function(fn, list(tensors), Tout=list(tout), stateful=True, name=name)
-    return list(out) if isinstance(out, list | tuple) else [out]
+    shapes: list[tuple[int | None, ...] | None] = [None] * len(tout)  # not even the rank known
+    if like_inputs:
+        shapes = [tuple(t.shape.as_list()) if t.shape.rank is not None else None for t in tensors]
+    specs = [(shape, d.as_numpy_dtype) for shape, d in zip(shapes, tout, strict=True)]
+    return numpy_call(fn, tensors, specs, name)
 
 
 def _allreduce_dense(
@@ -92,7 +102,7 @@ def _allreduce_dense(
     def fn(*arrays: np.ndarray) -> list[np.ndarray]:
         return list(w.ring.allreduce_many([np.asarray(a) for a in arrays], op=ring_op))
 
-    reduced = _host_call(fn, wire, [t.dtype for t in wire], "hvd_allreduce")
+    reduced = _host_call(fn, wire, [t.dtype for t in wire], "hvd_allreduce", like_inputs=True)
     out = []
     for r, t, (c, ctx) in zip(reduced, originals, compressed, strict=True):
         r.set_shape(t.shape)
@@ -340,6 +350,7 @@ def broadcast_variables(
         values,
         [v.dtype for v in values],
         "hvd_broadcast_variables",
+        like_inputs=True,
     )
     assigns = []
     for var, value, new in zip(variables, values, out, strict=True):

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
-from psclient.keras import _tf_adapter  # noqa: E402
-from psclient.keras._tf_adapter import PACK_MAX_BYTES, Adapter  # noqa: E402
+from psclient._tf_host import PACK_MAX_BYTES, Packing  # noqa: E402
+from psclient.keras._tf_adapter import Adapter  # noqa: E402
 
 BIG = PACK_MAX_BYTES // 4 + 1  # float32 elements: one more than the packing takes
 SPECS: list[tuple[tuple[int | None, ...], str]] = [
@@ -70,10 +70,12 @@ def test_small_outputs_leave_in_one_array_per_dtype_and_come_back_as_declared() 
 
 
 def test_no_packing_without_two_small_outputs_of_one_dtype() -> None:
-    assert _tf_adapter._Packing.of([((3,), "float32"), ((None,), "float32"), ((2,), "int64")], "x") is None
-    assert _tf_adapter._Packing.of([((PACK_MAX_BYTES // 4 + 1,), "float32"), ((2,), "float32")], "x") is None
-    packing = _tf_adapter._Packing.of([((3,), "float32"), ((2,), "float32")], "x")
+    assert Packing.of([((3,), "float32"), ((None,), "float32"), ((2,), "int64")], "x") is None
+    assert Packing.of([((PACK_MAX_BYTES // 4 + 1,), "float32"), ((2,), "float32")], "x") is None
+    packing = Packing.of([((3,), "float32"), ((2,), "float32")], "x")
     assert packing is not None and packing.alone == []
+    packing = Packing.of([(None, "float32"), ((2,), "float32"), ((3,), "float32")], "x")  # rank unknown
+    assert packing is not None and packing.alone == [0]
 
 
 @pytest.mark.parametrize(
