@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pscore.errors import PSError
@@ -268,9 +270,6 @@ def evaluate_when_told(args: argparse.Namespace, ps: list[str]) -> int:
     done), then scores the model on the shards with the test split and writes the scores to ``FILE``
     (``test_accuracy``; the wide_deep model's AUC and table counts too). Gives up (exit 1) when its
     parent process is gone or after ``EVALUATE_WAIT_S``."""
-    import time
-    from pathlib import Path
-
     go = Path(f"{args.evaluate_json}.go")
     parent = os.getppid()
     deadline = time.monotonic() + EVALUATE_WAIT_S
