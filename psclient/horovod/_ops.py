@@ -14,10 +14,10 @@ import numpy as np
 import tensorflow as tf
 
 from psclient import elastic
-from psclient._tf_host import numpy_call
 from psclient.collective import ALLREDUCE_DTYPES
 from psclient.horovod._compression import Compression, Compressor
 from psclient.horovod._state import check_process_set, local_rank, local_size, unsupported, worker
+from psclient.keras._tf_host import numpy_call
 
 # Horovod's reduction ops (the same values as horovod.tensorflow.mpi_ops).
 Average = 0

@@ -34,8 +34,9 @@ import numpy as np
 from pscore.errors import PSError
 
 BACKENDS = ("tensorflow", "jax", "torch")
-# (shape, numpy dtype) of a host function's output; None in a shape: known only when it runs
-OutputSpec = tuple[tuple[int | None, ...], Any]
+# (shape, numpy dtype) of a host function's output; None in a shape: known only when it runs (a shape of
+# None: not even its rank)
+OutputSpec = tuple[tuple[int | None, ...] | None, Any]
 HostFn = Callable[..., list[np.ndarray]]  # numpy arrays in, numpy arrays out
 RowLookup = Callable[[np.ndarray], np.ndarray]  # 1-D ids -> their rows, (len(ids), width)
 RowKeeper = Callable[[np.ndarray, np.ndarray], None]  # (1-D ids, their rows' gradient): kept for the push

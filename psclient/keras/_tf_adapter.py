@@ -22,9 +22,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from psclient._tf_host import numpy_call
 from psclient.keras._backend import EagerAdapter, HostFn, OutputSpec
 from psclient.keras._common import check_no_jit
+from psclient.keras._tf_host import numpy_call
 from pscore.errors import PSError
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,8 @@ pytestmark = [pytest.mark.tf, pytest.mark.e2e]
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
-from psclient._tf_host import PACK_MAX_BYTES, Packing  # noqa: E402
 from psclient.keras._tf_adapter import Adapter  # noqa: E402
+from psclient.keras._tf_host import PACK_MAX_BYTES, Packing  # noqa: E402
 
 BIG = PACK_MAX_BYTES // 4 + 1  # float32 elements: one more than the packing takes
 SPECS: list[tuple[tuple[int | None, ...], str]] = [

@@ -1,6 +1,5 @@
 """A host function (numpy in, numpy out) staged in a TensorFlow graph: ``tf.numpy_function``, its small
-outputs packed. TensorFlow only: the Keras glue's TensorFlow adapter and the Horovod drop-in import it (the
-client's core does not)."""
+outputs packed. TensorFlow only: the Keras glue's TensorFlow adapter and the Horovod drop-in import it."""
 
 from __future__ import annotations
 
@@ -10,10 +9,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-# (shape, numpy dtype) of a host function's output; None in a shape: known only when it runs (a shape of
-# None: not even its rank)
-OutputSpec = tuple[tuple[int | None, ...] | None, Any]
-HostFn = Callable[..., list[np.ndarray]]  # numpy arrays in, numpy arrays out
+from psclient.keras._backend import HostFn, OutputSpec
 
 # A host call's outputs of at most this many bytes, of a fixed shape, leave it together: one flat array per
 # dtype, split in the graph (issue 42). TensorFlow converts each output of a ``numpy_function`` in Python
@@ -117,4 +113,4 @@ def numpy_call(fn: HostFn, inputs: Sequence[Any], outputs: Sequence[OutputSpec],
     return out
 
 
-__all__ = ["PACK_MAX_BYTES", "HostFn", "OutputSpec", "Packing", "numpy_call"]
+__all__ = ["PACK_MAX_BYTES", "Packing", "numpy_call"]
